@@ -1,0 +1,15 @@
+"""shardkit: train PyTorch models that do not fit on one device, across many processes and machines.
+
+Sub-packages, one per capability:
+
+- :mod:`shardkit.optim` - ZeRO-1: :class:`~shardkit.optim.OSS` shards optimizer state,
+  :class:`~shardkit.optim.ShardedGradScaler` does AMP loss scaling over sharded gradients.
+- :mod:`shardkit.nn` - data-parallel wrappers: :class:`~shardkit.nn.ShardedDataParallel` (ZeRO-2) and the
+  fully sharded and communication-efficient strategies.
+- :mod:`shardkit.distributed` - process-group helpers and labelled collectives.
+- :mod:`shardkit.testing` - a multi-process test harness and reference models.
+
+Importing ``shardkit`` itself is cheap; sub-packages are imported on first use.
+"""
+
+__version__ = "0.1.0"

@@ -1,0 +1,316 @@
+"""Labelled collectives: every strategy issues its communication through these functions.
+
+Each call is wrapped in :func:`torch.profiler.record_function` (``shardkit::<op>:<label>``) so a profile
+reads like the algorithm, is counted by an active :class:`CommMeter`, and is slowed by an active
+:func:`comm_delay` (used by benchmarks to simulate slow networks). Every function returns a
+:class:`Handle`; with ``async_op=False`` it has already completed. A :class:`DummyProcessGroup` of size one
+makes every collective the identity, so wrapped models also run without ``init_process_group``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch.profiler import record_function
+
+from shardkit.distributed.dummy import DummyProcessGroup
+from shardkit.distributed.groups import GroupLike, global_rank, group_size, resolve_group
+
+
+@dataclass
+class CommMeter:
+    """Counts what collectives move while it is active (see :func:`count_comm_bytes`).
+
+    ``payload_bytes`` is the size of the buffers handed to collectives; ``wire_bytes`` estimates what one rank
+    sends on the wire with ring algorithms: ``2(n-1)/n`` of the buffer for all-reduce, ``(n-1)/n`` of the full
+    buffer for all-gather and reduce-scatter, the whole buffer for broadcast/reduce/point-to-point.
+    """
+
+    payload_bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    wire_bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+    def record(self, op: str, nbytes: int, wire: float) -> None:
+        self.payload_bytes[op] += nbytes
+        self.wire_bytes[op] += int(wire)
+        self.calls[op] += 1
+
+    @property
+    def total_wire_bytes(self) -> int:
+        return sum(self.wire_bytes.values())
+
+    @property
+    def total_payload_bytes(self) -> int:
+        return sum(self.payload_bytes.values())
+
+    def reset(self) -> None:
+        self.payload_bytes.clear()
+        self.wire_bytes.clear()
+        self.calls.clear()
+
+
+@dataclass
+class _LinkModel:
+    """A simulated slow link: fixed latency per collective plus bytes / bandwidth, one transfer at a time."""
+
+    latency_s: float
+    bytes_per_s: Optional[float]
+    busy_until: float = 0.0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def finish_time(self, nbytes: float) -> float:
+        cost = self.latency_s + (nbytes / self.bytes_per_s if self.bytes_per_s else 0.0)
+        with self.lock:
+            start = max(time.perf_counter(), self.busy_until)
+            self.busy_until = start + cost
+            return self.busy_until
+
+
+_METER: ContextVar[Optional[CommMeter]] = ContextVar("shardkit_comm_meter", default=None)
+_LINK: ContextVar[Optional[_LinkModel]] = ContextVar("shardkit_comm_link", default=None)
+
+
+@contextlib.contextmanager
+def count_comm_bytes(meter: Optional[CommMeter] = None) -> Iterator[CommMeter]:
+    """Count the bytes of every shardkit collective issued inside the block.
+
+    Example::
+
+        with count_comm_bytes() as meter:
+            train_step()
+        print(meter.total_wire_bytes)
+    """
+    meter = meter if meter is not None else CommMeter()
+    token = _METER.set(meter)
+    try:
+        yield meter
+    finally:
+        _METER.reset(token)
+
+
+@contextlib.contextmanager
+def comm_delay(latency_s: float = 0.0, bytes_per_s: Optional[float] = None) -> Iterator[None]:
+    """Simulate a slow network for shardkit collectives issued inside the block.
+
+    Each collective completes no earlier than ``latency_s + wire_bytes / bytes_per_s`` after the link is
+    free. Asynchronous collectives keep running in the background, so the delay overlaps with computation
+    exactly as a real slow link would; only ``wait()`` blocks.
+    """
+    if latency_s < 0 or (bytes_per_s is not None and bytes_per_s <= 0):
+        raise ValueError("comm_delay needs latency_s >= 0 and bytes_per_s > 0 (or None for no bandwidth cap)")
+    token = _LINK.set(_LinkModel(latency_s, bytes_per_s))
+    try:
+        yield
+    finally:
+        _LINK.reset(token)
+
+
+class Handle:
+    """A pending collective. ``wait()`` blocks until it has completed (and its simulated delay elapsed)."""
+
+    def __init__(self, work: Optional[Any] = None, ready_at: float = 0.0) -> None:
+        self._work = work
+        self._ready_at = ready_at
+
+    def wait(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        remaining = self._ready_at - time.perf_counter()
+        if remaining > 0:
+            time.sleep(remaining)
+        self._ready_at = 0.0
+
+    def is_completed(self) -> bool:
+        done = self._work is None or bool(self._work.is_completed())
+        return done and time.perf_counter() >= self._ready_at
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _issue(op: str, label: str, nbytes: int, wire: float, async_op: bool, run: Any) -> Handle:
+    meter = _METER.get()
+    if meter is not None:
+        meter.record(op, nbytes, wire)
+    link = _LINK.get()
+    ready_at = link.finish_time(wire) if link is not None else 0.0
+    with record_function(f"shardkit::{op}:{label}" if label else f"shardkit::{op}"):
+        work = run()
+    handle = Handle(work, ready_at)
+    if not async_op:
+        handle.wait()
+    return handle
+
+
+def _is_trivial(group: GroupLike) -> bool:
+    if isinstance(group, DummyProcessGroup):
+        if group.size() != 1:
+            raise RuntimeError(
+                f"{group!r} cannot run collectives: it only describes a sharding. Use a size-1 dummy group "
+                "or initialise torch.distributed."
+            )
+        return True
+    return False
+
+
+def all_reduce(
+    tensor: torch.Tensor,
+    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+    group: Optional[GroupLike] = None,
+    async_op: bool = False,
+    label: str = "",
+) -> Handle:
+    """In-place all-reduce of ``tensor`` over ``group``."""
+    group = resolve_group(group)
+    if _is_trivial(group):
+        return Handle()
+    n = group_size(group)
+    nbytes = _nbytes(tensor)
+    return _issue(
+        "all_reduce",
+        label,
+        nbytes,
+        2 * (n - 1) / n * nbytes,
+        async_op,
+        lambda: dist.all_reduce(tensor, op=op, group=group, async_op=True),
+    )
+
+
+def broadcast(
+    tensor: torch.Tensor,
+    src_in_group: int,
+    group: Optional[GroupLike] = None,
+    async_op: bool = False,
+    label: str = "",
+) -> Handle:
+    """Broadcast ``tensor`` from member ``src_in_group`` of ``group``."""
+    group = resolve_group(group)
+    if _is_trivial(group) or group_size(group) == 1:
+        return Handle()
+    nbytes = _nbytes(tensor)
+    src = global_rank(group, src_in_group)
+    return _issue(
+        "broadcast",
+        label,
+        nbytes,
+        nbytes,
+        async_op,
+        lambda: dist.broadcast(tensor, src=src, group=group, async_op=True),  # type: ignore[arg-type]
+    )
+
+
+def reduce(
+    tensor: torch.Tensor,
+    dst_in_group: int,
+    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+    group: Optional[GroupLike] = None,
+    async_op: bool = False,
+    label: str = "",
+) -> Handle:
+    """Reduce ``tensor`` onto member ``dst_in_group`` of ``group`` (other ranks' buffers become scratch)."""
+    group = resolve_group(group)
+    if _is_trivial(group) or group_size(group) == 1:
+        return Handle()
+    nbytes = _nbytes(tensor)
+    dst = global_rank(group, dst_in_group)
+    return _issue(
+        "reduce",
+        label,
+        nbytes,
+        nbytes,
+        async_op,
+        lambda: dist.reduce(tensor, dst=dst, op=op, group=group, async_op=True),  # type: ignore[arg-type]
+    )
+
+
+def all_gather_into_tensor(
+    output: torch.Tensor,
+    shard: torch.Tensor,
+    group: Optional[GroupLike] = None,
+    async_op: bool = False,
+    label: str = "",
+) -> Handle:
+    """Gather equal-sized ``shard`` of every rank into ``output`` (rank order, concatenated)."""
+    group = resolve_group(group)
+    if _is_trivial(group) or group_size(group) == 1:
+        output.copy_(shard.reshape(output.shape))
+        return Handle()
+    n = group_size(group)
+    nbytes = _nbytes(output)
+    return _issue(
+        "all_gather",
+        label,
+        nbytes,
+        (n - 1) / n * nbytes,
+        async_op,
+        lambda: dist.all_gather_into_tensor(output, shard, group=group, async_op=True),
+    )
+
+
+def reduce_scatter_tensor(
+    output: torch.Tensor,
+    full: torch.Tensor,
+    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+    group: Optional[GroupLike] = None,
+    async_op: bool = False,
+    label: str = "",
+) -> Handle:
+    """Reduce ``full`` over ``group`` and leave chunk ``rank`` of the result in ``output``."""
+    group = resolve_group(group)
+    if _is_trivial(group) or group_size(group) == 1:
+        output.copy_(full.reshape(output.shape))
+        return Handle()
+    n = group_size(group)
+    nbytes = _nbytes(full)
+    return _issue(
+        "reduce_scatter",
+        label,
+        nbytes,
+        (n - 1) / n * nbytes,
+        async_op,
+        lambda: dist.reduce_scatter_tensor(output, full, op=op, group=group, async_op=True),
+    )
+
+
+def send(tensor: torch.Tensor, dst: int, group: Optional[GroupLike] = None, label: str = "") -> Handle:
+    """Asynchronously send ``tensor`` to global rank ``dst``."""
+    group = resolve_group(group)
+    nbytes = _nbytes(tensor)
+    return _issue(
+        "send",
+        label,
+        nbytes,
+        nbytes,
+        True,
+        lambda: dist.isend(tensor, dst=dst, group=group),  # type: ignore[arg-type]
+    )
+
+
+def recv(tensor: torch.Tensor, src: int, group: Optional[GroupLike] = None, label: str = "") -> Handle:
+    """Asynchronously receive into ``tensor`` from global rank ``src``."""
+    group = resolve_group(group)
+    return _issue(
+        "recv",
+        label,
+        _nbytes(tensor),
+        0,
+        True,
+        lambda: dist.irecv(tensor, src=src, group=group),  # type: ignore[arg-type]
+    )
+
+
+def wait_all(handles: Sequence[Handle]) -> None:
+    """Wait for every handle in order."""
+    for handle in handles:
+        handle.wait()

@@ -1,0 +1,68 @@
+"""Resolving, querying and validating process groups (real or :class:`DummyProcessGroup`)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+import torch.distributed as dist
+
+from shardkit.distributed.dummy import DummyProcessGroup
+
+GroupLike = Union[dist.ProcessGroup, DummyProcessGroup]
+
+
+def is_dummy(group: Optional[GroupLike]) -> bool:
+    """True for a :class:`DummyProcessGroup`."""
+    return isinstance(group, DummyProcessGroup)
+
+
+def resolve_group(group: Optional[GroupLike], who: str = "shardkit") -> GroupLike:
+    """Return ``group``, or the default (world) group when it is None.
+
+    Raises a clear error when no group is given and ``torch.distributed`` is not initialised.
+    """
+    if group is not None:
+        return group
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            f"{who} needs a process group: call torch.distributed.init_process_group() first (torchrun sets "
+            "the environment for it), or pass process_group=DummyProcessGroup(rank=0, size=1) to run in one "
+            "process."
+        )
+    world = dist.group.WORLD
+    assert world is not None
+    return world
+
+
+def group_rank(group: Optional[GroupLike]) -> int:
+    """This process's rank inside ``group`` (the default group when None)."""
+    group = resolve_group(group)
+    if isinstance(group, DummyProcessGroup):
+        return group.rank()
+    return dist.get_rank(group)
+
+
+def group_size(group: Optional[GroupLike]) -> int:
+    """The number of ranks in ``group`` (the default group when None)."""
+    group = resolve_group(group)
+    if isinstance(group, DummyProcessGroup):
+        return group.size()
+    return dist.get_world_size(group)
+
+
+def global_rank(group: Optional[GroupLike], rank_in_group: int) -> int:
+    """The global rank of member ``rank_in_group`` of ``group``: what ``src``/``dst`` arguments expect."""
+    group = resolve_group(group)
+    if isinstance(group, DummyProcessGroup) or group is dist.group.WORLD:
+        return rank_in_group
+    return dist.get_global_rank(group, rank_in_group)
+
+
+def broadcast_object(obj: Any, src_in_group: int = 0, group: Optional[GroupLike] = None) -> Any:
+    """Broadcast a picklable object from member ``src_in_group`` of ``group``; returns it on every rank."""
+    group = resolve_group(group)
+    if isinstance(group, DummyProcessGroup) or group_size(group) == 1:
+        return obj
+    holder = [obj]
+    dist.broadcast_object_list(holder, src=global_rank(group, src_in_group), group=group)
+    return holder[0]
