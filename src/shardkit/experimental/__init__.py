@@ -1,0 +1,1 @@
+"""Experimental APIs (kept for fairscale compatibility)."""
