@@ -1,0 +1,104 @@
+"""AMP loss scaling when each rank holds only part of the gradients: ``ShardedGradScaler``."""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch.amp import GradScaler
+
+from shardkit.distributed import collectives
+from shardkit.distributed.groups import GroupLike
+
+
+class ShardedGradScaler(GradScaler):
+    """A ``torch.amp.GradScaler`` whose skip decision is shared by every rank of a process group.
+
+    With sharded gradients (:class:`shardkit.nn.ShardedDataParallel` + :class:`shardkit.optim.OSS`) an inf or
+    NaN may appear in one rank's shard only. After unscaling, each rank's "found inf" flag is all-reduced with
+    MAX, so either every rank steps or every rank skips (and lowers the scale) together; otherwise the ranks'
+    parameters and scales would drift apart.
+
+    Args:
+        device: device type of the scale (``"cuda"``, ``"cpu"``, ...). Default: taken from the first tensor
+            given to :meth:`scale` (the loss), ``"cpu"`` until then.
+        init_scale, growth_factor, backoff_factor, growth_interval, enabled: as for ``torch.amp.GradScaler``.
+        process_group: group whose ranks must agree. Default: the optimizer's own ``group`` when it has one
+            (OSS), else the world group; with ``torch.distributed`` not initialised, no synchronisation.
+
+    Example::
+
+        scaler = ShardedGradScaler()
+        with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
+            loss = loss_fn(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)      # skipped on every rank if any rank saw inf/NaN
+        scaler.update()
+    """
+
+    def __init__(
+        self,
+        device: Optional[Union[str, torch.device]] = None,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+        process_group: Optional[GroupLike] = None,
+    ) -> None:
+        self._infer_device = device is None
+        device_type = "cpu" if device is None else torch.device(device).type
+        super().__init__(device_type, init_scale, growth_factor, backoff_factor, growth_interval, enabled)
+        self.process_group = process_group
+
+    def scale(self, outputs: Any) -> Any:
+        """Multiply ``outputs`` by the scale (see ``torch.amp.GradScaler.scale``); fixes the device if inferred."""
+        if self._infer_device and self._enabled and getattr(self, "_scale", None) is None:
+            first = _first_tensor(outputs)
+            if first is not None:
+                self._device = first.device.type
+        return super().scale(outputs)
+
+    def _group_for(self, optimizer: torch.optim.Optimizer) -> Optional[GroupLike]:
+        if self.process_group is not None:
+            return self.process_group
+        own = getattr(optimizer, "group", None)
+        if own is not None:
+            return own
+        if dist.is_available() and dist.is_initialized():
+            return dist.group.WORLD
+        return None
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Unscale this rank's gradients of ``optimizer``, then agree with every rank on whether any had inf/NaN."""
+        if not self._enabled:
+            return
+        super().unscale_(optimizer)
+        state = self._per_optimizer_states[id(optimizer)]
+        found_per_device: dict[torch.device, torch.Tensor] = state["found_inf_per_device"]
+        scale = self._scale
+        assert scale is not None
+        # One flag per rank, on the scale's device: ranks may hold gradients on different devices, or none at all
+        # (every gradient it would check was freed by ShardedDataParallel), yet all must issue the same collective.
+        found = torch.zeros((), dtype=torch.float32, device=scale.device)
+        for flag in found_per_device.values():
+            found = torch.maximum(found, flag.to(scale.device))
+        group = self._group_for(optimizer)
+        if group is not None:
+            collectives.all_reduce(found, op=dist.ReduceOp.MAX, group=group, label="grad_scaler.found_inf")
+        for device, flag in found_per_device.items():
+            flag.copy_(found.to(device))
+        if not found_per_device:
+            state["found_inf_per_device"] = {scale.device: found}
+
+
+def _first_tensor(outputs: Any) -> Optional[torch.Tensor]:
+    if isinstance(outputs, torch.Tensor):
+        return outputs
+    if isinstance(outputs, (list, tuple)):
+        for item in outputs:
+            found = _first_tensor(item)
+            if found is not None:
+                return found
+    return None

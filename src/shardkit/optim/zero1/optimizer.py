@@ -1,0 +1,295 @@
+"""OSS: optimizer state sharding (ZeRO stage 1) around any ``torch.optim`` optimizer class."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any, Callable, Optional, Union
+
+import torch
+from torch.optim import Optimizer
+
+from shardkit.distributed.groups import GroupLike, group_rank, group_size, resolve_group
+from shardkit.optim.zero1.broadcast import BroadcastBucket, broadcast_params, plan_buckets
+from shardkit.optim.zero1.clip import sharded_clip_grad_norm
+from shardkit.optim.zero1.comm import gather_obj
+from shardkit.optim.zero1.partition import Partition
+from shardkit.optim.zero1.state_dict import (
+    check_plain_state_dict,
+    exchange_moved_state,
+    hyperparams,
+    load_shard,
+    pack_param_groups,
+    shard_state,
+)
+
+OptimizerClass = Callable[..., Optimizer]
+
+
+def _check_optim_class(optim: Any) -> None:
+    if isinstance(optim, Optimizer):
+        name = type(optim).__name__
+        raise TypeError(
+            f"OSS(optim=...) takes an optimizer class and its arguments, but got an instance of {name}. "
+            f"Write OSS(params, optim=torch.optim.{name}, lr=...) instead of passing {name}(params, lr=...): "
+            "OSS builds the optimizer itself, over this rank's shard only."
+        )
+    if not callable(optim):
+        raise TypeError(f"OSS(optim=...) needs an optimizer class such as torch.optim.SGD, got {optim!r}")
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equality that never raises (tensors compare by identity)."""
+    if a is b:
+        return True
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return False
+    try:
+        return bool(a == b)
+    except Exception:
+        return False
+
+
+class OSS(Optimizer):
+    """Shards the state of an optimizer across the ranks of a process group (ZeRO stage 1).
+
+    Parameters are split across ranks, balanced by size; each rank keeps optimizer state for, and updates, only
+    the parameters it owns, then every owner broadcasts its updated parameters (in flat buckets) so all ranks
+    end the step with the same model. Gradients must be complete on the owner at ``step()``: use it under
+    ``torch.nn.parallel.DistributedDataParallel`` or :class:`shardkit.nn.ShardedDataParallel`.
+
+    Args:
+        params: parameters or param-group dicts, as for any ``torch.optim`` optimizer.
+        optim: the optimizer CLASS to run on each shard (not an instance), e.g. ``torch.optim.AdamW``.
+        group: process group to shard over (default: the world group; a ``DummyProcessGroup`` of size 1 works).
+        broadcast_fp16: send fp32/fp64 parameters as fp16 to halve the broadcast bytes; the owner keeps exact
+            values, other ranks receive them rounded (fine under AMP, a small loss of precision otherwise).
+        **defaults: the optimizer's arguments (``lr``, ``momentum``, ...).
+
+    Example::
+
+        model = DDP(model)
+        optimizer = OSS(model.parameters(), optim=torch.optim.AdamW, lr=1e-3)
+        loss_fn(model(x), y).backward()
+        optimizer.clip_grad_norm(1.0)
+        optimizer.step()
+
+        optimizer.consolidate_state_dict(recipient_rank=0)   # on every rank
+        if rank == 0:
+            torch.save(optimizer.state_dict(), "optim.pt")    # loads into torch.optim.AdamW too
+    """
+
+    #: Largest flat buffer used to broadcast parameters after a step.
+    broadcast_bucket_bytes: int = 2**24
+
+    def __init__(
+        self,
+        params: Any,
+        optim: OptimizerClass = torch.optim.SGD,
+        group: Optional[GroupLike] = None,
+        broadcast_fp16: bool = False,
+        **defaults: Any,
+    ) -> None:
+        _check_optim_class(optim)
+        resolved = resolve_group(group, who="OSS")
+        self._ready = False
+        super().__init__(params, defaults)
+        self.group: GroupLike = resolved
+        self.rank: int = group_rank(resolved)
+        self.world_size: int = group_size(resolved)
+        self.broadcast_fp16 = broadcast_fp16
+        self._optim_cls = optim
+        self._optim_defaults = dict(defaults)
+        self._consolidated: Optional[dict[int, Any]] = None
+        self._partition = Partition.build(self.param_groups, self.world_size)
+        self.optim: Optimizer = self._make_local_optim(self._partition)
+        self.state = self.optim.state
+        self._synced: list[dict[str, Any]] = [{} for _ in self.param_groups]
+        self._sync_param_groups()
+        self._buckets: list[BroadcastBucket] = plan_buckets(
+            self._partition, broadcast_fp16, self.broadcast_bucket_bytes
+        )
+        self._ready = True
+
+    # ----------------------------------------------------------------- partition
+    @property
+    def param_to_rank(self) -> dict[torch.Tensor, int]:
+        """Owner rank (within ``group``) of every parameter that requires grad, over all param groups."""
+        return self._partition.param_to_rank()
+
+    def partition_parameters(self) -> list[list[dict[str, Any]]]:
+        """Per rank, its param groups: one per global group, holding only the parameters that rank owns."""
+        return [list(groups) for groups in self._partition.rank_groups]
+
+    @property
+    def local_params(self) -> list[torch.Tensor]:
+        """The parameters this rank owns and updates."""
+        return self._partition.owned(self.rank)
+
+    def refresh_trainable(self) -> None:
+        """Re-partition after parameters' ``requires_grad`` changed; call it on every rank.
+
+        Optimizer state of parameters that change owner moves to the new owner, so nothing is lost. ``step()``
+        also does this by itself when it notices the change.
+        """
+        self._sync_param_groups()
+        self._repartition()
+
+    def _trainable_changed(self) -> bool:
+        current = [p for p in self._partition.params if p.requires_grad]
+        known = self._partition.trainable
+        return len(current) != len(known) or any(a is not b for a, b in zip(current, known))
+
+    def _make_local_optim(self, partition: Partition, settings: Optional[list[dict[str, Any]]] = None) -> Optimizer:
+        """The wrapped optimizer over this rank's shard, with the hyperparameters of ``settings`` (or ours)."""
+        groups = []
+        for shard_group, source in zip(partition.rank_groups[self.rank], settings or self.param_groups):
+            group = dict(shard_group)
+            group.update(hyperparams(source))
+            group["params"] = list(shard_group["params"])
+            groups.append(group)
+        return self._optim_cls(groups, **self._optim_defaults)
+
+    def _repartition(self, force: bool = False) -> None:
+        new = Partition.build(self.param_groups, self.world_size)
+        if not force and new.same_layout(self._partition):
+            return
+        local = self._make_local_optim(new)  # may raise on bad hyperparameters: nothing has changed yet
+        kept = exchange_moved_state(self.optim, self._partition, new, self.rank, self.group)
+        load_shard(local, new, self.rank, kept)
+        self._partition, self.optim = new, local
+        self.state = local.state
+        self._synced = [{} for _ in self.param_groups]
+        self._sync_param_groups()
+        self._buckets = plan_buckets(new, self.broadcast_fp16, self.broadcast_bucket_bytes)
+        self._consolidated = None
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a param group (as ``torch.optim.Optimizer.add_param_group``) and re-partition; call on every rank."""
+        super().add_param_group(param_group)
+        if not getattr(self, "_ready", False):
+            return  # called from Optimizer.__init__: the partition is built once all groups are in
+        try:
+            self._sync_param_groups()
+            self._repartition(force=True)
+        except Exception:
+            self.param_groups.pop()
+            self._synced = self._synced[: len(self.param_groups)]
+            raise
+
+    # ----------------------------------------------------------------- param-group sync
+    def _sync_param_groups(self) -> None:
+        """Reconcile hyperparameters of ``self.param_groups`` and the local optimizer's groups.
+
+        A value changed on the OSS side since the last sync (by a scheduler or the user) wins; otherwise a value
+        the local optimizer changed is copied back, so edits on either side are kept.
+        """
+        while len(self._synced) < len(self.param_groups):
+            self._synced.append({})
+        for group, local, last in zip(self.param_groups, self.optim.param_groups, self._synced):
+            for key in set(hyperparams(group)) | set(hyperparams(local)):
+                if key in group and not (key in last and _same(group[key], last[key])):
+                    local[key] = group[key]
+                elif key in local:
+                    group[key] = local[key]
+                last[key] = group[key]
+
+    # ----------------------------------------------------------------- step
+    def step(self, closure: Optional[Callable[[], float]] = None, **kwargs: Any) -> Optional[float]:  # type: ignore[override]
+        """Update this rank's shard with the wrapped optimizer, then broadcast every shard to all ranks.
+
+        Gradients of parameters this rank does not own are never read (they may be None). Call on every rank.
+        """
+        if self._trainable_changed():
+            self._repartition()
+        self._sync_param_groups()
+        self._consolidated = None
+        if closure is not None:
+            loss = self.optim.step(closure=closure, **kwargs)
+        else:
+            loss = self.optim.step(**kwargs)
+        self._sync_param_groups()
+        if self.world_size > 1:
+            broadcast_params(self._buckets, self.rank, self.group)
+        return loss
+
+    def clip_grad_norm(self, max_norm: Union[float, int], norm_type: Union[float, int, str] = 2.0) -> torch.Tensor:
+        """Clip gradients by the norm of the whole model's gradients and return that norm.
+
+        Equivalent to ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)`` on the full
+        model, but each rank reads only the gradients it owns; only those are scaled (the others are not used by
+        ``step()``). Call on every rank, after gradients are reduced (and unscaled, with AMP).
+        """
+        owned = [p.grad for p in self._partition.owned(self.rank, trainable_only=True) if p.grad is not None]
+        device = self._partition.params[0].device
+        return sharded_clip_grad_norm(owned, float(max_norm), float(norm_type), self.group, device)
+
+    # ----------------------------------------------------------------- state dicts
+    def consolidate_state_dict(self, recipient_rank: int = 0) -> None:
+        """Gather the whole optimizer state onto ``recipient_rank`` (rank within ``group``; -1 for all ranks).
+
+        Call on every rank; then ``state_dict()`` on the recipient returns a plain ``torch.optim`` state dict.
+        """
+        if not -1 <= recipient_rank < self.world_size:
+            raise ValueError(f"recipient_rank must be in [-1, {self.world_size}), got {recipient_rank}")
+        self._sync_param_groups()
+        shards = gather_obj(shard_state(self.optim, self._partition), recipient_rank, self.group, "oss.consolidate")
+        if shards is None:
+            self._consolidated = None
+            return
+        merged: dict[int, Any] = {}
+        for shard in shards:
+            merged.update(shard)
+        self._consolidated = dict(sorted(merged.items()))
+
+    def state_dict(self, all_ranks: bool = False) -> dict[str, Any]:
+        """The full optimizer state, in the format of the wrapped ``torch.optim`` class (ids in global order).
+
+        Needs :meth:`consolidate_state_dict` first (on every rank) and returns on its recipient; with
+        ``all_ranks=True`` it consolidates onto every rank itself (so call it on every rank).
+        """
+        if all_ranks:
+            self.consolidate_state_dict(recipient_rank=-1)
+        if self._consolidated is None:
+            raise RuntimeError(
+                f"OSS.state_dict() on rank {self.rank} has no consolidated state: each rank holds only its shard. "
+                "Call optimizer.consolidate_state_dict(recipient_rank=R) on every rank after the last step, then "
+                "state_dict() on rank R (or state_dict(all_ranks=True) on every rank)."
+            )
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        self._sync_param_groups()
+        state_dict: dict[str, Any] = {
+            "state": copy.copy(self._consolidated),
+            "param_groups": pack_param_groups(self.param_groups),
+        }
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        return state_dict
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load a plain ``torch.optim`` state dict (from any world size, or from the unwrapped optimizer).
+
+        Hyperparameters apply to every rank; each rank keeps the state of the parameters it owns.
+        """
+        check_plain_state_dict(state_dict, self.param_groups)
+        saved_groups = copy.deepcopy(list(state_dict["param_groups"]))
+        saved_ids = [pid for g in saved_groups for pid in g["params"]]
+        position = {pid: i for i, pid in enumerate(saved_ids)}
+        global_state = {position[pid]: value for pid, value in state_dict["state"].items()}
+        # Build and fill the new local optimizer before touching anything, so a bad dict changes nothing.
+        local = self._make_local_optim(self._partition, settings=saved_groups)
+        load_shard(local, self._partition, self.rank, global_state)
+        for group, saved in zip(self.param_groups, saved_groups):
+            for key in list(hyperparams(group)):
+                del group[key]
+            group.update(hyperparams(saved))
+        self.optim = local
+        self.state = local.state
+        self._synced = [{} for _ in self.param_groups]
+        self._sync_param_groups()
+        self._consolidated = None
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
