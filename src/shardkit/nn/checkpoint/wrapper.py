@@ -1,0 +1,167 @@
+"""The activation-checkpointing wrapper: recompute a module's forward during backward instead of storing it.
+
+torch's non-reentrant ``torch.utils.checkpoint`` is the engine. This module adds the semantics users of
+fairscale's ``checkpoint_wrapper`` rely on:
+
+- keyword arguments and non-tensor outputs pass through (keyword tensors are saved like positional ones, so
+  ``offload_to_cpu`` moves them too);
+- the RNG state is replayed, so dropout draws the same mask in the recomputation;
+- forward side effects on normalisation statistics happen once: running mean/variance and the batch counter
+  are restored after the recomputation (:mod:`shardkit.nn.checkpoint.norm_stats`);
+- in eval mode or under ``torch.no_grad()`` the module runs a plain forward (there is nothing to save);
+- ``state_dict`` and ``named_parameters`` use the wrapped module's names, so checkpoints load into the
+  unwrapped model and back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from shardkit.nn.checkpoint.norm_stats import restore_norm_stats_after
+
+#: The child name the wrapped module is registered under; stripped from every name the wrapper reports.
+WRAPPED_NAME = "_checkpoint_wrapped_module"
+_INFIX = WRAPPED_NAME + "."
+
+
+class CheckpointWrapper(nn.Module):
+    """Run ``module`` under non-reentrant activation checkpointing; build it with :func:`checkpoint_wrapper`.
+
+    Attribute access that the wrapper does not answer itself is forwarded to the wrapped module, so
+    ``wrapper.fc1`` still works. The wrapped module is :attr:`wrapped_module`.
+    """
+
+    def __init__(self, module: nn.Module, offload_to_cpu: bool = False) -> None:
+        super().__init__()
+        self.offload_to_cpu = offload_to_cpu
+        self.add_module(WRAPPED_NAME, module)
+        self.register_state_dict_post_hook(_strip_names_on_save)
+        self.register_load_state_dict_pre_hook(_add_names_on_load)
+        self.register_load_state_dict_post_hook(_strip_names_in_report)
+
+    @property
+    def wrapped_module(self) -> nn.Module:
+        """The module whose activations are recomputed."""
+        return self._modules[WRAPPED_NAME]  # type: ignore[return-value]
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == WRAPPED_NAME:
+                raise
+            return getattr(self.wrapped_module, name)
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.wrapped_module[index]  # type: ignore[index]
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        inner = self.wrapped_module
+        if not (self.training and torch.is_grad_enabled()):
+            return inner(*args, **kwargs)
+        # Keyword values travel as positional inputs so the checkpoint saves (and offloads) them like the rest.
+        kw_names = tuple(kwargs)
+        num_positional = len(args)
+
+        def run(*inputs: Any) -> Any:
+            return inner(*inputs[:num_positional], **dict(zip(kw_names, inputs[num_positional:])))
+
+        inputs = (*args, *kwargs.values())
+        with self._offload_context(inputs):
+            return checkpoint(
+                run,
+                *inputs,
+                use_reentrant=False,
+                preserve_rng_state=True,
+                context_fn=lambda: (contextlib.nullcontext(), restore_norm_stats_after(inner)),
+            )
+
+    def _offload_context(self, inputs: tuple[Any, ...]) -> contextlib.AbstractContextManager[Any]:
+        # Only the checkpoint's inputs are saved across the region, so they are what goes to host memory.
+        # Copying tensors that already live on the CPU would only double them, hence the device test.
+        devices = {x.device.type for x in inputs if isinstance(x, torch.Tensor)}
+        if not self.offload_to_cpu or devices <= {"cpu"}:
+            return contextlib.nullcontext()
+        return torch.autograd.graph.save_on_cpu(pin_memory="cuda" in devices)
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        """Like :meth:`torch.nn.Module.named_parameters`, with the names of the unwrapped module."""
+        for name, param in super().named_parameters(prefix, recurse, remove_duplicate):
+            yield name.replace(_INFIX, ""), param
+
+    def named_buffers(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Like :meth:`torch.nn.Module.named_buffers`, with the names of the unwrapped module."""
+        for name, buf in super().named_buffers(prefix, recurse, remove_duplicate):
+            yield name.replace(_INFIX, ""), buf
+
+    def extra_repr(self) -> str:
+        return f"offload_to_cpu={self.offload_to_cpu}"
+
+
+def checkpoint_wrapper(module: nn.Module, offload_to_cpu: bool = False) -> CheckpointWrapper:
+    """Wrap ``module`` so its activations are recomputed in backward instead of kept from forward.
+
+    Only the module's inputs are kept between forward and backward; everything computed inside is recomputed
+    when backward reaches it, trading one extra forward for the activation memory. Dropout masks are the same
+    in the recomputation, BatchNorm statistics are updated once, and eval / ``no_grad`` forwards run plainly.
+
+    Args:
+        module: the module to checkpoint, typically one transformer block.
+        offload_to_cpu: keep the saved inputs in host memory (pinned when they come from CUDA) and copy them
+            back for the recomputation. Inputs that already live on the CPU are left alone.
+
+    Returns:
+        A :class:`CheckpointWrapper`; its ``state_dict`` keys equal the unwrapped module's. It composes with
+        sharding: ``FullyShardedDataParallel(checkpoint_wrapper(block))``.
+
+    Example::
+
+        block = checkpoint_wrapper(TransformerBlock(cfg))
+        loss = block(x, attention_mask=mask).sum()
+        loss.backward()  # block's forward runs a second time here
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"checkpoint_wrapper expects an nn.Module, got {type(module).__name__}")
+    if isinstance(module, CheckpointWrapper):
+        raise ValueError(
+            "checkpoint_wrapper got a module that is already checkpointed; wrapping twice only recomputes twice. "
+            "Pass the inner module (wrapper.wrapped_module) if you want to change offload_to_cpu."
+        )
+    return CheckpointWrapper(module, offload_to_cpu=offload_to_cpu)
+
+
+def _strip_names_on_save(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    # The wrapper's own entries were added last, so popping and re-inserting them keeps the dict's order.
+    inner_prefix = prefix + _INFIX
+    for key in [k for k in state_dict if k.startswith(inner_prefix)]:
+        state_dict[prefix + key[len(inner_prefix) :]] = state_dict.pop(key)
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is None:
+        return
+    # Metadata (module versions) is keyed by module path without the trailing dot; the inner module's entry
+    # replaces the wrapper's own, so version-dependent loading of the inner module keeps working.
+    inner_key = prefix + WRAPPED_NAME
+    for key in [k for k in metadata if k == inner_key or k.startswith(inner_key + ".")]:
+        new_key = prefix[:-1] if key == inner_key else prefix + key[len(inner_key) + 1 :]
+        metadata[new_key] = metadata.pop(key)
+
+
+def _add_names_on_load(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+    inner_prefix = prefix + _INFIX
+    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner_prefix)]:
+        state_dict[inner_prefix + key[len(prefix) :]] = state_dict.pop(key)
+
+
+def _strip_names_in_report(module: nn.Module, incompatible_keys: Any) -> None:
+    for keys in (incompatible_keys.missing_keys, incompatible_keys.unexpected_keys):
+        keys[:] = [k.replace(_INFIX, "") for k in keys]
