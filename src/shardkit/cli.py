@@ -1,0 +1,71 @@
+"""The ``shardkit`` command: ``shardkit demo`` (the main job) and ``shardkit bench`` (side-by-side benchmarks).
+
+Examples::
+
+    shardkit demo                      # train the demo LM with every available strategy, 2 local processes
+    shardkit bench                     # every benchmark suite
+    shardkit bench zero --steps 20     # one suite, more steps
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="shardkit", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands.required = True
+    demo = commands.add_parser(
+        "demo", help="train a small LM with every available strategy and compare with the known loss floor"
+    )
+    demo.add_argument("--world-size", type=int, default=None, help="worker processes (default 2)")
+    demo.add_argument("--steps", type=int, default=None, help="training steps per strategy")
+    demo.add_argument("--strategies", default=None, help="comma-separated subset of strategies")
+    demo.add_argument("--quick", action="store_true", help="tiny settings (seconds), for tests")
+    demo.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
+
+    from shardkit.bench import SUITES
+
+    bench = commands.add_parser("bench", help="run benchmark suites side by side and print tables")
+    bench.add_argument("suites", nargs="*", metavar="SUITE", help=f"suites to run (default all: {', '.join(SUITES)})")
+    bench.add_argument("--world-size", type=int, default=None, help="worker processes (default 2)")
+    bench.add_argument("--steps", type=int, default=None, help="timed steps")
+    bench.add_argument("--warmup", type=int, default=None, help="untimed warm-up steps")
+    bench.add_argument("--quick", action="store_true", help="tiny settings (seconds), for tests")
+    return parser
+
+
+def _forwarded(args: argparse.Namespace, options: tuple[str, ...]) -> list[str]:
+    """The options the user gave explicitly, back as command-line arguments for a sub-program."""
+    argv: list[str] = []
+    for option in options:
+        value = getattr(args, option.replace("-", "_"))
+        if value is None or value is False:
+            continue
+        argv += [f"--{option}"] if value is True else [f"--{option}", str(value)]
+    return argv
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Run the ``shardkit`` command with ``argv`` (default: the process's arguments); returns the exit status."""
+    parser = _build_parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.command == "demo":
+        from shardkit.demo.train import main as demo_main
+
+        demo_main(_forwarded(args, ("world-size", "steps", "strategies", "quick", "json")))
+        return 0
+    from shardkit.bench import UnknownSuiteError, run_suites
+
+    try:
+        failures = run_suites(args.suites, _forwarded(args, ("world-size", "steps", "warmup", "quick")))
+    except UnknownSuiteError as exc:
+        parser.error(str(exc))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
