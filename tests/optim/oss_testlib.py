@@ -79,3 +79,16 @@ def ddp_pair(name: str, optim: str, freeze: bool = False) -> tuple[nn.Module, nn
     ref_opt = cls(ref_model.parameters(), **kwargs)
     oss_opt = OSS(oss_model.parameters(), optim=cls, **kwargs)
     return ref_model, oss_model, ref_opt, oss_opt
+
+
+def same_state(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Two torch.optim state dicts hold the same groups and (to 1e-6) the same state tensors."""
+    if a["param_groups"] != b["param_groups"] or sorted(a["state"]) != sorted(b["state"]):
+        return False
+    for pid, state in a["state"].items():
+        other = b["state"][pid]
+        if sorted(state) != sorted(other):
+            return False
+        if not all(torch.allclose(state[k].cpu(), other[k].cpu(), atol=1e-6) for k in state):
+            return False
+    return True

@@ -278,7 +278,11 @@ class OSS(Optimizer):
         saved_groups = copy.deepcopy(list(state_dict["param_groups"]))
         saved_ids = [pid for g in saved_groups for pid in g["params"]]
         position = {pid: i for i, pid in enumerate(saved_ids)}
-        global_state = {position[pid]: value for pid, value in state_dict["state"].items()}
+        # Copy what this rank keeps: the optimizer updates state in place and must not write into the caller's dict.
+        owned = {self._partition.index_of()[p] for p in self._partition.owned(self.rank)}
+        global_state = {
+            position[pid]: copy.deepcopy(value) for pid, value in state_dict["state"].items() if position[pid] in owned
+        }
         # Build and fill the new local optimizer before touching anything, so a bad dict changes nothing.
         local = self._make_local_optim(self._partition, settings=saved_groups)
         load_shard(local, self._partition, self.rank, global_state)
