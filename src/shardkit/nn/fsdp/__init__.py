@@ -1,0 +1,27 @@
+"""ZeRO-3 fully sharded data parallel.
+
+Layers, outermost first: :mod:`~shardkit.nn.fsdp.api` (the public class, arguments → policies),
+:mod:`~shardkit.nn.fsdp.runtime` (lifecycle hooks and the :class:`TrainingState` machine),
+:mod:`~shardkit.nn.fsdp.param_group` (one unit: shard, gather, free, reduce),
+:mod:`~shardkit.nn.fsdp.handle` (one flat parameter at run time), :mod:`~shardkit.nn.fsdp.flat_param`
+(the layout metadata) and :mod:`~shardkit.nn.fsdp._collectives`.
+"""
+
+from shardkit.nn.fsdp.api import FullyShardedDataParallel
+from shardkit.nn.fsdp.flat_param import FlatParamMeta, ParamInfo, ShardSlice, SharedParamInfo
+from shardkit.nn.fsdp.policies import BackwardPrefetch, CPUOffload
+from shardkit.nn.fsdp.runtime import TrainingState
+
+FSDP = FullyShardedDataParallel
+
+__all__ = [
+    "FSDP",
+    "BackwardPrefetch",
+    "CPUOffload",
+    "FlatParamMeta",
+    "FullyShardedDataParallel",
+    "ParamInfo",
+    "ShardSlice",
+    "SharedParamInfo",
+    "TrainingState",
+]

@@ -1,0 +1,400 @@
+"""``FullyShardedDataParallel``: the public ZeRO-3 wrapper (fairscale's arguments, shardkit's internals)."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Iterator
+from typing import Any, Optional, Union
+
+import torch
+from torch import nn
+
+from shardkit.distributed.groups import GroupLike, group_rank, group_size, resolve_group
+from shardkit.nn.fsdp import grad_norm
+from shardkit.nn.fsdp.flat_param import FlatParamMeta
+from shardkit.nn.fsdp.param_group import ParamGroup
+from shardkit.nn.fsdp.policies import BackwardPrefetch, CPUOffload, policies_from_args
+from shardkit.nn.fsdp.runtime import TrainingState, Unit, make_input_caster
+
+
+class FullyShardedDataParallel(nn.Module):
+    """Shard a module's parameters, gradients and optimizer state across a process group (ZeRO-3).
+
+    Each rank keeps ``1/world_size`` of every parameter as a flat FP32 shard; ``model.parameters()`` yields only
+    these shards, so an optimizer built *after* wrapping steps only them. Full parameters exist only while a
+    wrapped unit runs: gathered before its forward (and again before its backward), freed afterwards.
+    Gradients are reduce-scattered (averaged) into the shards' ``.grad``.
+
+    Nest instances to bound memory: an inner instance owns its parameters, the outer one the rest. The
+    outermost instance to run forward becomes the root; it casts inputs for mixed precision and finishes
+    every backward pass.
+
+    Args:
+        module: the module to wrap; available afterwards as ``.module``.
+        process_group: group to shard over (default: the world); a ``DummyProcessGroup(rank=0, size=1)`` runs
+            without ``torch.distributed``.
+        reshard_after_forward: free full parameters after forward and gather them again for backward.
+        mixed_precision: gather and compute in ``compute_dtype`` (default float16) with FP32 master shards.
+        fp32_reduce_scatter: reduce gradients in FP32 under mixed precision.
+        flatten_parameters: one flat tensor per (dtype, requires_grad) per unit; False shards each parameter.
+        move_params_to_cpu: keep shards and their gradients on CPU (same as ``cpu_offload``).
+        compute_dtype: dtype of full parameters during compute (enables mixed precision when 16-bit).
+        buffer_dtype: dtype floating-point buffers are cast to (default: ``compute_dtype`` under mixed precision).
+        move_grads_to_cpu: must match parameter offload (gradients live beside their shards).
+        bucket_cap_mb: accepted for compatibility; reserved for bucketed reductions.
+        compute_device: where full parameters are gathered (default: the parameters' device).
+        state_dict_device: where full state dicts are materialised.
+        cpu_offload: ``CPUOffload(offload_params=True)``, torch's spelling of ``move_params_to_cpu``.
+        backward_prefetch / forward_prefetch: prefetch hints; they never change results.
+
+    Example::
+
+        model = FullyShardedDataParallel(MyModel())
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)   # built after wrapping: sees only shards
+        loss = model(x).sum()
+        loss.backward()
+        model.clip_grad_norm_(1.0)
+        optim.step()
+        with model.summon_full_params():
+            print(dict(model.named_parameters()).keys())     # original names and shapes
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        process_group: Optional[GroupLike] = None,
+        reshard_after_forward: bool = True,
+        mixed_precision: bool = False,
+        fp32_reduce_scatter: bool = False,
+        flatten_parameters: bool = True,
+        move_params_to_cpu: bool = False,
+        compute_dtype: Optional[torch.dtype] = None,
+        buffer_dtype: Optional[torch.dtype] = None,
+        move_grads_to_cpu: Optional[bool] = None,
+        bucket_cap_mb: float = 25,
+        compute_device: Optional[Union[torch.device, str, int]] = None,
+        state_dict_device: Optional[Union[torch.device, str]] = None,
+        cpu_offload: Optional[CPUOffload] = None,
+        backward_prefetch: Optional[BackwardPrefetch] = None,
+        forward_prefetch: bool = False,
+    ) -> None:
+        super().__init__()
+        policies = policies_from_args(
+            reshard_after_forward=reshard_after_forward,
+            flatten_parameters=flatten_parameters,
+            mixed_precision=mixed_precision,
+            fp32_reduce_scatter=fp32_reduce_scatter,
+            compute_dtype=compute_dtype,
+            buffer_dtype=buffer_dtype,
+            move_params_to_cpu=move_params_to_cpu,
+            move_grads_to_cpu=move_grads_to_cpu,
+            cpu_offload=cpu_offload,
+            compute_device=compute_device,
+            backward_prefetch=backward_prefetch,
+            forward_prefetch=forward_prefetch,
+            bucket_cap_mb=bucket_cap_mb,
+            state_dict_device=state_dict_device,
+        )
+        group = resolve_group(process_group, "FullyShardedDataParallel")
+        self.process_group = group
+        self.rank = group_rank(group)
+        self.world_size = group_size(group)
+        self._policies = policies
+        label = type(module).__name__
+        param_group = ParamGroup.build(
+            self, module, group, self.rank, self.world_size, policies, _is_unit, label
+        )  # may raise: nothing has been changed yet
+        self.module = module
+        self._unit = Unit(param_group, policies, label)
+        #: Original dtypes of floating-point buffers cast for mixed precision (clean name -> dtype), root only.
+        self.buffer_original_dtypes: dict[str, torch.dtype] = {}
+
+    # ------------------------------------------------------------------ settings
+    @property
+    def mixed_precision(self) -> bool:
+        return self._policies.mixed_precision.enabled
+
+    @property
+    def compute_dtype(self) -> Optional[torch.dtype]:
+        return self._policies.mixed_precision.param_dtype
+
+    @property
+    def buffer_dtype(self) -> Optional[torch.dtype]:
+        return self._policies.mixed_precision.buffer_dtype
+
+    @property
+    def fp32_reduce_scatter(self) -> bool:
+        return self._policies.mixed_precision.reduce_dtype == torch.float32
+
+    @property
+    def flatten_parameters(self) -> bool:
+        return self._policies.sharding.flatten_parameters
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        return self._policies.sharding.reshard_after_forward
+
+    @property
+    def move_params_to_cpu(self) -> bool:
+        return self._policies.offload.offload_params
+
+    @property
+    def cpu_offload(self) -> CPUOffload:
+        return CPUOffload(offload_params=self._policies.offload.offload_params)
+
+    @property
+    def backward_prefetch(self) -> Optional[BackwardPrefetch]:
+        return self._policies.prefetch.backward
+
+    @property
+    def forward_prefetch(self) -> bool:
+        return self._policies.prefetch.forward
+
+    @property
+    def state_dict_device(self) -> Optional[torch.device]:
+        return self._policies.state_dict.device
+
+    @property
+    def training_state(self) -> TrainingState:
+        return self._unit.state
+
+    @property
+    def is_root(self) -> Optional[bool]:
+        """True for the outermost instance once a forward has run (None before)."""
+        return self._unit.is_root
+
+    # ------------------------------------------------------------------ flat-parameter metadata
+    @property
+    def flat_params(self) -> list[nn.Parameter]:
+        """This unit's shards, in order (each registered on this instance as ``flat_param_<i>``)."""
+        return [h.shard for h in self._unit.group.handles]
+
+    @property
+    def flat_param_names(self) -> list[str]:
+        """Attribute names of :attr:`flat_params` on this instance."""
+        return [h.name for h in self._unit.group.handles]
+
+    @property
+    def flat_param_metas(self) -> list[FlatParamMeta]:
+        """Layout of each flat parameter: original names (relative to ``.module``), shapes, offsets, padding
+        and this rank's shard range. See :mod:`shardkit.nn.fsdp.flat_param`."""
+        return [h.meta for h in self._unit.group.handles]
+
+    def unsharded_bytes(self) -> int:
+        """Bytes this unit currently holds in full (gathered) parameter copies; 0 when fully resharded."""
+        return self._unit.group.unsharded_bytes()
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._lazy_init()
+        args, kwargs = self._unit.pre_forward(args, kwargs)
+        output = self.module(*args, **kwargs)
+        return self._unit.post_forward(output)
+
+    def _lazy_init(self) -> None:
+        """At the first forward of the outermost instance: mark it root, mark nested instances non-root."""
+        unit = self._unit
+        if unit.is_root is not None:
+            return
+        unit.is_root, unit.root, unit.units = True, None, []
+        unit.name = f"<root {type(self.module).__name__}>"
+        for path, module in _clean_named_modules(self):
+            if isinstance(module, FullyShardedDataParallel):
+                if module is not self:
+                    module._unit.is_root, module._unit.root, module._unit.units = False, unit, []
+                    module._unit.name = path
+                unit.units.append(module._unit)
+        mp = self._policies.mixed_precision
+        if mp.param_dtype is not None:
+            unit.cast_inputs = make_input_caster(mp.param_dtype)
+        if mp.buffer_dtype is not None:
+            self._cast_buffers(mp.buffer_dtype)
+
+    def _cast_buffers(self, dtype: torch.dtype) -> None:
+        for path, module in _clean_named_modules(self):
+            for name, buf in module._buffers.items():
+                if buf is not None and buf.is_floating_point() and buf.dtype != dtype:
+                    self.buffer_original_dtypes[f"{path}.{name}" if path else name] = buf.dtype
+                    module._buffers[name] = buf.to(dtype)
+
+    # ------------------------------------------------------------------ names
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        """Parameters named as in the unwrapped model: wrapper levels do not add a ``module.`` segment.
+
+        Outside :meth:`summon_full_params` these are the shards (``<unit path>.flat_param_<i>``); inside it, the
+        original parameters with their original names.
+        """
+        if not recurse:
+            yield from super().named_parameters(prefix, recurse, remove_duplicate)
+            return
+        yield from _clean_members(self, "_parameters", prefix, remove_duplicate)
+
+    def named_buffers(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Buffers named as in the unwrapped model (see :meth:`named_parameters`)."""
+        if not recurse:
+            yield from super().named_buffers(prefix, recurse, remove_duplicate)
+            return
+        yield from _clean_members(self, "_buffers", prefix, remove_duplicate)
+
+    def __getattr__(self, name: str) -> Any:
+        """Fall back to the wrapped module's attributes (``fsdp.get_input`` reaches ``fsdp.module.get_input``)."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self.__dict__.get("_modules", {}).get("module")
+            if module is None:
+                raise
+            return getattr(module, name)
+
+    def __getitem__(self, key: int) -> Any:
+        """Index the wrapped module (when it is a container such as ``nn.Sequential``)."""
+        return self.module.__getitem__(key)  # type: ignore[operator]
+
+    def extra_repr(self) -> str:
+        return (
+            f"world_size={self.world_size}, flatten_parameters={self.flatten_parameters}, "
+            f"reshard_after_forward={self.reshard_after_forward}, mixed_precision={self.mixed_precision}"
+        )
+
+    # ------------------------------------------------------------------ full parameters
+    @contextlib.contextmanager
+    def summon_full_params(self, recurse: bool = True, writeback: bool = True) -> Iterator[None]:
+        """Gather full-precision parameters and expose them under their original names inside the block.
+
+        With ``writeback`` the values (edited in place or reassigned, same shape) are copied back into the
+        shards on exit; every rank keeps its own part, so edits should agree across ranks. Not allowed inside
+        forward or backward. Example::
+
+            with model.summon_full_params():
+                model.module.fc.weight.mul_(0.5)
+        """
+        targets = [m for m in self.modules() if isinstance(m, FullyShardedDataParallel)] if recurse else [self]
+        entered: list[FullyShardedDataParallel] = []
+        try:
+            for fsdp in targets:
+                if fsdp._unit.state == TrainingState.SUMMON_FULL_PARAMS:
+                    continue  # already summoned by an enclosing call
+                fsdp._unit.transition("summon")
+                entered.append(fsdp)
+                fsdp._unit.group.summon()
+            yield
+        finally:
+            for fsdp in reversed(entered):
+                if fsdp._unit.group._summoned is not None:
+                    fsdp._unit.group.unsummon(writeback)
+                fsdp._unit.transition("unsummon")
+
+    def apply(self, fn: Any) -> FullyShardedDataParallel:
+        """``nn.Module.apply`` with full parameters, written back to the shards (e.g. custom initialisation)."""
+        if self._unit.state == TrainingState.SUMMON_FULL_PARAMS:
+            return super().apply(fn)
+        with self.summon_full_params(recurse=True, writeback=True):
+            return super().apply(fn)
+
+    # ------------------------------------------------------------------ gradients
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally, without communication, for backward passes inside the block.
+
+        Costs memory: every unit keeps an *unsharded* gradient (master dtype) until the next backward outside
+        the block reduce-scatters the sum, so peak memory grows by the full model's gradient size, as in DDP.
+        """
+        units = [m._unit for m in self.modules() if isinstance(m, FullyShardedDataParallel)]
+        previous = [u.sync_grads for u in units]
+        for u in units:
+            u.sync_grads = False
+        try:
+            yield
+        finally:
+            for u, before in zip(units, previous):
+                u.sync_grads = before
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients of every unit by their true global norm; call on the root, on every rank.
+
+        Handles units sharded over different groups (e.g. experts in a size-one group). Returns the norm
+        before clipping.
+        """
+        self._lazy_init()
+        if not self._unit.is_root:
+            raise RuntimeError(
+                f"clip_grad_norm_ was called on the nested unit '{self._unit.name}'; call it on the root (outermost) "
+                "FullyShardedDataParallel instance, whose norm covers the gradients of every unit"
+            )
+        self._unit.assert_state(TrainingState.IDLE)
+        return grad_norm.clip_grad_norm_(self._unit.units, max_norm, norm_type)
+
+    # ------------------------------------------------------------------ state dicts (shardkit.nn.fsdp.state_dict)
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """Full, unflattened state dict with the unwrapped model's keys (see :mod:`shardkit.nn.fsdp.state_dict`)."""
+        sd = _state_dict_module()
+        return sd.state_dict(self, *args, **kwargs)
+
+    def load_state_dict(self, state_dict: Any, *args: Any, **kwargs: Any) -> Any:
+        """Load a full state dict (as returned by :meth:`state_dict` or by the unwrapped model)."""
+        sd = _state_dict_module()
+        return sd.load_state_dict(self, state_dict, *args, **kwargs)
+
+    def local_state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """This rank's shards and buffers, for saving and loading at the same world size."""
+        sd = _state_dict_module()
+        return sd.local_state_dict(self, *args, **kwargs)
+
+    def load_local_state_dict(self, state_dict: Any, *args: Any, **kwargs: Any) -> Any:
+        """Load what :meth:`local_state_dict` returned on this rank."""
+        sd = _state_dict_module()
+        return sd.load_local_state_dict(self, state_dict, *args, **kwargs)
+
+    def gather_full_optim_state_dict(self, optim: torch.optim.Optimizer, **kwargs: Any) -> Any:
+        """The optimizer state for the full, unflattened model (see :mod:`shardkit.nn.fsdp.state_dict`)."""
+        sd = _state_dict_module()
+        return sd.gather_full_optim_state_dict(self, optim, **kwargs)
+
+    def get_shard_from_optim_state_dict(self, full_optim_state_dict: dict[str, Any]) -> Any:
+        """This rank's part of a full optimizer state dict, ready for ``optim.load_state_dict``."""
+        sd = _state_dict_module()
+        return sd.get_shard_from_optim_state_dict(self, full_optim_state_dict)
+
+
+def _state_dict_module() -> Any:
+    # Imported on use: the state-dict code builds on this class, not the other way round.
+    return importlib.import_module("shardkit.nn.fsdp.state_dict")
+
+
+def _is_unit(module: nn.Module) -> bool:
+    return isinstance(module, FullyShardedDataParallel)
+
+
+def _clean_named_modules(root: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
+    """Pre-order ``(name, module)`` where wrappers add no path segment, so names match the unwrapped model."""
+    seen: set[int] = set()
+
+    def visit(module: nn.Module, path: str) -> Iterator[tuple[str, nn.Module]]:
+        if id(module) in seen:
+            return
+        seen.add(id(module))
+        yield path, module
+        for name, child in module._modules.items():
+            if child is None:
+                continue
+            if isinstance(module, FullyShardedDataParallel) and name == "module":
+                yield from visit(child, path)
+            else:
+                yield from visit(child, f"{path}.{name}" if path else name)
+
+    yield from visit(root, prefix)
+
+
+def _clean_members(root: nn.Module, kind: str, prefix: str, remove_duplicate: bool) -> Iterator[tuple[str, Any]]:
+    seen: set[int] = set()
+    for path, module in _clean_named_modules(root, prefix):
+        for name, value in getattr(module, kind).items():
+            if value is None or (remove_duplicate and id(value) in seen):
+                continue
+            seen.add(id(value))
+            yield (f"{path}.{name}" if path else name), value

@@ -1,0 +1,270 @@
+"""One wrapped unit's parameters: found, checked, flattened and sharded at wrap time; gathered, freed and
+reduced at run time.
+
+A unit owns every parameter under its module except those under nested
+:class:`~shardkit.nn.fsdp.FullyShardedDataParallel` instances. Parameters are grouped into flat parameters by
+``(dtype, requires_grad)`` so frozen weights (LoRA-style fine-tuning) never share a gradient buffer with
+trainable ones, and tied parameters are stored once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from shardkit.distributed.groups import GroupLike
+from shardkit.nn.fsdp import _collectives
+from shardkit.nn.fsdp.flat_param import ParamLocation, build_meta
+from shardkit.nn.fsdp.handle import FlatParamHandle
+from shardkit.nn.fsdp.policies import FSDPPolicies
+
+Owners = list[tuple[ParamLocation, nn.Parameter]]
+Aliases = list[tuple[ParamLocation, int]]
+
+
+def _walk(module: nn.Module, is_unit: Callable[[nn.Module], bool], prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
+    """Submodules with their paths, not descending into nested units (they own their parameters)."""
+    if is_unit(module):
+        return
+    yield prefix, module
+    for name, child in module._modules.items():
+        if child is not None:
+            yield from _walk(child, is_unit, f"{prefix}.{name}" if prefix else name)
+
+
+def collect_params(module: nn.Module, is_unit: Callable[[nn.Module], bool]) -> tuple[Owners, Aliases]:
+    """Every parameter the unit owns, first occurrence first; later occurrences of a tied parameter are aliases
+    (index into the owners list)."""
+    owners: Owners = []
+    aliases: Aliases = []
+    index: dict[int, int] = {}
+    for path, sub in _walk(module, is_unit):
+        for attr, param in sub._parameters.items():
+            if param is None:
+                continue
+            loc = ParamLocation(path, attr, sub)
+            if id(param) in index:
+                aliases.append((loc, index[id(param)]))
+            else:
+                index[id(param)] = len(owners)
+                owners.append((loc, param))
+    return owners, aliases
+
+
+def _fqn(loc: ParamLocation) -> str:
+    return f"{loc.module_path}.{loc.attr}" if loc.module_path else loc.attr
+
+
+def _validate(owners: Owners, policies: FSDPPolicies) -> None:
+    devices = {p.device for _, p in owners}
+    if len(devices) > 1:
+        raise ValueError(f"FullyShardedDataParallel needs all parameters of a unit on one device, found {devices}")
+    for loc, param in owners:
+        if not param.is_floating_point():
+            raise TypeError(
+                f"parameter '{_fqn(loc)}' has dtype {param.dtype}; only floating-point parameters can be sharded. "
+                "Register integer state as a buffer instead."
+            )
+        if policies.mixed_precision.enabled and param.dtype != torch.float32:
+            raise TypeError(
+                f"parameter '{_fqn(loc)}' is {param.dtype}, but mixed precision keeps FP32 master shards and "
+                f"computes in {policies.mixed_precision.param_dtype}. Call model.float() before wrapping, or "
+                "drop mixed_precision/compute_dtype to train in the parameters' own dtype."
+            )
+
+
+def check_same_across_ranks(owners: Owners, aliases: Aliases, group: GroupLike, rank: int) -> None:
+    """Raise on every rank, naming the parameter, if ranks built different models (nothing is changed yet)."""
+    mine = [(_fqn(loc), tuple(p.shape), str(p.dtype)) for loc, p in owners] + [
+        (_fqn(loc), (), "") for loc, _ in aliases
+    ]
+    everyone = _collectives.all_gather_objects(mine, group)
+    for other_rank, theirs in enumerate(everyone):
+        if theirs == mine:
+            continue
+        for a, b in zip(mine, theirs):
+            if a != b:
+                detail = f"'{a[0]}' {a[1]} {a[2]} on rank {rank} but '{b[0]}' {b[1]} {b[2]} on rank {other_rank}"
+                break
+        else:
+            detail = f"{len(mine)} parameters on rank {rank} but {len(theirs)} on rank {other_rank}"
+        raise ValueError(
+            f"FullyShardedDataParallel: ranks hold different parameters: {detail}. Every rank must build the same "
+            "model (same shapes and dtypes) before wrapping; the model was left unchanged."
+        )
+
+
+def _group_by_kind(owners: Owners, aliases: Aliases, flatten: bool) -> list[tuple[Owners, Aliases]]:
+    """Split into flat parameters: one per (dtype, requires_grad), or one per parameter without flattening."""
+    keys: dict[object, int] = {}
+    groups: list[tuple[Owners, Aliases]] = []
+    where: list[tuple[int, int]] = []  # owner index -> (group, index inside group)
+    for i, (loc, p) in enumerate(owners):
+        key: object = (p.dtype, p.requires_grad) if flatten else i
+        if key not in keys:
+            keys[key] = len(groups)
+            groups.append(([], []))
+        g = keys[key]
+        where.append((g, len(groups[g][0])))
+        groups[g][0].append((loc, p))
+    for loc, i in aliases:
+        g, j = where[i]
+        groups[g][1].append((loc, j))
+    return groups
+
+
+def _compute_device(owners: Owners, policies: FSDPPolicies) -> torch.device:
+    if policies.offload.compute_device is not None:
+        return policies.offload.compute_device
+    device = owners[0][1].device if owners else torch.device("cpu")
+    if policies.offload.offload_params and device.type == "cpu" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+class ParamGroup:
+    """The flat parameters of one wrapped unit and the operations the runtime applies to all of them."""
+
+    def __init__(
+        self,
+        owner: nn.Module,
+        handles: list[FlatParamHandle],
+        group: GroupLike,
+        world_size: int,
+        policies: FSDPPolicies,
+    ) -> None:
+        self.owner = owner
+        self.handles = handles
+        self.group = group
+        self.world_size = world_size
+        self.policies = policies
+        self._summoned: Optional[list[tuple[torch.Tensor, list[nn.Parameter]]]] = None
+
+    @classmethod
+    def build(
+        cls,
+        owner: nn.Module,
+        module: nn.Module,
+        group: GroupLike,
+        rank: int,
+        world_size: int,
+        policies: FSDPPolicies,
+        is_unit: Callable[[nn.Module], bool],
+        label: str,
+    ) -> ParamGroup:
+        """Shard ``module``'s parameters and register the shards on ``owner`` as ``flat_param_<i>``.
+
+        Everything that can fail (dtypes, devices, shapes differing across ranks) is checked before the first
+        change, so a failed wrap leaves the model as it was.
+        """
+        owners, aliases = collect_params(module, is_unit)
+        _validate(owners, policies)
+        check_same_across_ranks(owners, aliases, group, rank)
+        compute_device = _compute_device(owners, policies)
+        handles = []
+        with torch.no_grad():
+            for i, (g_owners, g_aliases) in enumerate(
+                _group_by_kind(owners, aliases, policies.sharding.flatten_parameters)
+            ):
+                meta = build_meta(g_owners, g_aliases, world_size, rank)
+                full = meta.flatten([p for _, p in g_owners], device=g_owners[0][1].device)
+                shard_device = torch.device("cpu") if policies.offload.offload_params else full.device
+                shard = nn.Parameter(meta.local_shard(full).to(shard_device, copy=True), meta.requires_grad)
+                dtype = policies.mixed_precision.param_dtype or meta.dtype
+                handles.append(
+                    FlatParamHandle(
+                        meta,
+                        f"flat_param_{i}",
+                        shard,
+                        [(loc.module, loc.attr) for loc, _ in g_owners],
+                        [(loc.module, loc.attr) for loc, _ in g_aliases],
+                        compute_device,
+                        dtype,
+                        f"{label}.flat_param_{i}" if label else f"flat_param_{i}",
+                    )
+                )
+        for loc, _ in owners:
+            loc.module._parameters.pop(loc.attr, None)
+        for loc, _ in aliases:
+            loc.module._parameters.pop(loc.attr, None)
+        for handle in handles:
+            owner.register_parameter(handle.name, handle.shard)
+        return cls(owner, handles, group, world_size, policies)
+
+    # ------------------------------------------------------------------ forward / backward
+    def unshard(self) -> None:
+        for handle in self.handles:
+            handle.unshard(self.group)
+
+    def use_views(self) -> None:
+        for handle in self.handles:
+            handle.use_views()
+
+    def reshard(self) -> None:
+        for handle in self.handles:
+            handle.drop_views()
+            handle.reshard()
+
+    def is_unsharded(self) -> bool:
+        return any(h.is_unsharded for h in self.handles)
+
+    def post_backward(self, handle: FlatParamHandle, sync_grads: bool) -> None:
+        """Reduce (or, under ``no_sync``, accumulate) one flat parameter's full gradient, then free it."""
+        grad = handle.take_full_grad()
+        if sync_grads:
+            handle.reduce_grad(grad, self.group, self.world_size, self.policies.mixed_precision.reduce_dtype)
+        elif grad is not None:
+            handle.accumulate_unsynced(grad)
+        handle.drop_views()
+        handle.reshard()
+
+    def finish_backward(self, sync_grads: bool) -> None:
+        """End of backward: reduce gradients left from ``no_sync`` steps, wait for reductions, free everything."""
+        for handle in self.handles:
+            if sync_grads and handle.grad_accum is not None:
+                handle.reduce_grad(None, self.group, self.world_size, self.policies.mixed_precision.reduce_dtype)
+            handle.finish_reduce()
+            if handle.full is not None:
+                handle.full.grad = None
+        self.reshard()
+
+    def unsharded_bytes(self) -> int:
+        """Bytes held by full parameter copies right now (zero once every flat parameter is resharded)."""
+        return sum(h.unsharded_bytes() for h in self.handles)
+
+    # ------------------------------------------------------------------ summon_full_params
+    def summon(self) -> None:
+        """Register the original parameters as ``nn.Parameter`` views of a full-precision gathered copy."""
+        self.reshard()
+        summoned = []
+        for handle in self.handles:
+            shard = handle.shard.detach()
+            full = torch.empty(handle.meta.padded_numel, dtype=shard.dtype, device=handle.compute_device)
+            _collectives.all_gather_params(full, shard.to(full.device), self.group, handle.label)
+            params = [nn.Parameter(v, requires_grad=handle.shard.requires_grad) for v in handle.meta.views(full)]
+            self.owner._parameters.pop(handle.name)
+            for (module, attr), param in zip(handle.locations, params):
+                module.register_parameter(attr, param)
+            for (module, attr), info in zip(handle.alias_locations, handle.meta.shared):
+                module._parameters[attr] = params[info.primary]
+            summoned.append((full, params))
+        self._summoned = summoned
+
+    def unsummon(self, writeback: bool) -> None:
+        """Undo :meth:`summon`; with ``writeback`` copy this rank's part of the (edited) values into the shard."""
+        assert self._summoned is not None
+        for handle, (full, params) in zip(self.handles, self._summoned):
+            if writeback:
+                with torch.no_grad():
+                    for (module, attr), info, param in zip(handle.locations, handle.meta.params, params):
+                        current = getattr(module, attr)
+                        if current.data_ptr() != param.data_ptr():  # replaced rather than edited in place
+                            full[info.offset : info.offset + info.numel].copy_(current.reshape(-1))
+                    handle.shard.data.copy_(handle.meta.local_shard(full))
+            for module, attr in handle.locations + handle.alias_locations:
+                module._parameters.pop(attr, None)
+            self.owner.register_parameter(handle.name, handle.shard)
+        self._summoned = None

@@ -1,0 +1,189 @@
+"""The training lifecycle of wrapped units: pre_forward, post_forward, pre_backward, post_backward and the root's
+end-of-backward callback, driven by one explicit state machine.
+
+Per step, for each unit: ``pre_forward`` gathers the full parameters and exposes them as views;
+``post_forward`` frees them (unless backward needs them right away) and hooks the outputs, so that
+``pre_backward`` gathers them again before the unit's gradients are computed; ``post_backward`` fires once per
+flat parameter when autograd has accumulated its full gradient, reduce-scatters it and frees the full copy.
+The root queues ``finish_backward`` with autograd's engine; it waits for the reductions, frees whatever is
+still gathered and returns every unit to IDLE.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Callable, Optional
+
+import torch
+from torch.profiler import record_function
+from torch.utils._pytree import tree_flatten, tree_map
+
+from shardkit.nn.fsdp.handle import FlatParamHandle
+from shardkit.nn.fsdp.param_group import ParamGroup
+from shardkit.nn.fsdp.policies import FSDPPolicies
+
+
+class TrainingState(enum.Enum):
+    """Where a wrapped unit is in the training step."""
+
+    IDLE = enum.auto()
+    FORWARD = enum.auto()
+    BACKWARD_PRE = enum.auto()
+    BACKWARD_POST = enum.auto()
+    SUMMON_FULL_PARAMS = enum.auto()
+
+
+_S = TrainingState
+_IN_BACKWARD = frozenset({_S.BACKWARD_PRE, _S.BACKWARD_POST})
+#: event -> (states it may start from, state it leads to). Every state change goes through :func:`transition`.
+_TRANSITIONS: dict[str, tuple[frozenset[TrainingState], Optional[TrainingState]]] = {
+    # forward inside backward happens when activation checkpointing recomputes a unit; the state is kept.
+    "pre_forward": (frozenset({_S.IDLE}) | _IN_BACKWARD, _S.FORWARD),
+    "post_forward": (frozenset({_S.FORWARD}), None),  # back to the state before pre_forward
+    "pre_backward": (frozenset({_S.IDLE}) | _IN_BACKWARD, _S.BACKWARD_PRE),
+    "post_backward": (frozenset({_S.IDLE}) | _IN_BACKWARD, _S.BACKWARD_POST),
+    "finish_backward": (frozenset({_S.IDLE}) | _IN_BACKWARD, _S.IDLE),
+    "summon": (frozenset({_S.IDLE}), _S.SUMMON_FULL_PARAMS),
+    "unsummon": (frozenset({_S.SUMMON_FULL_PARAMS}), _S.IDLE),
+}
+
+_HINTS = {
+    _S.FORWARD: "it is still inside its forward (a module reached through itself, or backward called inside forward)",
+    _S.SUMMON_FULL_PARAMS: "it is inside summon_full_params(); run forward/backward outside that context",
+    _S.BACKWARD_PRE: "it is inside backward; call this after loss.backward() has returned",
+    _S.BACKWARD_POST: "it is inside backward; call this after loss.backward() has returned",
+    _S.IDLE: "it is idle",
+}
+
+
+class Unit:
+    """Run-time state of one wrapped unit (the module-state layer above :class:`ParamGroup`)."""
+
+    def __init__(self, group: ParamGroup, policies: FSDPPolicies, module_name: str) -> None:
+        self.group = group
+        self.policies = policies
+        #: Readable name for errors: the path from the root, set at lazy init (class name before).
+        self.name = module_name
+        self.state = TrainingState.IDLE
+        self._resume_state: list[TrainingState] = []
+        #: None until the first forward decides; True for the outermost unit of a tree.
+        self.is_root: Optional[bool] = None
+        self.root: Optional[Unit] = None
+        #: Root only: every unit of the tree in pre-order (itself first).
+        self.units: list[Unit] = []
+        #: False inside ``no_sync()``: gradients are accumulated unsharded instead of reduce-scattered.
+        self.sync_grads = True
+        self._callback_queued = False
+        self.cast_inputs: Callable[[Any], Any] = lambda x: x
+        for handle in group.handles:
+            handle.on_grad_ready = self._on_grad_ready
+
+    def transition(self, event: str) -> None:
+        """Apply ``event`` or raise an error naming this unit, its state and what to do."""
+        sources, target = _TRANSITIONS[event]
+        if self.state not in sources:
+            raise RuntimeError(
+                f"FullyShardedDataParallel unit '{self.name}' cannot {event.replace('_', ' ')} while in state "
+                f"{self.state.name}: {_HINTS[self.state]}."
+            )
+        if event == "pre_forward":
+            self._resume_state.append(self.state)
+            self.state = TrainingState.FORWARD
+        elif event == "post_forward":
+            self.state = self._resume_state.pop()
+        elif target is not None:
+            self.state = target
+
+    def assert_state(self, *states: TrainingState) -> None:
+        if self.state not in states:
+            wanted = " or ".join(s.name for s in states)
+            raise RuntimeError(
+                f"unit '{self.name}' is in state {self.state.name}, expected {wanted}: {_HINTS[self.state]}"
+            )
+
+    # ------------------------------------------------------------------ forward
+    def pre_forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        self.transition("pre_forward")
+        if self.is_root:
+            args, kwargs = self.cast_inputs((args, kwargs))
+        with record_function(f"shardkit::fsdp:pre_forward:{self.name}"):
+            self.group.unshard()
+            self.group.use_views()
+        return args, kwargs
+
+    def post_forward(self, output: Any) -> Any:
+        resumed_in_backward = self._resume_state[-1] in _IN_BACKWARD
+        self.transition("post_forward")
+        if resumed_in_backward:
+            return output  # recomputation during backward: the backward hooks own gathering and freeing
+        hooked = self._hook_outputs(output) if torch.is_grad_enabled() else False
+        keep = hooked and (self.is_root or not self.policies.sharding.reshard_after_forward)
+        if not keep:
+            self.group.reshard()
+        return output
+
+    def _hook_outputs(self, output: Any) -> bool:
+        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        for tensor in tensors:
+            tensor.register_hook(self._pre_backward_hook)
+        return bool(tensors)
+
+    # ------------------------------------------------------------------ backward
+    def _pre_backward_hook(self, grad: torch.Tensor) -> torch.Tensor:
+        self.pre_backward()
+        return grad
+
+    def pre_backward(self) -> None:
+        """Gather the parameters again before autograd computes this unit's gradients."""
+        self._queue_finish_backward()
+        if self.state == TrainingState.BACKWARD_PRE and self.group.is_unsharded():
+            return
+        self.transition("pre_backward")
+        with record_function(f"shardkit::fsdp:pre_backward:{self.name}"), torch.enable_grad():
+            self.group.unshard()
+            # Views made with grad enabled, for activation checkpointing that recomputes from the attributes.
+            self.group.use_views()
+
+    def _on_grad_ready(self, handle: FlatParamHandle) -> None:
+        self.post_backward(handle)
+
+    def post_backward(self, handle: FlatParamHandle) -> None:
+        """One flat parameter's full gradient is complete: reduce-scatter it and free the full copy."""
+        self._queue_finish_backward()
+        self.transition("post_backward")
+        with record_function(f"shardkit::fsdp:post_backward:{self.name}"):
+            self.group.post_backward(handle, self.sync_grads)
+
+    def _queue_finish_backward(self) -> None:
+        root = self.root or self
+        if not root._callback_queued:
+            root._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(root.finish_backward)
+
+    def finish_backward(self) -> None:
+        """Root only, at the end of backward: wait for reductions, free full copies, return every unit to IDLE."""
+        self._callback_queued = False
+        stuck = []
+        with record_function("shardkit::fsdp:finish_backward"):
+            for unit in self.units or [self]:
+                if unit.state not in _TRANSITIONS["finish_backward"][0]:
+                    stuck.append(unit)
+                    continue
+                unit.transition("finish_backward")
+                unit.group.finish_backward(unit.sync_grads)
+        if stuck:
+            names = ", ".join(f"'{u.name}' ({u.state.name}: {_HINTS[u.state]})" for u in stuck)
+            raise RuntimeError(
+                f"FullyShardedDataParallel: backward finished but these units did not return to IDLE: {names}"
+            )
+
+
+def make_input_caster(dtype: torch.dtype) -> Callable[[Any], Any]:
+    """A function casting every floating-point tensor in a nested structure to ``dtype``."""
+
+    def cast(tensor: Any) -> Any:
+        if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and tensor.dtype != dtype:
+            return tensor.to(dtype)
+        return tensor
+
+    return lambda tree: tree_map(cast, tree)
