@@ -1,0 +1,15 @@
+"""ZeRO-2 data parallelism: gradients reduced only to the rank that owns their optimizer shard.
+
+- :mod:`~shardkit.nn.sharded_ddp.api` - :class:`ShardedDataParallel`, the public wrapper.
+- :mod:`~shardkit.nn.sharded_ddp.plan` - which gradients travel together (pure, rank-independent).
+- :mod:`~shardkit.nn.sharded_ddp.reducer` - gradient hooks, asynchronous reduces, end-of-backward flush.
+- :mod:`~shardkit.nn.sharded_ddp.startup` - same-model check and rank-0 synchronisation at construction.
+- :mod:`~shardkit.nn.sharded_ddp.comm` - coalesced broadcasts and object gathering.
+- :mod:`~shardkit.nn.sharded_ddp.state_dict` - checkpoint keys without the wrapper's ``module.`` level.
+"""
+
+from shardkit.nn.sharded_ddp.api import ShardedDataParallel
+from shardkit.nn.sharded_ddp.policy import ReducePolicy, SyncPolicy
+from shardkit.nn.sharded_ddp.reducer import RoundStats
+
+__all__ = ["ReducePolicy", "RoundStats", "ShardedDataParallel", "SyncPolicy"]

@@ -1,0 +1,257 @@
+"""``ShardedDataParallel``: data parallelism whose gradients are sharded like the optimizer state (ZeRO-2)."""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Union
+
+import torch
+from torch import nn
+from torch.nn.modules.module import _IncompatibleKeys
+
+from shardkit.distributed.groups import GroupLike, global_rank, group_rank, group_size
+from shardkit.nn.sharded_ddp import state_dict as sd_keys
+from shardkit.nn.sharded_ddp.comm import broadcast_coalesced
+from shardkit.nn.sharded_ddp.policy import ReducePolicy, SyncPolicy
+from shardkit.nn.sharded_ddp.reducer import GradReducer, ReducerState, RoundStats
+from shardkit.nn.sharded_ddp.startup import check_same_model, sync_module_states
+
+if TYPE_CHECKING:
+    from shardkit.optim.oss import OSS
+
+
+def _oss_class() -> type:
+    from shardkit.optim.oss import OSS
+
+    return OSS
+
+
+def _as_sharded_optimizers(sharded_optimizer: Any) -> list[OSS]:
+    """The optimizers as a list, or a TypeError that says to wrap a plain optimizer in OSS."""
+    oss_class = _oss_class()
+    optimizers = list(sharded_optimizer) if isinstance(sharded_optimizer, (list, tuple)) else [sharded_optimizer]
+    if not optimizers:
+        raise ValueError("ShardedDataParallel needs at least one OSS optimizer; got an empty list")
+    for optimizer in optimizers:
+        if isinstance(optimizer, oss_class):
+            continue
+        what = optimizer.__name__ if isinstance(optimizer, type) else type(optimizer).__name__
+        raise TypeError(
+            f"ShardedDataParallel needs sharded optimizers (shardkit.optim.OSS), got {what}: it reduces each "
+            "gradient only to the rank that updates that parameter, which only OSS knows. Wrap your optimizer, "
+            "e.g. OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1), and pass that (or a list of them)."
+        )
+    return optimizers
+
+
+def _members(group: GroupLike) -> tuple[int, ...]:
+    return tuple(global_rank(group, i) for i in range(group_size(group)))
+
+
+def _common_group(process_group: Optional[GroupLike], optimizers: Sequence[OSS]) -> GroupLike:
+    """The group to reduce over: the optimizers' group, which ``process_group`` must match when given."""
+    members = _members(optimizers[0].group)
+    for index, optimizer in enumerate(optimizers[1:], start=1):
+        if _members(optimizer.group) != members:
+            raise ValueError(
+                f"sharded optimizer {index} shards over ranks {list(_members(optimizer.group))} but optimizer 0 "
+                f"over {list(members)}; every OSS given to one ShardedDataParallel must use the same group"
+            )
+    if process_group is None:
+        return optimizers[0].group
+    if _members(process_group) != members:
+        raise ValueError(
+            f"process_group holds ranks {list(_members(process_group))} but the OSS optimizers shard over ranks "
+            f"{list(members)}: gradients must be reduced within the optimizers' group. Pass the same group to "
+            "both (or leave process_group=None to use the optimizers' group)."
+        )
+    return process_group
+
+
+def _owner_map(optimizers: Sequence[OSS]) -> dict[torch.Tensor, int]:
+    """Owner rank of every trainable parameter of every optimizer; the optimizers must not share parameters."""
+    owner_of: dict[torch.Tensor, int] = {}
+    for index, optimizer in enumerate(optimizers):
+        for p, owner in optimizer.param_to_rank.items():
+            if p in owner_of:
+                raise ValueError(
+                    f"a parameter of shape {list(p.shape)} is held by sharded optimizer {index} and an earlier "
+                    "one; give each OSS its own parameters"
+                )
+            owner_of[p] = owner
+    return owner_of
+
+
+class ShardedDataParallel(nn.Module):
+    """Wrap a model so that each gradient is reduced only to the rank whose OSS shard updates it (ZeRO-2).
+
+    During backward every gradient is averaged over the group with an asynchronous ``reduce`` to its owner,
+    small gradients packed into flat buffers of up to ``reduce_buffer_size`` bytes; the reduces overlap the rest
+    of the backward pass, and when ``loss.backward()`` returns the owners hold averaged gradients while every
+    other rank has ``.grad = None``, so gradients take ~1/world_size of their usual memory. ``optimizer.step()``
+    then updates each shard and broadcasts it.
+
+    Args:
+        module: the model, identical on every rank (checked at construction).
+        sharded_optimizer: one :class:`~shardkit.optim.OSS`, or a list of them over disjoint parameters.
+        process_group: group to reduce over; defaults to the optimizers' group (and must match it).
+        broadcast_buffers: copy rank 0's buffers to every rank at each forward, as torch DDP does.
+        sync_models_at_startup: copy rank 0's parameters and buffers to every rank at construction. The shapes
+            are always checked first: ranks that built different models fail here, on every rank.
+        reduce_buffer_size: bytes of one flat buffer of small gradients (0: every gradient reduced alone).
+        auto_refresh_trainable: detect ``requires_grad`` changes at forward and call :meth:`refresh_trainable`.
+        reduce_fp16: reduce fp32 gradients as fp16 (half the bytes, lower precision).
+
+    Semantics worth knowing:
+
+    - A parameter that got no gradient on some ranks (unused in their forward) counts as zero there; one that
+      got no gradient on any rank keeps ``.grad = None`` and is skipped by the optimizer, exactly like torch
+      DDP with ``find_unused_parameters=True``. Every rank must run a backward that reaches at least one
+      parameter held by the optimizers.
+    - Call ``zero_grad()`` after each ``step()``: a gradient left from a synced step is counted again as a local
+      contribution. Use :meth:`no_sync` to accumulate gradients over several backward passes.
+    - ``requires_grad`` changes must be made on every rank alike.
+    - ``state_dict()`` keys are the wrapped model's own keys (torch DDP would prefix them with ``module.``), so
+      checkpoints move freely between wrapped and plain models; ``load_state_dict`` also accepts a torch DDP
+      checkpoint whose keys all carry the ``module.`` prefix.
+
+    Example::
+
+        model = MyModel().to(device)
+        optimizer = OSS(model.parameters(), optim=torch.optim.AdamW, lr=1e-3)
+        model = ShardedDataParallel(model, optimizer)
+        for inputs, targets in data:
+            loss_fn(model(inputs), targets).backward()
+            optimizer.step()
+            model.zero_grad()
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        sharded_optimizer: Union[OSS, Sequence[OSS]],
+        process_group: Optional[GroupLike] = None,
+        broadcast_buffers: bool = True,
+        sync_models_at_startup: bool = True,
+        reduce_buffer_size: int = 2**23,
+        auto_refresh_trainable: bool = True,
+        reduce_fp16: bool = False,
+    ) -> None:
+        super().__init__()
+        # Everything that can reject the input runs before the first collective or change.
+        optimizers = _as_sharded_optimizers(sharded_optimizer)
+        group = _common_group(process_group, optimizers)
+        owner_of = _owner_map(optimizers)
+        self.reduce_policy = ReducePolicy(bucket_bytes=reduce_buffer_size, reduce_fp16=reduce_fp16)
+        self.sync_policy = SyncPolicy(broadcast_buffers, sync_models_at_startup, auto_refresh_trainable)
+        check_same_model(module, group)
+
+        self.module = module
+        self.sharded_optimizers = optimizers
+        self.process_group = group
+        self.dp_rank = group_rank(group)
+        self.dp_size = group_size(group)
+        self._no_sync = False
+        self._reducer = GradReducer(group, self.reduce_policy)
+        if self.sync_policy.sync_models_at_startup:
+            sync_module_states(module, group, self._chunk_bytes)
+        self._trainable_flags = self._current_trainable_flags()
+        self._plan(owner_of)
+        sd_keys.install(self)
+
+    @property
+    def _chunk_bytes(self) -> int:
+        return self.reduce_policy.bucket_bytes or 2**23
+
+    @property
+    def reduce_stats(self) -> Optional[RoundStats]:
+        """What the last synchronised backward pass launched (None before the first one)."""
+        return self._reducer.last_round
+
+    def _current_trainable_flags(self) -> tuple[bool, ...]:
+        return tuple(p.requires_grad for p in self.module.parameters())
+
+    def _plan(self, owner_of: Mapping[torch.Tensor, int]) -> None:
+        """Hook the trainable parameters held by the optimizers, in reverse registration order."""
+        planned: list[torch.Tensor] = []
+        orphans: list[str] = []
+        for name, p in self.module.named_parameters():
+            if not p.requires_grad:
+                continue
+            if p in owner_of:
+                planned.append(p)
+            else:
+                orphans.append(name)
+        if orphans:
+            warnings.warn(
+                f"ShardedDataParallel: {len(orphans)} parameter(s) require grad but no sharded optimizer holds "
+                f"them ({', '.join(orphans[:5])}{', ...' if len(orphans) > 5 else ''}); their gradients are "
+                "neither reduced nor freed. Pass them to an OSS, or set requires_grad=False.",
+                stacklevel=3,
+            )
+        self._reducer.rebuild(planned[::-1], owner_of)
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        """Run the wrapped module, after refreshing trainability and syncing buffers as configured."""
+        if self._reducer.state is not ReducerState.IDLE:
+            raise RuntimeError(
+                "ShardedDataParallel: forward called while the previous backward pass is still reducing (did it "
+                "raise?). Gradients are inconsistent across ranks; restart from a checkpoint."
+            )
+        if self.sync_policy.auto_refresh_trainable and self._current_trainable_flags() != self._trainable_flags:
+            self.refresh_trainable()
+        if self.sync_policy.broadcast_buffers:
+            self.sync_buffers()
+        self._reducer.sync_enabled = not self._no_sync
+        return self.module(*inputs, **kwargs)
+
+    def refresh_trainable(self) -> None:
+        """Re-partition the optimizers and re-plan the reduction after ``requires_grad`` changed.
+
+        Called automatically at forward with ``auto_refresh_trainable=True``; call it yourself otherwise.
+        """
+        if self._reducer.state is not ReducerState.IDLE:
+            raise RuntimeError("ShardedDataParallel.refresh_trainable cannot run during a backward pass")
+        for optimizer in self.sharded_optimizers:
+            optimizer.refresh_trainable()
+        self._trainable_flags = self._current_trainable_flags()
+        self._plan(_owner_map(self.sharded_optimizers))
+
+    def sync_buffers(self) -> None:
+        """Copy rank 0's buffers (BatchNorm statistics, ...) to every rank."""
+        buffers = [b.detach() for b in self.module.buffers()]
+        broadcast_coalesced(buffers, 0, self.process_group, self._chunk_bytes, "sdp_buffers")
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally: backward passes of forwards run inside this block communicate nothing.
+
+        The next backward of a forward run outside the block reduces the accumulated sum. Non-owners keep full
+        gradients while accumulating, so memory is that of plain DDP until the synced step.
+
+        Example::
+
+            with model.no_sync():
+                loss_fn(model(x0), y0).backward()
+            loss_fn(model(x1), y1).backward()  # reduces the sum of both
+            optimizer.step()
+        """
+        previous = self._no_sync
+        self._no_sync = True
+        try:
+            yield
+        finally:
+            self._no_sync = previous
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset the wrapped model's gradients (dropping them, by default)."""
+        self.module.zero_grad(set_to_none=set_to_none)
+
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> _IncompatibleKeys:
+        """Load the wrapped model's state (its own keys; a torch DDP checkpoint's ``module.`` keys also work)."""
+        expected = set(self.module.state_dict().keys())
+        return super().load_state_dict(sd_keys.strip_ddp_prefix(state_dict, expected), strict=strict, assign=assign)

@@ -1,0 +1,55 @@
+"""The settings of :class:`~shardkit.nn.sharded_ddp.ShardedDataParallel`, grouped by the piece that reads them.
+
+The public constructor keeps fairscale's flat keyword arguments; it translates them at once into these frozen
+dataclasses, validated here, so the internals never see the loose flags.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ReducePolicy:
+    """How gradients travel to their owners.
+
+    Attributes:
+        bucket_bytes: upper bound of one flat buffer that packs several gradients bound for the same owner rank
+            into one reduce (``reduce_buffer_size``). 0 reduces every gradient on its own.
+        reduce_fp16: send fp32 gradients as fp16 (half the bytes, about three decimal digits of precision).
+    """
+
+    bucket_bytes: int = 2**23
+    reduce_fp16: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.bucket_bytes, int) or self.bucket_bytes < 0:
+            raise ValueError(
+                f"reduce_buffer_size must be a non-negative number of bytes, got {self.bucket_bytes!r}; "
+                "use 0 to reduce every gradient on its own"
+            )
+
+    def wire_dtype(self, grad_dtype: torch.dtype) -> torch.dtype:
+        """The dtype a gradient of ``grad_dtype`` is reduced in."""
+        if self.reduce_fp16 and grad_dtype == torch.float32:
+            return torch.float16
+        return grad_dtype
+
+
+@dataclass(frozen=True)
+class SyncPolicy:
+    """What is kept identical across ranks besides gradients.
+
+    Attributes:
+        broadcast_buffers: copy rank 0's buffers (for example BatchNorm statistics) to every rank at the start
+            of each forward, as torch DDP does.
+        sync_models_at_startup: copy rank 0's parameters and buffers to every rank at construction.
+        auto_refresh_trainable: look for ``requires_grad`` changes at every forward and re-plan the reduction
+            when one is found (costs one pass over the parameters per forward).
+    """
+
+    broadcast_buffers: bool = True
+    sync_models_at_startup: bool = True
+    auto_refresh_trainable: bool = True

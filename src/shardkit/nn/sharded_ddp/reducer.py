@@ -1,0 +1,256 @@
+"""Reducing each gradient to the rank that owns it, overlapped with the backward pass.
+
+Lifecycle of one synchronised backward pass (a *round*):
+
+1. ``post_accumulate_grad`` hook of a planned parameter fires: its gradient is final. The first hook of the
+   round queues :meth:`GradReducer._end_of_backward` on the autograd engine. The gradient is divided by the
+   world size and either packed into its unit's flat buffer (a non-owner frees ``.grad`` at once) or kept to be
+   reduced in place.
+2. Units are launched (asynchronous ``reduce`` to the owner) strictly in plan order, each as soon as it and all
+   units before it are complete. Every rank follows the same plan, so the collectives match across ranks even
+   when gradients become ready in a different order.
+3. At the end of backward, units with parameters that got no gradient on this rank are filled (a gradient
+   accumulated earlier under ``no_sync`` counts, otherwise zeros) and launched; one small all-reduce counts,
+   per parameter, the ranks that contributed a gradient. After waiting for everything, owners write the
+   averaged gradient into ``.grad``, or leave ``.grad`` None for a parameter no rank produced a gradient for
+   (what torch DDP does with ``find_unused_parameters=True``); non-owners are left with ``.grad = None``.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from shardkit.distributed import collectives
+from shardkit.distributed.groups import GroupLike, group_rank, group_size
+from shardkit.nn.sharded_ddp.plan import ReduceUnit, plan_reduction
+from shardkit.nn.sharded_ddp.policy import ReducePolicy
+
+
+class ReducerState(enum.Enum):
+    """IDLE between backward passes; REDUCING from the first gradient hook of a synced backward to its end."""
+
+    IDLE = enum.auto()
+    REDUCING = enum.auto()
+
+
+@dataclass
+class RoundStats:
+    """What the last synchronised backward pass did (for tests and profiling)."""
+
+    launched_during_backward: int = 0
+    launched_at_end: int = 0
+    bytes_reduced: int = 0
+
+
+class _UnitRound:
+    """The per-round state of one :class:`ReduceUnit`."""
+
+    def __init__(self, unit: ReduceUnit) -> None:
+        self.unit = unit
+        self.ready = [False] * len(unit.params)
+        self.pending = len(unit.params)
+        self.tensor: Optional[torch.Tensor] = None  # what is reduced: a flat buffer, or the gradient itself
+        self.handle: Optional[collectives.Handle] = None
+        self.released = False
+
+
+class GradReducer:
+    """Hooks a model's trainable parameters and reduces their gradients to their owner ranks.
+
+    ``rebuild`` (re)plans the units and (re)registers the hooks; ``sync_enabled`` is set by the wrapper at every
+    forward (False under ``no_sync``). With a group of one rank nothing is hooked: gradients are already final.
+    """
+
+    def __init__(self, group: GroupLike, policy: ReducePolicy) -> None:
+        self.group = group
+        self.dp_rank = group_rank(group)
+        self.dp_size = group_size(group)
+        self.policy = policy
+        self.sync_enabled = True
+        self.state = ReducerState.IDLE
+        self.last_round: Optional[RoundStats] = None
+        self.units: list[ReduceUnit] = []
+        self._slot_of: dict[torch.Tensor, tuple[int, int]] = {}
+        self._flag_of: dict[torch.Tensor, int] = {}
+        self._hooks: list[RemovableHandle] = []
+        self._round: list[_UnitRound] = []
+        self._contributed: list[bool] = []
+        self._next_launch = 0
+        self._next_release = 0
+        self._stats = RoundStats()
+
+    # ----------------------------------------------------------------------------------------------- planning
+    def rebuild(self, params: Sequence[torch.Tensor], owner_of: Mapping[torch.Tensor, int]) -> None:
+        """Plan the units for ``params`` (in expected gradient order) and hook them; drops the previous plan."""
+        self._expect_idle("re-plan the gradient reduction")
+        self.remove_hooks()
+        if self.dp_size == 1:
+            self.units = []
+            return
+        self.units = plan_reduction(params, owner_of, self.policy)
+        self._slot_of = {}
+        self._flag_of = {}
+        for unit_index, unit in enumerate(self.units):
+            for member, p in enumerate(unit.params):
+                self._slot_of[p] = (unit_index, member)
+                self._flag_of[p] = len(self._flag_of)
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+
+    def remove_hooks(self) -> None:
+        """Detach every gradient hook (the model then trains without any reduction)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+    def _expect_idle(self, action: str) -> None:
+        if self.state is not ReducerState.IDLE:
+            raise RuntimeError(
+                f"ShardedDataParallel cannot {action} while a backward pass is reducing gradients; do it "
+                "between optimizer steps (after loss.backward() has returned)."
+            )
+
+    # ------------------------------------------------------------------------------------------- backward pass
+    def _begin_round(self) -> None:
+        self.state = ReducerState.REDUCING
+        self._round = [_UnitRound(unit) for unit in self.units]
+        self._contributed = [False] * len(self._flag_of)
+        self._next_launch = 0
+        self._next_release = 0
+        self._stats = RoundStats()
+        engine: Any = torch.autograd.Variable._execution_engine
+        engine.queue_callback(self._end_of_backward)
+
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        if not self.sync_enabled:
+            return  # no_sync: the gradient keeps accumulating locally
+        if self.state is ReducerState.IDLE:
+            self._begin_round()
+        unit_index, member = self._slot_of[param]
+        unit_round = self._round[unit_index]
+        if unit_round.ready[member]:
+            raise RuntimeError(
+                "ShardedDataParallel saw the same parameter's gradient twice in one backward pass. Reentrant "
+                "activation checkpointing is not supported: use torch.utils.checkpoint(..., use_reentrant=False)."
+            )
+        grad = param.grad
+        if grad is not None and (grad.is_sparse or grad.requires_grad):
+            raise RuntimeError(
+                "ShardedDataParallel reduces dense gradients that do not require grad: sparse gradients and "
+                "backward(create_graph=True) are not supported."
+            )
+        self._take(unit_round, member)
+        if unit_round.pending == 0:
+            self._launch_ready()
+        self._release_completed()
+
+    def _take(self, unit_round: _UnitRound, member: int) -> None:
+        """Record ``member``'s final local gradient (None counts as zero) in its unit, pre-divided."""
+        unit = unit_round.unit
+        p = unit.params[member]
+        grad = p.grad
+        self._contributed[self._flag_of[p]] = grad is not None
+        if unit.packed:
+            if unit_round.tensor is None:
+                unit_round.tensor = torch.empty(unit.numel, dtype=unit.wire_dtype, device=p.device)
+            view = unit_round.tensor[unit.offsets[member] : unit.offsets[member] + p.numel()].view(p.shape)
+            if grad is None:
+                view.zero_()
+            else:
+                view.copy_(grad)
+                view.div_(self.dp_size)
+                if unit.owner != self.dp_rank:
+                    p.grad = None  # its value now lives in the bucket
+        elif grad is None:
+            unit_round.tensor = torch.zeros_like(p, memory_format=torch.contiguous_format)
+        else:
+            unit_round.tensor = grad if grad.is_contiguous() else grad.contiguous()
+            unit_round.tensor.div_(self.dp_size)
+        unit_round.ready[member] = True
+        unit_round.pending -= 1
+
+    def _launch_ready(self) -> None:
+        """Launch, in plan order, every unit whose gradients are all recorded and whose predecessors launched."""
+        while self._next_launch < len(self._round) and self._round[self._next_launch].pending == 0:
+            self._launch(self._round[self._next_launch])
+            self._next_launch += 1
+            self._stats.launched_during_backward += 1
+
+    def _launch(self, unit_round: _UnitRound) -> None:
+        unit = unit_round.unit
+        assert unit_round.tensor is not None
+        label = f"sdp_grad_bucket{len(unit.params)}" if len(unit.params) > 1 else "sdp_grad"
+        unit_round.handle = collectives.reduce(
+            unit_round.tensor, unit.owner, group=self.group, async_op=True, label=label
+        )
+        self._stats.bytes_reduced += unit.nbytes
+
+    def _release_completed(self) -> None:
+        """Free non-owned gradients whose reduce already finished, without waiting for the others."""
+        while self._next_release < self._next_launch:
+            unit_round = self._round[self._next_release]
+            assert unit_round.handle is not None
+            if not unit_round.handle.is_completed():
+                return
+            self._release(unit_round)
+            self._next_release += 1
+
+    def _release(self, unit_round: _UnitRound) -> None:
+        unit = unit_round.unit
+        if unit_round.released or unit.owner == self.dp_rank:
+            return
+        if not unit.packed:
+            unit.params[0].grad = None
+        unit_round.tensor = None
+        unit_round.released = True
+
+    def _end_of_backward(self) -> None:
+        """Queued on the autograd engine: flush, wait, and leave owners with averaged gradients."""
+        try:
+            for unit_round in self._round[self._next_launch :]:
+                for member, done in enumerate(unit_round.ready):
+                    if not done:
+                        self._take(unit_round, member)
+                self._launch(unit_round)
+                self._stats.launched_at_end += 1
+            self._next_launch = len(self._round)
+            device = self.units[0].params[0].device
+            counts = torch.tensor(self._contributed, dtype=torch.int32, device=device)
+            collectives.all_reduce(counts, group=self.group, label="sdp_used_flags")
+            for unit_round in self._round:
+                assert unit_round.handle is not None
+                unit_round.handle.wait()
+            used = [c > 0 for c in counts.tolist()]
+            for unit_round in self._round:
+                self._release(unit_round)
+                if unit_round.unit.owner == self.dp_rank:
+                    self._write_owned(unit_round, used)
+            self.last_round = self._stats
+        finally:
+            self._round = []
+            self.state = ReducerState.IDLE
+
+    def _write_owned(self, unit_round: _UnitRound, used: list[bool]) -> None:
+        unit = unit_round.unit
+        reduced = unit_round.tensor
+        assert reduced is not None
+        for member, p in enumerate(unit.params):
+            if not used[self._flag_of[p]]:
+                p.grad = None  # no rank produced a gradient: leave it untouched by the optimizer, like DDP
+                continue
+            if unit.packed:
+                value = reduced[unit.offsets[member] : unit.offsets[member] + p.numel()].view(p.shape)
+            else:
+                value = reduced
+            if p.grad is None and not unit.packed:
+                p.grad = value
+            elif p.grad is None:
+                p.grad = torch.empty_like(p)
+                p.grad.copy_(value)
+            elif p.grad is not value:
+                p.grad.copy_(value)
