@@ -23,7 +23,15 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from shardkit.distributed.dummy import DummyProcessGroup
-from shardkit.distributed.groups import GroupLike, global_rank, group_size, resolve_group
+from shardkit.distributed.groups import (
+    GroupLike,
+    all_gather_flat,
+    global_rank,
+    group_size,
+    reduce_scatter_flat,
+    resolve_group,
+)
+from shardkit.distributed.health import explain_failure, verify_matching
 
 
 @dataclass
@@ -117,13 +125,17 @@ def comm_delay(latency_s: float = 0.0, bytes_per_s: Optional[float] = None) -> I
 class Handle:
     """A pending collective. ``wait()`` blocks until it has completed (and its simulated delay elapsed)."""
 
-    def __init__(self, work: Optional[Any] = None, ready_at: float = 0.0) -> None:
+    def __init__(self, work: Optional[Any] = None, ready_at: float = 0.0, what: str = "") -> None:
         self._work = work
         self._ready_at = ready_at
+        self._what = what
 
     def wait(self) -> None:
         if self._work is not None:
-            self._work.wait()
+            try:
+                self._work.wait()
+            except Exception as err:
+                raise explain_failure(err, self._what) from err
             self._work = None
         remaining = self._ready_at - time.perf_counter()
         if remaining > 0:
@@ -139,15 +151,23 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def _issue(op: str, label: str, nbytes: int, wire: float, async_op: bool, run: Any) -> Handle:
+def _issue(
+    op: str, label: str, tensor: torch.Tensor, group: GroupLike, wire: float, async_op: bool, run: Any
+) -> Handle:
+    verify_matching(group, op, label, tensor)
+    nbytes = _nbytes(tensor)
     meter = _METER.get()
     if meter is not None:
         meter.record(op, nbytes, wire)
     link = _LINK.get()
     ready_at = link.finish_time(wire) if link is not None else 0.0
-    with record_function(f"shardkit::{op}:{label}" if label else f"shardkit::{op}"):
-        work = run()
-    handle = Handle(work, ready_at)
+    name = f"shardkit::{op}:{label}" if label else f"shardkit::{op}"
+    with record_function(name):
+        try:
+            work = run()
+        except Exception as err:
+            raise explain_failure(err, name) from err
+    handle = Handle(work, ready_at, name)
     if not async_op:
         handle.wait()
     return handle
@@ -180,7 +200,8 @@ def all_reduce(
     return _issue(
         "all_reduce",
         label,
-        nbytes,
+        tensor,
+        group,
         2 * (n - 1) / n * nbytes,
         async_op,
         lambda: dist.all_reduce(tensor, op=op, group=group, async_op=True),
@@ -203,7 +224,8 @@ def broadcast(
     return _issue(
         "broadcast",
         label,
-        nbytes,
+        tensor,
+        group,
         nbytes,
         async_op,
         lambda: dist.broadcast(tensor, src=src, group=group, async_op=True),  # type: ignore[arg-type]
@@ -227,7 +249,8 @@ def reduce(
     return _issue(
         "reduce",
         label,
-        nbytes,
+        tensor,
+        group,
         nbytes,
         async_op,
         lambda: dist.reduce(tensor, dst=dst, op=op, group=group, async_op=True),  # type: ignore[arg-type]
@@ -251,10 +274,11 @@ def all_gather_into_tensor(
     return _issue(
         "all_gather",
         label,
-        nbytes,
+        output,
+        group,
         (n - 1) / n * nbytes,
         async_op,
-        lambda: dist.all_gather_into_tensor(output, shard, group=group, async_op=True),
+        lambda: all_gather_flat(output, shard, group=group, async_op=True),
     )
 
 
@@ -276,10 +300,11 @@ def reduce_scatter_tensor(
     return _issue(
         "reduce_scatter",
         label,
-        nbytes,
+        full,
+        group,
         (n - 1) / n * nbytes,
         async_op,
-        lambda: dist.reduce_scatter_tensor(output, full, op=op, group=group, async_op=True),
+        lambda: reduce_scatter_flat(output, full, op=op, group=group, async_op=True),
     )
 
 
@@ -290,7 +315,8 @@ def send(tensor: torch.Tensor, dst: int, group: Optional[GroupLike] = None, labe
     return _issue(
         "send",
         label,
-        nbytes,
+        tensor,
+        group,
         nbytes,
         True,
         lambda: dist.isend(tensor, dst=dst, group=group),  # type: ignore[arg-type]
@@ -303,7 +329,8 @@ def recv(tensor: torch.Tensor, src: int, group: Optional[GroupLike] = None, labe
     return _issue(
         "recv",
         label,
-        _nbytes(tensor),
+        tensor,
+        group,
         0,
         True,
         lambda: dist.irecv(tensor, src=src, group=group),  # type: ignore[arg-type]

@@ -10,6 +10,11 @@ from shardkit.distributed.dummy import DummyProcessGroup
 
 GroupLike = Union[dist.ProcessGroup, DummyProcessGroup]
 
+# torch 2.13 renamed the tensor-in/tensor-out collectives (``*_single``) and deprecated the old names; older
+# releases (shardkit supports torch>=2.4) only have the old ones.
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def is_dummy(group: Optional[GroupLike]) -> bool:
     """True for a :class:`DummyProcessGroup`."""

@@ -21,6 +21,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from shardkit.distributed.health import report_failure
+
 #: Default seconds a distributed test may run before it is declared hung.
 DEFAULT_TIMEOUT_S = float(os.environ.get("SHARDKIT_TEST_TIMEOUT", "180"))
 #: Seconds the surviving ranks get to report after one rank failed, before they are killed.
@@ -68,7 +70,8 @@ def _worker(
         )
         value = fn(rank, world_size, *args, **kwargs)
         results.put((rank, "ok", value))
-    except BaseException:
+    except BaseException as err:
+        report_failure(err)  # lets the other ranks' collective errors name this rank
         results.put((rank, "error", traceback.format_exc()))
         return
     with contextlib.suppress(Exception):
