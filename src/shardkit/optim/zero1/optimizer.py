@@ -102,6 +102,7 @@ class OSS(Optimizer):
         self._optim_defaults = dict(defaults)
         self._consolidated: Optional[dict[int, Any]] = None
         self._partition = Partition.build(self.param_groups, self.world_size)
+        self._param_to_rank = self._partition.param_to_rank()
         self.optim: Optimizer = self._make_local_optim(self._partition)
         self.state = self.optim.state
         self._synced: list[dict[str, Any]] = [{} for _ in self.param_groups]
@@ -114,8 +115,12 @@ class OSS(Optimizer):
     # ----------------------------------------------------------------- partition
     @property
     def param_to_rank(self) -> dict[torch.Tensor, int]:
-        """Owner rank (within ``group``) of every parameter that requires grad, over all param groups."""
-        return self._partition.param_to_rank()
+        """Owner rank (within ``group``) of every parameter that requires grad, over all param groups.
+
+        Computed once per partition (treat it as read-only); it changes only through :meth:`refresh_trainable`,
+        :meth:`add_param_group`, or ``step()`` noticing a ``requires_grad`` change.
+        """
+        return self._param_to_rank
 
     def partition_parameters(self) -> list[list[dict[str, Any]]]:
         """Per rank, its param groups: one per global group, holding only the parameters that rank owns."""
@@ -158,6 +163,7 @@ class OSS(Optimizer):
         kept = exchange_moved_state(self.optim, self._partition, new, self.rank, self.group)
         load_shard(local, new, self.rank, kept)
         self._partition, self.optim = new, local
+        self._param_to_rank = new.param_to_rank()
         self.state = local.state
         self._synced = [{} for _ in self.param_groups]
         self._sync_param_groups()
