@@ -175,7 +175,23 @@ def test_clip_grad_norm_single_rank(norm_type: float) -> None:
     for m in (model, ref):
         m(torch.ones(3, 8)).pow(2).sum().mul(10).backward()
     expected = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5, norm_type)
-    got = opt.clip_grad_norm(0.5, norm_type)
+    got = opt.clip_grad_norm(0.5, norm_type, filter_params_fn=lambda ps: ps)
     assert torch.allclose(got, expected, rtol=1e-6)
     for p, q in zip(model.parameters(), ref.parameters()):
         assert torch.allclose(p.grad, q.grad, rtol=1e-6, atol=1e-9)
+    first = next(model.parameters())
+    only_first = opt.clip_grad_norm(1e9, norm_type, filter_params_fn=lambda ps: ps[:1])
+    assert torch.allclose(only_first, torch.linalg.vector_norm(first.grad, norm_type), rtol=1e-6)
+
+
+def test_dummy_group_of_four_shows_the_sharding() -> None:
+    model = tiny_model("lm")
+    opt = OSS(model.parameters(), optim=torch.optim.AdamW, group=DummyProcessGroup(rank=1, size=4), lr=1e-2)
+    assert (opt.rank, opt.world_size, opt.global_rank) == (1, 4, 1)
+    per_rank = opt.partition_parameters()
+    assert len(per_rank) == 4 and all(len(groups) == 1 for groups in per_rank)
+    local = [p for g in opt.optim.param_groups for p in g["params"]]
+    assert [id(p) for p in local] == [id(p) for p in per_rank[1][0]["params"]]
+    assert set(opt.param_to_rank.values()) == {0, 1, 2, 3}
+    sizes = [sum(p.numel() for p in groups[0]["params"]) for groups in per_rank]
+    assert max(sizes) - min(sizes) <= max(p.numel() for p in model.parameters())

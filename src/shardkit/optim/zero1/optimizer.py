@@ -9,7 +9,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch.optim import Optimizer
 
-from shardkit.distributed.groups import GroupLike, group_rank, group_size, resolve_group
+from shardkit.distributed.groups import GroupLike, global_rank, group_rank, group_size, resolve_group
 from shardkit.optim.zero1.broadcast import BroadcastBucket, broadcast_params, plan_buckets
 from shardkit.optim.zero1.clip import sharded_clip_grad_norm
 from shardkit.optim.zero1.comm import gather_obj
@@ -97,6 +97,7 @@ class OSS(Optimizer):
         self.group: GroupLike = resolved
         self.rank: int = group_rank(resolved)
         self.world_size: int = group_size(resolved)
+        self.global_rank: int = global_rank(resolved, self.rank)
         self.broadcast_fp16 = broadcast_fp16
         self._optim_cls = optim
         self._optim_defaults = dict(defaults)
@@ -219,14 +220,24 @@ class OSS(Optimizer):
             broadcast_params(self._buckets, self.rank, self.group)
         return loss
 
-    def clip_grad_norm(self, max_norm: Union[float, int], norm_type: Union[float, int, str] = 2.0) -> torch.Tensor:
+    def clip_grad_norm(
+        self,
+        max_norm: Union[float, int],
+        norm_type: Union[float, int, str] = 2.0,
+        filter_params_fn: Optional[Callable[[list[torch.Tensor]], list[torch.Tensor]]] = None,
+    ) -> torch.Tensor:
         """Clip gradients by the norm of the whole model's gradients and return that norm.
 
         Equivalent to ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)`` on the full
         model, but each rank reads only the gradients it owns; only those are scaled (the others are not used by
-        ``step()``). Call on every rank, after gradients are reduced (and unscaled, with AMP).
+        ``step()``). ``filter_params_fn``, given this rank's parameters, returns those to count (for example to
+        leave out expert parameters that have their own clipping). Call on every rank, after gradients are
+        reduced (and unscaled, with AMP).
         """
-        owned = [p.grad for p in self._partition.owned(self.rank, trainable_only=True) if p.grad is not None]
+        params = self._partition.owned(self.rank, trainable_only=True)
+        if filter_params_fn is not None:
+            params = list(filter_params_fn(params))
+        owned = [p.grad for p in params if p.grad is not None]
         device = self._partition.params[0].device
         return sharded_clip_grad_norm(owned, float(max_norm), float(norm_type), self.group, device)
 
