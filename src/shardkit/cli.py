@@ -5,6 +5,7 @@ Examples::
     shardkit demo                      # train the demo LM with every available strategy, 2 local processes
     shardkit bench                     # every benchmark suite
     shardkit bench zero --steps 20     # one suite, more steps
+    shardkit bench zero --strategies ddp,oss_sdp --json out.json   # suite options are passed through
 """
 
 from __future__ import annotations
@@ -29,7 +30,11 @@ def _build_parser() -> argparse.ArgumentParser:
 
     from shardkit.bench import SUITES
 
-    bench = commands.add_parser("bench", help="run benchmark suites side by side and print tables")
+    bench = commands.add_parser(
+        "bench",
+        help="run benchmark suites side by side and print tables",
+        epilog="Other options (for example zero's --strategies and --json) are passed on to the suites.",
+    )
     bench.add_argument("suites", nargs="*", metavar="SUITE", help=f"suites to run (default all: {', '.join(SUITES)})")
     bench.add_argument("--world-size", type=int, default=None, help="worker processes (default 2)")
     bench.add_argument("--steps", type=int, default=None, help="timed steps")
@@ -52,7 +57,9 @@ def _forwarded(args: argparse.Namespace, options: tuple[str, ...]) -> list[str]:
 def main(argv: Optional[list[str]] = None) -> int:
     """Run the ``shardkit`` command with ``argv`` (default: the process's arguments); returns the exit status."""
     parser = _build_parser()
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    args, extra = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    if extra and args.command != "bench":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "demo":
         from shardkit.demo.train import main as demo_main
 
@@ -61,7 +68,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     from shardkit.bench import UnknownSuiteError, run_suites
 
     try:
-        failures = run_suites(args.suites, _forwarded(args, ("world-size", "steps", "warmup", "quick")))
+        failures = run_suites(args.suites, _forwarded(args, ("world-size", "steps", "warmup", "quick")) + extra)
     except UnknownSuiteError as exc:
         parser.error(str(exc))
     return 1 if failures else 0

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 import traceback
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -48,6 +49,14 @@ def _short_error(exc: BaseException) -> str:
     frames = traceback.extract_tb(exc.__traceback__)
     where = f" at {frames[-1].filename.rsplit('/', 1)[-1]}:{frames[-1].lineno}" if frames else ""
     return f"{type(exc).__name__}: {exc}{where}".replace("\n", " ")
+
+
+def quiet_torch_deprecations() -> None:
+    """Hide torch's "`torch.distributed.X` is deprecated" FutureWarnings in worker output (one per rank and op).
+
+    They concern which torch API a strategy calls, not the run; the demo's table should not drown in them.
+    """
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
 
 
 def _sync_device(model: nn.Module) -> None:

@@ -22,7 +22,14 @@ import torch.distributed as dist
 from shardkit.bench import strategies as registry
 from shardkit.bench.memory import format_bytes
 from shardkit.bench.report import format_table, ratio, unavailable_lines, write_json
-from shardkit.bench.runner import Combined, LiveStrategy, StrategyResult, agree_on_failures, combine_all
+from shardkit.bench.runner import (
+    Combined,
+    LiveStrategy,
+    StrategyResult,
+    agree_on_failures,
+    combine_all,
+    quiet_torch_deprecations,
+)
 from shardkit.demo.task import MarkovTask
 from shardkit.launch import launch_local
 from shardkit.testing.models import LMConfig, TransformerLM
@@ -51,6 +58,7 @@ def _batch_seed(seed: int, rank: int, step: int) -> int:
 
 def _worker(settings: ZeroSettings) -> list[StrategyResult]:
     """One rank: build every strategy, train them interleaved, return their measurements."""
+    quiet_torch_deprecations()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     task = MarkovTask.create(settings.lm.vocab_size, seed=settings.seed)

@@ -24,7 +24,14 @@ import torch.distributed as dist
 from shardkit.bench import strategies as registry
 from shardkit.bench.memory import format_bytes
 from shardkit.bench.report import format_table, ratio, unavailable_lines, write_json
-from shardkit.bench.runner import Combined, LiveStrategy, StrategyResult, agree_on_failures, combine_all
+from shardkit.bench.runner import (
+    Combined,
+    LiveStrategy,
+    StrategyResult,
+    agree_on_failures,
+    combine_all,
+    quiet_torch_deprecations,
+)
 from shardkit.demo.task import MarkovTask, uniform_loss
 from shardkit.launch import launch_local
 from shardkit.testing.models import LMConfig, TransformerLM
@@ -114,6 +121,7 @@ def _progress(name: str, total: int, rank: int) -> Any:
 
 def _worker(settings: DemoSettings) -> list[StrategyResult]:
     """One rank: train every strategy in turn and return their measurements."""
+    quiet_torch_deprecations()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     task = MarkovTask.create(settings.lm.vocab_size, settings.branching, seed=settings.task_seed)
