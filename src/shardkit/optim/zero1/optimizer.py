@@ -138,7 +138,6 @@ class OSS(Optimizer):
         Optimizer state of parameters that change owner moves to the new owner, so nothing is lost. ``step()``
         also does this by itself when it notices the change.
         """
-        self._sync_param_groups()
         self._repartition()
 
     def _trainable_changed(self) -> bool:
@@ -157,6 +156,7 @@ class OSS(Optimizer):
         return self._optim_cls(groups, **self._optim_defaults)
 
     def _repartition(self, force: bool = False) -> None:
+        self._sync_param_groups()  # keep pending edits of either side: the new local optimizer starts from ours
         new = Partition.build(self.param_groups, self.world_size)
         if not force and new.same_layout(self._partition):
             return
@@ -177,7 +177,6 @@ class OSS(Optimizer):
         if not getattr(self, "_ready", False):
             return  # called from Optimizer.__init__: the partition is built once all groups are in
         try:
-            self._sync_param_groups()
             self._repartition(force=True)
         except Exception:
             self.param_groups.pop()
