@@ -3,11 +3,13 @@ bytes travel, and what is synchronised. All checks run in one 2-rank launch."""
 
 from __future__ import annotations
 
+import copy
+import warnings
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from sdp_testlib import batch, tiny_model
+from sdp_testlib import average_grads, batch, tiny_model
 
 from shardkit.distributed import count_comm_bytes
 from shardkit.nn import ShardedDataParallel
@@ -86,8 +88,29 @@ def _startup_and_buffers(rank: int) -> dict[str, Any]:
     }
 
 
+def _rewrap(rank: int) -> dict[str, Any]:
+    """Wrapping the same model again unhooks the first wrapper, so gradients are reduced once, not twice."""
+    model = tiny_model("nested")
+    reference = copy.deepcopy(model)
+    ShardedDataParallel(model, OSS(model.parameters(), lr=0.1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        oss = OSS(model.parameters(), lr=0.1)
+        sdp = ShardedDataParallel(model, oss)
+    _backward(sdp, rank, name="nested")
+    x, y = batch("nested", reference, rank, 0)
+    loss_for("nested", reference(x), y).backward()
+    average_grads(reference)
+    owned = [(p, q) for p, q in zip(model.parameters(), reference.parameters()) if oss.param_to_rank[p] == rank]
+    return {
+        "warned": any("already wrapped" in str(w.message) for w in caught),
+        "grad_diff": max((p.grad - q.grad).abs().max().item() for p, q in owned),
+    }
+
+
 def _suite(rank: int, world_size: int) -> dict[str, Any]:
     return {
+        "rewrap": _rewrap(rank),
         "memory": _gradient_memory(rank),
         "no_sync": _no_sync_is_silent(rank),
         "fp16": _fp16_reduction(rank),
@@ -115,3 +138,5 @@ def test_behaviour_on_two_ranks() -> None:
         assert fp16["rel_err"] < 5e-3, fp16
 
         assert result["startup"] == {"params_equal": True, "buffers_from_rank0": True}
+
+        assert result["rewrap"]["warned"] and result["rewrap"]["grad_diff"] < 1e-7, result["rewrap"]

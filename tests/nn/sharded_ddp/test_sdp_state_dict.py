@@ -83,3 +83,12 @@ def test_single_rank_dummy_group_trains_like_the_plain_model() -> None:
             opt.step()
             opt.zero_grad()
     assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), model.parameters()))
+
+
+def test_zero_grad_drops_or_zeroes_the_wrapped_models_gradients() -> None:
+    wrapped = _wrap(NestedWrappedModule())
+    wrapped(torch.randn(2, 8)).sum().backward()
+    wrapped.zero_grad(set_to_none=False)
+    assert all(p.grad is not None and not p.grad.any() for p in wrapped.parameters())
+    wrapped.zero_grad()
+    assert all(p.grad is None for p in wrapped.parameters())

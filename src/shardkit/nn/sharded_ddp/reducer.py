@@ -19,6 +19,8 @@ Lifecycle of one synchronised backward pass (a *round*):
 from __future__ import annotations
 
 import enum
+import warnings
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -30,6 +32,9 @@ from shardkit.distributed import collectives
 from shardkit.distributed.groups import GroupLike, group_rank, group_size
 from shardkit.nn.sharded_ddp.plan import ReduceUnit, plan_reduction
 from shardkit.nn.sharded_ddp.policy import ReducePolicy
+
+#: Attribute naming, on each hooked parameter, the reducer that hooks it (a weak reference).
+_REDUCER_ATTR = "_shardkit_sdp_reducer"
 
 
 class ReducerState(enum.Enum):
@@ -93,6 +98,7 @@ class GradReducer:
         if self.dp_size == 1:
             self.units = []
             return
+        self._take_over(params)
         self.units = plan_reduction(params, owner_of, self.policy)
         self._slot_of = {}
         self._flag_of = {}
@@ -102,11 +108,26 @@ class GradReducer:
                 self._flag_of[p] = len(self._flag_of)
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
 
+    def _take_over(self, params: Sequence[torch.Tensor]) -> None:
+        """Unhook an earlier reducer of these same parameters: two live wrappers would reduce every gradient twice."""
+        for p in params:
+            previous = getattr(p, _REDUCER_ATTR, None)
+            prior = previous() if previous is not None else None
+            if prior is not None and prior is not self and p in prior._slot_of:
+                prior.remove_hooks()
+                warnings.warn(
+                    "ShardedDataParallel: this model was already wrapped by another ShardedDataParallel; the earlier "
+                    "wrapper's gradient hooks were removed (it no longer reduces anything). Use the new wrapper.",
+                    stacklevel=5,
+                )
+            setattr(p, _REDUCER_ATTR, weakref.ref(self))
+
     def remove_hooks(self) -> None:
         """Detach every gradient hook (the model then trains without any reduction)."""
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        self._slot_of = {}
 
     def _expect_idle(self, action: str) -> None:
         if self.state is not ReducerState.IDLE:
@@ -161,11 +182,13 @@ class GradReducer:
             view = unit_round.tensor[unit.offsets[member] : unit.offsets[member] + p.numel()].view(p.shape)
             if grad is None:
                 view.zero_()
+            elif grad.dtype == view.dtype:
+                torch.div(grad, self.dp_size, out=view)  # copy and average in one pass
             else:
-                view.copy_(grad)
+                view.copy_(grad)  # convert first, then divide, as torch's fp16 compression hook does
                 view.div_(self.dp_size)
-                if unit.owner != self.dp_rank:
-                    p.grad = None  # its value now lives in the bucket
+            if grad is not None and unit.owner != self.dp_rank:
+                p.grad = None  # its value now lives in the bucket
         elif grad is None:
             unit_round.tensor = torch.zeros_like(p, memory_format=torch.contiguous_format)
         else:
