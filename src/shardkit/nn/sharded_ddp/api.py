@@ -161,6 +161,14 @@ class ShardedDataParallel(nn.Module):
         self._plan(owner_of)
         sd_keys.install(self)
 
+    def extra_repr(self) -> str:
+        policy = self.reduce_policy
+        return (
+            f"dp_size={self.dp_size}, optimizers={len(self.sharded_optimizers)}, "
+            f"reduce_buffer_size={policy.bucket_bytes}, reduce_fp16={policy.reduce_fp16}, "
+            f"reduce_units={len(self._reducer.units)}"
+        )
+
     @property
     def _chunk_bytes(self) -> int:
         return self.reduce_policy.bucket_bytes or 2**23
