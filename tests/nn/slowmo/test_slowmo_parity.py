@@ -26,7 +26,7 @@ CASES = [
     Case("localsgd_slowmo_sharded", localsgd_frequency=2, memory_efficient=True, **SLOW),  # type: ignore[arg-type]
     Case("localsgd_slowmo_3shards", localsgd_frequency=2, memory_efficient=True, num_shards=3, **SLOW),  # type: ignore[arg-type]
     Case("localsgd_slowmo_offgrid", localsgd_frequency=3, **SLOW),  # type: ignore[arg-type]
-    Case("sgp_pushsum_npdde", algorithm="sgp"),
+    Case("sgp_pushsum_default_graph", algorithm="sgp", graph="default"),
     Case("sgp_pushsum_ring", algorithm="sgp", graph="ring"),
     Case("sgp_pushsum_bipartite", algorithm="sgp", graph="bipartite_exp"),
     Case("sgp_pushsum_npdde2", algorithm="sgp", graph="npdde2"),

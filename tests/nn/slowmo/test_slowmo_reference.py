@@ -60,6 +60,7 @@ class SkewedMixing(MixingManager):
 
 
 GRAPHS: dict[str, Callable[[int, int], GraphManager]] = {
+    "default": lambda r, n: NPeerDynamicDirectedExponentialGraph(r, n),
     "npdde": lambda r, n: NPeerDynamicDirectedExponentialGraph(r, n),
     "npdde2": lambda r, n: NPeerDynamicDirectedExponentialGraph(r, n, peers_per_itr=2 if n > 2 else 1),
     "ring": lambda r, n: RingGraph(r, n),
@@ -103,7 +104,7 @@ class Case:
             overlap=self.overlap,
             slowmo_sgp_average_params=self.average_params,
         )
-        if self.algorithm == "sgp" and num_nodes > 1:
+        if self.algorithm == "sgp" and num_nodes > 1 and self.graph != "default":
             graph = GRAPHS[self.graph](node_rank, num_nodes)
             kwargs["graph"] = graph
             kwargs["mixing"] = SkewedMixing(graph) if self.skewed else UniformMixing(graph)
