@@ -68,7 +68,8 @@ def name_keys_without_wrapper_level(module: nn.Module, incompatible_keys: Any) -
 def install(module: nn.Module) -> None:
     """Register the three hooks on the wrapper ``module``."""
     module._register_state_dict_hook(strip_wrapper_level)
-    module.register_load_state_dict_pre_hook(add_wrapper_level)
+    # The private spelling exists in every torch >= 2.0; the public one arrived later.
+    module._register_load_state_dict_pre_hook(add_wrapper_level, with_module=True)
     module.register_load_state_dict_post_hook(name_keys_without_wrapper_level)
 
 
