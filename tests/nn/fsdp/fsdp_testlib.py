@@ -139,3 +139,48 @@ def run_parity(
         assert n == n2
         torch.testing.assert_close(b2, b, atol=1e-5, rtol=1e-5)
     return losses
+
+
+def average_grads(model: nn.Module, skip: tuple[nn.Parameter, ...] = ()) -> None:
+    """What DDP does after backward, written out: average every gradient over the world."""
+    ids = {id(p) for p in skip}
+    for p in model.parameters():
+        if p.grad is not None and id(p) not in ids and dist.get_world_size() > 1:
+            p.grad.div_(dist.get_world_size())
+            dist.all_reduce(p.grad)
+
+
+def train_side_by_side(
+    rank: int,
+    factory: Callable[[Callable[[nn.Module], nn.Module]], nn.Module],
+    loss_fn: Callable[[nn.Module, int], torch.Tensor],
+    steps: int = 3,
+    momentum: float = 0.9,
+    **fsdp_kwargs: Any,
+) -> tuple[nn.Module, FSDP]:
+    """Train ``factory(identity)`` with hand-averaged gradients and ``FSDP(factory(wrap))`` side by side.
+
+    ``factory(wrap)`` must build the same model every call, applying ``wrap`` to the pieces to nest;
+    ``loss_fn(model, step)`` runs forward (and anything unusual: two passes, a shared module...) and returns
+    the loss. Asserts the losses agree at every step; returns both models for further checks.
+    """
+    torch.manual_seed(0)
+    ref = factory(lambda m: m)
+    torch.manual_seed(0)
+    fsdp = FSDP(factory(lambda m: FSDP(m, **fsdp_kwargs)), **fsdp_kwargs)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=LR, momentum=momentum)
+    opt = torch.optim.SGD(fsdp.parameters(), lr=LR, momentum=momentum)
+    for i in range(steps):
+        torch.manual_seed(100 * i + rank)
+        opt_ref.zero_grad()
+        ref_loss = loss_fn(ref, i)
+        ref_loss.backward()
+        average_grads(ref)
+        opt_ref.step()
+        torch.manual_seed(100 * i + rank)
+        opt.zero_grad()
+        loss = loss_fn(fsdp, i)
+        loss.backward()
+        opt.step()
+        torch.testing.assert_close(loss.detach(), ref_loss.detach(), atol=1e-5, rtol=1e-5)
+    return ref, fsdp

@@ -36,6 +36,7 @@ class FlatParamHandle:
         compute_device: torch.device,
         compute_dtype: torch.dtype,
         label: str,
+        follow_shard_device: bool = False,
     ) -> None:
         self.meta = meta
         #: Attribute name of :attr:`shard` on the FullyShardedDataParallel instance, e.g. ``flat_param_0``.
@@ -47,6 +48,9 @@ class FlatParamHandle:
         self.compute_device = compute_device
         self.compute_dtype = compute_dtype
         self.label = label
+        #: Gather onto wherever the shard lives (no offload, no explicit compute device), so ``model.to(device)``
+        #: after wrapping moves computation too.
+        self.follow_shard_device = follow_shard_device
         self.full: Optional[torch.Tensor] = None
         self.is_unsharded = False
         #: Unsharded gradient summed locally under ``no_sync`` (master dtype), reduced at the next synced backward.
@@ -75,6 +79,8 @@ class FlatParamHandle:
         """All-gather the full flat parameter in the compute dtype onto the compute device."""
         if self.is_unsharded:
             return
+        if self.follow_shard_device:
+            self.compute_device = self.shard.device
         full = self._alloc_full()
         local = self.shard.detach().to(self.compute_device, self.compute_dtype, non_blocking=True)
         _collectives.all_gather_params(full.data, local, group, self.label)
@@ -152,6 +158,10 @@ class FlatParamHandle:
                 self.shard.grad = grad_shard
             else:
                 self.shard.grad.add_(grad_shard)
+        self._pending.clear()
+
+    def abandon_reduce(self) -> None:
+        """Drop started reductions without applying them (after a failed backward)."""
         self._pending.clear()
 
     def has_pending_reduce(self) -> bool:

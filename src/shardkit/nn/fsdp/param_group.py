@@ -184,6 +184,8 @@ class ParamGroup:
                         compute_device,
                         dtype,
                         f"{label}.flat_param_{i}" if label else f"flat_param_{i}",
+                        follow_shard_device=not policies.offload.offload_params
+                        and policies.offload.compute_device is None,
                     )
                 )
         for loc, _ in owners:
@@ -227,6 +229,14 @@ class ParamGroup:
             if sync_grads and handle.grad_accum is not None:
                 handle.reduce_grad(None, self.group, self.world_size, self.policies.mixed_precision.reduce_dtype)
             handle.finish_reduce()
+            if handle.full is not None:
+                handle.full.grad = None
+        self.reshard()
+
+    def abandon_backward(self) -> None:
+        """Forget a backward pass that failed midway: pending reductions, full gradients, gathered copies."""
+        for handle in self.handles:
+            handle.abandon_reduce()
             if handle.full is not None:
                 handle.full.grad = None
         self.reshard()

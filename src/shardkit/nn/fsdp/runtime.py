@@ -103,6 +103,13 @@ class Unit:
 
     # ------------------------------------------------------------------ forward
     def pre_forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if self.is_root and self._callback_queued and not _in_backward():
+            self._abandon_backward()
+        if self.state in _IN_BACKWARD and not _in_backward():
+            raise RuntimeError(
+                f"FullyShardedDataParallel unit '{self.name}' is in state {self.state.name} outside backward: a "
+                "backward pass through it did not finish. Run forward through the root instance."
+            )
         self.transition("pre_forward")
         if self.is_root:
             args, kwargs = self.cast_inputs((args, kwargs))
@@ -160,6 +167,14 @@ class Unit:
             root._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(root.finish_backward)
 
+    def _abandon_backward(self) -> None:
+        """A backward pass raised before its end callback ran: drop its leftovers so training can go on."""
+        self._callback_queued = False
+        for unit in self.units or [self]:
+            unit.group.abandon_backward()
+            unit.state = TrainingState.IDLE
+            unit._resume_state.clear()
+
     def finish_backward(self) -> None:
         """Root only, at the end of backward: wait for reductions, free full copies, return every unit to IDLE."""
         self._callback_queued = False
@@ -176,6 +191,11 @@ class Unit:
             raise RuntimeError(
                 f"FullyShardedDataParallel: backward finished but these units did not return to IDLE: {names}"
             )
+
+
+def _in_backward() -> bool:
+    """True while autograd's engine is running a backward pass on this thread."""
+    return bool(torch._C._current_graph_task_id() != -1)
 
 
 def make_input_caster(dtype: torch.dtype) -> Callable[[Any], Any]:
