@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 from oss_testlib import average_grads, batch, ddp_pair, max_param_diff, same_state, tiny_model, train_steps
 
 from shardkit.distributed import count_comm_bytes
@@ -82,3 +83,32 @@ def test_add_param_group_and_fp16_broadcast(world_size: int) -> None:
         assert 1e-6 < result["fp16=True_diff"] <= 2e-3  # rounded on receivers, not drifting apart
         assert result["byte_ratio"] == pytest.approx(0.5)
         assert result["all_ranks_state"] == 1.0
+
+
+def _subgroups(rank: int, world_size: int) -> dict[str, float]:
+    """Two independent OSS instances on process groups {0, 1} and {2, 3}: group ranks map to global ranks."""
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mine = groups[rank // 2]
+    model, ref = tiny_model("nested"), tiny_model("nested")
+    opt = OSS(model.parameters(), optim=torch.optim.SGD, group=mine, lr=0.05, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+
+    def average_in_group(m: torch.nn.Module) -> None:
+        for p in m.parameters():
+            dist.all_reduce(p.grad, group=mine)
+            p.grad.div_(2)
+
+    for m, o in ((model, opt), (ref, ref_opt)):
+        train_steps("nested", m, o, rank, range(2), after_backward=lambda m=m: average_in_group(m))
+    opt.consolidate_state_dict(recipient_rank=1)
+    out = {"diff": max_param_diff(model, ref), "group_rank": float(opt.rank), "global_rank": float(opt.global_rank)}
+    if opt.rank == 1:
+        out["state_matches"] = float(same_state(opt.state_dict(), ref_opt.state_dict()))
+    return out
+
+
+def test_oss_on_subgroups() -> None:
+    results = run_distributed(_subgroups, 4)
+    assert [(r["group_rank"], r["global_rank"]) for r in results] == [(0, 0), (1, 1), (0, 2), (1, 3)]
+    assert all(r["diff"] <= 1e-6 for r in results)
+    assert [r.get("state_matches") for r in results] == [None, 1.0, None, 1.0]
