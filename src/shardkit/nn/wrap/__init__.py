@@ -17,6 +17,12 @@ Example::
         tfmr = auto_wrap(torch.nn.Transformer(num_encoder_layers=2, num_decoder_layers=2), min_num_params=1e6)
 """
 
+import sys
+import types
+from typing import Any
+
+from torch import nn
+
 from shardkit.nn.wrap.context import WrapConfig, auto_wrap, current_wrap_config, enable_wrap, wrap
 from shardkit.nn.wrap.policies import (
     DEFAULT_EXCLUDE_WRAP_MODULES,
@@ -42,3 +48,19 @@ __all__ = [
     "transformer_auto_wrap_policy",
     "wrap",
 ]
+
+
+class _CallableWrapModule(types.ModuleType):
+    """This package, callable as :func:`wrap`.
+
+    ``shardkit.nn`` exports the function ``wrap`` lazily, but once this package is imported Python binds the
+    attribute ``shardkit.nn.wrap`` to the package itself, so ``from shardkit.nn import wrap`` returns the package.
+    Making the package callable keeps ``wrap(module)`` working whichever object that import returns (fairscale
+    users write both ``from fairscale.nn import wrap`` and ``from fairscale.nn.wrap import wrap``).
+    """
+
+    def __call__(self, module: nn.Module, **wrap_overrides: Any) -> nn.Module:
+        return wrap(module, **wrap_overrides)
+
+
+sys.modules[__name__].__class__ = _CallableWrapModule
