@@ -1,0 +1,93 @@
+"""Model and pipeline parallelism with the SageMaker ``smp`` API, over plain ``torch.distributed``.
+
+Scripts written for ``smdistributed.modelparallel.torch`` move over by changing the import; everything runs
+wherever torchrun runs (gloo on CPU, NCCL on GPU).
+
+Example::
+
+    import shardkit.modelparallel as smp
+
+    smp.init({"partitions": 2, "microbatches": 4, "pipeline": "interleaved"})
+    model = smp.DistributedModel(Net())
+    optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+
+    @smp.step
+    def train_step(model, x, y):
+        loss = F.cross_entropy(model(x), y)
+        model.backward(loss)
+        return loss
+
+    for x, y in loader:
+        optimizer.zero_grad()
+        loss = train_step(model, x, y).reduce_mean()
+        optimizer.step()
+
+Pieces: :mod:`~shardkit.modelparallel.state` (``init``, rank helpers), :mod:`~.model` (``DistributedModel``),
+:mod:`~.step` (``step``, ``StepOutput``), :mod:`~.partition` (``smp.partition``), :mod:`~.auto_partition`,
+:mod:`~.plan` and :mod:`~.runtime` (how a partitioned forward runs), :mod:`~.pipeline_parallel` (schedules),
+:mod:`~.pp_communications` (send/recv), :mod:`~.grad_sync`, :mod:`~.optimizer`, :mod:`~.checkpoint`, :mod:`~.amp`.
+"""
+
+from shardkit.modelparallel import amp
+from shardkit.modelparallel.auto_partition import Placement
+from shardkit.modelparallel.checkpoint import load, save
+from shardkit.modelparallel.config import ModelParallelConfig
+from shardkit.modelparallel.model import DistributedModel
+from shardkit.modelparallel.optimizer import DistributedOptimizer
+from shardkit.modelparallel.partition import partition
+from shardkit.modelparallel.partitioner import plan_partition
+from shardkit.modelparallel.state import (
+    barrier,
+    dp_rank,
+    dp_size,
+    get_dp_group,
+    get_dp_process_group,
+    get_mp_group,
+    get_mp_process_group,
+    get_world_process_group,
+    init,
+    is_initialized,
+    local_rank,
+    local_size,
+    mp_rank,
+    mp_size,
+    pp_rank,
+    pp_size,
+    rank,
+    reset,
+    size,
+)
+from shardkit.modelparallel.step import StepOutput, step
+
+__all__ = [
+    "DistributedModel",
+    "DistributedOptimizer",
+    "ModelParallelConfig",
+    "Placement",
+    "StepOutput",
+    "amp",
+    "barrier",
+    "dp_rank",
+    "dp_size",
+    "get_dp_group",
+    "get_dp_process_group",
+    "get_mp_group",
+    "get_mp_process_group",
+    "get_world_process_group",
+    "init",
+    "is_initialized",
+    "load",
+    "local_rank",
+    "local_size",
+    "mp_rank",
+    "mp_size",
+    "partition",
+    "plan_partition",
+    "pp_rank",
+    "pp_size",
+    "rank",
+    "reset",
+    "save",
+    "size",
+    "step",
+]

@@ -1,0 +1,66 @@
+"""``smp.amp.GradScaler``: torch's loss scaler, with the overflow check agreed by every rank.
+
+Each stage only sees its own gradients, so one stage can overflow while the others do not. After unscaling,
+the found-inf flags are all-reduced (max) over the world, so every stage and replica skips or takes the step
+together and keeps the same scale.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from shardkit.distributed import DummyProcessGroup
+from shardkit.distributed import collectives as C
+from shardkit.modelparallel import state as smp_state
+
+
+class GradScaler(torch.amp.GradScaler):
+    """``torch.amp.GradScaler`` whose inf/NaN check spans every stage and replica.
+
+    Example::
+
+        scaler = smp.amp.GradScaler()
+
+        @smp.step
+        def train_step(model, x, y):
+            with torch.autocast("cuda"):
+                loss = loss_fn(model(x), y)
+            model.backward(scaler.scale(loss))
+            return loss
+
+        train_step(model, x, y)
+        scaler.step(optimizer)
+        scaler.update()
+    """
+
+    def __init__(
+        self,
+        device: Optional[str] = None,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+    ) -> None:
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        super().__init__(device, init_scale, growth_factor, backoff_factor, growth_interval, enabled)
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Unscale this rank's gradients, then agree on overflow with every other rank."""
+        super().unscale_(optimizer)
+        if not self._enabled:
+            return
+        per_device = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+        if not per_device:  # a stage without gradients still votes, and step() needs one entry
+            assert self._scale is not None
+            per_device[self._scale.device] = torch.zeros((), dtype=torch.float32, device=self._scale.device)
+        flags = list(per_device.values())
+        found = torch.stack([f.to(flags[0].device) for f in flags]).amax()
+        group = smp_state.current().world_group if smp_state.is_initialized() else None
+        if group is not None and not isinstance(group, DummyProcessGroup) and dist.get_world_size(group) > 1:
+            C.all_reduce(found, op=dist.ReduceOp.MAX, group=group, label="smp_amp_found_inf")
+        for flag in flags:
+            flag.copy_(found.to(flag.device))

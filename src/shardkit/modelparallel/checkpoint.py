@@ -1,0 +1,146 @@
+"""State dicts across stages, and ``smp.save`` / ``smp.load``.
+
+A *partial* state dict holds what one stage holds (marked ``_smp_is_partial``); a *full* one is the model's
+ordinary ``state_dict`` (same keys and order as the unwrapped module), so it loads into a plain torch model.
+Full dicts are built by gathering the partial ones over the replica's stages; a tensor several stages hold
+(tied or replicated) is taken from the lowest stage holding it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from collections.abc import Mapping
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardkit.distributed import DummyProcessGroup, GroupLike
+from shardkit.modelparallel import state as smp_state
+
+PARTIAL_KEY = "_smp_is_partial"
+
+
+def state_key_map(module: nn.Module) -> dict[str, str]:
+    """Every ``state_dict`` key of ``module`` -> the canonical name of its tensor (tied names share one)."""
+    canonical: dict[int, str] = {}
+    alias: dict[str, str] = {}
+    for name, tensor in [
+        *module.named_parameters(remove_duplicate=False),
+        *module.named_buffers(remove_duplicate=False),
+    ]:
+        canonical.setdefault(id(tensor), name)
+        alias[name] = canonical[id(tensor)]
+    return {key: alias.get(key, key) for key in module.state_dict()}
+
+
+def is_partial(state_dict: Mapping[str, Any]) -> bool:
+    """True for a dict made by ``local_state_dict()``."""
+    return bool(state_dict.get(PARTIAL_KEY, False))
+
+
+def all_gather_objects(obj: Any, group: GroupLike) -> list[Any]:
+    """Every member's ``obj``, in group-rank order (just ``[obj]`` in a single process)."""
+    if isinstance(group, DummyProcessGroup):
+        return [obj]
+    size = dist.get_world_size(group)
+    if size == 1:
+        return [obj]
+    gathered: list[Any] = [None] * size
+    dist.all_gather_object(gathered, obj, group=group)
+    return gathered
+
+
+def to_cpu(value: Any) -> Any:
+    """``value`` with every tensor detached and on the CPU (for pickling across ranks and for files)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return type(value)((k, to_cpu(v)) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return type(value)(to_cpu(v) for v in value)
+    return value
+
+
+def merge_model_partials(partials: list[Mapping[str, Any]], key_order: list[str]) -> OrderedDict[str, Any]:
+    """One full model state dict from every stage's partial one (lowest stage wins for shared keys)."""
+    merged: OrderedDict[str, Any] = OrderedDict()
+    missing = []
+    for key in key_order:
+        for partial in partials:
+            if key in partial:
+                merged[key] = partial[key]
+                break
+        else:
+            missing.append(key)
+    if missing:
+        raise KeyError(f"no stage's partial state dict holds {missing[:5]}{'...' if len(missing) > 5 else ''}")
+    return merged
+
+
+def merge_optimizer_partials(partials: list[Mapping[str, Any]]) -> dict[str, Any]:
+    """One full optimizer state dict (torch format) from every stage's partial one."""
+    state: dict[int, Any] = {}
+    for partial in partials:
+        for index, value in partial["state"].items():
+            state.setdefault(int(index), value)
+    return {"state": dict(sorted(state.items())), "param_groups": partials[0]["param_groups"]}
+
+
+def _path(f: str, partial: bool) -> str:
+    if not isinstance(f, (str, os.PathLike)):
+        raise TypeError(f"smp.save/smp.load take a file name (str), got {type(f).__name__}")
+    if not partial:
+        return os.fspath(f)
+    return f"{os.fspath(f)}_{smp_state.mp_rank() if smp_state.is_initialized() else 0}"
+
+
+def save(
+    obj: Any, f: str, partial: bool = True, pickle_module: Any = None, pickle_protocol: int = 2, **kwargs: Any
+) -> None:
+    """Save ``obj`` like ``torch.save``; with ``partial=True`` each stage writes its own ``f"{f}_{mp_rank}"``.
+
+    With ``partial=False`` only stage 0 writes ``f`` (the stages hold the same full object). Call it on the
+    ranks with ``dp_rank() == 0``.
+
+    Example::
+
+        if smp.dp_rank() == 0:
+            smp.save({"model": model.local_state_dict()}, "ckpt.pt", partial=True)
+    """
+    path = _path(f, partial)
+    if not partial and smp_state.is_initialized() and smp_state.mp_rank() != 0:
+        return
+    extra: dict[str, Any] = {"pickle_protocol": pickle_protocol, **kwargs}
+    if pickle_module is not None:
+        extra["pickle_module"] = pickle_module
+    torch.save(to_cpu(obj), path, **extra)
+
+
+def load(
+    f: str,
+    map_location: Any = None,
+    pickle_module: Any = None,
+    partial: bool = True,
+    weights_only: Optional[bool] = None,
+    **pickle_load_args: Any,
+) -> Any:
+    """Load what :func:`save` wrote; with ``partial=True`` each stage reads its own ``f"{f}_{mp_rank}"``.
+
+    Example::
+
+        checkpoint = smp.load("ckpt.pt", partial=True)
+        model.load_state_dict(checkpoint["model"])
+    """
+    path = _path(f, partial)
+    if not os.path.exists(path):
+        hint = " (partial checkpoints are one file per stage, named <f>_<mp_rank>)" if partial else ""
+        raise FileNotFoundError(f"smp.load: no checkpoint at {path!r}{hint}")
+    extra: dict[str, Any] = dict(pickle_load_args)
+    if pickle_module is not None:
+        extra["pickle_module"] = pickle_module
+    if weights_only is not None:
+        extra["weights_only"] = weights_only
+    return torch.load(path, map_location=map_location, **extra)

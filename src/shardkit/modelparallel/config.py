@@ -1,0 +1,143 @@
+"""The smp configuration: the documented keys, translated at once into one frozen, validated dataclass."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Optional, Union
+
+#: Environment variable holding a JSON config, read by ``smp.init()`` when no config is passed.
+CONFIG_ENV_VAR = "SHARDKIT_SMP_CONFIG"
+
+PIPELINES = ("interleaved", "simple")
+OPTIMIZE = ("speed", "memory")
+PLACEMENTS = ("cluster", "spread")
+
+
+@dataclass(frozen=True)
+class ModelParallelConfig:
+    """How ``smp`` splits the model and the batch; every field is checked when the config is built.
+
+    Example::
+
+        cfg = ModelParallelConfig.from_dict({"partitions": 2, "microbatches": 4, "pipeline": "simple"})
+    """
+
+    partitions: int = 1
+    """Pipeline degree: the number of stages the model is split into (``pipeline_parallel_degree`` also works)."""
+    microbatches: int = 1
+    """Micro-batches per step; the batch size must be divisible by it. 1 means no pipelining."""
+    pipeline: str = "interleaved"
+    """``"interleaved"``: 1F1B, each backward as early as possible; ``"simple"``: all forwards, then all backwards."""
+    auto_partition: bool = True
+    """Trace the model on the first step and balance stages automatically; ``smp.partition`` contexts are ignored."""
+    default_partition: int = 0
+    """With manual partitioning, the stage of modules created outside every ``smp.partition`` context."""
+    optimize: str = "memory"
+    """``"speed"`` or ``"memory"``: only sets the default of ``memory_weight``."""
+    memory_weight: Optional[float] = None
+    """Weight of memory balance versus compute balance in auto-partitioning, in [0, 1]. Default 0.2 for speed,
+    0.8 for memory."""
+    ddp: bool = False
+    """Data parallelism across model replicas (required when the world is larger than ``partitions``)."""
+    placement_strategy: str = "cluster"
+    """``"cluster"``: one replica's stages on neighbouring ranks; ``"spread"``: as far apart as possible."""
+
+    def __post_init__(self) -> None:
+        _check_int("partitions", self.partitions, 1)
+        _check_int("microbatches", self.microbatches, 1)
+        _check_int("default_partition", self.default_partition, 0)
+        _check_choice("pipeline", self.pipeline, PIPELINES)
+        _check_choice("optimize", self.optimize, OPTIMIZE)
+        _check_choice("placement_strategy", self.placement_strategy, PLACEMENTS)
+        for name in ("auto_partition", "ddp"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"smp config {name!r} must be True or False, got {getattr(self, name)!r}")
+        if self.default_partition >= self.partitions:
+            raise ValueError(
+                f"smp config default_partition={self.default_partition} must be smaller than "
+                f"partitions={self.partitions}"
+            )
+        if self.memory_weight is not None and not (
+            isinstance(self.memory_weight, (int, float)) and 0.0 <= float(self.memory_weight) <= 1.0
+        ):
+            raise ValueError(f"smp config memory_weight must be a number in [0, 1], got {self.memory_weight!r}")
+
+    @property
+    def effective_memory_weight(self) -> float:
+        """``memory_weight``, or its default for ``optimize``."""
+        if self.memory_weight is not None:
+            return float(self.memory_weight)
+        return 0.2 if self.optimize == "speed" else 0.8
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> ModelParallelConfig:
+        """Build from the documented keys; an unknown key is an error that lists the known ones."""
+        values = dict(values)
+        if "pipeline_parallel_degree" in values:
+            degree = values.pop("pipeline_parallel_degree")
+            if "partitions" in values and values["partitions"] != degree:
+                raise ValueError(
+                    f"smp config has partitions={values['partitions']} and pipeline_parallel_degree={degree}; "
+                    "they name the same setting, give one"
+                )
+            values["partitions"] = degree
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown smp config key{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
+                f"supported keys: {', '.join(sorted(known))}"
+            )
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as a plain dict (what ranks compare at ``smp.init``)."""
+        return asdict(self)
+
+
+ConfigLike = Union[ModelParallelConfig, Mapping[str, Any], None]
+
+
+def resolve_config(config: ConfigLike) -> ModelParallelConfig:
+    """``config`` as a :class:`ModelParallelConfig`; ``None`` reads JSON from ``$SHARDKIT_SMP_CONFIG``."""
+    if isinstance(config, ModelParallelConfig):
+        return config
+    if config is None:
+        raw = os.environ.get(CONFIG_ENV_VAR)
+        if not raw:
+            return ModelParallelConfig()
+        try:
+            config = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"${CONFIG_ENV_VAR} must hold a JSON object of smp config keys: {exc}") from exc
+        if not isinstance(config, dict):
+            raise ValueError(f"${CONFIG_ENV_VAR} must hold a JSON object of smp config keys, got {raw!r}")
+    if not isinstance(config, Mapping):
+        raise TypeError(f"smp.init(config) takes a dict of config keys, got {type(config).__name__}")
+    return ModelParallelConfig.from_dict(config)
+
+
+def config_differences(configs: list[dict[str, Any]]) -> list[str]:
+    """Human-readable lines naming each key whose value differs between ranks (empty when all agree)."""
+    lines = []
+    for key in configs[0]:
+        values = [cfg.get(key) for cfg in configs]
+        if any(v != values[0] for v in values):
+            per_rank = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
+            lines.append(f"  {key}: {per_rank}")
+    return lines
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"smp config {name!r} must be an int, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"smp config {name!r} must be >= {minimum}, got {value}")
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"smp config {name!r} must be one of {', '.join(map(repr, choices))}, got {value!r}")

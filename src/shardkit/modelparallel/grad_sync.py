@@ -1,0 +1,147 @@
+"""Gradient reduction after a pipelined step: data parallel across replicas, and between copies of a parameter.
+
+- Data parallel (``ddp=True``): this stage's gradients are averaged over the replicas holding the same stage,
+  in buckets of ``bucket_cap_mb``. With ``overlapping_allreduce`` a bucket is all-reduced as soon as the last
+  micro-batch's backward has produced all its gradients, while the rest of that backward still runs.
+- Copies: a parameter held by several stages (tied weights, parameters used by code that runs on every stage)
+  gets gradient contributions on each; they are summed over its holders so every copy takes the same step.
+
+Both run only every ``backward_passes_per_step`` steps, so gradients can accumulate locally in between.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from shardkit.distributed import GroupLike
+from shardkit.distributed import collectives as C
+
+
+def _flat_grads(params: Sequence[nn.Parameter]) -> torch.Tensor:
+    """Every gradient in one flat buffer (zeros where a parameter has none, so all ranks agree on sizes)."""
+    return torch.cat(
+        [
+            p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
+            for p in params
+        ]
+    )
+
+
+def _write_back(params: Sequence[nn.Parameter], flat: torch.Tensor, scale: float) -> None:
+    offset = 0
+    for p in params:
+        chunk = flat[offset : offset + p.numel()].view_as(p)
+        offset += p.numel()
+        if scale != 1.0:
+            chunk = chunk * scale
+        if p.grad is None:
+            p.grad = chunk.clone()
+        else:
+            p.grad.copy_(chunk)
+
+
+class _Bucket:
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        self.params = params
+        self.ready = 0
+        self.flat: Optional[torch.Tensor] = None
+        self.handle: Optional[C.Handle] = None
+
+
+class GradientSync:
+    """Reduces one stage's gradients after each step (see the module docstring)."""
+
+    def __init__(
+        self,
+        local_params: Sequence[nn.Parameter],
+        dp_group: GroupLike,
+        dp_size: int,
+        copies: Sequence[tuple[GroupLike, list[nn.Parameter]]],
+        bucket_cap_mb: float,
+        overlap: bool,
+        backward_passes_per_step: int,
+    ) -> None:
+        self.dp_group = dp_group
+        self.dp_size = dp_size
+        self.copies = list(copies)
+        self.overlap = overlap and dp_size > 1
+        self.backward_passes_per_step = backward_passes_per_step
+        self._passes = 0
+        self._armed = False
+        trainable = [p for p in local_params if p.requires_grad]
+        cap = max(1, int(bucket_cap_mb * 2**20))
+        # Reverse registration order approximates the order backward produces gradients (as DDP assumes).
+        self._buckets: list[_Bucket] = []
+        current: list[nn.Parameter] = []
+        size = 0
+        for p in reversed(trainable):
+            if current and (size + p.numel() * p.element_size() > cap or p.dtype != current[0].dtype):
+                self._buckets.append(_Bucket(current))
+                current, size = [], 0
+            current.append(p)
+            size += p.numel() * p.element_size()
+        if current:
+            self._buckets.append(_Bucket(current))
+        self._bucket_of = {id(p): b for b in self._buckets for p in b.params}
+        self._hooks: list[Any] = []
+        if self.overlap:
+            self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in trainable]
+
+    def _reduces_this_step(self) -> bool:
+        """Gradients are reduced on every ``backward_passes_per_step``-th step with a backward pass."""
+        return (self._passes + 1) % self.backward_passes_per_step == 0
+
+    def arm(self) -> None:
+        """The next backward is the step's last: reduce buckets as they fill."""
+        self._armed = self.overlap and self._reduces_this_step()
+        for bucket in self._buckets:
+            bucket.ready, bucket.flat, bucket.handle = 0, None, None
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        if not self._armed:
+            return
+        bucket = self._bucket_of[id(param)]
+        bucket.ready += 1
+        if bucket.ready == len(bucket.params):
+            self._launch(bucket)
+
+    def _launch(self, bucket: _Bucket) -> None:
+        bucket.flat = _flat_grads(bucket.params)
+        bucket.handle = C.all_reduce(bucket.flat, group=self.dp_group, async_op=True, label="smp_ddp_bucket")
+
+    def finish(self, had_backward: bool) -> None:
+        """Complete the step's reductions (when this step reduces and a backward ran)."""
+        armed, self._armed = self._armed, False
+        if not had_backward:
+            return
+        reduce_now = self._reduces_this_step()
+        self._passes += 1
+        if not reduce_now:
+            return
+        if self.dp_size > 1:
+            for bucket in self._buckets:
+                if not armed or bucket.handle is None:
+                    self._launch(bucket)
+            for bucket in self._buckets:
+                assert bucket.handle is not None and bucket.flat is not None
+                bucket.handle.wait()
+                _write_back(bucket.params, bucket.flat, 1.0 / self.dp_size)
+                bucket.flat, bucket.handle = None, None
+        for group, params in self.copies:
+            by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+            for p in params:
+                by_dtype.setdefault(p.dtype, []).append(p)
+            for same in by_dtype.values():
+                flat = _flat_grads(same)
+                C.all_reduce(flat, group=group, label="smp_shared_param_grads")
+                _write_back(same, flat, 1.0)
+
+    def close(self) -> None:
+        """Remove the gradient hooks."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []

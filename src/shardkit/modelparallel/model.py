@@ -1,0 +1,472 @@
+"""``smp.DistributedModel``: the public wrapper. Documented arguments in, a frozen options object inside.
+
+Life cycle: created (every rank holds the whole model) -> first ``model(...)`` inside an ``@smp.step``
+partitions it (rank 0 traces and plans, every rank receives the plan, parameters and buffers are broadcast,
+each stage keeps what it holds and releases the rest) -> every later forward runs the stage's share.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from shardkit.distributed import broadcast_object
+from shardkit.distributed import collectives as C
+from shardkit.modelparallel import checkpoint as ckpt
+from shardkit.modelparallel import state as smp_state
+from shardkit.modelparallel.auto_partition import Placement
+from shardkit.modelparallel.grad_sync import GradientSync
+from shardkit.modelparallel.partitioner import check_plan, plan_partition
+from shardkit.modelparallel.pipeline_parallel import StepRun, StepStats
+from shardkit.modelparallel.plan import PipelinePlan
+from shardkit.modelparallel.pp_communications import StageLink
+from shardkit.modelparallel.runtime import StageRuntime
+from shardkit.modelparallel.stage_groups import copy_groups
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """The ``DistributedModel`` arguments, validated (see the class docstring)."""
+
+    trace_device: str = "gpu"
+    trace_execution_times: bool = False
+    overlapping_allreduce: bool = True
+    backward_passes_per_step: int = 1
+    average_grads_across_microbatches: bool = True
+    bucket_cap_mb: float = 25
+    trace_memory_usage: bool = False
+    broadcast_buffers: bool = True
+    gradient_as_bucket_view: bool = False
+
+    def __post_init__(self) -> None:
+        if self.trace_device not in ("cpu", "gpu"):
+            raise ValueError(f"trace_device must be 'cpu' or 'gpu', got {self.trace_device!r}")
+        if self.trace_execution_times and self.trace_device == "cpu":
+            raise ValueError("trace_execution_times=True needs trace_device='gpu' (CPU timings mislead the partition)")
+        if isinstance(self.backward_passes_per_step, bool) or not isinstance(self.backward_passes_per_step, int):
+            raise TypeError(f"backward_passes_per_step must be an int, got {self.backward_passes_per_step!r}")
+        if self.backward_passes_per_step < 1:
+            raise ValueError(f"backward_passes_per_step must be >= 1, got {self.backward_passes_per_step}")
+        if not self.bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb}")
+
+
+def _move(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device) if value.device != device else value
+    if isinstance(value, (list, tuple)):
+        items = [_move(v, device) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    if isinstance(value, dict):
+        return type(value)((k, _move(v, device)) for k, v in value.items())
+    return value
+
+
+class DistributedModel(nn.Module):
+    """Split ``module`` into pipeline stages (and replicate it with ``ddp=True``); one per process.
+
+    Call it and its :meth:`backward` only inside an ``@smp.step`` function. The partition happens on the first
+    call: then parameters and buffers are broadcast from rank 0 and each stage keeps only what it holds
+    (the others become empty tensors; use :meth:`local_parameters` for an optimizer built after that).
+    Arguments as documented for smp: ``trace_device`` (``"cpu"``/``"gpu"``), ``trace_execution_times``,
+    ``overlapping_allreduce``, ``backward_passes_per_step``, ``average_grads_across_microbatches``,
+    ``bucket_cap_mb``, ``trace_memory_usage``, ``broadcast_buffers``, ``gradient_as_bucket_view``.
+
+    Example::
+
+        smp.init({"partitions": 2, "microbatches": 4})
+        model = smp.DistributedModel(Net())
+        optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+
+        @smp.step
+        def train_step(model, x, y):
+            loss = F.mse_loss(model(x), y)
+            model.backward(loss)
+            return loss
+
+        loss = train_step(model, x, y).reduce_mean()
+        optimizer.step()
+        print(model.placement)
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        trace_device: str = "gpu",
+        trace_execution_times: bool = False,
+        overlapping_allreduce: bool = True,
+        backward_passes_per_step: int = 1,
+        average_grads_across_microbatches: bool = True,
+        bucket_cap_mb: float = 25,
+        trace_memory_usage: bool = False,
+        broadcast_buffers: bool = True,
+        gradient_as_bucket_view: bool = False,
+    ) -> None:
+        state = smp_state.current()
+        if state.model is not None:
+            raise RuntimeError(
+                "smp.DistributedModel was already created in this process: smp supports one DistributedModel per "
+                "training script; wrap the top-level module that contains every part you train"
+            )
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"smp.DistributedModel wraps a torch.nn.Module, got {type(module).__name__}")
+        options = ModelOptions(
+            trace_device,
+            trace_execution_times and torch.cuda.is_available(),
+            overlapping_allreduce,
+            backward_passes_per_step,
+            average_grads_across_microbatches,
+            bucket_cap_mb,
+            trace_memory_usage,
+            broadcast_buffers,
+            gradient_as_bucket_view,
+        )
+        super().__init__()
+        self.module = module
+        self.options = options
+        self.last_step_stats = StepStats()
+        """Timing of the last step on this rank (step time, time blocked on receives, bytes sent)."""
+        self._smp = state
+        self._plan: Optional[PipelinePlan] = None
+        self._placement: Optional[Placement] = None
+        self._runtime: Optional[StageRuntime] = None
+        self._sync: Optional[GradientSync] = None
+        self._held: set[str] = set()
+        self._key_map: dict[str, str] = {}
+        self._device = torch.device("cpu")
+        self._hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
+        self._pending_state: Optional[dict[str, Any]] = None
+        state.model = self
+
+    # ---- calls inside @smp.step ---------------------------------------------------------------------------
+
+    def _active_run(self, what: str) -> StepRun:
+        run = self._smp.step
+        if run is None or run.current is None:
+            raise RuntimeError(
+                f"cannot {what} outside an @smp.step function: smp runs the forward and backward once per "
+                "micro-batch, so put model(...) and model.backward(loss) inside a function decorated with @smp.step"
+            )
+        return run
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run this stage's share of the model on the current micro-batch (inside ``@smp.step`` only)."""
+        run = self._active_run("call the DistributedModel")
+        record = run.current
+        assert record is not None
+        if self._runtime is None:
+            first = next(iter(self.module.parameters()), None)
+            args, kwargs = _move((args, kwargs), first.device if first is not None else torch.device("cpu"))
+            self._partition(args, kwargs)
+        assert self._runtime is not None
+        args, kwargs = _move((args, kwargs), self._device)
+        with self._runtime.invocation(record, (args, kwargs), first_microbatch=record.index == 0):
+            return self.module(*args, **kwargs)
+
+    def backward(
+        self,
+        tensors: Union[torch.Tensor, list[torch.Tensor], tuple[torch.Tensor, ...]],
+        grad_tensors: Union[
+            torch.Tensor, list[Optional[torch.Tensor]], tuple[Optional[torch.Tensor], ...], None
+        ] = None,
+    ) -> None:
+        """Backward through the whole pipeline, like ``torch.autograd.backward(tensors, grad_tensors)``.
+
+        Only inside ``@smp.step``; it runs when the schedule reaches this micro-batch's backward.
+        """
+        run = self._active_run("call model.backward")
+        record = run.current
+        assert record is not None
+        ts = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        if grad_tensors is None:
+            gs: list[Optional[torch.Tensor]] = [None] * len(ts)
+        else:
+            gs = [grad_tensors] if isinstance(grad_tensors, torch.Tensor) else list(grad_tensors)
+        if len(gs) != len(ts):
+            raise ValueError(f"model.backward got {len(ts)} tensors but {len(gs)} grad_tensors")
+        for t, g in zip(ts, gs):
+            if g is None and t.numel() != 1:
+                raise ValueError(f"model.backward needs grad_tensors for a non-scalar tensor of shape {tuple(t.shape)}")
+        record.backward.append((ts, gs))
+        record.backward_requested = True
+
+    # ---- partition ----------------------------------------------------------------------------------------
+
+    @property
+    def partitioned(self) -> bool:
+        """True once the first step has partitioned the model."""
+        return self._runtime is not None
+
+    @property
+    def placement(self) -> Optional[Placement]:
+        """Which module runs on which stage and each stage's estimated cost (None before partitioning)."""
+        return self._placement
+
+    def _partition(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        state = self._smp
+        cfg, topo = state.config, state.topology
+        if state.distributed and topo.world_size > 1:
+            with torch.no_grad():
+                for tensor in {id(t): t for t in [*self.module.parameters(), *self.module.buffers()]}.values():
+                    C.broadcast(tensor.data, 0, group=state.world_group, label="smp_initial_state")
+        payload: tuple[Any, Any, Optional[str]] = (None, None, None)
+        if topo.rank == 0:
+            try:
+                plan, placement = plan_partition(
+                    self.module,
+                    args,
+                    kwargs,
+                    partitions=cfg.partitions,
+                    auto_partition=cfg.auto_partition,
+                    default_partition=cfg.default_partition,
+                    memory_weight=cfg.effective_memory_weight,
+                    measure_time=self.options.trace_execution_times,
+                )
+                check_plan(plan)
+                payload = (plan, placement, None)
+            except Exception as exc:
+                if not (state.distributed and topo.world_size > 1):
+                    raise
+                payload = (None, None, f"{type(exc).__name__}: {exc}")
+                broadcast_object(payload, 0, state.world_group)
+                raise
+        if state.distributed and topo.world_size > 1:
+            with warnings.catch_warnings():  # unpickling the outputs' tree specs warns about a torch deprecation
+                warnings.simplefilter("ignore", FutureWarning)
+                payload = broadcast_object(payload, 0, state.world_group)
+        plan, placement, error = payload
+        if error is not None:
+            raise RuntimeError(f"smp could not partition the model (error on rank 0): {error}")
+        self._apply_plan(plan, placement)
+
+    def _execution_device(self) -> torch.device:
+        state = self._smp
+        if state.distributed and dist.get_backend() == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        first = next(iter(self.module.parameters()), None)
+        return first.device if first is not None else torch.device("cpu")
+
+    def _apply_plan(self, plan: PipelinePlan, placement: Placement) -> None:
+        state = self._smp
+        topo = state.topology
+        stage = topo.mp_rank
+        self._key_map = ckpt.state_key_map(self.module)
+        self._device = self._execution_device()
+        named = _canonical_tensors(self.module)
+        self._held = {name for name, stages in plan.holders.items() if stage in stages}
+        with torch.no_grad():
+            for name, tensor in named.items():
+                if name in self._held:
+                    if tensor.device != self._device:
+                        tensor.data = tensor.data.to(self._device)
+                else:  # released: its stage owns it
+                    tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+                    tensor.grad = None
+        link = StageLink(state.p2p_group, topo, state.mp_group)
+        runtime = StageRuntime(plan, stage, link, self._device)
+        runtime.install(self.module)
+        params = {n: t for n, t in named.items() if isinstance(t, nn.Parameter)}
+        local_params = [p for n, p in params.items() if n in self._held]
+        copies = copy_groups(plan, params, state)
+        self._sync = GradientSync(
+            local_params,
+            state.dp_group,
+            topo.dp_size,
+            copies,
+            self.options.bucket_cap_mb,
+            self.options.overlapping_allreduce,
+            self.options.backward_passes_per_step,
+        )
+        self._plan, self._placement, self._runtime = plan, placement, runtime
+        if self._pending_state is not None:
+            pending, self._pending_state = self._pending_state, None
+            self._load_held(pending, strict=True)
+        if state.optimizer is not None:
+            state.optimizer._apply_pending()
+        for hook in list(self._hooks.values()):
+            hook(self, state.optimizer)
+
+    def register_post_partition_hook(self, hook: Callable[..., Any]) -> RemovableHandle:
+        """Run ``hook(model, optimizer)`` right after the partition (at once if it already happened)."""
+        if self.partitioned:
+            hook(self, self._smp.optimizer)
+        handle = RemovableHandle(self._hooks)
+        self._hooks[handle.id] = hook
+        return handle
+
+    def _smp_detach(self) -> None:
+        """Undo the runtime's changes to the wrapped modules (``smp.reset``)."""
+        if self._runtime is not None:
+            self._runtime.uninstall()
+        if self._sync is not None:
+            self._sync.close()
+
+    # ---- hooks for StepRun --------------------------------------------------------------------------------
+
+    def _runtime_or_fail(self) -> StageRuntime:
+        if self._runtime is None:
+            raise RuntimeError("the @smp.step function never called the DistributedModel, so it was not partitioned")
+        return self._runtime
+
+    def _before_step(self) -> None:
+        state = self._smp
+        if self.partitioned and state.config.ddp and state.topology.dp_size > 1 and self.options.broadcast_buffers:
+            for _, buf in self.local_named_buffers():
+                C.broadcast(buf.data, 0, group=state.dp_group, label="smp_ddp_buffers")
+
+    def _link(self) -> StageLink:
+        return self._runtime_or_fail().link
+
+    def _pipeline_kind(self) -> str:
+        return self._smp.config.pipeline
+
+    def _stage(self) -> int:
+        return self._smp.topology.mp_rank
+
+    def _num_stages(self) -> int:
+        return self._smp.topology.mp_size
+
+    def _output_stage(self) -> int:
+        return self._runtime_or_fail().plan.output_stage
+
+    def _mp_group(self) -> Any:
+        return self._smp.mp_group
+
+    def _before_last_backward(self) -> None:
+        if self._sync is not None:
+            self._sync.arm()
+
+    def _after_backward(self, had_backward: bool) -> None:
+        if self._sync is not None:
+            self._sync.finish(had_backward)
+
+    # ---- local views --------------------------------------------------------------------------------------
+
+    def local_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """(name, parameter) for the parameters this stage holds (all of them before the partition)."""
+        for name, param in self.module.named_parameters():
+            if not self.partitioned or name in self._held:
+                yield name, param
+
+    def local_parameters(self) -> Iterator[nn.Parameter]:
+        """The parameters this stage holds."""
+        for _, param in self.local_named_parameters():
+            yield param
+
+    def local_named_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, buffer) for the buffers this stage holds."""
+        for name, buf in self.module.named_buffers():
+            if not self.partitioned or name in self._held:
+                yield name, buf
+
+    def local_buffers(self) -> Iterator[torch.Tensor]:
+        """The buffers this stage holds."""
+        for _, buf in self.local_named_buffers():
+            yield buf
+
+    def local_named_modules(self) -> Iterator[tuple[str, nn.Module]]:
+        """(name, module) for the modules that run on this stage (all before the partition)."""
+        if not self.partitioned:
+            yield from self.module.named_modules()
+            return
+        assert self._plan is not None
+        for unit, stage in self._plan.units.items():
+            if stage == self._stage():
+                for sub, module in self.module.get_submodule(unit).named_modules():
+                    yield (f"{unit}.{sub}" if unit and sub else unit or sub), module
+
+    def local_modules(self) -> Iterator[nn.Module]:
+        """The modules that run on this stage."""
+        for _, module in self.local_named_modules():
+            yield module
+
+    # ---- state dicts (see checkpoint.py) -------------------------------------------------------------------
+
+    def local_state_dict(self) -> dict[str, Any]:
+        """This stage's parameters and buffers by their module names, marked ``_smp_is_partial``."""
+        full = self.module.state_dict()
+        if self.partitioned:
+            full = OrderedDict((k, v) for k, v in full.items() if self._key_map.get(k, k) in self._held)
+        out: dict[str, Any] = dict(full)
+        out[ckpt.PARTIAL_KEY] = True
+        return out
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        """The whole model's state dict (keys of the unwrapped module), gathered from every stage.
+
+        Collective over the replica's stages: call it on every rank of the mp group.
+        """
+        if not self.partitioned:
+            return self.module.state_dict(*args, **kwargs)
+        partials = ckpt.all_gather_objects(ckpt.to_cpu(self.local_state_dict()), self._smp.mp_group)
+        return ckpt.merge_model_partials(partials, list(self._key_map))
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """Load a full or partial state dict (partial ones are first gathered from every stage: collective).
+
+        Before the partition the model loads it whole; after it, each stage copies what it holds.
+        """
+        if ckpt.is_partial(state_dict):
+            partials = ckpt.all_gather_objects(ckpt.to_cpu(dict(state_dict)), self._smp.mp_group)
+            keys = [k for p in partials for k in p if k != ckpt.PARTIAL_KEY]
+            full: dict[str, Any] = dict(ckpt.merge_model_partials(partials, list(dict.fromkeys(keys))))
+        else:
+            full = dict(state_dict)
+        if not self.partitioned:
+            return self.module.load_state_dict(full, strict=strict)
+        self._load_held(full, strict)
+        return None
+
+    def _load_held(self, full: Mapping[str, Any], strict: bool) -> None:
+        current = self.module.state_dict(keep_vars=True)
+        missing = []
+        with torch.no_grad():
+            for key, tensor in current.items():
+                if self._key_map.get(key, key) not in self._held:
+                    continue
+                if key not in full:
+                    missing.append(key)
+                    continue
+                tensor.copy_(full[key])
+        if strict and missing:
+            raise KeyError(f"load_state_dict: the state dict lacks {missing[:5]}{'...' if len(missing) > 5 else ''}")
+
+    def cpu(self) -> DistributedModel:
+        """Gather every stage's parameters and buffers so this rank holds the whole model, on the CPU."""
+        if self.partitioned:
+            full = self.state_dict()
+            with torch.no_grad():
+                for key, tensor in self.module.state_dict(keep_vars=True).items():
+                    tensor.data = full[key].detach().clone().cpu()
+            self._held = set(self._key_map.values())
+            self._device = torch.device("cpu")
+            if self._runtime is not None:
+                self._runtime.device = self._device
+        self.module.cpu()
+        return self
+
+    def join(self) -> Any:
+        """Uneven inputs across replicas are not supported: every replica must run the same number of steps."""
+        raise NotImplementedError(
+            "DistributedModel.join() (uneven inputs across data-parallel replicas) is not supported by shardkit's "
+            "smp: give every replica the same number of batches (for example with DistributedSampler(drop_last=True))"
+        )
+
+
+def _canonical_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Canonical name -> tensor for every parameter and buffer (a tied tensor appears once)."""
+    named: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            named[name] = tensor
+    return named

@@ -1,0 +1,212 @@
+"""This rank's part of every model forward: owned unit calls compute and send, the others receive or fake.
+
+The wrapped model's forward runs on every stage. Each unit module's ``forward`` is replaced (on the instance,
+restored by :meth:`StageRuntime.uninstall`) by a dispatcher, because a module hook cannot skip a call: on the
+unit's stage it runs the real forward and sends the outputs other stages need; elsewhere it returns the real
+outputs when this stage needs them (received from the owner) and zero placeholders otherwise. What each stage
+sent and received is recorded per micro-batch, for the backward pass.
+
+Placeholder and receive shapes come from the plan, per input signature. A signature not seen before is
+*discovered* (only possible in a step's first micro-batch, when all stages run it in lock step): each owner
+shares its outputs' shapes with the replica right after computing them.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from shardkit.modelparallel.plan import LeafSpec, PipelinePlan, UnitCall, signature_of
+from shardkit.modelparallel.pp_communications import StageLink
+
+Shapes = tuple[tuple[Optional[LeafSpec], ...], ...]
+
+
+@dataclass
+class MicrobatchRecord:
+    """What one micro-batch left on this stage for its backward pass."""
+
+    index: int
+    sent: list[tuple[torch.Tensor, int]] = field(default_factory=list)
+    """(output this stage computed, stage it went to), expecting that stage's gradient back."""
+    received: list[tuple[torch.Tensor, int]] = field(default_factory=list)
+    """(output received as a leaf, stage that computed it), owing it the leaf's gradient."""
+    backward: list[tuple[list[torch.Tensor], list[Optional[torch.Tensor]]]] = field(default_factory=list)
+    """``model.backward(tensors, grads)`` requests made by the step function."""
+    backward_requested: bool = False
+    outputs: Any = None
+
+
+@dataclass
+class _Invocation:
+    record: MicrobatchRecord
+    shapes: Optional[Shapes]
+    discovered: list[tuple[Optional[LeafSpec], ...]]
+    next_call: int = 0
+
+
+def _needs_grad(dtype: torch.dtype) -> bool:
+    return torch.is_grad_enabled() and (dtype.is_floating_point or dtype.is_complex)
+
+
+class StageRuntime:
+    """Runs one stage of a partitioned model inside each ``@smp.step`` micro-batch."""
+
+    def __init__(self, plan: PipelinePlan, stage: int, link: StageLink, device: torch.device) -> None:
+        self.plan = plan
+        self.stage = stage
+        self.link = link
+        self.device = device
+        self._shapes: dict[tuple[Any, ...], Shapes] = {plan.signature: plan.shapes}
+        self._active: Optional[_Invocation] = None
+        self._installed: list[nn.Module] = []
+
+    # ---- installation -------------------------------------------------------------------------------------
+
+    def install(self, root: nn.Module) -> None:
+        """Route every unit module's calls through this runtime."""
+        for name in self.plan.units:
+            module = root.get_submodule(name)
+            original = module.forward
+            module.forward = functools.partial(self._dispatch, name, original)
+            self._installed.append(module)
+
+    def uninstall(self) -> None:
+        """Give every unit module its own forward back."""
+        for module in self._installed:
+            module.__dict__.pop("forward", None)
+        self._installed = []
+
+    # ---- one model forward --------------------------------------------------------------------------------
+
+    @contextmanager
+    def invocation(self, record: MicrobatchRecord, args: Any, first_microbatch: bool) -> Iterator[None]:
+        """Scope of one call of the wrapped model for micro-batch ``record``."""
+        signature = signature_of(args)
+        shapes = self._shapes.get(signature)
+        if shapes is None and not first_microbatch:
+            raise RuntimeError(
+                "the model was called with input shapes in a later micro-batch that the first micro-batch of this "
+                f"step did not use ({signature}); smp needs every micro-batch to call the model the same way"
+            )
+        self._active = _Invocation(record, shapes, [])
+        try:
+            yield
+            if self._active.next_call != len(self.plan.calls):
+                missing = self.plan.calls[self._active.next_call].unit
+                raise RuntimeError(
+                    f"this forward skipped module {missing!r}, which the first step called: smp needs the same "
+                    "module calls, in the same order, on every forward (no data-dependent control flow)"
+                )
+            if shapes is None:
+                self._shapes[signature] = tuple(self._active.discovered)
+        finally:
+            self._active = None
+
+    def _dispatch(self, name: str, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        inv = self._active
+        if inv is None:
+            raise RuntimeError(
+                f"module {name!r} was called outside the DistributedModel's forward; after partitioning, modules "
+                "of the model may only run inside model(...) within an @smp.step function"
+            )
+        if inv.next_call >= len(self.plan.calls) or self.plan.calls[inv.next_call].unit != name:
+            expected = self.plan.calls[inv.next_call].unit if inv.next_call < len(self.plan.calls) else "nothing"
+            raise RuntimeError(
+                f"module {name!r} was called where the first step called {expected!r} (call #{inv.next_call}): "
+                "smp needs the same module calls, in the same order, on every forward"
+            )
+        call = self.plan.calls[inv.next_call]
+        inv.next_call += 1
+        if call.stage == self.stage:
+            return self._run_local(call, inv, original, args, kwargs)
+        return self._run_remote(call, inv)
+
+    def _run_local(self, call: UnitCall, inv: _Invocation, original: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+        out = original(*args, **kwargs)
+        leaves, spec = tree_flatten(out)
+        if spec != call.treespec:
+            raise RuntimeError(
+                f"module {call.unit!r} returned a different structure than on the first step ({spec} vs "
+                f"{call.treespec}); smp needs each module's outputs to keep their structure"
+            )
+        specs = tuple(LeafSpec(tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else None for x in leaves)
+        if inv.shapes is None:
+            specs = self.link.share_from(specs, call.stage)
+            inv.discovered.append(specs)
+        elif specs != inv.shapes[call.index]:
+            raise RuntimeError(
+                f"module {call.unit!r} returned shapes {specs}, but shapes {inv.shapes[call.index]} for the same "
+                "input shapes before; smp needs output shapes to depend only on input shapes"
+            )
+        for i, leaf in enumerate(leaves):
+            for dst in call.consumers[i]:
+                self.link.send(leaf, dst, label=f"fwd:{call.unit}")
+                if _needs_grad(leaf.dtype):
+                    inv.record.sent.append((leaf, dst))
+        return out
+
+    def _run_remote(self, call: UnitCall, inv: _Invocation) -> Any:
+        if inv.shapes is None:
+            specs = self.link.share_from(None, call.stage)
+            inv.discovered.append(specs)
+        else:
+            specs = inv.shapes[call.index]
+        wanted = [i for i, consumers in enumerate(call.consumers) if self.stage in consumers and specs[i] is not None]
+        received = self.link.recv_many(
+            [(specs[i].shape, specs[i].dtype, call.stage) for i in wanted],
+            self.device,
+            label=f"fwd:{call.unit}",
+        )
+        by_leaf = dict(zip(wanted, received))
+        leaves: list[Any] = []
+        for i, is_tensor in enumerate(call.is_tensor):
+            spec = specs[i]
+            if not is_tensor or spec is None:
+                leaves.append(call.constants[i])
+            elif i in by_leaf:
+                leaf = by_leaf[i]
+                if _needs_grad(leaf.dtype):
+                    leaf.requires_grad_(True)
+                    inv.record.received.append((leaf, call.stage))
+                leaves.append(leaf)
+            else:
+                leaves.append(torch.zeros(spec.shape, dtype=spec.dtype, device=self.device))
+        return tree_unflatten(leaves, call.treespec)
+
+    # ---- backward -----------------------------------------------------------------------------------------
+
+    def backward(self, record: MicrobatchRecord, loss_scale: float) -> None:
+        """Backward of one micro-batch on this stage: gradients in from later stages, out to earlier ones."""
+        grads = self.link.recv_many(
+            [(tuple(t.shape), t.dtype, dst) for t, dst in record.sent], self.device, label="bwd:grad_in"
+        )
+        roots: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for (tensor, _), grad in zip(record.sent, grads):
+            if tensor.requires_grad:
+                prev = roots.get(id(tensor))
+                roots[id(tensor)] = (tensor, grad if prev is None else prev[1] + grad)
+        tensors = [t for t, _ in roots.values()]
+        grad_tensors: list[Optional[torch.Tensor]] = [g for _, g in roots.values()]
+        if self.stage == self.plan.output_stage:
+            for req_tensors, req_grads in record.backward:
+                for t, g in zip(req_tensors, req_grads):
+                    if t.requires_grad:
+                        tensors.append(t)
+                        base = torch.ones_like(t) if g is None else g
+                        grad_tensors.append(base * loss_scale if loss_scale != 1.0 else base)
+        if tensors:
+            torch.autograd.backward(tensors, grad_tensors)
+        for leaf, src in record.received:
+            grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+            self.link.send(grad, src, label="bwd:grad_out")
+        record.sent.clear()
+        record.received.clear()
+        record.backward.clear()

@@ -1,0 +1,249 @@
+"""The one object holding a process's smp state, ``smp.init`` that builds it, and the rank helpers reading it.
+
+Everything smp knows about the job (config, topology, process groups, the single :class:`DistributedModel`)
+lives in one :class:`SMPState` held by a ``ContextVar``; :func:`reset` drops it (tests build several jobs in
+one process).
+"""
+
+from __future__ import annotations
+
+import os
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from shardkit.distributed import DummyProcessGroup, GroupLike
+from shardkit.modelparallel.config import ConfigLike, ModelParallelConfig, config_differences, resolve_config
+from shardkit.modelparallel.topology import Topology
+
+
+@dataclass
+class SMPState:
+    """Config, topology and process groups of this process, plus the model and step currently in flight."""
+
+    config: ModelParallelConfig
+    topology: Topology
+    world_group: GroupLike
+    mp_group: GroupLike
+    dp_group: GroupLike
+    p2p_group: GroupLike
+    local_rank: int
+    local_size: int
+    owned_groups: list[Any] = field(default_factory=list)
+    """Groups smp created (destroyed by :func:`reset`)."""
+    model: Optional[Any] = None
+    """The one ``DistributedModel`` of this process."""
+    optimizer: Optional[Any] = None
+    """The ``DistributedOptimizer`` wrapping the model's optimizer, if any."""
+    step: Optional[Any] = None
+    """The ``@smp.step`` call in progress (a ``pipeline_parallel.StepRun``), else None."""
+
+    @property
+    def distributed(self) -> bool:
+        """True when real process groups exist (even of size one)."""
+        return not isinstance(self.world_group, DummyProcessGroup)
+
+
+_STATE: ContextVar[Optional[SMPState]] = ContextVar("shardkit_smp_state", default=None)
+
+
+def current() -> SMPState:
+    """The state built by :func:`init`; a clear error when ``smp.init()`` was not called."""
+    state = _STATE.get()
+    if state is None:
+        raise RuntimeError("smp is not initialised: call smp.init() (or smp.init(config)) at the start of the script")
+    return state
+
+
+def is_initialized() -> bool:
+    """True once :func:`init` has run in this process (and :func:`reset` has not)."""
+    return _STATE.get() is not None
+
+
+def init(config: ConfigLike = None) -> None:
+    """Initialise smp from the environment torchrun sets, or from an already initialised process group.
+
+    ``config`` holds the documented keys (``partitions``, ``microbatches``, ``pipeline``, ``auto_partition``,
+    ``default_partition``, ``optimize``, ``memory_weight``, ``ddp``, ``placement_strategy``); without it the
+    JSON in ``$SHARDKIT_SMP_CONFIG`` is used, else the defaults. Every rank must pass the same config: a
+    difference is reported on every rank. Without torchrun's variables and without a process group, smp runs
+    as a single process.
+
+    Example::
+
+        import shardkit.modelparallel as smp
+        smp.init({"partitions": 2, "microbatches": 4, "ddp": True})
+    """
+    if is_initialized():
+        raise RuntimeError("smp.init() was already called in this process; call it once at the start of the script")
+    cfg = resolve_config(config)
+    _ensure_process_group()
+    if not dist.is_initialized():
+        if cfg.partitions != 1:
+            raise ValueError(
+                f"partitions={cfg.partitions} needs {cfg.partitions} processes: launch with torchrun "
+                f"--nproc-per-node {cfg.partitions} (or initialise torch.distributed first)"
+            )
+        dummy = DummyProcessGroup(0, 1)
+        topo = Topology(1, 0, 1, cfg.placement_strategy)
+        _STATE.set(SMPState(cfg, topo, dummy, dummy, dummy, dummy, 0, 1))
+        return
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    _check_same_config(cfg, world_size)
+    if world_size % cfg.partitions:
+        raise ValueError(
+            f"smp needs the world size ({world_size}) to be a multiple of partitions ({cfg.partitions}): "
+            "launch partitions x replicas processes"
+        )
+    if world_size > cfg.partitions and not cfg.ddp:
+        raise ValueError(
+            f"{world_size} processes with partitions={cfg.partitions} make {world_size // cfg.partitions} model "
+            "replicas: set 'ddp': True in the smp config so their gradients are averaged, or launch "
+            f"{cfg.partitions} processes"
+        )
+    topo = Topology(world_size, rank, cfg.partitions, cfg.placement_strategy)
+    owned: list[Any] = []
+    mp_group = dp_group = None
+    # new_group is collective over the whole world: every rank creates every group, in the same order.
+    for dp_rank in range(topo.dp_size):
+        group = dist.new_group(topo.mp_group_ranks(dp_rank))
+        owned.append(group)
+        mp_group = group if dp_rank == topo.dp_rank else mp_group
+    for mp_rank in range(topo.mp_size):
+        group = dist.new_group(topo.dp_group_ranks(mp_rank))
+        owned.append(group)
+        dp_group = group if mp_rank == topo.mp_rank else dp_group
+    # Activations travel on their own group so user collectives on the world group never interleave with them.
+    p2p_group = dist.new_group(list(range(world_size)))
+    owned.append(p2p_group)
+    world = dist.group.WORLD
+    assert world is not None and mp_group is not None and dp_group is not None
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    local_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    _STATE.set(SMPState(cfg, topo, world, mp_group, dp_group, p2p_group, local_rank, local_size, owned))
+
+
+def reset() -> None:
+    """Forget this process's smp state and destroy the groups smp created (for tests; the world group stays)."""
+    state = _STATE.get()
+    if state is None:
+        return
+    if state.model is not None:
+        state.model._smp_detach()
+    for group in state.owned_groups:
+        if dist.is_initialized():
+            dist.destroy_process_group(group)
+    _STATE.set(None)
+
+
+def _ensure_process_group() -> None:
+    """Initialise the default group from torchrun's environment when it is there and nobody did yet."""
+    if dist.is_initialized() or "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, timeout=timedelta(minutes=30))
+
+
+def _check_same_config(cfg: ModelParallelConfig, world_size: int) -> None:
+    if world_size == 1:
+        return
+    gathered: list[Any] = [None] * world_size
+    dist.all_gather_object(gathered, cfg.to_dict())
+    diffs = config_differences(gathered)
+    if diffs:
+        raise ValueError(
+            "smp.init got a different config on different ranks; pass the same config everywhere:\n" + "\n".join(diffs)
+        )
+
+
+# ---- rank helpers -------------------------------------------------------------------------------------------
+
+
+def rank() -> int:
+    """Global rank of this process."""
+    return current().topology.rank
+
+
+def size() -> int:
+    """Number of processes in the job."""
+    return current().topology.world_size
+
+
+def local_rank() -> int:
+    """Rank among the processes on this machine."""
+    return current().local_rank
+
+
+def local_size() -> int:
+    """Number of processes on this machine."""
+    return current().local_size
+
+
+def mp_rank() -> int:
+    """Pipeline stage (partition index) held by this process."""
+    return current().topology.mp_rank
+
+
+def mp_size() -> int:
+    """Number of pipeline stages (``partitions``)."""
+    return current().topology.mp_size
+
+
+def dp_rank() -> int:
+    """Index of this process's model replica."""
+    return current().topology.dp_rank
+
+
+def dp_size() -> int:
+    """Number of model replicas."""
+    return current().topology.dp_size
+
+
+def pp_rank() -> int:
+    """Alias of :func:`mp_rank` (the pipeline rank)."""
+    return mp_rank()
+
+
+def pp_size() -> int:
+    """Alias of :func:`mp_size`."""
+    return mp_size()
+
+
+def get_mp_group() -> list[int]:
+    """Global ranks holding this process's model replica."""
+    topo = current().topology
+    return topo.mp_group_ranks(topo.dp_rank)
+
+
+def get_dp_group() -> list[int]:
+    """Global ranks holding the same partition as this process."""
+    topo = current().topology
+    return topo.dp_group_ranks(topo.mp_rank)
+
+
+def get_world_process_group() -> GroupLike:
+    """The process group of all processes."""
+    return current().world_group
+
+
+def get_mp_process_group() -> GroupLike:
+    """The process group of this process's model replica (its pipeline stages)."""
+    return current().mp_group
+
+
+def get_dp_process_group() -> GroupLike:
+    """The process group of the processes holding the same partition (data-parallel peers)."""
+    return current().dp_group
+
+
+def barrier() -> None:
+    """Wait until every process reaches this point."""
+    state = current()
+    if state.distributed:
+        dist.barrier(group=state.world_group)  # type: ignore[arg-type]

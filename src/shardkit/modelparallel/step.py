@@ -1,0 +1,179 @@
+"""``@smp.step``: run a function once per micro-batch, pipelined, and gather what it returns.
+
+The decorated function's tensor arguments (also inside lists, tuples, dicts and sets, and objects with an
+``smp_slice(num_mb, mb, axis)`` method) are split along their batch axis into ``microbatches`` pieces. The
+function then runs once per piece, in the pipeline schedule's order; each returned tensor becomes a
+:class:`StepOutput` holding its value for every micro-batch.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Iterable
+from typing import Any, Callable, Optional, TypeVar, Union, overload
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from shardkit.modelparallel import state as smp_state
+from shardkit.modelparallel.pipeline_parallel import StepRun
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class StepOutput:
+    """One returned tensor's value for every micro-batch of an ``@smp.step`` call.
+
+    Example::
+
+        loss = train_step(model, x, y)      # a StepOutput
+        print(loss.reduce_mean().item())    # the mean over micro-batches
+    """
+
+    def __init__(self, outputs: list[Any]) -> None:
+        self.outputs = outputs
+        """The per-micro-batch values, in micro-batch order."""
+
+    def reduce_mean(self) -> torch.Tensor:
+        """The mean over micro-batches."""
+        return self.reduce_sum() / len(self.outputs)
+
+    def reduce_sum(self) -> torch.Tensor:
+        """The sum over micro-batches."""
+        return torch.stack(self.outputs).sum(dim=0)
+
+    def concat(self) -> torch.Tensor:
+        """The micro-batch values concatenated along the batch axis (axis 0)."""
+        return torch.cat(self.outputs, dim=0)
+
+    def stack(self) -> torch.Tensor:
+        """The micro-batch values stacked along a new leading axis."""
+        return torch.stack(self.outputs, dim=0)
+
+    def __repr__(self) -> str:
+        return f"StepOutput({len(self.outputs)} microbatches)"
+
+
+def split_microbatch(value: Any, num_mb: int, mb: int, axis: int, where: str) -> Any:
+    """Micro-batch ``mb`` of ``num_mb`` of ``value`` (tensors narrowed along ``axis``, containers recursively)."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 0:
+            return value
+        size = value.shape[axis]
+        if size % num_mb:
+            raise ValueError(
+                f"@smp.step argument {where}: size {size} along axis {axis} is not divisible by "
+                f"microbatches={num_mb}; use a batch size that is a multiple of {num_mb}, or list the argument in "
+                "non_split_inputs / set its axis in input_split_axes"
+            )
+        chunk = size // num_mb
+        return value.narrow(axis, mb * chunk, chunk)
+    if hasattr(value, "smp_slice") and not isinstance(value, type):
+        return value.smp_slice(num_mb, mb, axis)
+    if isinstance(value, (list, tuple)):
+        items = [split_microbatch(v, num_mb, mb, axis, f"{where}[{i}]") for i, v in enumerate(value)]
+        if hasattr(value, "_fields"):  # namedtuple
+            return type(value)(*items)
+        return type(value)(items)
+    if isinstance(value, dict):
+        return type(value)((k, split_microbatch(v, num_mb, mb, axis, f"{where}[{k!r}]")) for k, v in value.items())
+    if isinstance(value, (set, frozenset)):
+        return type(value)(split_microbatch(v, num_mb, mb, axis, where) for v in value)
+    return value
+
+
+def _gather(per_mb: list[Any]) -> Any:
+    leaves0, spec = tree_flatten(per_mb[0])
+    columns = [tree_flatten(out)[0] for out in per_mb]
+    merged = [
+        StepOutput([col[i] for col in columns]) if isinstance(leaf, torch.Tensor) else leaf
+        for i, leaf in enumerate(leaves0)
+    ]
+    return tree_unflatten(merged, spec)
+
+
+@overload
+def step(func: F) -> F: ...
+
+
+@overload
+def step(
+    func: None = None,
+    *,
+    non_split_inputs: Optional[Iterable[str]] = None,
+    input_split_axes: Optional[dict[str, int]] = None,
+    detach_outputs: bool = True,
+) -> Callable[[F], F]: ...
+
+
+def step(
+    func: Optional[F] = None,
+    *,
+    non_split_inputs: Optional[Iterable[str]] = None,
+    input_split_axes: Optional[dict[str, int]] = None,
+    detach_outputs: bool = True,
+) -> Union[F, Callable[[F], F]]:
+    """Decorate a function holding one forward and backward pass; it then runs pipelined, per micro-batch.
+
+    ``non_split_inputs`` names arguments passed whole to every micro-batch; ``input_split_axes`` maps argument
+    names to their batch axis (default 0); ``detach_outputs`` detaches returned tensors. Gradient clipping and
+    ``optimizer.step()`` belong outside the decorated function.
+
+    Example::
+
+        @smp.step
+        def train_step(model, x, y):
+            loss = F.cross_entropy(model(x), y)
+            model.backward(loss)
+            return loss
+
+        loss = train_step(model, x, y).reduce_mean()
+        optimizer.step()
+    """
+    unsplit = set(non_split_inputs or ())
+    axes = dict(input_split_axes or {})
+
+    def decorate(fn: F) -> F:
+        signature = inspect.signature(fn)
+
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            state = smp_state.current()
+            model = state.model
+            if model is None:
+                raise RuntimeError(
+                    f"@smp.step function {fn.__name__!r} was called before smp.DistributedModel(...) was created"
+                )
+            if state.step is not None:
+                raise RuntimeError(f"@smp.step function {fn.__name__!r} was called inside another @smp.step call")
+            bound = signature.bind(*args, **kwargs)
+            num_mb = state.config.microbatches
+            per_mb = [_split_arguments(bound, num_mb, mb, unsplit, axes) for mb in range(num_mb)]
+
+            def forward(mb: int) -> Any:
+                return fn(*per_mb[mb].args, **per_mb[mb].kwargs)
+
+            run = StepRun(model, num_mb, forward, detach_outputs)
+            state.step = run
+            try:
+                outputs = run.run()
+            finally:
+                state.step = None
+            return _gather(outputs)
+
+        return wrapper  # type: ignore[return-value]
+
+    return decorate(func) if func is not None else decorate
+
+
+def _split_arguments(
+    bound: inspect.BoundArguments, num_mb: int, mb: int, unsplit: set[str], axes: dict[str, int]
+) -> inspect.BoundArguments:
+    pieces = {}
+    for name, value in bound.arguments.items():
+        if name in unsplit or num_mb == 1:
+            pieces[name] = value
+        else:
+            pieces[name] = split_microbatch(value, num_mb, mb, axes.get(name, 0), repr(name))
+    return inspect.BoundArguments(bound.signature, pieces)

@@ -1,0 +1,178 @@
+"""Shared pieces of the smp tests: small models, a reference trainer, and one pipelined training run."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import shardkit.modelparallel as smp
+from shardkit.testing.models import LMConfig, TransformerLM, lm_batch
+
+
+def mlp() -> nn.Module:
+    """Seven modules in a row: enough to give each of four stages something."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)
+    )
+
+
+class PairBlock(nn.Module):
+    """Returns a tuple; its second output skips the next module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.left = nn.Linear(16, 16)
+        self.right = nn.Linear(16, 16)
+
+    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.tanh(self.left(h)), self.right(h)
+
+
+class ResidualNet(nn.Module):
+    """Not a Sequential: residuals that cross stages, tuple and dict outputs, a parameter used in glue code.
+
+    With ``stages`` set, modules are placed with ``smp.partition`` (embed, pair, mix, head on stages
+    0, 1, 2, 3 for four stages; 0, 0, 1, 1 for two).
+    """
+
+    def __init__(self, stages: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        where = [0, 1, 2, 3] if stages == 4 else [0, 0, 1, 1]
+        with smp.partition(where[0]) if stages else _null():
+            self.embed = nn.Linear(8, 16)
+        with smp.partition(where[1]) if stages else _null():
+            self.pair = PairBlock()
+        with smp.partition(where[2]) if stages else _null():
+            self.mix = nn.Linear(16, 16)
+        with smp.partition(where[3]) if stages else _null():
+            self.head = nn.Linear(16, 4)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 16))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        h = torch.relu(self.embed(x))
+        a, b = self.pair(h)
+        z = self.mix(a * self.scale) + h  # h comes from the first stage
+        out = self.head(z + b)
+        return out, {"aux": (a * a).mean(dim=1)}
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def tiny_lm() -> nn.Module:
+    torch.manual_seed(2)
+    return TransformerLM(LMConfig())
+
+
+def loss_of(name: str, out: Any, y: torch.Tensor) -> torch.Tensor:
+    if name == "residual":
+        pred, extra = out
+        return F.mse_loss(pred, y) + 0.1 * extra["aux"].mean()
+    if name == "lm":
+        return TransformerLM.loss_fn(out, y)
+    return F.mse_loss(out, y)
+
+
+def batch(name: str, size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if name == "lm":
+        return lm_batch(LMConfig(), size, seed)
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(size, 8, generator=gen), torch.randn(size, 4, generator=gen)
+
+
+class MomentumSGD(torch.optim.Optimizer):
+    """SGD with momentum, built without ``torch.optim``'s dynamo-guarded ``add_param_group``.
+
+    The first ``torch.optim`` optimizer a process builds imports ``torch._dynamo`` (seconds on a loaded
+    machine, in every worker of every job); this one trains exactly like ``torch.optim.SGD(momentum=...)``
+    without that import, which keeps the multi-process tests fast.
+    """
+
+    def __init__(self, params: Any, lr: float, momentum: float) -> None:
+        self.defaults = {"lr": lr, "momentum": momentum}
+        self.state: dict[Any, Any] = {}
+        self.param_groups = []
+        self._optimizer_step_pre_hooks: dict[int, Any] = {}
+        self._optimizer_step_post_hooks: dict[int, Any] = {}
+        self._optimizer_state_dict_pre_hooks: dict[int, Any] = {}
+        self._optimizer_state_dict_post_hooks: dict[int, Any] = {}
+        self._optimizer_load_state_dict_pre_hooks: dict[int, Any] = {}
+        self._optimizer_load_state_dict_post_hooks: dict[int, Any] = {}
+        self.param_groups.append({"params": list(params), "lr": lr, "momentum": momentum})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                buf = self.state.setdefault(p, {}).get("momentum_buffer")
+                if buf is None:
+                    buf = self.state[p]["momentum_buffer"] = p.grad.detach().clone()
+                else:
+                    buf.mul_(group["momentum"]).add_(p.grad)
+                p.add_(buf, alpha=-group["lr"])
+
+
+BUILDERS: dict[str, Callable[..., nn.Module]] = {"mlp": mlp, "residual": ResidualNet, "lm": tiny_lm}
+
+
+@smp.step
+def train_step(model: smp.DistributedModel, name: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    loss = loss_of(name, model(x), y)
+    model.backward(loss)
+    return loss
+
+
+def reference_run(
+    name: str, steps: int, batch_size: int, replicas: int = 1, lr: float = 0.05
+) -> tuple[list[list[float]], dict[str, torch.Tensor]]:
+    """Single-process training on the global batch; returns per-step per-replica losses and final weights."""
+    model = BUILDERS[name]()
+    opt = MomentumSGD(model.parameters(), lr=lr, momentum=0.9)
+    losses = []
+    for s in range(steps):
+        parts = [batch(name, batch_size, 100 * s + d) for d in range(replicas)]
+        per_replica = [loss_of(name, model(x), y) for x, y in parts]
+        opt.zero_grad()
+        (sum(per_replica) / replicas).backward()
+        opt.step()
+        losses.append([loss.item() for loss in per_replica])
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def smp_run(
+    name: str,
+    config: dict[str, Any],
+    steps: int,
+    batch_size: int,
+    model_kwargs: Optional[dict[str, Any]] = None,
+    lr: float = 0.05,
+    **model_options: Any,
+) -> tuple[list[float], dict[str, torch.Tensor], smp.DistributedModel]:
+    """Train with smp under ``config``; returns this replica's losses, the full final state dict, the model."""
+    smp.init(config)
+    model = smp.DistributedModel(BUILDERS[name](**(model_kwargs or {})), **model_options)
+    opt = smp.DistributedOptimizer(MomentumSGD(model.parameters(), lr=lr, momentum=0.9))
+    losses = []
+    for s in range(steps):
+        x, y = batch(name, batch_size, 100 * s + smp.dp_rank())
+        opt.zero_grad()
+        losses.append(train_step(model, name, x, y).reduce_mean().item())
+        opt.step()
+    return losses, model.state_dict(), model
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
