@@ -135,18 +135,21 @@ def train_step(model: smp.DistributedModel, name: str, x: torch.Tensor, y: torch
 
 
 def reference_run(
-    name: str, steps: int, batch_size: int, replicas: int = 1, lr: float = 0.05
+    name: str, steps: int, batch_size: int, replicas: int = 1, accumulate: int = 1, lr: float = 0.05
 ) -> tuple[list[list[float]], dict[str, torch.Tensor]]:
-    """Single-process training on the global batch; returns per-step per-replica losses and final weights."""
+    """Single-process training on the global batch (stepping every ``accumulate`` batches); returns per-step
+    per-replica losses and the final weights."""
     model = BUILDERS[name]()
     opt = MomentumSGD(model.parameters(), lr=lr, momentum=0.9)
     losses = []
     for s in range(steps):
         parts = [batch(name, batch_size, 100 * s + d) for d in range(replicas)]
         per_replica = [loss_of(name, model(x), y) for x, y in parts]
-        opt.zero_grad()
+        if s % accumulate == 0:
+            opt.zero_grad()
         (sum(per_replica) / replicas).backward()
-        opt.step()
+        if (s + 1) % accumulate == 0:
+            opt.step()
         losses.append([loss.item() for loss in per_replica])
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
@@ -160,16 +163,22 @@ def smp_run(
     lr: float = 0.05,
     **model_options: Any,
 ) -> tuple[list[float], dict[str, torch.Tensor], smp.DistributedModel]:
-    """Train with smp under ``config``; returns this replica's losses, the full final state dict, the model."""
+    """Train with smp under ``config``; returns this replica's losses, the full final state dict, the model.
+
+    With ``backward_passes_per_step=k`` among ``model_options`` the optimizer steps every ``k`` steps.
+    """
     smp.init(config)
     model = smp.DistributedModel(BUILDERS[name](**(model_kwargs or {})), **model_options)
     opt = smp.DistributedOptimizer(MomentumSGD(model.parameters(), lr=lr, momentum=0.9))
+    accumulate = model_options.get("backward_passes_per_step", 1)
     losses = []
     for s in range(steps):
         x, y = batch(name, batch_size, 100 * s + smp.dp_rank())
-        opt.zero_grad()
+        if s % accumulate == 0:
+            opt.zero_grad()
         losses.append(train_step(model, name, x, y).reduce_mean().item())
-        opt.step()
+        if (s + 1) % accumulate == 0:
+            opt.step()
     return losses, model.state_dict(), model
 
 

@@ -6,7 +6,7 @@ suite fast.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 from smp_testlib import max_diff, reference_run, smp_run
@@ -19,13 +19,18 @@ STEPS = 3
 BATCH = 8
 
 
-def _parity(rank: int, world_size: int, cases: list[tuple[str, dict[str, Any], dict[str, Any]]]) -> dict[str, Any]:
+Case = tuple[str, dict[str, Any], dict[str, Any]]
+
+
+def _parity(rank: int, world_size: int, cases: list[Case], options: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     results = {}
+    options = options or {}
+    steps = STEPS * options.get("backward_passes_per_step", 1)
     for name, config, model_kwargs in cases:
         replicas = world_size // config["partitions"]
-        ref_losses, ref_state = reference_run(name, STEPS, BATCH, replicas)
-        losses, state, model = smp_run(name, config, STEPS, BATCH, model_kwargs)
-        key = f"{name}-{config}"
+        ref_losses, ref_state = reference_run(name, steps, BATCH, replicas, options.get("backward_passes_per_step", 1))
+        losses, state, model = smp_run(name, config, steps, BATCH, model_kwargs, **options)
+        key = f"{name}-{config}-{options}"
         results[key] = {
             "loss_diff": max(abs(a - b[smp.dp_rank()]) for a, b in zip(losses, ref_losses)),
             "param_diff": max_diff(state, ref_state),
@@ -37,7 +42,7 @@ def _parity(rank: int, world_size: int, cases: list[tuple[str, dict[str, Any], d
     return results
 
 
-def _schedules(partitions: int, name: str = "mlp") -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
+def _schedules(partitions: int, name: str = "mlp") -> list[Case]:
     return [
         (name, {"partitions": partitions, "microbatches": mb, "pipeline": pipeline}, {})
         for pipeline in ("simple", "interleaved")
@@ -95,3 +100,10 @@ def test_hybrid_data_parallel_matches_single_process() -> None:
         ),
     ]
     _check(run_distributed(_parity, 4, cases))
+
+
+def test_hybrid_accumulation_without_overlap() -> None:
+    """backward_passes_per_step=2 (gradients reduced every other step) with the all-reduce after backward."""
+    cases = [("lm", {"partitions": 2, "microbatches": 2, "ddp": True}, {})]
+    options = {"backward_passes_per_step": 2, "overlapping_allreduce": False, "bucket_cap_mb": 0.01}
+    _check(run_distributed(_parity, 4, cases, options))
