@@ -10,6 +10,7 @@ from torch import nn
 
 from shardkit.distributed import DummyProcessGroup
 from shardkit.nn.fsdp import FullyShardedDataParallel as FSDP
+from shardkit.nn.fsdp import state_dict as fsdp_sd
 from shardkit.testing import models as M
 from shardkit.testing import run_distributed
 
@@ -179,7 +180,35 @@ def _full_and_local(rank: int, world_size: int, foreign_local: dict[str, torch.T
     assert_same(snapshot(model), saved)
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_full_and_local_state_dicts_across_ranks(world_size: int) -> None:
+def test_full_and_local_state_dicts_across_ranks() -> None:
+    # world size 4 is covered by the DCP test; a local dict from world size 1 must be refused at world size 2
     single = build("lm", DUMMY)
-    run_distributed(_full_and_local, world_size, single.local_state_dict())
+    run_distributed(_full_and_local, 2, single.local_state_dict())
+
+
+class HookedFSDP(FSDP):
+    """FSDP with the load hook the core class is asked to install (see load_from_state_dict_hook)."""
+
+    def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any) -> None:
+        fsdp_sd.load_from_state_dict_hook(self, state_dict, prefix, *args)
+
+
+def test_unwrapped_root_loads_through_torch_recursion() -> None:
+    # auto_wrap leaves the root plain: torch's load_state_dict recursion reaches the wrapped units itself.
+    donor = M.build("batchnorm", seed=4)
+    donor.bn.running_mean.uniform_()
+    donor.body[1].running_var.uniform_(1, 2)
+
+    def wrap_body(body: nn.Module) -> nn.Module:
+        body[0] = HookedFSDP(body[0], process_group=DUMMY)  # a unit inside a unit
+        return HookedFSDP(body, process_group=DUMMY)
+
+    model = M.build("batchnorm", seed=0, wrap_fn=wrap_body)
+    assert isinstance(model.body.module[0], HookedFSDP) and model.body.module[0].flat_params
+    result = model.load_state_dict(donor.state_dict())
+    assert not result.missing_keys and not result.unexpected_keys
+    assert_same(model.state_dict(), donor.state_dict())
+    bad = {**donor.state_dict(), "body.0.weight": torch.zeros(2, 2), "body.7.weight": torch.zeros(1)}
+    # torch's recursion names a unit nested in a unit by the path it visits (body.module.0), not the clean key
+    with pytest.raises(RuntimeError, match=r"(?s)body\.7\.weight.*'body\.module\.0\.weight' has shape \(2, 2\)"):
+        model.load_state_dict(bad)

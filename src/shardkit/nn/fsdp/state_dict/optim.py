@@ -1,0 +1,178 @@
+"""Optimizer state: gathered into the unwrapped model's layout, and cut back into this rank's flat shards."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Optional
+
+import torch
+
+from shardkit.nn.fsdp.api import FullyShardedDataParallel as FSDP
+from shardkit.nn.fsdp.handle import FlatParamHandle
+from shardkit.nn.fsdp.state_dict._layout import ParamEntry, check_idle, flat_entries, gather_flat, layout
+
+
+def _is_sharded_state(value: Any, shard: torch.Tensor) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == shard.shape
+
+
+def _optim_handles(fsdp: FSDP, optim: torch.optim.Optimizer) -> dict[int, int]:
+    """id(shard) -> index of the optimizer's param group holding it; raises on foreign parameters."""
+    shards = {id(h.shard) for _, h, _ in flat_entries(fsdp)}
+    where = {}
+    for gi, group in enumerate(optim.param_groups):
+        for p in group["params"]:
+            if id(p) not in shards:
+                raise ValueError(
+                    f"the optimizer's param group {gi} holds a tensor of shape {tuple(p.shape)} that is not a shard "
+                    "of this FullyShardedDataParallel model; build the optimizer from model.parameters() after wrapping"
+                )
+            where[id(p)] = gi
+    return where
+
+
+def gather_full_optim_state_dict(
+    fsdp: FSDP, optim: torch.optim.Optimizer, recipient_rank: int = 0
+) -> Optional[dict[str, Any]]:
+    """The optimizer state of the whole model, unflattened per original parameter, on ``recipient_rank``.
+
+    Shaped like ``optim.state_dict()`` of the *unwrapped* model's optimizer: parameter ids count the original
+    parameters group by group, each group in the unwrapped model's parameter order, and every group lists the
+    original names under ``param_names`` (torch's convention). Load it into a plain optimizer built with the same
+    groups, or back into the wrapped one with :func:`get_shard_from_optim_state_dict`. Tensors are on CPU.
+    Call on every rank (one all-gather per sharded state tensor); other ranks get ``None``. Parameters whose
+    unit is sharded over its own group (per-rank experts) come from the recipient's own copy.
+    """
+    check_idle(fsdp, "gather_full_optim_state_dict()")
+    group_of = _optim_handles(fsdp, optim)
+    params, _, _ = layout(fsdp)
+    keep = fsdp.rank == recipient_rank
+    pieces: dict[tuple[int, int], dict[str, Any]] = {}
+    for _, h, unit in flat_entries(fsdp):
+        state = optim.state.get(h.shard, {})
+        for key in sorted(state):
+            value = state[key]
+            if _is_sharded_state(value, h.shard):
+                full = gather_flat(h, unit.process_group, value, "optim_state")
+            for i, info in enumerate(h.meta.params):
+                if not keep:
+                    continue
+                if _is_sharded_state(value, h.shard):
+                    piece: Any = full[info.offset : info.offset + info.numel].view(info.shape).to("cpu", copy=True)
+                else:
+                    piece = value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else value
+                pieces.setdefault((id(h), i), {})[key] = piece
+    if not keep:
+        return None
+    groups: list[dict[str, Any]] = [
+        {**{k: v for k, v in g.items() if k not in ("params", "param_names")}, "params": [], "param_names": []}
+        for g in optim.param_groups
+    ]
+    members: list[list[ParamEntry]] = [[] for _ in groups]
+    for e in params:
+        if not e.alias and id(e.handle.shard) in group_of:
+            members[group_of[id(e.handle.shard)]].append(e)
+    state_out: dict[int, dict[str, Any]] = {}
+    next_id = 0
+    for group, entries in zip(groups, members):
+        for e in entries:
+            group["params"].append(next_id)
+            group["param_names"].append(e.key)
+            if (id(e.handle), e.index) in pieces:
+                state_out[next_id] = pieces[(id(e.handle), e.index)]
+            next_id += 1
+    return {"state": state_out, "param_groups": groups}
+
+
+def _full_osd_by_name(fsdp: FSDP, full_osd: Mapping[str, Any]) -> dict[str, tuple[int, dict[str, Any]]]:
+    """name -> (param group index, state) of a full optimizer state dict, using ``param_names`` when present."""
+    owners = [e.key for e in layout(fsdp)[0] if not e.alias]
+    groups = full_osd["param_groups"]
+    if not all("param_names" in g for g in groups):
+        n_ids = sum(len(g["params"]) for g in groups)
+        if len(groups) != 1 or n_ids != len(owners):
+            raise ValueError(
+                "get_shard_from_optim_state_dict: the optimizer state dict has no 'param_names', so its ids can only "
+                f"be matched by position, which needs one param group over all {len(owners)} parameters (it has "
+                f"{len(groups)} groups, {n_ids} ids). Build the unwrapped optimizer from model.named_parameters() "
+                "so torch records the names, or use gather_full_optim_state_dict()."
+            )
+        groups = [{**groups[0], "param_names": owners}]
+    out = {}
+    state = full_osd["state"]
+    for gi, g in enumerate(groups):
+        for pid, name in zip(g["params"], g["param_names"]):
+            out[name] = (gi, state.get(pid, {}))
+    unknown = sorted(set(out) - set(owners))
+    if unknown:
+        raise ValueError(
+            f"get_shard_from_optim_state_dict: the optimizer state names parameters {unknown} that this "
+            "model does not have"
+        )
+    return out
+
+
+def get_shard_from_optim_state_dict(
+    fsdp: FSDP, full_osd: Mapping[str, Any], optim: Optional[torch.optim.Optimizer] = None
+) -> dict[str, Any]:
+    """This rank's part of a full optimizer state dict, for ``optim.load_state_dict`` on the wrapped model.
+
+    Groups keep the full dict's order; inside a group the flat parameters are in ``model.parameters()`` order
+    (or in ``optim``'s order when it is given), which is how ``torch.optim.SGD(model.parameters())`` lists them.
+    Original parameters without state get zeros. No communication.
+    """
+    by_name = _full_osd_by_name(fsdp, full_osd)
+    entries = [e for e in layout(fsdp)[0] if not e.alias]
+    flats = [h for _, h, _ in flat_entries(fsdp)]
+    if optim is not None:
+        order = {id(p): i for i, p in enumerate(p for g in optim.param_groups for p in g["params"])}
+        flats.sort(key=lambda h: order.get(id(h.shard), len(order)))
+    names: dict[tuple[int, int], str] = {(id(e.handle), e.index): e.key for e in entries}
+    n_groups = len(full_osd["param_groups"])
+    members: list[list[tuple[FlatParamHandle, dict[str, Any]]]] = [[] for _ in range(n_groups)]
+    for h in flats:
+        found = {i: by_name[names[(id(h), i)]] for i in range(len(h.meta.params)) if names.get((id(h), i)) in by_name}
+        if not found:
+            continue
+        group_ids = {gi for gi, _ in found.values()}
+        if len(group_ids) > 1:
+            raise ValueError(
+                f"get_shard_from_optim_state_dict: {sorted(names[(id(h), i)] for i in found)} share one flat parameter "
+                f"but sit in param groups {sorted(group_ids)}; wrap them in different units or use "
+                "flatten_parameters=False"
+            )
+        members[group_ids.pop()].append((h, _shard_state(h, {i: s for i, (_, s) in found.items()}, names)))
+    state_out: dict[int, dict[str, Any]] = {}
+    groups = []
+    next_id = 0
+    for g, group_members in zip(full_osd["param_groups"], members):
+        ids = list(range(next_id, next_id + len(group_members)))
+        state_out.update({pid: st for pid, (_, st) in zip(ids, group_members) if st})
+        groups.append({**{k: v for k, v in g.items() if k not in ("params", "param_names")}, "params": ids})
+        next_id += len(ids)
+    return {"state": state_out, "param_groups": groups}
+
+
+def _shard_state(h: FlatParamHandle, states: dict[int, dict[str, Any]], names: dict[tuple[int, int], str]) -> dict:
+    """Flatten the per-parameter states of one flat parameter and cut out this rank's shard."""
+    out: dict[str, Any] = {}
+    keys = sorted({k for s in states.values() for k in s})
+    for key in keys:
+        values = {i: s[key] for i, s in states.items() if key in s}
+        info_of = h.meta.params
+        tensor_like = [
+            isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape == info_of[i].shape for i, v in values.items()
+        ]
+        if any(tensor_like):
+            if not all(tensor_like):
+                bad = [names[(id(h), i)] for (i, _), ok in zip(values.items(), tensor_like) if not ok]
+                raise ValueError(f"optimizer state '{key}' of {bad} does not have the parameter's shape")
+            dtype = next(iter(values.values())).dtype
+            full = torch.zeros(h.meta.padded_numel, dtype=dtype, device=h.shard.device)
+            for i, v in values.items():
+                full[info_of[i].offset : info_of[i].offset + info_of[i].numel].copy_(v.reshape(-1))
+            out[key] = h.meta.local_shard(full).clone()
+        else:
+            first = next(iter(values.values()))
+            out[key] = first.clone() if isinstance(first, torch.Tensor) else first
+    return out
