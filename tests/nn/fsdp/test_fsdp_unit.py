@@ -158,3 +158,57 @@ def test_parameters_are_shards_and_full_params_are_freed() -> None:
     out.sum().backward()
     assert model.unsharded_bytes() == 0 and inner.unsharded_bytes() == 0
     assert all(p.grad is not None and p.grad.shape == p.shape for p in model.parameters())
+
+
+def test_parameter_tied_across_units_is_rejected() -> None:
+    model = M.TransformerLM()
+    model.head = FSDP(model.head, process_group=ONE)  # head.weight is tied to embed.weight, left in the root
+    before = dict(model.named_parameters())
+    with pytest.raises(ValueError, match=r"'embed\.weight' is tied"):
+        FSDP(model, process_group=ONE)
+    assert dict(model.named_parameters()).keys() == before.keys()
+
+
+def test_mixed_precision_unit_inside_full_precision_root_casts_its_inputs() -> None:
+    inner = FSDP(nn.Linear(4, 4), process_group=ONE, compute_dtype=torch.bfloat16)
+    model = FSDP(nn.Sequential(nn.Linear(4, 4), inner), process_group=ONE)
+    out = model(torch.randn(2, 4))
+    assert out.dtype == torch.bfloat16
+    out.float().sum().backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())
+
+
+def test_inference_mode_and_no_grad_eval() -> None:
+    torch.manual_seed(0)
+    ref = M.NestedWrappedModule()
+    model = FSDP(copy.deepcopy(ref), process_group=ONE)
+    x = torch.randn(3, 8)
+    for ctx in (torch.no_grad, torch.inference_mode):
+        with ctx():
+            torch.testing.assert_close(model(x), ref(x))
+        assert model.unsharded_bytes() == 0 and model.training_state == TrainingState.IDLE
+
+
+def test_training_continues_after_a_backward_that_raised() -> None:
+    torch.manual_seed(0)
+    ref = M.NestedWrappedModule(wrap_fn=lambda m: m)
+    torch.manual_seed(0)
+    model = FSDP(M.NestedWrappedModule(wrap_fn=lambda m: FSDP(m, process_group=ONE)), process_group=ONE)
+    out = model(torch.randn(2, 8))
+
+    def boom(grad: torch.Tensor) -> torch.Tensor:
+        raise ValueError("user hook failed")
+
+    out.register_hook(boom)
+    with pytest.raises(ValueError, match="user hook failed"):
+        (out * 2).sum().backward()
+    x = torch.randn(2, 8)
+    for m in (model, ref):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        m(x).sum().backward()
+        opt.step()
+    assert all(u.training_state == TrainingState.IDLE for u in model.modules() if isinstance(u, FSDP))
+    with model.summon_full_params():
+        got = dict(model.named_parameters())
+        for n, p in ref.named_parameters():
+            torch.testing.assert_close(got[n], p, msg=n)

@@ -12,6 +12,7 @@ from torch import nn
 
 from shardkit.distributed.groups import GroupLike, group_rank, group_size, resolve_group
 from shardkit.nn.fsdp import grad_norm
+from shardkit.nn.fsdp._names import clean_members, clean_named_modules
 from shardkit.nn.fsdp.flat_param import FlatParamMeta
 from shardkit.nn.fsdp.param_group import ParamGroup
 from shardkit.nn.fsdp.policies import BackwardPrefetch, CPUOffload, policies_from_args
@@ -102,11 +103,17 @@ class FullyShardedDataParallel(nn.Module):
         self.world_size = group_size(group)
         self._policies = policies
         label = type(module).__name__
+        nested = [_unit_of(m).group for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
+        # May raise; nothing has been changed yet.
         param_group = ParamGroup.build(
-            self, module, group, self.rank, self.world_size, policies, _is_unit, label
-        )  # may raise: nothing has been changed yet
+            self, module, group, self.rank, self.world_size, policies, _is_unit, label, nested
+        )
         self.module = module
         self._unit = Unit(param_group, policies, label)
+        if policies.mixed_precision.param_dtype is not None:
+            # Every mixed-precision unit casts its floating-point inputs (a no-op below a mixed-precision root),
+            # so a mixed-precision unit inside a full-precision root still gets inputs of its compute dtype.
+            self._unit.cast_inputs = make_input_caster(policies.mixed_precision.param_dtype)
         #: Original dtypes of floating-point buffers cast for mixed precision (clean name -> dtype), root only.
         self.buffer_original_dtypes: dict[str, torch.dtype] = {}
 
@@ -199,20 +206,18 @@ class FullyShardedDataParallel(nn.Module):
             return
         unit.is_root, unit.root, unit.units = True, None, []
         unit.name = f"<root {type(self.module).__name__}>"
-        for path, module in _clean_named_modules(self):
+        for path, module in clean_named_modules(self, _is_unit):
             if isinstance(module, FullyShardedDataParallel):
                 if module is not self:
                     module._unit.is_root, module._unit.root, module._unit.units = False, unit, []
                     module._unit.name = path
                 unit.units.append(module._unit)
         mp = self._policies.mixed_precision
-        if mp.param_dtype is not None:
-            unit.cast_inputs = make_input_caster(mp.param_dtype)
         if mp.buffer_dtype is not None:
             self._cast_buffers(mp.buffer_dtype)
 
     def _cast_buffers(self, dtype: torch.dtype) -> None:
-        for path, module in _clean_named_modules(self):
+        for path, module in clean_named_modules(self, _is_unit):
             for name, buf in module._buffers.items():
                 if buf is not None and buf.is_floating_point() and buf.dtype != dtype:
                     self.buffer_original_dtypes[f"{path}.{name}" if path else name] = buf.dtype
@@ -230,7 +235,7 @@ class FullyShardedDataParallel(nn.Module):
         if not recurse:
             yield from super().named_parameters(prefix, recurse, remove_duplicate)
             return
-        yield from _clean_members(self, "_parameters", prefix, remove_duplicate)
+        yield from clean_members(self, _is_unit, "_parameters", prefix, remove_duplicate)
 
     def named_buffers(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
@@ -239,7 +244,7 @@ class FullyShardedDataParallel(nn.Module):
         if not recurse:
             yield from super().named_buffers(prefix, recurse, remove_duplicate)
             return
-        yield from _clean_members(self, "_buffers", prefix, remove_duplicate)
+        yield from clean_members(self, _is_unit, "_buffers", prefix, remove_duplicate)
 
     def __getattr__(self, name: str) -> Any:
         """Fall back to the wrapped module's attributes (``fsdp.get_input`` reaches ``fsdp.module.get_input``)."""
@@ -366,35 +371,10 @@ def _state_dict_module() -> Any:
     return importlib.import_module("shardkit.nn.fsdp.state_dict")
 
 
+def _unit_of(module: FullyShardedDataParallel) -> Unit:
+    unit: Unit = module._unit
+    return unit
+
+
 def _is_unit(module: nn.Module) -> bool:
     return isinstance(module, FullyShardedDataParallel)
-
-
-def _clean_named_modules(root: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
-    """Pre-order ``(name, module)`` where wrappers add no path segment, so names match the unwrapped model."""
-    seen: set[int] = set()
-
-    def visit(module: nn.Module, path: str) -> Iterator[tuple[str, nn.Module]]:
-        if id(module) in seen:
-            return
-        seen.add(id(module))
-        yield path, module
-        for name, child in module._modules.items():
-            if child is None:
-                continue
-            if isinstance(module, FullyShardedDataParallel) and name == "module":
-                yield from visit(child, path)
-            else:
-                yield from visit(child, f"{path}.{name}" if path else name)
-
-    yield from visit(root, prefix)
-
-
-def _clean_members(root: nn.Module, kind: str, prefix: str, remove_duplicate: bool) -> Iterator[tuple[str, Any]]:
-    seen: set[int] = set()
-    for path, module in _clean_named_modules(root, prefix):
-        for name, value in getattr(module, kind).items():
-            if value is None or (remove_duplicate and id(value) in seen):
-                continue
-            seen.add(id(value))
-            yield (f"{path}.{name}" if path else name), value

@@ -9,7 +9,8 @@ trainable ones, and tied parameters are stored once.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import weakref
+from collections.abc import Iterator, Sequence
 from typing import Callable, Optional
 
 import torch
@@ -97,6 +98,18 @@ def check_same_across_ranks(owners: Owners, aliases: Aliases, group: GroupLike, 
         )
 
 
+def _check_not_sharded_by_nested(owners: Owners, nested: Sequence[ParamGroup]) -> None:
+    for loc, param in owners:
+        for group in nested:
+            if group.sharded_original(param):
+                raise ValueError(
+                    f"parameter '{_fqn(loc)}' is tied to a parameter already sharded by the nested unit wrapping "
+                    f"{type(group.owner.module).__name__}; tied parameters must live in one unit. Wrap the modules "
+                    "sharing it together (e.g. leave both the embedding and the output projection in the outer "
+                    "unit). The model was left unchanged."
+                )
+
+
 def _group_by_kind(owners: Owners, aliases: Aliases, flatten: bool) -> list[tuple[Owners, Aliases]]:
     """Split into flat parameters: one per (dtype, requires_grad), or one per parameter without flattening."""
     keys: dict[object, int] = {}
@@ -142,6 +155,13 @@ class ParamGroup:
         self.world_size = world_size
         self.policies = policies
         self._summoned: Optional[list[tuple[torch.Tensor, list[nn.Parameter]]]] = None
+        #: The original parameters this unit replaced by shards (weakly held), to catch ties across units.
+        self._originals: dict[int, weakref.ref[nn.Parameter]] = {}
+
+    def sharded_original(self, param: nn.Parameter) -> bool:
+        """True if ``param`` is one of the original parameters this unit flattened and sharded."""
+        ref = self._originals.get(id(param))
+        return ref is not None and ref() is param
 
     @classmethod
     def build(
@@ -154,6 +174,7 @@ class ParamGroup:
         policies: FSDPPolicies,
         is_unit: Callable[[nn.Module], bool],
         label: str,
+        nested: Sequence[ParamGroup] = (),
     ) -> ParamGroup:
         """Shard ``module``'s parameters and register the shards on ``owner`` as ``flat_param_<i>``.
 
@@ -162,6 +183,7 @@ class ParamGroup:
         """
         owners, aliases = collect_params(module, is_unit)
         _validate(owners, policies)
+        _check_not_sharded_by_nested(owners, nested)
         check_same_across_ranks(owners, aliases, group, rank)
         compute_device = _compute_device(owners, policies)
         handles = []
@@ -194,7 +216,9 @@ class ParamGroup:
             loc.module._parameters.pop(loc.attr, None)
         for handle in handles:
             owner.register_parameter(handle.name, handle.shard)
-        return cls(owner, handles, group, world_size, policies)
+        built = cls(owner, handles, group, world_size, policies)
+        built._originals = {id(p): weakref.ref(p) for _, p in owners}
+        return built
 
     # ------------------------------------------------------------------ forward / backward
     def unshard(self) -> None:

@@ -111,8 +111,7 @@ class Unit:
                 "backward pass through it did not finish. Run forward through the root instance."
             )
         self.transition("pre_forward")
-        if self.is_root:
-            args, kwargs = self.cast_inputs((args, kwargs))
+        args, kwargs = self.cast_inputs((args, kwargs))
         with record_function(f"shardkit::fsdp:pre_forward:{self.name}"):
             self.group.unshard()
             self.group.use_views()
