@@ -178,6 +178,17 @@ def _full_and_local(rank: int, world_size: int, foreign_local: dict[str, torch.T
     with pytest.raises(ValueError, match="ln_f.weight" if rank else "another rank"):
         model.load_state_dict(bad)
     assert_same(snapshot(model), saved)
+    _per_rank_experts(rank, world_size)
+
+
+def _per_rank_experts(rank: int, world_size: int) -> None:
+    # Experts sharded over size-one groups: the full dict holds this rank's own expert; one DCP key cannot.
+    groups = [torch.distributed.new_group([r]) for r in range(world_size)]
+    model = FSDP(M.build("moe", seed=0, expert_seed=rank, expert_wrap_fn=lambda m: FSDP(m, process_group=groups[rank])))
+    want = M.build("moe", seed=0, expert_seed=rank).state_dict()
+    assert_same(model.state_dict(), want)
+    with pytest.raises(NotImplementedError, match=r"\['expert'\]"):
+        fsdp_sd.sharded_state_dict(model)
 
 
 def test_full_and_local_state_dicts_across_ranks() -> None:

@@ -125,10 +125,9 @@ def agree(fsdp: FSDP, error: Optional[str]) -> None:
     """Raise on every rank of ``fsdp``'s group if any rank found ``error``, before anything is written."""
     group = fsdp.process_group
     if not is_dummy(group) and fsdp.world_size > 1:
-        flag = torch.tensor(
-            [1.0 if error else 0.0],
-            device=fsdp._unit.group.handles[0].compute_device if fsdp._unit.group.handles else "cpu",
-        )
+        # The flag must live where the group's backend communicates (CUDA for NCCL): any unit's compute device.
+        devices = [h.compute_device for unit in units(fsdp) for h in unit._unit.group.handles]
+        flag = torch.tensor([1.0 if error else 0.0], device=devices[0] if devices else "cpu")
         c.all_reduce(flag, op=dist.ReduceOp.MAX, group=group, label="fsdp:state_dict:validate")
         if flag.item() > 0 and not error:
             error = "another rank rejected its state dict (see its error); nothing was loaded"

@@ -22,6 +22,7 @@ from shardkit.nn.fsdp.state_dict._layout import (
     reshard_all,
     units,
     validation_error,
+    walk,
     write_shards,
 )
 
@@ -43,7 +44,8 @@ def _mesh(group: GroupLike, device: torch.device, cache: dict[int, Any]) -> Any:
 
 
 def _check_one_sharding_group(fsdp: FSDP) -> None:
-    odd = sorted(u._unit.name for u in units(fsdp) if u.world_size != fsdp.world_size)
+    sizes = {path or "<root>": m.world_size for path, m in walk(fsdp) if isinstance(m, FSDP)}
+    odd = sorted(path for path, size in sizes.items() if size != fsdp.world_size)
     if odd:
         raise NotImplementedError(
             f"sharded_state_dict: units {odd} are sharded over a group of another size than the root's "
