@@ -18,9 +18,9 @@ Shards cut across original parameters (see :mod:`~shardkit.nn.fsdp.flat_param`),
 unit's flat parameter once and re-cuts every parameter into ``torch.chunk``-style row blocks, the layout DTensor's
 ``Shard(0)`` uses. A checkpoint saved at one world size then loads at any other, and into unwrapped models.
 
-Loading validates everything first (keys, shapes, layouts) and agrees across ranks before the first write, so a
-bad state dict raises an error naming the key and leaves the model unchanged. Full loads need no communication:
-each rank cuts its own shard out of the full values.
+Loading validates everything first (keys, shapes, layouts) and agrees across ranks (a one-element all-reduce)
+before the first write, so a bad state dict raises an error naming the key and leaves the model unchanged. Full
+loads need no other communication: each rank cuts its own shard out of the full values.
 
 Example::
 
