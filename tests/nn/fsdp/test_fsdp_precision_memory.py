@@ -22,7 +22,7 @@ def _units(model: nn.Module) -> list[FSDP]:
     return [m for m in model.modules() if isinstance(m, FSDP)]
 
 
-def _mixed_precision(rank: int, world_size: int, name: str, fp32_reduce_scatter: bool) -> float:
+def _mixed_precision(rank: int, world_size: int, name: str, fp32_reduce_scatter: bool, no_sync: bool = False) -> float:
     ref = build_reference(name, rank)
     ddp = ddp_reference(name, ref)
     kwargs = dict(mixed_precision=True, compute_dtype=torch.bfloat16, fp32_reduce_scatter=fp32_reduce_scatter)
@@ -32,11 +32,16 @@ def _mixed_precision(rank: int, world_size: int, name: str, fp32_reduce_scatter:
     for i in range(3):
         x, y = M.make_batch(name, ref, BATCH, seed=1000 * i + rank)
         opt_ref.zero_grad()
+        opt.zero_grad()
+        if no_sync:  # an extra micro-batch whose unsharded gradients are summed locally (FP32 under bf16)
+            with ddp.no_sync(), torch.autocast("cpu", dtype=torch.bfloat16):
+                M.loss_for(name, ddp(y).float(), x).backward()
+            with fsdp.no_sync():
+                M.loss_for(name, fsdp(y).float(), x).backward()
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out_ref = ddp(x)
         M.loss_for(name, out_ref.float(), y).backward()
         opt_ref.step()
-        opt.zero_grad()
         with count_comm_bytes() as meter:
             out = fsdp(x)
         assert out.dtype == torch.bfloat16
@@ -60,7 +65,7 @@ def _mixed_precision(rank: int, world_size: int, name: str, fp32_reduce_scatter:
 
 def _mp_all(rank: int, world_size: int) -> list[float]:
     return [
-        _mixed_precision(rank, world_size, "nested", fp32_reduce_scatter=False),
+        _mixed_precision(rank, world_size, "nested", fp32_reduce_scatter=False, no_sync=True),
         _mixed_precision(rank, world_size, "lm", fp32_reduce_scatter=True),
         _mixed_precision(rank, world_size, "batchnorm", fp32_reduce_scatter=False),
     ]

@@ -212,3 +212,38 @@ def test_training_continues_after_a_backward_that_raised() -> None:
         got = dict(model.named_parameters())
         for n, p in ref.named_parameters():
             torch.testing.assert_close(got[n], p, msg=n)
+
+
+class _Checkpointed(nn.Module):
+    def __init__(self, module: nn.Module, reentrant: bool) -> None:
+        super().__init__()
+        self.m = module
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(self.m, x, use_reentrant=self.reentrant)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("fsdp_outside", [False, True])
+def test_activation_checkpointing_inside_and_around_a_unit(reentrant: bool, fsdp_outside: bool) -> None:
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 8), nn.Sequential(nn.Linear(8, 8), nn.Tanh()), nn.Linear(8, 2))
+    model = copy.deepcopy(ref)
+    if fsdp_outside:
+        model[1] = FSDP(_Checkpointed(model[1], reentrant), process_group=ONE)
+    else:  # non-reentrant recomputation stops early by raising inside the unit's forward
+        model[1] = _Checkpointed(FSDP(model[1], process_group=ONE), reentrant)
+    fsdp = FSDP(model, process_group=ONE)
+    x = torch.randn(3, 4, requires_grad=True)
+    for m in (ref, fsdp):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        for _ in range(2):
+            opt.zero_grad()
+            m(x).pow(2).sum().backward()
+            opt.step()
+    with fsdp.summon_full_params():
+        got = {n.replace("1.m.", "1."): p for n, p in fsdp.named_parameters()}
+        for n, p in ref.named_parameters():
+            torch.testing.assert_close(got[n], p)
+    assert all(u.training_state == TrainingState.IDLE for u in fsdp.modules() if isinstance(u, FSDP))

@@ -7,11 +7,14 @@ from typing import Any, Callable
 
 from torch import nn
 
+from shardkit.nn.checkpoint.wrapper import adds_no_name
+
 
 def clean_named_modules(
     root: nn.Module, is_unit: Callable[[nn.Module], bool], prefix: str = ""
 ) -> Iterator[tuple[str, nn.Module]]:
-    """Pre-order ``(path, module)``, each module once; the child ``module`` of a unit shares its parent's path."""
+    """Pre-order ``(path, module)``, each module once; the child ``module`` of a unit shares its parent's path
+    (so does the module inside a :class:`~shardkit.nn.checkpoint.CheckpointWrapper`)."""
     seen: set[int] = set()
 
     def visit(module: nn.Module, path: str) -> Iterator[tuple[str, nn.Module]]:
@@ -22,7 +25,7 @@ def clean_named_modules(
         for name, child in module._modules.items():
             if child is None:
                 continue
-            if is_unit(module) and name == "module":
+            if (is_unit(module) and name == "module") or adds_no_name(module, name):
                 yield from visit(child, path)
             else:
                 yield from visit(child, f"{path}.{name}" if path else name)

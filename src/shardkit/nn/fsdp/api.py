@@ -196,7 +196,12 @@ class FullyShardedDataParallel(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._lazy_init()
         args, kwargs = self._unit.pre_forward(args, kwargs)
-        output = self.module(*args, **kwargs)
+        try:
+            output = self.module(*args, **kwargs)
+        except BaseException:
+            # e.g. a user error, or activation checkpointing stopping a recomputation early on purpose
+            self._unit.forward_failed()
+            raise
         return self._unit.post_forward(output)
 
     def _lazy_init(self) -> None:

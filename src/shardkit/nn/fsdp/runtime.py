@@ -128,6 +128,13 @@ class Unit:
             self.group.reshard()
         return output
 
+    def forward_failed(self) -> None:
+        """The wrapped forward raised: return to the previous state; free the parameters unless in backward."""
+        resumed_in_backward = self._resume_state[-1] in _IN_BACKWARD
+        self.transition("post_forward")
+        if not resumed_in_backward:
+            self.group.reshard()
+
     def _hook_outputs(self, output: Any) -> bool:
         tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         for tensor in tensors:
