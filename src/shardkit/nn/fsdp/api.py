@@ -49,6 +49,15 @@ class FullyShardedDataParallel(nn.Module):
         cpu_offload: ``CPUOffload(offload_params=True)``, torch's spelling of ``move_params_to_cpu``.
         backward_prefetch / forward_prefetch: prefetch hints; they never change results.
 
+    Notes:
+        - Original parameters exist as attributes of their submodules only during forward/backward and inside
+          :meth:`summon_full_params`; between steps ``model.module.fc.weight`` raises ``AttributeError``.
+        - A parameter unused in a step gets a zero gradient when it shares a flat parameter with used ones;
+          a unit that does not run at all keeps its gradient (None). Every rank must run the same units, or the
+          reductions of the ranks no longer line up.
+        - Parameters tied across two units are rejected: keep tied modules in one unit.
+        - Frozen parameters are gathered for backward and freed at its end, never reduced.
+
     Example::
 
         model = FullyShardedDataParallel(MyModel())
