@@ -4,11 +4,13 @@ with a push-sum weight, and overlapped gossip with delayed synchronisation. One 
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
-from test_slowmo_reference import Case, PlainSGD, flat_params, make_batch, make_model
+from test_slowmo_reference import Case, PlainSGD, flat_params, make_batch, make_model, simulate
 
 from shardkit.distributed import count_comm_bytes
 from shardkit.nn.data_parallel import SlowMoBaseAlgorithm, SlowMoDistributedDataParallel
@@ -144,3 +146,61 @@ def test_overlapped_gossip_conserves_mass_at_every_synchronisation() -> None:
         weights = sum(r["synced"][point][1] for r in results)
         assert torch.allclose(total, 2 * start, atol=1e-5) and abs(weights - 2.0) < 1e-5
     assert any(abs(w - 1.0) > 0.05 for r in results for _, w in r["synced"])  # the weights really moved
+
+
+USER_GROUP_CASES = [
+    Case("user_groups_localsgd", localsgd_frequency=2, slowmo_lr=1.3, slowmo_momentum=0.5),
+    Case("user_groups_sgp", algorithm="sgp", graph="star", skewed=True, slowmo_lr=1.3, slowmo_momentum=0.5),
+]
+
+
+def _user_groups(rank: int, world_size: int) -> dict[str, Any]:
+    """Advanced arguments: the caller's own node and master groups, an explicit comm_device, verbose and
+    profile_mode; the trajectory must still be the simulated one."""
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("shardkit.nn.slowmo").addHandler(handler)
+    nodes = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    masters = dist.new_group([0, 2])
+    out: dict[str, Any] = {}
+    for case in USER_GROUP_CASES:
+        net = SlowMoDistributedDataParallel(
+            make_model(),
+            2,
+            local_node_group=nodes[rank // 2],
+            master_group=masters if rank % 2 == 0 else None,
+            comm_device=torch.device("cpu"),
+            verbose=True,
+            profile_mode=True,
+            process_rank=rank,
+            process_world_size=world_size,
+            **case.wrapper_kwargs(rank // 2, 2),
+        )
+        opt = PlainSGD(net.parameters(), lr=case.lr)
+        trajectory = []
+        for step in range(case.steps):
+            _step(net, opt, rank, step)
+            trajectory.append((flat_params(net.module).tolist(), float(net.state_dict().get("ps_weight", [1.0])[0])))
+        out[case.name] = trajectory
+        out[case.name + "_phases"] = sorted(net._timer.seconds)
+    out["logged_plans"] = sum("perform" in m or "step " in m for m in records)
+    return out
+
+
+@functools.cache
+def _user_group_results() -> list[dict[str, Any]]:
+    return run_distributed(_user_groups, 4, timeout_s=120)
+
+
+def test_caller_supplied_groups_and_debug_options_keep_the_simulated_trajectory() -> None:
+    results = _user_group_results()
+    for case in USER_GROUP_CASES:
+        expected = simulate(case, 4, 2)
+        for rank, result in enumerate(results):
+            for step, (x, w) in enumerate(result[case.name]):
+                assert torch.allclose(torch.tensor(x), expected[step][rank][0], rtol=1e-5, atol=1e-6)
+                assert abs(w - expected[step][rank][1]) < 1e-5
+    assert "slow_momentum" in results[0]["user_groups_localsgd_phases"]
+    assert "gossip" in results[0]["user_groups_sgp_phases"] and "gossip" not in results[1]["user_groups_sgp_phases"]
+    assert all(r["logged_plans"] >= 16 for r in results)  # verbose: one plan line per step and case

@@ -138,7 +138,6 @@ class SlowMoDistributedDataParallel(nn.Module):
         params = list(module.parameters())
         flat = FlatParams(params)
         _check_params(params)
-
         self.module = module
         self.config: SlowMoConfig = config
         self.layout = layout
@@ -154,25 +153,29 @@ class SlowMoDistributedDataParallel(nn.Module):
         configure_logging(verbose, profile_mode)
         self._timer = PhaseTimer(profile_mode, flat.device)
         self._sync_initial_state()
+        self._build_components(topology)
+        logger.debug("rank %d: %s, %s", layout.process_rank, layout, config)
 
+    def _build_components(self, topology: Optional[tuple[GraphManager, MixingManager]]) -> None:
+        """The algorithm's pieces and the backward hooks, once parameters are synchronised."""
+        config, layout = self.config, self.layout
         sgp = config.wrapper.base_algorithm is SlowMoBaseAlgorithm.SGP
-        self._push_sum = PushSumState(params) if sgp else None
+        self._push_sum = PushSumState(self._params) if sgp else None
         self._gossiper: Optional[Gossiper] = None
         if topology is not None and layout.is_node_master:
-            graph_, mixing_ = topology
-            self._gossiper = Gossiper(
-                graph_, mixing_, config.gossip.push_sum, self.groups.gossip_group, self.comm_device, use_streams
-            )
+            graph, mixing = topology
+            gossip = config.gossip
+            group = self.groups.gossip_group
+            self._gossiper = Gossiper(graph, mixing, gossip.push_sum, group, self.comm_device, gossip.use_streams)
         self._averager = ExactAverager(layout, self.groups, self.comm_device)
         self._slow: Optional[SlowMomentum] = None
         if config.slow_momentum.enabled:
-            self._slow = SlowMomentum(config.slow_momentum, layout, self.groups, flat, self.comm_device)
+            self._slow = SlowMomentum(config.slow_momentum, layout, self.groups, self._flat, self.comm_device)
         if layout.nprocs_per_node > 1 or sgp:
-            for p in params:
+            for p in self._params:
                 if p.requires_grad:
                     p.register_post_accumulate_grad_hook(self._on_grad_ready)
         self.register_load_state_dict_post_hook(SlowMoDistributedDataParallel._after_load)
-        logger.debug("rank %d: %s, %s", layout.process_rank, layout, config)
 
     # ----------------------------------------------------------------- lifecycle hooks
 

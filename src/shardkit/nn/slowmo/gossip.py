@@ -93,12 +93,21 @@ class Gossiper:
         in_peers = self.graph.in_peers(self.round_index)
         shares = self.mixing.shares(out_peers)
         extra = 1 if self.push_sum else 0
+        # Buffers are allocated on the current stream: it outlives the round's use of them, so the caching
+        # allocator never hands them out while a side-stream copy or the exchange still reads them.
+        base = flat.new_buffer(flat.tensors[0].dtype, self.comm_device, extra)
+        uniform = len(set(shares.send.values())) <= 1
+        outgoing = dict.fromkeys(shares.send, base) if uniform else {p: torch.empty_like(base) for p in shares.send}
+        incoming = {peer: torch.empty_like(base) for peer in in_peers}
         with self._side_stream(flat.device):
-            base = flat.copy_to(flat.new_buffer(flat.tensors[0].dtype, self.comm_device, extra))
+            flat.copy_to(base)
             if self.push_sum:
                 base[-1] = state.weight
-            outgoing = self._messages(base, shares.send)
-            incoming = {peer: torch.empty_like(base) for peer in in_peers}
+            if uniform and shares.send:
+                base.mul_(next(iter(shares.send.values())))  # one scaled buffer serves every peer
+            elif not uniform:
+                for peer, share in shares.send.items():
+                    torch.mul(base, share, out=outgoing[peer])
             handles = exchange(outgoing, incoming, self.group)
         with torch.no_grad():
             for p in flat.tensors:
@@ -107,14 +116,6 @@ class Gossiper:
             state.set_weight(float(torch.tensor(state.weight * shares.keep, dtype=torch.float32)))
         self.in_flight.append(_Round(self.round_index, handles, outgoing, incoming))
         self.round_index += 1
-
-    @staticmethod
-    def _messages(base: torch.Tensor, send: dict[int, float]) -> dict[int, torch.Tensor]:
-        if len(set(send.values())) == 1:
-            # Uniform shares: one scaled buffer serves every peer.
-            scaled = base.mul_(next(iter(send.values())))
-            return dict.fromkeys(send, scaled)
-        return {peer: base * share for peer, share in send.items()}
 
     def complete(self, flat: FlatParams, state: PushSumState, wait: bool) -> int:
         """Add the messages of finished rounds, oldest first; with ``wait`` finish all of them. Returns how many."""
