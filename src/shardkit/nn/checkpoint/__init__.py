@@ -11,6 +11,12 @@ Example::
 """
 
 from shardkit.nn.checkpoint.apply import apply_activation_checkpointing, module_matcher
-from shardkit.nn.checkpoint.wrapper import CheckpointWrapper, checkpoint_wrapper
+from shardkit.nn.checkpoint.wrapper import CheckpointWrapper, adds_no_name, checkpoint_wrapper
 
-__all__ = ["CheckpointWrapper", "apply_activation_checkpointing", "checkpoint_wrapper", "module_matcher"]
+__all__ = [
+    "CheckpointWrapper",
+    "adds_no_name",
+    "apply_activation_checkpointing",
+    "checkpoint_wrapper",
+    "module_matcher",
+]

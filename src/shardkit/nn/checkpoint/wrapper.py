@@ -108,6 +108,16 @@ class CheckpointWrapper(nn.Module):
         return f"offload_to_cpu={self.offload_to_cpu}"
 
 
+def adds_no_name(parent: nn.Module, child_name: str) -> bool:
+    """True when ``parent``'s child ``child_name`` adds no segment to the names of the parameters below it.
+
+    Code that names parameters by walking ``_modules`` itself (FSDP's state dicts do) asks this so that a
+    :class:`CheckpointWrapper` inside the walk keeps the unwrapped model's names, as its own hooks do for
+    ``nn.Module.state_dict``.
+    """
+    return isinstance(parent, CheckpointWrapper) and child_name == WRAPPED_NAME
+
+
 def checkpoint_wrapper(module: nn.Module, offload_to_cpu: bool = False) -> CheckpointWrapper:
     """Wrap ``module`` so its activations are recomputed in backward instead of kept from forward.
 
