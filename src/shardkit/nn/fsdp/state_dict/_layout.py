@@ -17,6 +17,7 @@ from torch import nn
 
 from shardkit.distributed import collectives as c
 from shardkit.distributed.groups import GroupLike, is_dummy
+from shardkit.nn.checkpoint.wrapper import adds_no_name
 from shardkit.nn.fsdp.api import FullyShardedDataParallel as FSDP
 from shardkit.nn.fsdp.handle import FlatParamHandle
 from shardkit.nn.fsdp.runtime import TrainingState
@@ -50,7 +51,7 @@ def walk(module: nn.Module, path: str = "") -> Iterator[tuple[str, nn.Module]]:
     for name, child in module._modules.items():
         if child is None:
             continue
-        transparent = isinstance(module, FSDP) and name == "module"
+        transparent = (isinstance(module, FSDP) and name == "module") or adds_no_name(module, name)
         yield from walk(child, path if transparent else join(path, name))
 
 

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
+from shardkit.nn.checkpoint.wrapper import adds_no_name
 from shardkit.nn.fsdp.api import FullyShardedDataParallel as FSDP
 from shardkit.nn.fsdp.state_dict._layout import (
     agree,
@@ -157,7 +158,7 @@ def _walk_real(fsdp: FSDP) -> Iterator[tuple[str, str, nn.Module]]:
         for name, child in module._modules.items():
             if child is None:
                 continue
-            transparent = isinstance(module, FSDP) and name == "module"
+            transparent = (isinstance(module, FSDP) and name == "module") or adds_no_name(module, name)
             child_real, child_clean = join(real, name), clean if transparent else join(clean, name)
             yield child_real, child_clean, child
             if not isinstance(child, FSDP):
