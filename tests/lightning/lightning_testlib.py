@@ -50,9 +50,17 @@ class LitLM(pl.LightningModule):
         self.saved_bytes: list[int] = []
         self.losses: list[float] = []
         self.wrapper_seen = ""
+        self.units_seen = 0
+        self.compute_dtype_seen = ""
+        self.checkpointed_seen = 0
 
     def on_train_start(self) -> None:
-        self.wrapper_seen = type(self.trainer.model).__name__
+        wrapper = self.trainer.model
+        self.wrapper_seen = type(wrapper).__name__
+        units = [m for m in wrapper.modules() if type(m).__name__.endswith(("FullyShardedDataParallel", "ShardUnit"))]
+        self.units_seen = len(units)
+        self.compute_dtype_seen = str(getattr(wrapper, "compute_dtype", None))
+        self.checkpointed_seen = sum(type(m).__name__ == "CheckpointWrapper" for m in wrapper.modules())
 
     def configure_model(self) -> None:
         if self.model is not None:
@@ -179,6 +187,8 @@ def train(
     result: dict[str, Any] = {"state": final_state(trainer), "saved_bytes": model.saved_bytes, "initial": initial}
     result["losses"] = model.losses
     result["trainer_model"] = model.wrapper_seen
+    result["units"], result["compute_dtype"] = model.units_seen, model.compute_dtype_seen
+    result["checkpointed"] = model.checkpointed_seen
     if evaluate:
         result["validate"] = trainer.validate(model, verbose=False)[0]
         result["test"] = trainer.test(model, verbose=False)[0]
@@ -192,6 +202,17 @@ def train(
 def run_training(*args: Any, **kwargs: Any) -> list[dict[str, Any]]:
     """:func:`train` on two processes; every rank's result."""
     return [torch.load(io.BytesIO(raw), weights_only=False) for raw in run_distributed(train, 2, *args, **kwargs)]
+
+
+_REFERENCE_RUNS: dict[str, list[dict[str, Any]]] = {}
+
+
+def reference_run(kind: str, steps: int, **kwargs: Any) -> list[dict[str, Any]]:
+    """:func:`run_training`, run once per pytest process for the same arguments (shared DDP references)."""
+    key = repr((kind, steps, sorted(kwargs.items())))
+    if key not in _REFERENCE_RUNS:
+        _REFERENCE_RUNS[key] = run_training(kind, steps, **kwargs)
+    return _REFERENCE_RUNS[key]
 
 
 def assert_states_close(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], **tol: Any) -> None:

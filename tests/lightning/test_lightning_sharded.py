@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 import torch
-from lightning_testlib import LitLM, assert_states_close, run_training, trainer_for
+from lightning_testlib import LitLM, assert_states_close, reference_run, run_training, trainer_for
 
 STEPS = 4
 #: Adam normalises the near-zero gradients of the attention key bias, amplifying float noise to ~1e-6.
@@ -15,9 +15,9 @@ TOL = {"rtol": 1e-5, "atol": 2e-5}
 CLIP = {"gradient_clip_val": 0.05}  # small enough to clip every step: only the global norm gives parity
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def ddp_run() -> list[dict[str, Any]]:
-    return run_training("ddp", STEPS, evaluate=True, **CLIP)
+    return reference_run("ddp", STEPS, evaluate=True, **CLIP)
 
 
 @pytest.mark.timeout(120)

@@ -4,11 +4,13 @@
 model's parameters, ``optimizer_states`` the optimizer state of the full model (gathered from the shards), so
 the file loads at any world size, and into a model trained without shardkit.
 
-``"sharded"``: a folder written by ``torch.distributed.checkpoint`` (DCP). Each rank's flat parameter shards and
-their optimizer state are saved as a ``DTensor`` sharded on dimension 0 across a one-dimensional device mesh, so
-every rank writes only its own part and DCP records the global layout; everything that is not a tensor shard
-(loop progress, callbacks, hyperparameters) goes to ``meta.pt`` from rank 0. The shard layout depends on the
-world size, so such a checkpoint resumes with the same number of processes; save ``"full"`` to change it.
+``"sharded"``: a folder written by ``torch.distributed.checkpoint`` (DCP); every rank writes only its part.
+The model is FSDP's :func:`~shardkit.nn.fsdp.state_dict.sharded_state_dict` (one row-sharded ``DTensor`` per
+original parameter, loadable at any world size). The optimizer state stays in the flat-shard layout the
+optimizer steps in: each state tensor shaped like a flat shard is saved as a ``DTensor`` sharded on dimension 0
+over the ranks, which ties it to the world size it was saved at. Everything that is not a tensor (loop progress,
+callbacks, the optimizers' param groups) goes to ``meta.pt`` from rank 0. Resume a sharded checkpoint with the
+same number of processes; save ``"full"`` to change it.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ if TYPE_CHECKING:
 META_FILE = "meta.pt"
 _MODEL_KEY = "model"
 _PARAM_GROUPS = "shardkit_optimizer_param_groups"
+#: Marks a checkpoint dict read from a sharded folder (its entries are shards, not full tensors).
+_SHARDED_FLAG = "shardkit_sharded"
 
 
 def _optim_key(index: int) -> str:
@@ -39,10 +43,12 @@ def _inner(optimizer: Optimizer) -> Optimizer:
 
 # ----------------------------------------------------------------------------- what goes into a checkpoint
 def model_state(root: FullyShardedDataParallel, state_dict_type: str) -> dict[str, Any]:
-    """The model entry of a checkpoint: the full state dict, or this rank's shards (a collective for "full")."""
+    """The model entry of a checkpoint (a collective): the full state dict, or per-parameter DTensors."""
+    from shardkit.nn.fsdp.state_dict import sharded_state_dict
+
     if state_dict_type == "full":
         return dict(root.state_dict())
-    return dict(root.local_state_dict())
+    return dict(sharded_state_dict(root))
 
 
 def optimizer_state(
@@ -59,9 +65,11 @@ def optimizer_state(
 
 def load_model_state(root: FullyShardedDataParallel, checkpoint: Mapping[str, Any], strict: bool) -> None:
     """Load the model entry of a checkpoint read by :func:`load_sharded` or from a full file."""
+    from shardkit.nn.fsdp.state_dict import load_sharded_state_dict
+
     state = checkpoint["state_dict"]
-    if checkpoint.get("shardkit_sharded"):
-        root.load_local_state_dict(state)
+    if checkpoint.get(_SHARDED_FLAG):
+        load_sharded_state_dict(root, state, strict=strict)
     else:
         root.load_state_dict(state, strict=strict)
 
@@ -78,12 +86,14 @@ def load_optimizer_states(
             f"the checkpoint holds the state of {len(states)} optimizers but configure_optimizers returned "
             f"{len(optimizers)}; resume with the same optimizers"
         )
+    from shardkit.nn.fsdp.state_dict import get_shard_from_optim_state_dict
+
     for optimizer, state in zip(optimizers, states):
         optimizer = _inner(optimizer)
-        if checkpoint.get("shardkit_sharded"):
+        if checkpoint.get(_SHARDED_FLAG):
             optimizer.load_state_dict(state)
         else:
-            optimizer.load_state_dict(root.get_shard_from_optim_state_dict(state))
+            optimizer.load_state_dict(get_shard_from_optim_state_dict(root, state, optimizer))
 
 
 # ----------------------------------------------------------------------------- sharded (DCP) format
@@ -130,7 +140,7 @@ def save_sharded(root: FullyShardedDataParallel, checkpoint: dict[str, Any], pat
     path.mkdir(parents=True, exist_ok=True)
     numels = _shard_numels(root)
     mesh = _mesh()
-    tensors = {_MODEL_KEY: _as_dtensors(checkpoint.pop("state_dict"), mesh, numels)}
+    tensors = {_MODEL_KEY: checkpoint.pop("state_dict")}
     param_groups = []
     for index, state in enumerate(checkpoint.pop("optimizer_states", [])):
         tensors[_optim_key(index)] = _as_dtensors(state["state"], mesh, numels)
@@ -157,27 +167,29 @@ def load_sharded(root: FullyShardedDataParallel, path: Any, weights_only: Option
             "only with the same model, optimizers and number of processes; save with state_dict_type='full' to "
             "change them."
         ) from exc
-    meta["state_dict"] = _to_local(template[_MODEL_KEY])
+    meta["state_dict"] = template[_MODEL_KEY]
     meta["optimizer_states"] = [
         {"state": {int(k): v for k, v in _to_local(template[_optim_key(i)]).items()}, "param_groups": groups}
         for i, groups in enumerate(param_groups)
     ]
-    meta["shardkit_sharded"] = True
+    meta[_SHARDED_FLAG] = True
     return meta
 
 
 def _template(root: FullyShardedDataParallel, path: Path, num_optimizers: int) -> dict[str, Any]:
     """Placeholders shaped like this rank's part of the checkpoint, for DCP to fill in place.
 
-    The model's come from its local state dict. Optimizer state is created lazily at the first step, so the
+    The model's come from its sharded state dict. Optimizer state is created lazily at the first step, so the
     optimizers may have none yet: those placeholders are built from the checkpoint's metadata instead.
     """
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     from torch.distributed.tensor import DTensor, Shard
 
+    from shardkit.nn.fsdp.state_dict import sharded_state_dict
+
     mesh = _mesh()
-    template: dict[str, Any] = {_MODEL_KEY: _as_dtensors(dict(root.local_state_dict()), mesh, _shard_numels(root))}
+    template: dict[str, Any] = {_MODEL_KEY: dict(sharded_state_dict(root))}
     metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
     world = dist.get_world_size()
     for index in range(num_optimizers):

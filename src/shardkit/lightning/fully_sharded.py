@@ -232,6 +232,11 @@ class DDPFullyShardedStrategy(ShardkitParallelStrategy):
         assert self._root is not None
         return fsdp_checkpoint.model_state(self._root, self.config.state_dict_type)
 
+    def full_state_dict(self) -> dict[str, Any]:
+        """The LightningModule's full state dict, with its own keys, on every rank (a collective)."""
+        assert self._root is not None
+        return fsdp_checkpoint.model_state(self._root, "full")
+
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         assert self._root is not None

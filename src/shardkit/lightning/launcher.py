@@ -4,8 +4,8 @@ With ``start_method="spawn"``/``"fork"``/``"forkserver"`` Lightning trains in wo
 ``fit``, hands rank 0's ``lightning_module.state_dict()`` back to the LightningModule of the main process. Under
 full sharding the LightningModule in a worker holds flat shards (and the root unit's shards are not even inside
 it), so that dict would be incomplete, and Lightning loads it with ``strict=False``: the main process would keep
-stale weights without a word. This launcher sends ``strategy.lightning_module_state_dict()`` instead: the
-full state dict, gathered by a collective every rank joins.
+stale weights without a word. This launcher sends ``strategy.full_state_dict()`` instead: the full state dict,
+gathered by a collective every rank joins.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ class FullStateMultiProcessingLauncher(_MultiProcessingLauncher):
         best_model_path = getattr(checkpoint_callback, "best_model_path", None) if checkpoint_callback else None
         fitting = trainer.state.fn == TrainerFn.FITTING
         # Every rank joins the gather; only global rank 0 gets (and writes) the full dict.
-        state_dict = self._strategy.lightning_module_state_dict() if fitting else None
+        state_dict = self._strategy.full_state_dict() if fitting else None  # type: ignore[attr-defined]
         if self._strategy.local_rank != 0:
             return None
         weights_path = None
