@@ -14,6 +14,7 @@ from test_slowmo_reference import Case, PlainSGD, flat_params, make_batch, make_
 
 from shardkit.distributed import count_comm_bytes
 from shardkit.nn.data_parallel import SlowMoBaseAlgorithm, SlowMoDistributedDataParallel
+from shardkit.nn.slowmo.collectives import batched_exchange
 from shardkit.testing import run_distributed
 from shardkit.testing.models import BatchNormNet
 
@@ -185,7 +186,18 @@ def _user_groups(rank: int, world_size: int) -> dict[str, Any]:
         out[case.name] = trajectory
         out[case.name + "_phases"] = sorted(net._timer.seconds)
     out["logged_plans"] = sum("perform" in m or "step " in m for m in records)
+    out["batched"] = _batched_two_peers(rank, world_size)
     return out
+
+
+def _batched_two_peers(rank: int, world_size: int) -> list[float]:
+    """The NCCL code path of a gossip round (one batch_isend_irecv), run on gloo with CPU tensors: every rank
+    sends to the next two ranks and receives from the previous two, a pattern with cycles."""
+    outgoing = {(rank + d) % world_size: torch.full((3,), float(rank)) for d in (1, 2)}
+    incoming = {(rank - d) % world_size: torch.empty(3) for d in (1, 2)}
+    for handle in batched_exchange(outgoing, incoming, dist.group.WORLD):  # type: ignore[arg-type]
+        handle.wait()
+    return [incoming[(rank - d) % world_size][0].item() for d in (1, 2)]
 
 
 @functools.cache
@@ -204,3 +216,4 @@ def test_caller_supplied_groups_and_debug_options_keep_the_simulated_trajectory(
     assert "slow_momentum" in results[0]["user_groups_localsgd_phases"]
     assert "gossip" in results[0]["user_groups_sgp_phases"] and "gossip" not in results[1]["user_groups_sgp_phases"]
     assert all(r["logged_plans"] >= 16 for r in results)  # verbose: one plan line per step and case
+    assert [r["batched"] for r in results] == [[(rank - 1) % 4, (rank - 2) % 4] for rank in range(4)]

@@ -1,7 +1,9 @@
 """The communication patterns of SlowMo, each a few labelled shardkit collectives.
 
 Everything goes through :mod:`shardkit.distributed.collectives`, so a profile names each step of the algorithm
-(``shardkit::all_reduce:slowmo.node_average``), ``count_comm_bytes`` sees it and ``comm_delay`` slows it.
+(``shardkit::all_reduce:slowmo.exact_average``), ``count_comm_bytes`` sees it and ``comm_delay`` slows it. The one
+exception is gossip between CUDA tensors, which needs a batched point-to-point group that shardkit's collectives
+do not offer yet (:func:`batched_exchange`; labelled, but not counted or delayed).
 """
 
 from __future__ import annotations
@@ -9,6 +11,8 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.distributed as dist
+from torch.profiler import record_function
 
 from shardkit.distributed import GroupLike, global_rank, group_rank
 from shardkit.distributed import collectives as C
@@ -79,13 +83,32 @@ def gather_from_shards(
 
 
 def exchange(outgoing: dict[int, torch.Tensor], incoming: dict[int, torch.Tensor], group: GroupLike) -> list[C.Handle]:
-    """Start one gossip round: send ``outgoing[node_master]`` and receive into ``incoming[node_master]``.
+    """Start one gossip round: send ``outgoing[peer]`` and receive into ``incoming[peer]`` (peers: ranks in ``group``).
 
-    Keys are ranks in ``group``. Every receive is posted before any send and all are asynchronous, so the round
-    cannot deadlock on gloo whatever the graph (gloo queues point-to-point messages per peer); on NCCL each pair
-    of ranks has its own communicator for unbatched point-to-point work, so sends do not wait on unrelated receives.
-    Messages between one pair of ranks are matched in order, which keeps overlapping rounds apart.
+    CPU tensors (gloo): every receive is posted before any send and all are asynchronous, so the round cannot
+    deadlock whatever the graph; they go through shardkit's labelled ``send``/``recv`` (counted, and slowed by
+    ``comm_delay``). CUDA tensors (NCCL): one ``batch_isend_irecv`` group, because NCCL may run every point-to-point
+    operation of a group on one communicator and stream, where separately issued sends and receives of a cycle
+    would wait on each other. Messages between one pair of ranks are matched in order either way, which keeps
+    overlapping rounds apart.
     """
+    if any(t.device.type == "cuda" for t in (*outgoing.values(), *incoming.values())):
+        return batched_exchange(outgoing, incoming, group)
     handles = [C.recv(buf, global_rank(group, peer), group, label="slowmo.gossip") for peer, buf in incoming.items()]
     handles += [C.send(buf, global_rank(group, peer), group, label="slowmo.gossip") for peer, buf in outgoing.items()]
     return handles
+
+
+def batched_exchange(
+    outgoing: dict[int, torch.Tensor], incoming: dict[int, torch.Tensor], group: GroupLike
+) -> list[C.Handle]:
+    """:func:`exchange` as one ``batch_isend_irecv`` (labelled; not seen by ``count_comm_bytes``/``comm_delay``,
+    which only wrap shardkit's own collectives)."""
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"gossip needs a real process group, got {group!r}")
+    ops = [dist.P2POp(dist.irecv, buf, global_rank(group, peer), group) for peer, buf in incoming.items()]
+    ops += [dist.P2POp(dist.isend, buf, global_rank(group, peer), group) for peer, buf in outgoing.items()]
+    if not ops:
+        return []
+    with record_function("shardkit::batch_send_recv:slowmo.gossip"):
+        return [C.Handle(work) for work in dist.batch_isend_irecv(ops)]

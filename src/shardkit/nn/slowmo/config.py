@@ -80,7 +80,7 @@ class GossipConfig:
     #: True: push-sum (column-stochastic mixing, a weight travels with every message and de-biases the
     #: parameters). False: push-pull (doubly stochastic mixing, needs a regular graph and uniform mixing; no weight).
     push_sum: bool = True
-    #: Run the exchange in the background and add what arrives at a later step (see ``synch_freq``).
+    #: Start each round's exchange asynchronously and add what it received at a later step (see ``synch_freq``).
     overlap: bool = False
     #: With ``overlap``: 0 or 1 adds each round's messages at the next step; ``s >= 2`` waits for all rounds in
     #: flight only every ``s`` steps (up to ``s`` rounds, each holding a copy of the parameters, in flight).

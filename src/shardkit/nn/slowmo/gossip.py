@@ -10,6 +10,12 @@ With push-pull the weight is left out (it stays 1). Without overlap a round comp
 overlap it is started and completes at a later step (see :class:`~shardkit.nn.slowmo.config.GossipConfig`), while
 training goes on with the kept part. Every node runs the same rounds in the same order, so round ``r``'s peers,
 known to all from the graph, always match.
+
+"In the background" needs no Python thread: the exchange is asynchronous point-to-point work that gloo's and
+NCCL's own transport threads and streams carry while training continues, and the main thread only waits on its
+handles. Gossip gets a process group of its own (the node masters), so its messages in flight never interleave
+with the collectives the masters issue meanwhile (exact averages, broadcasts), which gloo requires to be issued in
+the same order on every rank.
 """
 
 from __future__ import annotations
