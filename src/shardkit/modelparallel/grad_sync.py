@@ -20,6 +20,9 @@ from torch import nn
 from shardkit.distributed import GroupLike
 from shardkit.distributed import collectives as C
 
+#: Shared parameters at least this large are all-reduced in place instead of through a flat buffer.
+_IN_PLACE_NUMEL = 1 << 18
+
 
 def _flat_grads(params: Sequence[nn.Parameter]) -> torch.Tensor:
     """Every gradient in one flat buffer (zeros where a parameter has none, so all ranks agree on sizes)."""
@@ -134,7 +137,12 @@ class GradientSync:
         for group, params in self.copies:
             by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
             for p in params:
-                by_dtype.setdefault(p.dtype, []).append(p)
+                if p.numel() >= _IN_PLACE_NUMEL:  # big (a tied embedding): reduce in place, no flat copies
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                    C.all_reduce(p.grad, group=group, label="smp_shared_param_grads")
+                else:
+                    by_dtype.setdefault(p.dtype, []).append(p)
             for same in by_dtype.values():
                 flat = _flat_grads(same)
                 C.all_reduce(flat, group=group, label="smp_shared_param_grads")

@@ -105,9 +105,10 @@ class StepRun:
         start = time.perf_counter()
         model = self.model
         model._before_step()
+        if model.partitioned:
+            model._link().reset_stats()
         self._forward(0)  # the first forward partitions the model on the first step
         link = model._link()
-        link.reset_stats()
         actions = schedule_for(model._pipeline_kind(), model._stage(), model._num_stages(), self.microbatches)
         assert actions[0] == Action("F", 0)
         last_backward = max((i for i, a in enumerate(actions) if a.kind == "B"), default=-1)

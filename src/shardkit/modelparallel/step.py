@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Iterable
-from typing import Any, Callable, Optional, TypeVar, Union, overload
+from typing import Any, Callable, Optional, Union, overload
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from shardkit.modelparallel import state as smp_state
 from shardkit.modelparallel.pipeline_parallel import StepRun
 
-F = TypeVar("F", bound=Callable[..., Any])
+StepFunction = Callable[..., Any]
 
 
 class StepOutput:
@@ -94,7 +94,7 @@ def _gather(per_mb: list[Any]) -> Any:
 
 
 @overload
-def step(func: F) -> F: ...
+def step(func: StepFunction) -> StepFunction: ...
 
 
 @overload
@@ -104,16 +104,16 @@ def step(
     non_split_inputs: Optional[Iterable[str]] = None,
     input_split_axes: Optional[dict[str, int]] = None,
     detach_outputs: bool = True,
-) -> Callable[[F], F]: ...
+) -> Callable[[StepFunction], StepFunction]: ...
 
 
 def step(
-    func: Optional[F] = None,
+    func: Optional[StepFunction] = None,
     *,
     non_split_inputs: Optional[Iterable[str]] = None,
     input_split_axes: Optional[dict[str, int]] = None,
     detach_outputs: bool = True,
-) -> Union[F, Callable[[F], F]]:
+) -> Union[StepFunction, Callable[[StepFunction], StepFunction]]:
     """Decorate a function holding one forward and backward pass; it then runs pipelined, per micro-batch.
 
     ``non_split_inputs`` names arguments passed whole to every micro-batch; ``input_split_axes`` maps argument
@@ -134,7 +134,7 @@ def step(
     unsplit = set(non_split_inputs or ())
     axes = dict(input_split_axes or {})
 
-    def decorate(fn: F) -> F:
+    def decorate(fn: StepFunction) -> StepFunction:
         signature = inspect.signature(fn)
 
         @functools.wraps(fn)
@@ -162,7 +162,7 @@ def step(
                 state.step = None
             return _gather(outputs)
 
-        return wrapper  # type: ignore[return-value]
+        return wrapper
 
     return decorate(func) if func is not None else decorate
 
