@@ -197,13 +197,6 @@ def test_full_and_local_state_dicts_across_ranks() -> None:
     run_distributed(_full_and_local, 2, single.local_state_dict())
 
 
-class HookedFSDP(FSDP):
-    """FSDP with the load hook the core class is asked to install (see load_from_state_dict_hook)."""
-
-    def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any) -> None:
-        fsdp_sd.load_from_state_dict_hook(self, state_dict, prefix, *args)
-
-
 def test_unwrapped_root_loads_through_torch_recursion() -> None:
     # auto_wrap leaves the root plain: torch's load_state_dict recursion reaches the wrapped units itself.
     donor = M.build("batchnorm", seed=4)
@@ -211,11 +204,11 @@ def test_unwrapped_root_loads_through_torch_recursion() -> None:
     donor.body[1].running_var.uniform_(1, 2)
 
     def wrap_body(body: nn.Module) -> nn.Module:
-        body[0] = HookedFSDP(body[0], process_group=DUMMY)  # a unit inside a unit
-        return HookedFSDP(body, process_group=DUMMY)
+        body[0] = FSDP(body[0], process_group=DUMMY)  # a unit inside a unit
+        return FSDP(body, process_group=DUMMY)
 
     model = M.build("batchnorm", seed=0, wrap_fn=wrap_body)
-    assert isinstance(model.body.module[0], HookedFSDP) and model.body.module[0].flat_params
+    assert isinstance(model.body.module[0], FSDP) and model.body.module[0].flat_params
     result = model.load_state_dict(donor.state_dict())
     assert not result.missing_keys and not result.unexpected_keys
     assert_same(model.state_dict(), donor.state_dict())

@@ -374,10 +374,32 @@ class FullyShardedDataParallel(nn.Module):
         sd = _state_dict_module()
         return sd.gather_full_optim_state_dict(self, optim, **kwargs)
 
-    def get_shard_from_optim_state_dict(self, full_optim_state_dict: dict[str, Any]) -> Any:
+    def get_shard_from_optim_state_dict(
+        self, full_optim_state_dict: dict[str, Any], optim: Optional[torch.optim.Optimizer] = None
+    ) -> Any:
         """This rank's part of a full optimizer state dict, ready for ``optim.load_state_dict``."""
         sd = _state_dict_module()
-        return sd.get_shard_from_optim_state_dict(self, full_optim_state_dict)
+        return sd.get_shard_from_optim_state_dict(self, full_optim_state_dict, optim=optim)
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """Per original parameter a row-sharded DTensor, for ``torch.distributed.checkpoint.save``.
+
+        Example::
+
+            torch.distributed.checkpoint.save({"model": model.sharded_state_dict()}, checkpoint_id=path)
+        """
+        sd = _state_dict_module()
+        return sd.sharded_state_dict(self)
+
+    def load_sharded_state_dict(self, state_dict: Any, strict: bool = True) -> Any:
+        """Load what ``torch.distributed.checkpoint.load`` filled in from :meth:`sharded_state_dict`, at any
+        world size."""
+        sd = _state_dict_module()
+        return sd.load_sharded_state_dict(self, state_dict, strict=strict)
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        # Reached only when an *unwrapped* parent's load_state_dict recurses into this unit (auto_wrap case).
+        _state_dict_module().load_from_state_dict_hook(self, state_dict, prefix, *args)
 
 
 def _state_dict_module() -> Any:
