@@ -56,9 +56,7 @@ def test_a_failing_suite_does_not_stop_the_others(
 def test_zero_suite_quick_runs_every_available_strategy(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     available, missing = strategies.select()
     out_json = tmp_path / "zero.json"
-    from shardkit.bench import zero
-
-    zero.run(["--quick", "--json", str(out_json)])
+    assert main(["bench", "zero", "--quick", "--json", str(out_json)]) == 0
     out = capfd.readouterr().out
     rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ")}
     for strategy in available:

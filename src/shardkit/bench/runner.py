@@ -175,6 +175,7 @@ class Combined:
 
     name: str
     median_step_s: float
+    min_step_s: float
     losses: list[float]
     memory: Optional[MemoryBreakdown]
     comm_bytes_per_step: int
@@ -200,6 +201,7 @@ def combine(per_rank: Sequence[StrategyResult]) -> Combined:
     return Combined(
         name=first.name,
         median_step_s=median(times) if times else float("nan"),
+        min_step_s=min(times) if times else float("nan"),
         losses=losses,
         memory=memory,
         comm_bytes_per_step=meter + (formula or 0),

@@ -12,6 +12,7 @@ Run it as ``shardkit bench zero`` (options: ``--steps``, ``--warmup``, ``--world
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -104,6 +105,13 @@ def run_suite(settings: ZeroSettings, world_size: int) -> list[Combined]:
     return combine_all(rank_results)
 
 
+def load_text(when: str) -> str:
+    """``'load average at start: 1.23 (1 min), 2 CPUs'``: how busy the machine was, for honest timings."""
+    if not hasattr(os, "getloadavg"):
+        return ""
+    return f"load average at {when}: {os.getloadavg()[0]:.2f} (1 min), {os.cpu_count()} CPUs"
+
+
 def _rows(results: list[Combined]) -> list[list[str]]:
     base = next((r for r in results if r.name == "ddp" and r.error is None), None)
     base_total = base.memory.total if base and base.memory else None
@@ -117,6 +125,7 @@ def _rows(results: list[Combined]) -> list[list[str]]:
             [
                 r.name,
                 f"{r.median_step_s * 1000:.0f}",
+                f"{r.min_step_s * 1000:.0f}",
                 ratio(r.median_step_s, base.median_step_s if base else None),
                 format_bytes(mem.params) if mem else "-",
                 format_bytes(mem.grads) if mem else "-",
@@ -135,6 +144,7 @@ def _rows(results: list[Combined]) -> list[list[str]]:
 HEADERS = [
     "strategy",
     "step ms (median)",
+    "min",
     "vs ddp",
     "params",
     "grads",
@@ -148,7 +158,20 @@ HEADERS = [
 ]
 
 
-def report(results: list[Combined], missing: dict[str, str], settings: ZeroSettings, world_size: int) -> str:
+NOTES = [
+    "step ms: per step the slowest rank, then the median (and min) over timed steps.",
+    "params/grads/optim state: bytes one rank holds (the larger rank), counted from the storages of the",
+    "  parameters, their .grad and the optimizer state after optimizer.step(); torch DDP's separate gradient",
+    "  buckets, activations and transient all-gathered parameters are not counted.",
+    "comm/step: bytes one rank sends per step (ring conventions). 'measured' = shardkit collectives counted by",
+    "  count_comm_bytes; 'formula' = torch-internal collectives computed from sizes (DDP all-reduce",
+    "  2(n-1)/n x grads, ZeroRedundancyOptimizer broadcast of all params, torch FSDP gathers/reduce-scatter).",
+]
+
+
+def report(
+    results: list[Combined], missing: dict[str, str], settings: ZeroSettings, world_size: int, load: str = ""
+) -> str:
     """The suite's printed output: settings, the table, notes, and what was not available or failed."""
     lm = settings.lm
     lines = [
@@ -156,13 +179,11 @@ def report(results: list[Combined], missing: dict[str, str], settings: ZeroSetti
         f"{lm.vocab_size}, seq {lm.seq_len}; batch {settings.batch_size}/rank; AdamW lr {settings.lr}; world size "
         f"{world_size} ({dist.Backend.GLOO}); {settings.steps} timed steps after {settings.warmup} warm-up, "
         "strategies interleaved step by step",
+        load,
         "",
         format_table(HEADERS, _rows(results)),
         "",
-        "step ms: median over timed steps of the slowest rank. Memory: per rank (the larger rank), counted from "
-        "the storages of parameters, their .grad and optimizer state after optimizer.step(). comm/step: bytes "
-        "one rank sends per step; 'measured' = shardkit collectives counted, 'formula' = torch-internal "
-        "collectives (DDP all-reduce 2(n-1)/n x grads, ZeRO/FSDP gathers) computed from sizes.",
+        *NOTES,
     ]
     failed = {r.name: r.error for r in results if r.error is not None}
     extra = unavailable_lines(missing, failed)
@@ -226,8 +247,10 @@ def run(argv: list[str]) -> None:
     if not available:
         print("zero suite: no strategy available:\n" + "\n".join(unavailable_lines(missing, {})))
         return
+    load = load_text("start")
     results = run_suite(settings, args.world_size)
-    print(report(results, missing, settings, args.world_size), flush=True)
+    load += f"; {load_text('end')}"
+    print(report(results, missing, settings, args.world_size, load), flush=True)
     if args.json:
         write_json(args.json, {"settings": settings, "results": results, "not_available": missing})
 
