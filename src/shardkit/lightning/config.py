@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
-from types import MappingProxyType
+from dataclasses import dataclass
 from typing import Any, Callable, Literal, Optional, Union
 
 from torch import nn
@@ -29,8 +28,9 @@ class FullyShardedConfig:
     """What the fully sharded strategy does to the LightningModule.
 
     Attributes:
-        fsdp_kwargs: arguments for every :class:`~shardkit.nn.FullyShardedDataParallel` unit the strategy
-            builds (read-only); precision settings are added at setup from the Trainer's precision.
+        fsdp_arguments: ``(name, value)`` arguments for every :class:`~shardkit.nn.FullyShardedDataParallel` unit
+            the strategy builds (a tuple, so the config stays immutable and picklable for spawned workers);
+            precision settings are added at setup from the Trainer's precision.
         auto_wrap_policy: ``policy(module, recurse, nonwrapped_numel) -> bool`` that cuts the model into units,
             or None to wrap only the root (plus what ``configure_model`` wrapped by hand).
         checkpoint_on: predicate choosing the modules whose activations are recomputed, or None.
@@ -39,11 +39,16 @@ class FullyShardedConfig:
             by ``torch.distributed.checkpoint``, one shard per rank, same world size to resume).
     """
 
-    fsdp_kwargs: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    fsdp_arguments: tuple[tuple[str, Any], ...] = ()
     auto_wrap_policy: Optional[Callable[..., bool]] = None
     checkpoint_on: Optional[Callable[[nn.Module], bool]] = None
     checkpoint_offload: bool = False
     state_dict_type: StateDictType = "full"
+
+    @property
+    def fsdp_kwargs(self) -> dict[str, Any]:
+        """A fresh dict of :attr:`fsdp_arguments`."""
+        return dict(self.fsdp_arguments)
 
 
 def build_config(
@@ -67,7 +72,7 @@ def build_config(
     offload = _offload_kwargs(cpu_offload)
     kwargs.update(offload)
     return FullyShardedConfig(
-        fsdp_kwargs=MappingProxyType(kwargs),
+        fsdp_arguments=tuple(kwargs.items()),
         auto_wrap_policy=_wrap_policy(auto_wrap_policy, min_num_params, transformer_layer_cls),
         checkpoint_on=None if activation_checkpointing is None else module_matcher(activation_checkpointing),
         checkpoint_offload=activation_checkpointing_offload,
