@@ -23,18 +23,17 @@ def test_small_gradients_share_a_bucket_per_owner() -> None:
 
 
 def test_buckets_respect_the_byte_cap_and_large_gradients_travel_alone() -> None:
-    params = _params(30, 30, 30, 500)
-    owner_of = dict.fromkeys(params, 0)
-    units = plan_reduction(params, owner_of, ReducePolicy(bucket_bytes=256))  # 64 fp32 elements
-    assert [[p.numel() for p in u.params] for u in units] == [[30, 30], [30], [500]]
-    assert all(u.nbytes <= 256 for u in units[:2])
-    assert not units[2].packed  # reduced in the gradient tensor itself
+    params = _params(*([30] * 10), 33)  # 120-byte gradients; small means <= 1024 / 8 = 128 bytes
+    units = plan_reduction(params, dict.fromkeys(params, 0), ReducePolicy(bucket_bytes=1024))
+    assert [[p.numel() for p in u.params] for u in units] == [[30] * 8, [30] * 2, [33]]
+    assert all(u.nbytes <= 1024 for u in units)
+    assert units[0].packed and not units[2].packed  # the large one is reduced in the gradient tensor itself
 
 
 def test_unit_sits_at_its_last_member_so_earlier_ready_gradients_are_not_delayed() -> None:
     small_a, big, small_b = _params(4, 1000, 4)
     owner_of = {small_a: 0, big: 1, small_b: 0}
-    units = plan_reduction([small_a, big, small_b], owner_of, ReducePolicy(bucket_bytes=100))
+    units = plan_reduction([small_a, big, small_b], owner_of, ReducePolicy(bucket_bytes=256))
     assert [u.params for u in units] == [(big,), (small_a, small_b)]
 
 

@@ -55,11 +55,12 @@ def plan_reduction(
     """Group ``params`` (given in the order their gradients are expected, usually reverse registration order)
     into reduce units.
 
-    Gradients bound for the same owner, device and wire dtype are packed greedily, in that order, into buckets
-    of at most ``policy.bucket_bytes``; a gradient as large as a bucket travels alone. Each unit is placed at
-    the position of its last member, so a bucket never delays the units whose gradients are ready before it
-    is complete. Buckets are allocated only for the duration of a backward pass, so their size bounds
-    transient memory, not what stays allocated between steps.
+    Small gradients (at most ``policy.small_bytes``) bound for the same owner, device and wire dtype are packed
+    greedily, in that order, into buckets of at most ``policy.bucket_bytes``; larger ones travel alone, in
+    place when no dtype conversion is needed. Each unit is placed at the position of its last member, so a
+    bucket never delays the units whose gradients are ready before it is complete. Buckets are allocated only
+    for the duration of a backward pass, so their size bounds transient memory, not what stays allocated
+    between steps.
     """
     placed: list[tuple[int, ReduceUnit]] = []
     open_buckets: dict[tuple[int, torch.device, torch.dtype], list[torch.Tensor]] = {}
@@ -75,7 +76,7 @@ def plan_reduction(
         owner = owner_of[p]
         wire = policy.wire_dtype(p.dtype)
         size = p.numel() * wire.itemsize
-        if size >= policy.bucket_bytes:
+        if size > policy.small_bytes:
             placed.append((position, _make_unit(owner, [p], wire)))
             continue
         key = (owner, p.device, wire)

@@ -31,6 +31,15 @@ class ReducePolicy:
                 "use 0 to reduce every gradient on its own"
             )
 
+    @property
+    def small_bytes(self) -> int:
+        """Largest gradient that is packed into a bucket; bigger ones are reduced in their own tensor.
+
+        An eighth of a bucket (1 MiB by default): packing pays off for latency-bound gradients, while copying a
+        large one into a bucket costs memory traffic and a buffer allocation for no fewer bytes on the wire.
+        """
+        return self.bucket_bytes // 8
+
     def wire_dtype(self, grad_dtype: torch.dtype) -> torch.dtype:
         """The dtype a gradient of ``grad_dtype`` is reduced in."""
         if self.reduce_fp16 and grad_dtype == torch.float32:
