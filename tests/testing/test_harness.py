@@ -50,3 +50,21 @@ def test_hang_fails_within_timeout() -> None:
     message = str(info.value)
     assert "rank 0 did not finish" in message
     assert "rank 1 raised" in message
+
+
+def _returns_tensor(rank: int, world_size: int) -> torch.Tensor:
+    return torch.full((3,), float(rank))
+
+
+def _no_collectives(rank: int, world_size: int) -> int:
+    return rank
+
+
+def test_tensor_results_survive_worker_exit() -> None:
+    results = run_distributed(_returns_tensor, 2)
+    assert [r.tolist() for r in results] == [[0.0] * 3, [1.0] * 3]
+
+
+def test_ranks_without_collectives_finish_cleanly() -> None:
+    for _ in range(3):
+        assert run_distributed(_no_collectives, 4) == [0, 1, 2, 3]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import tempfile
 import time
@@ -35,7 +36,9 @@ class DistributedTestError(AssertionError):
 
 def _context() -> Any:
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "shardkit.testing.harness"])
+    # torch._dynamo is imported by the first torch.optim optimizer a worker builds (about a second each);
+    # importing it once in the server saves that in every worker.
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "shardkit.testing.harness"])
     return ctx
 
 
@@ -69,13 +72,31 @@ def _worker(
             timeout=timedelta(seconds=timeout_s),
         )
         value = fn(rank, world_size, *args, **kwargs)
-        results.put((rank, "ok", value))
+        # Pickled by value here: the queue would otherwise pass tensors through shared memory that dies with
+        # this process before the parent reads it.
+        results.put((rank, "ok", pickle.dumps(value)))
     except BaseException as err:
         report_failure(err)  # lets the other ranks' collective errors name this rank
         results.put((rank, "error", traceback.format_exc()))
-        return
+        return  # exit at once, as a crashed rank would: its peers' collectives fail fast instead of timing out
+    _wait_for_all_ranks(init_file + ".done", world_size, timeout_s)
     with contextlib.suppress(Exception):
         dist.destroy_process_group()
+
+
+def _wait_for_all_ranks(path: str, world_size: int, timeout_s: float) -> None:
+    """Stay alive until every rank has finished (or ``timeout_s`` passed).
+
+    A rank that exits early closes its gloo connections, which can break a slower rank still setting up or
+    finishing a collective. A separate file store, not the process group, keeps this off the ranks' own
+    collective sequence (some tests desynchronise it on purpose).
+    """
+    with contextlib.suppress(Exception):
+        store = dist.FileStore(path, world_size)
+        store.add("finished", 1)
+        deadline = time.monotonic() + timeout_s
+        while store.add("finished", 0) < world_size and time.monotonic() < deadline:
+            time.sleep(0.01)
 
 
 def run_distributed(
@@ -156,7 +177,7 @@ def _report(
     fn: Callable[..., Any], world_size: int, timeout_s: float, outcomes: dict[int, tuple[str, Any]]
 ) -> list[Any]:
     if all(outcomes.get(rank, ("", None))[0] == "ok" for rank in range(world_size)):
-        return [outcomes[rank][1] for rank in range(world_size)]
+        return [pickle.loads(outcomes[rank][1]) for rank in range(world_size)]
     lines = [f"{getattr(fn, '__qualname__', fn)} failed at world size {world_size}:"]
     failed_first = sorted(range(world_size), key=lambda r: outcomes.get(r, ("hung",))[0] != "error")
     for rank in failed_first:
