@@ -104,3 +104,15 @@ def test_wrap_options_translate_into_one_policy() -> None:
 def test_bad_arguments_are_rejected(kwargs: dict, error: type, match: str) -> None:
     with pytest.raises(error, match=match):
         DDPFullyShardedStrategy(**kwargs)
+
+
+def test_wrap_in_configure_model_is_a_no_op_outside_the_strategy() -> None:
+    from lightning_testlib import LitLM
+
+    from shardkit.nn import FullyShardedDataParallel
+
+    module = LitLM(build_in_configure_model=True)
+    module.configure_model()  # no strategy context: shardkit.nn.wrap.wrap returns the blocks unchanged
+    assert module.model is not None
+    assert not any(isinstance(m, FullyShardedDataParallel) for m in module.modules())
+    assert all(type(b).__name__ == "Block" for b in module.model.blocks)

@@ -7,22 +7,30 @@ from typing import Any
 
 import pytest
 import torch
-from lightning_testlib import LitLM, assert_states_close, reference_run, run_training, trainer_for
+from lightning_testlib import LitLM, assert_states_close, reference_run, run_training
 
 STEPS = 4
 #: Adam normalises the near-zero gradients of the attention key bias, amplifying float noise to ~1e-6.
 TOL = {"rtol": 1e-5, "atol": 2e-5}
 CLIP = {"gradient_clip_val": 0.05}  # small enough to clip every step: only the global norm gives parity
 
+Runs = list[dict[str, Any]]
+
 
 @pytest.fixture
-def ddp_run() -> list[dict[str, Any]]:
+def ddp_run() -> Runs:
     return reference_run("ddp", STEPS, evaluate=True, **CLIP)
 
 
-@pytest.mark.timeout(120)
-def test_fit_validate_test_match_ddp(ddp_run: list[dict[str, Any]]) -> None:
-    sharded = run_training("sharded", STEPS, evaluate=True, **CLIP)
+@pytest.fixture(scope="module")
+def sharded_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Runs, Path]:
+    folder = tmp_path_factory.mktemp("sharded_checkpoints")
+    return run_training("sharded", STEPS, evaluate=True, checkpoint_dir=str(folder), **CLIP), folder
+
+
+@pytest.mark.timeout(150)
+def test_fit_validate_test_match_ddp(ddp_run: Runs, sharded_run: tuple[Runs, Path]) -> None:
+    sharded, _ = sharded_run
     trained, initial = ddp_run[0]["state"], ddp_run[0]["initial"]
     assert all(not torch.equal(trained[k], initial[k]) for k in ("model.embed.weight", "model.blocks.0.fc1.weight"))
     for rank in range(2):
@@ -34,30 +42,15 @@ def test_fit_validate_test_match_ddp(ddp_run: list[dict[str, Any]]) -> None:
 
 
 @pytest.mark.timeout(150)
-def test_checkpoint_resume_continues_identically(tmp_path: Path) -> None:
-    straight = run_training("sharded", STEPS, checkpoint_dir=str(tmp_path))
-    saved = tmp_path / "epoch=0.ckpt"
+def test_checkpoint_resume_continues_identically(sharded_run: tuple[Runs, Path]) -> None:
+    straight, folder = sharded_run
+    saved = folder / "epoch=0.ckpt"  # written by Lightning's ModelCheckpoint after step 2
     # The optimizer state is consolidated: the full model's, loadable into the plain optimizer class.
     checkpoint = torch.load(saved, weights_only=False)
     model = LitLM()
     plain = torch.optim.AdamW(model.parameters(), lr=0.02)
     plain.load_state_dict(checkpoint["optimizer_states"][0])
     assert len(checkpoint["optimizer_states"][0]["state"]) == len(list(model.parameters()))
-    resumed = run_training("sharded", STEPS, resume_from=str(saved))
+    resumed = run_training("sharded", STEPS, resume_from=str(saved), **CLIP)
     for rank in range(2):
         assert_states_close(resumed[rank]["state"], straight[rank]["state"], rtol=0, atol=0)
-
-
-@pytest.mark.timeout(120)
-def test_lightning_spawns_the_processes(ddp_run: list[dict[str, Any]]) -> None:
-    from lightning.pytorch import seed_everything
-
-    from shardkit.lightning import DDPShardedStrategy
-
-    seed_everything(7, verbose=False)
-    model = LitLM()
-    trainer = trainer_for(DDPShardedStrategy(start_method="spawn"), STEPS, **CLIP)
-    trainer.fit(model)
-    # The spawn launcher hands rank 0's weights back to this process's module.
-    state = {k: v.float() for k, v in model.state_dict().items()}
-    assert_states_close(state, ddp_run[0]["state"], **TOL)
