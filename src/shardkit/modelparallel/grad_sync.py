@@ -75,6 +75,8 @@ class GradientSync:
         self.backward_passes_per_step = backward_passes_per_step
         self._passes = 0
         self._armed = False
+        self.joining = False
+        """Inside ``DistributedModel.join()``: every step also tells joined replicas what it reduces."""
         trainable = [p for p in local_params if p.requires_grad]
         cap = max(1, int(bucket_cap_mb * 2**20))
         # Reverse registration order approximates the order backward produces gradients (as DDP assumes).
@@ -100,7 +102,8 @@ class GradientSync:
 
     def arm(self) -> None:
         """The next backward is the step's last: reduce buckets as they fill."""
-        self._armed = self.overlap and self._reduces_this_step()
+        # While joining, buckets go out in a fixed order, which replicas that ran out of data can mirror.
+        self._armed = self.overlap and self._reduces_this_step() and not self.joining
         for bucket in self._buckets:
             bucket.ready, bucket.flat, bucket.handle = 0, None, None
 
@@ -119,10 +122,11 @@ class GradientSync:
     def finish(self, had_backward: bool) -> None:
         """Complete the step's reductions (when this step reduces and a backward ran)."""
         armed, self._armed = self._armed, False
-        if not had_backward:
-            return
-        reduce_now = self._reduces_this_step()
-        self._passes += 1
+        reduce_now = had_backward and self._reduces_this_step()
+        if had_backward:
+            self._passes += 1
+        if self.joining:
+            self.join_flag(int(reduce_now and self.dp_size > 1))
         if not reduce_now:
             return
         if self.dp_size > 1:
@@ -147,6 +151,23 @@ class GradientSync:
                 flat = _flat_grads(same)
                 C.all_reduce(flat, group=group, label="smp_shared_param_grads")
                 _write_back(same, flat, 1.0)
+
+    def join_flag(self, value: int) -> int:
+        """Sum of ``value`` over the replicas (one round of the join protocol)."""
+        flag = torch.tensor([value], dtype=torch.int64, device=self._device())
+        C.all_reduce(flag, group=self.dp_group, label="smp_join_flag")
+        return int(flag.item())
+
+    def shadow_reduction(self) -> None:
+        """A replica without data mirrors the others' bucket all-reduces with zeros (DDP's join semantics:
+        gradients are still divided by the full number of replicas)."""
+        for bucket in self._buckets:
+            first = bucket.params[0]
+            zeros = torch.zeros(sum(p.numel() for p in bucket.params), dtype=first.dtype, device=first.device)
+            C.all_reduce(zeros, group=self.dp_group, label="smp_ddp_bucket")
+
+    def _device(self) -> torch.device:
+        return self._buckets[0].params[0].device if self._buckets else torch.device("cpu")
 
     def close(self) -> None:
         """Remove the gradient hooks."""

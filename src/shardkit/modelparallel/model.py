@@ -7,9 +7,10 @@ each stage keeps what it holds and releases the rest) -> every later forward run
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
@@ -24,6 +25,7 @@ from shardkit.modelparallel import checkpoint as ckpt
 from shardkit.modelparallel import state as smp_state
 from shardkit.modelparallel.auto_partition import Placement
 from shardkit.modelparallel.grad_sync import GradientSync
+from shardkit.modelparallel.model_views import LocalViewsMixin
 from shardkit.modelparallel.partitioner import check_plan, plan_partition
 from shardkit.modelparallel.pipeline_parallel import StepRun, StepStats
 from shardkit.modelparallel.plan import PipelinePlan
@@ -70,7 +72,7 @@ def _move(value: Any, device: torch.device) -> Any:
     return value
 
 
-class DistributedModel(nn.Module):
+class DistributedModel(LocalViewsMixin, nn.Module):  # type: ignore[misc]  # state_dict is smp-aware
     """Split ``module`` into pipeline stages (and replicate it with ``ddp=True``); one per process.
 
     Call it and its :meth:`backward` only inside an ``@smp.step`` function. The partition happens on the first
@@ -144,6 +146,7 @@ class DistributedModel(nn.Module):
         self._device = torch.device("cpu")
         self._hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
         self._pending_state: Optional[dict[str, Any]] = None
+        self._joining = False
         state.model = self
 
     # ---- calls inside @smp.step ---------------------------------------------------------------------------
@@ -199,11 +202,6 @@ class DistributedModel(nn.Module):
         record.backward_requested = True
 
     # ---- partition ----------------------------------------------------------------------------------------
-
-    @property
-    def partitioned(self) -> bool:
-        """True once the first step has partitioned the model."""
-        return self._runtime is not None
 
     @property
     def placement(self) -> Optional[Placement]:
@@ -317,6 +315,12 @@ class DistributedModel(nn.Module):
         return self._runtime
 
     def _before_step(self) -> None:
+        if self._joining and self._sync is not None:
+            self._sync.joining = True
+            self._sync.join_flag(1)  # tells replicas that ran out of data: one more step
+        self._broadcast_buffers()
+
+    def _broadcast_buffers(self) -> None:
         state = self._smp
         if self.partitioned and state.config.ddp and state.topology.dp_size > 1 and self.options.broadcast_buffers:
             for _, buf in self.local_named_buffers():
@@ -348,117 +352,43 @@ class DistributedModel(nn.Module):
         if self._sync is not None:
             self._sync.finish(had_backward)
 
-    # ---- local views --------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def join(self) -> Iterator[None]:
+        """Train with uneven inputs across replicas (``ddp=True``): wrap the training loop in it.
 
-    def local_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        """(name, parameter) for the parameters this stage holds (all of them before the partition)."""
-        for name, param in self.module.named_parameters():
-            if not self.partitioned or name in self._held:
-                yield name, param
+        A replica that runs out of batches keeps joining the others' gradient all-reduces with zeros until
+        every replica is done; gradients stay divided by the full number of replicas (torch DDP's default).
+        Every stage of a replica must run the same number of steps (they share the data).
 
-    def local_parameters(self) -> Iterator[nn.Parameter]:
-        """The parameters this stage holds."""
-        for _, param in self.local_named_parameters():
-            yield param
+        Example::
 
-    def local_named_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, buffer) for the buffers this stage holds."""
-        for name, buf in self.module.named_buffers():
-            if not self.partitioned or name in self._held:
-                yield name, buf
-
-    def local_buffers(self) -> Iterator[torch.Tensor]:
-        """The buffers this stage holds."""
-        for _, buf in self.local_named_buffers():
-            yield buf
-
-    def local_named_modules(self) -> Iterator[tuple[str, nn.Module]]:
-        """(name, module) for the modules that run on this stage (all before the partition)."""
-        if not self.partitioned:
-            yield from self.module.named_modules()
+            with model.join():
+                for x, y in loader:          # loaders of different lengths on different replicas
+                    train_step(model, x, y)
+                    optimizer.step()
+        """
+        state = self._smp
+        if not state.config.ddp:
+            raise ValueError("DistributedModel.join() is for uneven inputs across replicas: it needs ddp=True")
+        if state.topology.dp_size == 1:
+            yield
             return
-        assert self._plan is not None
-        for unit, stage in self._plan.units.items():
-            if stage == self._stage():
-                for sub, module in self.module.get_submodule(unit).named_modules():
-                    yield (f"{unit}.{sub}" if unit and sub else unit or sub), module
-
-    def local_modules(self) -> Iterator[nn.Module]:
-        """The modules that run on this stage."""
-        for _, module in self.local_named_modules():
-            yield module
-
-    # ---- state dicts (see checkpoint.py) -------------------------------------------------------------------
-
-    def local_state_dict(self) -> dict[str, Any]:
-        """This stage's parameters and buffers by their module names, marked ``_smp_is_partial``."""
-        full = self.module.state_dict()
-        if self.partitioned:
-            full = OrderedDict((k, v) for k, v in full.items() if self._key_map.get(k, k) in self._held)
-        out: dict[str, Any] = dict(full)
-        out[ckpt.PARTIAL_KEY] = True
-        return out
-
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
-        """The whole model's state dict (keys of the unwrapped module), gathered from every stage.
-
-        Collective over the replica's stages: call it on every rank of the mp group.
-        """
-        if not self.partitioned:
-            return self.module.state_dict(*args, **kwargs)
-        partials = ckpt.all_gather_objects(ckpt.to_cpu(self.local_state_dict()), self._smp.mp_group)
-        return ckpt.merge_model_partials(partials, list(self._key_map))
-
-    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
-        """Load a full or partial state dict (partial ones are first gathered from every stage: collective).
-
-        Before the partition the model loads it whole; after it, each stage copies what it holds.
-        """
-        if ckpt.is_partial(state_dict):
-            partials = ckpt.all_gather_objects(ckpt.to_cpu(dict(state_dict)), self._smp.mp_group)
-            keys = [k for p in partials for k in p if k != ckpt.PARTIAL_KEY]
-            full: dict[str, Any] = dict(ckpt.merge_model_partials(partials, list(dict.fromkeys(keys))))
-        else:
-            full = dict(state_dict)
-        if not self.partitioned:
-            return self.module.load_state_dict(full, strict=strict)
-        self._load_held(full, strict)
-        return None
-
-    def _load_held(self, full: Mapping[str, Any], strict: bool) -> None:
-        current = self.module.state_dict(keep_vars=True)
-        missing = []
-        with torch.no_grad():
-            for key, tensor in current.items():
-                if self._key_map.get(key, key) not in self._held:
-                    continue
-                if key not in full:
-                    missing.append(key)
-                    continue
-                tensor.copy_(full[key])
-        if strict and missing:
-            raise KeyError(f"load_state_dict: the state dict lacks {missing[:5]}{'...' if len(missing) > 5 else ''}")
-
-    def cpu(self) -> DistributedModel:
-        """Gather every stage's parameters and buffers so this rank holds the whole model, on the CPU."""
-        if self.partitioned:
-            full = self.state_dict()
-            with torch.no_grad():
-                for key, tensor in self.module.state_dict(keep_vars=True).items():
-                    tensor.data = full[key].detach().clone().cpu()
-            self._held = set(self._key_map.values())
-            self._device = torch.device("cpu")
-            if self._runtime is not None:
-                self._runtime.device = self._device
-        self.module.cpu()
-        return self
-
-    def join(self) -> Any:
-        """Uneven inputs across replicas are not supported: every replica must run the same number of steps."""
-        raise NotImplementedError(
-            "DistributedModel.join() (uneven inputs across data-parallel replicas) is not supported by shardkit's "
-            "smp: give every replica the same number of batches (for example with DistributedSampler(drop_last=True))"
-        )
+        self._joining = True
+        if self._sync is not None:
+            self._sync.joining = True
+        try:
+            yield
+            sync = self._sync
+            if sync is None:
+                raise RuntimeError("join(): this replica ran no step, so the model was never partitioned")
+            while sync.join_flag(0) > 0:  # another replica is still training: mirror its step
+                self._broadcast_buffers()
+                if sync.join_flag(0) > 0:
+                    sync.shadow_reduction()
+        finally:
+            self._joining = False
+            if self._sync is not None:
+                self._sync.joining = False
 
 
 def _canonical_tensors(module: nn.Module) -> dict[str, torch.Tensor]:

@@ -1,0 +1,98 @@
+"""join() with uneven inputs, the smp loss scaler's overflow agreement, post-partition hooks and cpu()."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from smp_testlib import MomentumSGD, batch, loss_of, max_diff, mlp, train_step
+
+import shardkit.modelparallel as smp
+from shardkit.testing import run_distributed
+
+BATCHES = [3, 1]  # replica 0 has three batches, replica 1 one
+
+
+def _reference() -> list[dict[str, torch.Tensor]]:
+    """Single process: step s averages the gradients of the replicas that still have data, over both."""
+    model = mlp()
+    opt = MomentumSGD(model.parameters(), lr=0.05, momentum=0.9)
+    states = []
+    for s in range(max(BATCHES)):
+        losses = [
+            loss_of("mlp", model(x), y) for d in range(2) if s < BATCHES[d] for x, y in [batch("mlp", 8, 10 * s + d)]
+        ]
+        opt.zero_grad()
+        (sum(losses) / 2).backward()
+        opt.step()
+        states.append({k: v.clone() for k, v in model.state_dict().items()})
+    return states
+
+
+def _join_and_hooks(rank: int, world_size: int) -> dict[str, Any]:
+    smp.init({"partitions": 2, "microbatches": 2, "ddp": True})
+    model = smp.DistributedModel(mlp())
+    opt = smp.DistributedOptimizer(MomentumSGD(model.parameters(), lr=0.05, momentum=0.9))
+    calls = []
+    model.register_post_partition_hook(lambda m, o: calls.append((m is model, o is opt, m.partitioned)))
+    with model.join():
+        for s in range(BATCHES[smp.dp_rank()]):
+            x, y = batch("mlp", 8, 10 * s + smp.dp_rank())
+            opt.zero_grad()
+            train_step(model, "mlp", x, y)
+            opt.step()
+    full = model.state_dict()
+    local_before = sum(p.numel() for p in model.module.parameters())
+    model.cpu()
+    whole = {k: v.clone() for k, v in model.module.state_dict().items()}
+    result = {
+        "diff": max_diff(full, _reference()[BATCHES[smp.dp_rank()] - 1]),
+        "hook_calls": calls,
+        "cpu_diff": max_diff(whole, full),
+        "local_before": local_before,
+        "total": sum(v.numel() for v in full.values()),
+    }
+    smp.reset()
+    return result
+
+
+def test_join_with_uneven_inputs_hooks_and_cpu() -> None:
+    for r in run_distributed(_join_and_hooks, 4):
+        assert r["diff"] <= 1e-5, r
+        assert r["hook_calls"] == [(True, True, True)]
+        assert r["cpu_diff"] == 0.0 and r["local_before"] < r["total"]
+
+
+def _scaler(rank: int, world_size: int) -> list[tuple[float, bool]]:
+    smp.init({"partitions": 2, "microbatches": 2})
+    model = smp.DistributedModel(mlp())
+    opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    scaler = smp.amp.GradScaler(init_scale=1024.0)
+
+    @smp.step
+    def scaled_step(model: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = F.mse_loss(model(x), y)
+        model.backward(scaler.scale(loss))
+        return loss
+
+    out = []
+    for s, overflow_on_stage0 in enumerate([True, False]):
+        x, y = batch("mlp", 8, s)
+        opt.zero_grad()
+        scaled_step(model, x, y)
+        local = list(model.local_parameters())
+        if overflow_on_stage0 and smp.mp_rank() == 0:
+            local[0].grad[0, 0] = float("inf")  # only stage 0 overflows: stage 1 must skip its step too
+        before = [p.detach().clone() for p in local]
+        scaler.step(opt)
+        scaler.update()
+        moved = any(not torch.equal(a, p) for a, p in zip(before, local))
+        out.append((scaler.get_scale(), moved))
+    smp.reset()
+    return out
+
+
+def test_grad_scaler_agrees_on_overflow_across_stages() -> None:
+    for per_rank in run_distributed(_scaler, 2):
+        assert per_rank == [(512.0, False), (512.0, True)]
