@@ -73,7 +73,9 @@ def test_collectives_on_gloo(world_size: int) -> None:
         assert res["bcast"] == [float(world_size - 1)] * 3
         assert res["calls"] == {"all_reduce": 1, "all_gather": 1, "reduce_scatter": 1, "broadcast": 1}
         n = world_size
-        expected_wire = int(2 * (n - 1) / n * 16) + int((n - 1) / n * 8 * n) + int((n - 1) / n * 8 * n) + 12
+        expected_wire = (
+            int(2 * (n - 1) / n * 16) + int((n - 1) / n * 8 * n) + int((n - 1) / n * 8 * n) + int((n - 1) / n * 12)
+        )
         assert res["wire"] == expected_wire
 
 

@@ -4,8 +4,8 @@ shardkit's own collectives are counted exactly by :func:`shardkit.distributed.co
 gradient all-reduce (in its C++ reducer), ZeroRedundancyOptimizer's parameter broadcasts and torch FSDP's
 all-gathers bypass them, so for those the benchmark adds the textbook volume computed here, with the same
 conventions as :class:`~shardkit.distributed.CommMeter`'s ``wire_bytes`` (bytes one rank sends, ring
-algorithms): all-reduce ``2(n-1)/n`` of the buffer, all-gather and reduce-scatter ``(n-1)/n`` of the full
-buffer, broadcast the whole buffer.
+algorithms): all-reduce ``2(n-1)/n`` of the buffer, all-gather, reduce-scatter and broadcast ``(n-1)/n`` of
+the full buffer.
 
 Every function takes the *unwrapped* model (before a strategy changed it) and the world size.
 """
@@ -33,7 +33,7 @@ def ddp_allreduce_bytes(model: nn.Module, world_size: int) -> int:
 
 def ddp_plus_param_broadcast_bytes(model: nn.Module, world_size: int) -> int:
     """torch DDP + ZeroRedundancyOptimizer: the all-reduce, then each rank's updated shard broadcast to all."""
-    broadcast = param_bytes(model) if world_size > 1 else 0
+    broadcast = int((world_size - 1) / world_size * param_bytes(model))
     return ddp_allreduce_bytes(model, world_size) + broadcast
 
 

@@ -38,9 +38,11 @@ from shardkit.distributed.health import explain_failure, verify_matching
 class CommMeter:
     """Counts what collectives move while it is active (see :func:`count_comm_bytes`).
 
-    ``payload_bytes`` is the size of the buffers handed to collectives; ``wire_bytes`` estimates what one rank
-    sends on the wire with ring algorithms: ``2(n-1)/n`` of the buffer for all-reduce, ``(n-1)/n`` of the full
-    buffer for all-gather and reduce-scatter, the whole buffer for broadcast/reduce/point-to-point.
+    ``payload_bytes`` is the size of the buffers handed to collectives; ``wire_bytes`` estimates the bytes the
+    whole group puts on the wire divided by the number of ranks (what one rank sends, on average):
+    ``2(n-1)/n`` of the buffer for a ring all-reduce, ``(n-1)/n`` of the full buffer for all-gather,
+    reduce-scatter, reduce and broadcast (each non-root rank's data crosses the wire once), the whole buffer
+    for point-to-point sends.
     """
 
     payload_bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
@@ -226,7 +228,7 @@ def broadcast(
         label,
         tensor,
         group,
-        nbytes,
+        (group_size(group) - 1) / group_size(group) * nbytes,
         async_op,
         lambda: dist.broadcast(tensor, src=src, group=group, async_op=True),  # type: ignore[arg-type]
     )
@@ -251,7 +253,7 @@ def reduce(
         label,
         tensor,
         group,
-        nbytes,
+        (group_size(group) - 1) / group_size(group) * nbytes,
         async_op,
         lambda: dist.reduce(tensor, dst=dst, op=op, group=group, async_op=True),  # type: ignore[arg-type]
     )
