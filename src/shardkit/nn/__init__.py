@@ -1,33 +1,33 @@
 """Data-parallel wrappers, wrapping helpers and activation checkpointing.
 
-Names are imported on first use, so ``import shardkit.nn`` stays cheap and optional parts (for example the
-Lightning integration) are never imported unless asked for.
+- :class:`ShardedDataParallel` (ZeRO-2), :class:`FullyShardedDataParallel` (ZeRO-3),
+  :class:`SlowMoDistributedDataParallel` (SlowMo, LocalSGD, SGP);
+- :mod:`shardkit.nn.wrap` (``enable_wrap``, ``wrap``, ``auto_wrap``) and :func:`checkpoint_wrapper`.
+
+The Lightning integration lives in :mod:`shardkit.lightning` and is never imported from here.
 """
 
-from __future__ import annotations
+from shardkit.nn.checkpoint import apply_activation_checkpointing, checkpoint_wrapper
+from shardkit.nn.fsdp import BackwardPrefetch, CPUOffload, FullyShardedDataParallel
+from shardkit.nn.sharded_ddp import ShardedDataParallel
+from shardkit.nn.slowmo import SlowMoBaseAlgorithm, SlowMoDistributedDataParallel
 
-import importlib
-from typing import Any
+# ``shardkit.nn.wrap`` is the package; it is callable as the ``wrap`` function (see its docstring), so both
+# ``from shardkit.nn import wrap`` and ``from shardkit.nn.wrap import wrap`` give something that wraps.
+from shardkit.nn.wrap import auto_wrap, default_auto_wrap_policy, enable_wrap, transformer_auto_wrap_policy
 
-_EXPORTS = {
-    "ShardedDataParallel": "shardkit.nn.sharded_ddp",
-    "FullyShardedDataParallel": "shardkit.nn.fsdp",
-    "CPUOffload": "shardkit.nn.fsdp",
-    "BackwardPrefetch": "shardkit.nn.fsdp",
-    "SlowMoDistributedDataParallel": "shardkit.nn.slowmo",
-    "SlowMoBaseAlgorithm": "shardkit.nn.slowmo",
-    "checkpoint_wrapper": "shardkit.nn.checkpoint",
-    "enable_wrap": "shardkit.nn.wrap",
-    "wrap": "shardkit.nn.wrap",
-    "auto_wrap": "shardkit.nn.wrap",
-    "default_auto_wrap_policy": "shardkit.nn.wrap",
-}
-
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'shardkit.nn' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__all__ = [
+    "BackwardPrefetch",
+    "CPUOffload",
+    "FullyShardedDataParallel",
+    "ShardedDataParallel",
+    "SlowMoBaseAlgorithm",
+    "SlowMoDistributedDataParallel",
+    "apply_activation_checkpointing",
+    "auto_wrap",
+    "checkpoint_wrapper",
+    "default_auto_wrap_policy",
+    "enable_wrap",
+    "transformer_auto_wrap_policy",
+    "wrap",
+]
