@@ -90,40 +90,6 @@ def batch(name: str, size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(size, 8, generator=gen), torch.randn(size, 4, generator=gen)
 
 
-class MomentumSGD(torch.optim.Optimizer):
-    """SGD with momentum, built without ``torch.optim``'s dynamo-guarded ``add_param_group``.
-
-    The first ``torch.optim`` optimizer a process builds imports ``torch._dynamo`` (seconds on a loaded
-    machine, in every worker of every job); this one trains exactly like ``torch.optim.SGD(momentum=...)``
-    without that import, which keeps the multi-process tests fast.
-    """
-
-    def __init__(self, params: Any, lr: float, momentum: float) -> None:
-        self.defaults = {"lr": lr, "momentum": momentum}
-        self.state: dict[Any, Any] = {}
-        self.param_groups = []
-        self._optimizer_step_pre_hooks: dict[int, Any] = {}
-        self._optimizer_step_post_hooks: dict[int, Any] = {}
-        self._optimizer_state_dict_pre_hooks: dict[int, Any] = {}
-        self._optimizer_state_dict_post_hooks: dict[int, Any] = {}
-        self._optimizer_load_state_dict_pre_hooks: dict[int, Any] = {}
-        self._optimizer_load_state_dict_post_hooks: dict[int, Any] = {}
-        self.param_groups.append({"params": list(params), "lr": lr, "momentum": momentum})
-
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> None:
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                buf = self.state.setdefault(p, {}).get("momentum_buffer")
-                if buf is None:
-                    buf = self.state[p]["momentum_buffer"] = p.grad.detach().clone()
-                else:
-                    buf.mul_(group["momentum"]).add_(p.grad)
-                p.add_(buf, alpha=-group["lr"])
-
-
 BUILDERS: dict[str, Callable[..., nn.Module]] = {"mlp": mlp, "residual": ResidualNet, "lm": tiny_lm}
 
 
@@ -140,7 +106,7 @@ def reference_run(
     """Single-process training on the global batch (stepping every ``accumulate`` batches); returns per-step
     per-replica losses and the final weights."""
     model = BUILDERS[name]()
-    opt = MomentumSGD(model.parameters(), lr=lr, momentum=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     losses = []
     for s in range(steps):
         parts = [batch(name, batch_size, 100 * s + d) for d in range(replicas)]
@@ -169,7 +135,7 @@ def smp_run(
     """
     smp.init(config)
     model = smp.DistributedModel(BUILDERS[name](**(model_kwargs or {})), **model_options)
-    opt = smp.DistributedOptimizer(MomentumSGD(model.parameters(), lr=lr, momentum=0.9))
+    opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9))
     accumulate = model_options.get("backward_passes_per_step", 1)
     losses = []
     for s in range(steps):

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from smp_testlib import MomentumSGD, batch, loss_of, max_diff, mlp, train_step
+from smp_testlib import batch, loss_of, max_diff, mlp, train_step
 
 import shardkit.modelparallel as smp
 from shardkit.testing import run_distributed
@@ -17,7 +17,7 @@ BATCHES = [3, 1]  # replica 0 has three batches, replica 1 one
 def _reference() -> list[dict[str, torch.Tensor]]:
     """Single process: step s averages the gradients of the replicas that still have data, over both."""
     model = mlp()
-    opt = MomentumSGD(model.parameters(), lr=0.05, momentum=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     states = []
     for s in range(max(BATCHES)):
         losses = [
@@ -33,7 +33,7 @@ def _reference() -> list[dict[str, torch.Tensor]]:
 def _join_and_hooks(rank: int, world_size: int) -> dict[str, Any]:
     smp.init({"partitions": 2, "microbatches": 2, "ddp": True})
     model = smp.DistributedModel(mlp())
-    opt = smp.DistributedOptimizer(MomentumSGD(model.parameters(), lr=0.05, momentum=0.9))
+    opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
     calls = []
     model.register_post_partition_hook(lambda m, o: calls.append((m is model, o is opt, m.partitioned)))
     with model.join():
