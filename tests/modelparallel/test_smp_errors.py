@@ -129,8 +129,20 @@ def _backward_edges(rank: int, world_size: int) -> str:
     return "no error"
 
 
+def _different_inputs(rank: int, world_size: int) -> str:
+    smp.init({"partitions": 2})
+    model = smp.DistributedModel(mlp())
+    try:
+        _step(model, torch.full((2, 8), float(rank)), torch.zeros(2, 4))
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
 def test_distributed_errors_are_raised_on_every_rank() -> None:
     for message in run_distributed(_different_configs, 2):
         assert "different config on different ranks" in message and "microbatches: rank 0: 2, rank 1: 4" in message
     for message in run_distributed(_backward_edges, 2):
         assert "sends activations backwards: outputs of 'first' (stage 1) are used on stage 0" in message
+    for message in run_distributed(_different_inputs, 2):
+        assert "the stages of one model replica got different inputs (stages [1] differ from stage 0)" in message

@@ -67,8 +67,10 @@ class GradientSync:
         bucket_cap_mb: float,
         overlap: bool,
         backward_passes_per_step: int,
+        device: torch.device,
     ) -> None:
         self.dp_group = dp_group
+        self.device = device
         self.dp_size = dp_size
         self.copies = list(copies)
         self.overlap = overlap and dp_size > 1
@@ -154,7 +156,7 @@ class GradientSync:
 
     def join_flag(self, value: int) -> int:
         """Sum of ``value`` over the replicas (one round of the join protocol)."""
-        flag = torch.tensor([value], dtype=torch.int64, device=self._device())
+        flag = torch.tensor([value], dtype=torch.int64, device=self.device)
         C.all_reduce(flag, group=self.dp_group, label="smp_join_flag")
         return int(flag.item())
 
@@ -165,9 +167,6 @@ class GradientSync:
             first = bucket.params[0]
             zeros = torch.zeros(sum(p.numel() for p in bucket.params), dtype=first.dtype, device=first.device)
             C.all_reduce(zeros, group=self.dp_group, label="smp_ddp_bucket")
-
-    def _device(self) -> torch.device:
-        return self._buckets[0].params[0].device if self._buckets else torch.device("cpu")
 
     def close(self) -> None:
         """Remove the gradient hooks."""

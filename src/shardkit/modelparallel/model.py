@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
 from shardkit.distributed import broadcast_object
@@ -82,6 +83,13 @@ class DistributedModel(LocalViewsMixin, nn.Module):  # type: ignore[misc]  # sta
     ``overlapping_allreduce``, ``backward_passes_per_step``, ``average_grads_across_microbatches``,
     ``bucket_cap_mb``, ``trace_memory_usage``, ``broadcast_buffers``, ``gradient_as_bucket_view``.
 
+    Differences from SageMaker's smp: the trace runs where the model's parameters are (build the model on the
+    device you want it traced on; ``trace_device`` is validated but does not move it); memory is always
+    estimated from tensor sizes (``trace_memory_usage`` changes nothing); gradients are reduced from flat
+    buckets (``gradient_as_bucket_view`` changes nothing). Every rank of a replica must pass the same inputs
+    to the step function, and the forward's control flow must not depend on tensor values: the module call
+    order of the first step is the plan for every later one (a different order raises).
+
     Example::
 
         smp.init({"partitions": 2, "microbatches": 4})
@@ -122,7 +130,7 @@ class DistributedModel(LocalViewsMixin, nn.Module):  # type: ignore[misc]  # sta
             raise TypeError(f"smp.DistributedModel wraps a torch.nn.Module, got {type(module).__name__}")
         options = ModelOptions(
             trace_device,
-            trace_execution_times and torch.cuda.is_available(),
+            trace_execution_times,
             overlapping_allreduce,
             backward_passes_per_step,
             average_grads_across_microbatches,
@@ -212,9 +220,8 @@ class DistributedModel(LocalViewsMixin, nn.Module):  # type: ignore[misc]  # sta
         state = self._smp
         cfg, topo = state.config, state.topology
         if state.distributed and topo.world_size > 1:
-            with torch.no_grad():
-                for tensor in {id(t): t for t in [*self.module.parameters(), *self.module.buffers()]}.values():
-                    C.broadcast(tensor.data, 0, group=state.world_group, label="smp_initial_state")
+            self._check_same_inputs(args, kwargs)
+            self._broadcast_initial_state()
         payload: tuple[Any, Any, Optional[str]] = (None, None, None)
         if topo.rank == 0:
             try:
@@ -244,6 +251,33 @@ class DistributedModel(LocalViewsMixin, nn.Module):  # type: ignore[misc]  # sta
         if error is not None:
             raise RuntimeError(f"smp could not partition the model (error on rank 0): {error}")
         self._apply_plan(plan, placement)
+
+    def _check_same_inputs(self, args: Any, kwargs: Any) -> None:
+        """The stages of a replica must see the same batch (each computes glue code from it): check once."""
+        leaves = [x for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+        digest = [(tuple(x.shape), str(x.dtype), float(x.detach().double().sum())) for x in leaves]
+        gathered = ckpt.all_gather_objects(digest, self._smp.mp_group)
+        if any(d != gathered[0] for d in gathered):
+            differing = [s for s, d in enumerate(gathered) if d != gathered[0]]
+            raise ValueError(
+                f"the stages of one model replica got different inputs (stages {differing} differ from stage 0): "
+                "every rank of an mp group must pass the same batch to the @smp.step function (seed the data "
+                "loader by dp_rank, not by rank)"
+            )
+
+    def _broadcast_initial_state(self) -> None:
+        """Every rank starts from rank 0's parameters and buffers (staged one tensor at a time through the
+        device when the backend cannot send CPU tensors, so the whole model never has to fit there)."""
+        state = self._smp
+        staging = self._execution_device() if dist.get_backend() == "nccl" else None
+        with torch.no_grad():
+            for tensor in {id(t): t for t in [*self.module.parameters(), *self.module.buffers()]}.values():
+                if staging is None or tensor.device == staging:
+                    C.broadcast(tensor.data, 0, group=state.world_group, label="smp_initial_state")
+                else:
+                    moved = tensor.data.to(staging)
+                    C.broadcast(moved, 0, group=state.world_group, label="smp_initial_state")
+                    tensor.data.copy_(moved)
 
     def _execution_device(self) -> torch.device:
         state = self._smp
@@ -282,6 +316,7 @@ class DistributedModel(LocalViewsMixin, nn.Module):  # type: ignore[misc]  # sta
             self.options.bucket_cap_mb,
             self.options.overlapping_allreduce,
             self.options.backward_passes_per_step,
+            self._device,
         )
         self._plan, self._placement, self._runtime = plan, placement, runtime
         if self._pending_state is not None:
