@@ -17,7 +17,6 @@ from typing import Any, Callable, Optional, Union
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
 from shardkit.distributed import broadcast_object
@@ -33,6 +32,7 @@ from shardkit.modelparallel.plan import PipelinePlan
 from shardkit.modelparallel.pp_communications import StageLink
 from shardkit.modelparallel.runtime import StageRuntime
 from shardkit.modelparallel.stage_groups import copy_groups
+from shardkit.modelparallel.startup import broadcast_initial_state, canonical_tensors, check_same_inputs
 
 
 @dataclass(frozen=True)
@@ -220,8 +220,8 @@ class DistributedModel(LocalViewsMixin, nn.Module):  # type: ignore[misc]  # sta
         state = self._smp
         cfg, topo = state.config, state.topology
         if state.distributed and topo.world_size > 1:
-            self._check_same_inputs(args, kwargs)
-            self._broadcast_initial_state()
+            check_same_inputs((args, kwargs), state.mp_group)
+            broadcast_initial_state(self.module, state.world_group, self._execution_device())
         payload: tuple[Any, Any, Optional[str]] = (None, None, None)
         if topo.rank == 0:
             try:
@@ -252,33 +252,6 @@ class DistributedModel(LocalViewsMixin, nn.Module):  # type: ignore[misc]  # sta
             raise RuntimeError(f"smp could not partition the model (error on rank 0): {error}")
         self._apply_plan(plan, placement)
 
-    def _check_same_inputs(self, args: Any, kwargs: Any) -> None:
-        """The stages of a replica must see the same batch (each computes glue code from it): check once."""
-        leaves = [x for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
-        digest = [(tuple(x.shape), str(x.dtype), float(x.detach().double().sum())) for x in leaves]
-        gathered = ckpt.all_gather_objects(digest, self._smp.mp_group)
-        if any(d != gathered[0] for d in gathered):
-            differing = [s for s, d in enumerate(gathered) if d != gathered[0]]
-            raise ValueError(
-                f"the stages of one model replica got different inputs (stages {differing} differ from stage 0): "
-                "every rank of an mp group must pass the same batch to the @smp.step function (seed the data "
-                "loader by dp_rank, not by rank)"
-            )
-
-    def _broadcast_initial_state(self) -> None:
-        """Every rank starts from rank 0's parameters and buffers (staged one tensor at a time through the
-        device when the backend cannot send CPU tensors, so the whole model never has to fit there)."""
-        state = self._smp
-        staging = self._execution_device() if dist.get_backend() == "nccl" else None
-        with torch.no_grad():
-            for tensor in {id(t): t for t in [*self.module.parameters(), *self.module.buffers()]}.values():
-                if staging is None or tensor.device == staging:
-                    C.broadcast(tensor.data, 0, group=state.world_group, label="smp_initial_state")
-                else:
-                    moved = tensor.data.to(staging)
-                    C.broadcast(moved, 0, group=state.world_group, label="smp_initial_state")
-                    tensor.data.copy_(moved)
-
     def _execution_device(self) -> torch.device:
         state = self._smp
         if state.distributed and dist.get_backend() == "nccl":
@@ -292,7 +265,7 @@ class DistributedModel(LocalViewsMixin, nn.Module):  # type: ignore[misc]  # sta
         stage = topo.mp_rank
         self._key_map = ckpt.state_key_map(self.module)
         self._device = self._execution_device()
-        named = _canonical_tensors(self.module)
+        named = canonical_tensors(self.module)
         self._held = {name for name, stages in plan.holders.items() if stage in stages}
         with torch.no_grad():
             for name, tensor in named.items():
@@ -424,14 +397,3 @@ class DistributedModel(LocalViewsMixin, nn.Module):  # type: ignore[misc]  # sta
             self._joining = False
             if self._sync is not None:
                 self._sync.joining = False
-
-
-def _canonical_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
-    """Canonical name -> tensor for every parameter and buffer (a tied tensor appears once)."""
-    named: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
-    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
-        if id(tensor) not in seen:
-            seen.add(id(tensor))
-            named[name] = tensor
-    return named
