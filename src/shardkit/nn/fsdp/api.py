@@ -12,7 +12,9 @@ from torch import nn
 
 from shardkit.distributed.groups import GroupLike, group_rank, group_size, resolve_group
 from shardkit.nn.fsdp import grad_norm
+from shardkit.nn.fsdp._collectives import create_reduce_channels
 from shardkit.nn.fsdp._names import clean_members, clean_named_modules
+from shardkit.nn.fsdp.comm_context import CommContext
 from shardkit.nn.fsdp.flat_param import FlatParamMeta
 from shardkit.nn.fsdp.param_group import ParamGroup
 from shardkit.nn.fsdp.policies import BackwardPrefetch, CPUOffload, policies_from_args
@@ -39,15 +41,23 @@ class FullyShardedDataParallel(nn.Module):
         mixed_precision: gather and compute in ``compute_dtype`` (default float16) with FP32 master shards.
         fp32_reduce_scatter: reduce gradients in FP32 under mixed precision.
         flatten_parameters: one flat tensor per (dtype, requires_grad) per unit; False shards each parameter.
-        move_params_to_cpu: keep shards and their gradients on CPU (same as ``cpu_offload``).
+        move_params_to_cpu: keep FP32 shards and their gradients in CPU memory (pinned when computing on CUDA);
+            the optimizer then steps on CPU. Full parameters are still gathered on ``compute_device``.
         compute_dtype: dtype of full parameters during compute (enables mixed precision when 16-bit).
         buffer_dtype: dtype floating-point buffers are cast to (default: ``compute_dtype`` under mixed precision).
         move_grads_to_cpu: must match parameter offload (gradients live beside their shards).
-        bucket_cap_mb: accepted for compatibility; reserved for bucketed reductions.
-        compute_device: where full parameters are gathered (default: the parameters' device).
+        bucket_cap_mb: accepted for compatibility; each flat parameter is already reduced in one collective.
+        compute_device: where full parameters are gathered (default: the parameters' device; CUDA under offload
+            when available).
         state_dict_device: where full state dicts are materialised.
         cpu_offload: ``CPUOffload(offload_params=True)``, torch's spelling of ``move_params_to_cpu``.
-        backward_prefetch / forward_prefetch: prefetch hints; they never change results.
+        backward_prefetch: ``BackwardPrefetch.BACKWARD_PRE`` starts gathering the next unit (in backward order)
+            in this unit's pre-backward hook, so the gather overlaps this unit's gradient computation, at the
+            cost of one more unit's full parameters in memory; ``BACKWARD_POST`` starts it once this unit's
+            gradients are out (less overlap, no extra memory); None (default) gathers each unit when it starts.
+        forward_prefetch: from the second step on, start gathering the next unit (in the previous forward's
+            order) when a unit starts its forward. Prefetching never changes results; at most one unit is
+            gathered ahead of its use.
 
     Notes:
         - Original parameters exist as attributes of their submodules only during forward/backward and inside
@@ -56,7 +66,10 @@ class FullyShardedDataParallel(nn.Module):
           a unit that does not run at all keeps its gradient (None). Every rank must run the same units, or the
           reductions of the ranks no longer line up.
         - Parameters tied across two units are rejected: keep tied modules in one unit.
-        - Frozen parameters are gathered for backward and freed at its end, never reduced.
+        - Frozen parameters are gathered for backward, freed as soon as the unit's backward is over, never reduced.
+        - Communication is asynchronous: gathers run ahead as prefetches, reduce-scatters run on a second process
+          group over the same ranks (created with ``new_group`` at the root's first forward, on every rank), and
+          on CUDA on their own streams. With one rank nothing is gathered or copied.
 
     Example::
 
@@ -226,6 +239,8 @@ class FullyShardedDataParallel(nn.Module):
                     module._unit.is_root, module._unit.root, module._unit.units = False, unit, []
                     module._unit.name = path
                 unit.units.append(module._unit)
+        # Every rank runs the root's first forward at the same point: the one moment to create process groups.
+        unit.comm = CommContext(create_reduce_channels([u.group.group for u in unit.units]))
         mp = self._policies.mixed_precision
         if mp.buffer_dtype is not None:
             self._cast_buffers(mp.buffer_dtype)

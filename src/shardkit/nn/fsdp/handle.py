@@ -1,10 +1,17 @@
-"""One flat parameter at run time: its shard, its full copy while gathered, and its gradient in flight.
+"""One flat parameter at run time: its shard, its full copy while gathered, and its gradient on the way out.
 
 The shard is the ``nn.Parameter`` the optimizer sees. The full copy is a separate leaf tensor in the compute
 dtype whose storage is allocated on unshard and resized to zero on reshard, so freeing it never changes the
-tensor objects autograd saved. Original parameters are exposed as views of it (one ``split``), which makes
-autograd accumulate every original gradient into ``full.grad``; a post-accumulate hook on the leaf then tells
-the runtime the unit's gradient for this flat parameter is complete.
+tensor objects autograd saved, and the same tensor object (with its gradient hook) is reused every step.
+Original parameters are exposed as views of it (one ``split``), which makes autograd accumulate every original
+gradient into ``full.grad``; a post-accumulate hook on the leaf then tells the runtime the unit's gradient for
+this flat parameter is complete.
+
+Gathers are asynchronous: :meth:`FlatParamHandle.unshard` only issues the all-gather (so it can run ahead as a
+prefetch) and :meth:`FlatParamHandle.wait_unsharded` waits for it before compute reads the values.
+
+With one rank and nothing to cast, the full copy *is* the shard (a detached alias of its storage): nothing is
+gathered, copied or freed, and the full gradient becomes the shard's gradient as it is.
 
 Writes into the full buffer go through ``.data`` so they do not bump the autograd version counter shared
 with the views saved for backward: the values written are always the same parameters.
@@ -17,14 +24,17 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from shardkit import memory
 from shardkit.distributed.collectives import Handle
 from shardkit.distributed.groups import GroupLike
 from shardkit.nn.fsdp import _collectives
+from shardkit.nn.fsdp.comm_context import CommContext, join
 from shardkit.nn.fsdp.flat_param import FlatParamMeta
+from shardkit.nn.fsdp.reduce import PendingReduce, start_reduce
 
 
 class FlatParamHandle:
-    """Shard, full buffer and pending gradient reduction of one flat parameter."""
+    """Shard, full buffer and gradient bookkeeping of one flat parameter."""
 
     def __init__(
         self,
@@ -53,48 +63,95 @@ class FlatParamHandle:
         self.follow_shard_device = follow_shard_device
         self.full: Optional[torch.Tensor] = None
         self.is_unsharded = False
+        #: The full copy is a detached alias of the shard (one rank, same dtype and device): never freed.
+        self._aliased = False
+        self._gather: Optional[Handle] = None
+        self._gather_stream: Optional[torch.cuda.Stream] = None
         #: Unsharded gradient summed locally under ``no_sync`` (master dtype), reduced at the next synced backward.
         self.grad_accum: Optional[torch.Tensor] = None
-        self._pending: list[tuple[Handle, torch.Tensor, torch.Tensor]] = []
         #: Called once this flat parameter's full gradient of a backward pass is complete.
         self.on_grad_ready: Callable[[FlatParamHandle], None] = lambda handle: None
 
     # ------------------------------------------------------------------ gather / free
-    def _alloc_full(self) -> torch.Tensor:
-        full = self.full
-        if full is None or full.device != self.compute_device or full.dtype != self.compute_dtype:
-            full = torch.empty(self.meta.padded_numel, dtype=self.compute_dtype, device=self.compute_device)
-            full.requires_grad_(self.shard.requires_grad)
-            if self.meta.requires_grad:
-                full.register_post_accumulate_grad_hook(self._grad_accumulated)
-            self.full = full
-        else:
-            full.requires_grad_(self.shard.requires_grad)
-            nbytes = self.meta.padded_numel * full.element_size()
-            if full.untyped_storage().size() != nbytes:
-                full.data.untyped_storage().resize_(nbytes)
+    def _new_full(self, full: torch.Tensor) -> torch.Tensor:
+        full.requires_grad_(self.shard.requires_grad)
+        if self.meta.requires_grad:
+            full.register_post_accumulate_grad_hook(self._grad_accumulated)
+        self.full = full
         return full
 
-    def unshard(self, group: GroupLike) -> None:
-        """All-gather the full flat parameter in the compute dtype onto the compute device."""
+    def _alloc_full(self) -> torch.Tensor:
+        full = self.full
+        if self._aliased or full is None or full.device != self.compute_device or full.dtype != self.compute_dtype:
+            self._aliased = False
+            return self._new_full(
+                torch.empty(self.meta.padded_numel, dtype=self.compute_dtype, device=self.compute_device)
+            )
+        full.requires_grad_(self.shard.requires_grad)
+        nbytes = self.meta.padded_numel * full.element_size()
+        if full.untyped_storage().size() != nbytes:
+            full.data.untyped_storage().resize_(nbytes)
+        return full
+
+    def _can_alias(self) -> bool:
+        shard = self.shard
+        return (
+            self.meta.world_size == 1
+            and shard.dtype == self.compute_dtype
+            and shard.device == self.compute_device
+            and shard.numel() == self.meta.padded_numel
+        )
+
+    def _alias_shard(self) -> None:
+        full = self.full
+        shard = self.shard
+        # Re-alias when the shard's storage was replaced (model.to(), load into .data).
+        if not self._aliased or full is None or full.data_ptr() != shard.data_ptr() or full.dtype != shard.dtype:
+            self._aliased = True
+            self._new_full(shard.detach())
+
+    def unshard(self, group: GroupLike, ctx: CommContext) -> None:
+        """Start gathering the full flat parameter in the compute dtype onto the compute device.
+
+        The gather runs in the background; call :meth:`wait_unsharded` before reading the values.
+        """
         if self.is_unsharded:
             return
         if self.follow_shard_device:
             self.compute_device = self.shard.device
-        full = self._alloc_full()
-        local = self.shard.detach().to(self.compute_device, self.compute_dtype, non_blocking=True)
-        _collectives.all_gather_params(full.data, local, group, self.label)
         self.is_unsharded = True
+        if self._can_alias():
+            self._alias_shard()
+            return
+        with ctx.gather.issue(self.compute_device) as stream:
+            full = self._alloc_full()
+            local = self.shard.detach().to(self.compute_device, self.compute_dtype, non_blocking=True)
+            self._gather = _collectives.all_gather_params(full.data, local, group, self.label, async_op=True)
+            self._gather_stream = stream
+        memory.tag(full, memory.Category.PARAMETERS)
+
+    def wait_unsharded(self) -> None:
+        """Block until the gather started by :meth:`unshard` has filled the full buffer."""
+        gather = self._gather
+        if gather is not None:
+            self._gather = None
+            gather.wait()
+            join(self._gather_stream)
+            self._gather_stream = None
 
     def reshard(self) -> None:
         """Free the full flat parameter's memory (the tensor object, and views of it, stay valid objects)."""
-        if self.is_unsharded and self.full is not None:
+        if self._gather is not None:
+            self.wait_unsharded()  # never free memory a gather is still writing into
+        if self.is_unsharded and self.full is not None and not self._aliased:
             self.full.data.untyped_storage().resize_(0)
         self.is_unsharded = False
 
     def unsharded_bytes(self) -> int:
-        """Bytes currently held by the full copy (zero when resharded)."""
-        return 0 if self.full is None else self.full.untyped_storage().nbytes()
+        """Bytes currently held by the full copy (zero when resharded; an alias of the shard counts while in use)."""
+        if self.full is None or not self.is_unsharded:
+            return 0
+        return self.full.untyped_storage().nbytes()
 
     # ------------------------------------------------------------------ original parameters as views
     def use_views(self) -> None:
@@ -132,37 +189,23 @@ class FlatParamHandle:
             self.grad_accum.add_(grad)
 
     def reduce_grad(
-        self, grad: Optional[torch.Tensor], group: GroupLike, world_size: int, reduce_dtype: Optional[torch.dtype]
-    ) -> None:
-        """Start reduce-scattering ``grad`` (plus anything accumulated under ``no_sync``), averaged over ranks."""
+        self,
+        grad: Optional[torch.Tensor],
+        group: GroupLike,
+        world_size: int,
+        reduce_dtype: Optional[torch.dtype],
+        ctx: CommContext,
+    ) -> Optional[PendingReduce]:
+        """Start reduce-scattering ``grad`` (plus anything accumulated under ``no_sync``), averaged over ranks.
+
+        Returns the reduction in flight (None when there was no gradient); its ``finish()`` adds the result to
+        the shard's ``.grad``.
+        """
         if self.grad_accum is not None:
             accum, self.grad_accum = self.grad_accum, None
             grad = accum if grad is None else accum.add_(grad.to(accum.dtype))
         if grad is None:
-            return
-        dtype = reduce_dtype or self.compute_dtype
-        # The gradient tensor is ours (autograd handed it over), so scaling it in place is safe.
-        grad = grad.to(dtype)
-        if world_size > 1:
-            grad.div_(world_size)
-        grad_shard = torch.empty(self.meta.shard_numel, dtype=dtype, device=grad.device)
-        work = _collectives.reduce_scatter_grads(grad_shard, grad, group, self.label)
-        self._pending.append((work, grad_shard, grad))
-
-    def finish_reduce(self) -> None:
-        """Wait for started reductions and add their results to the shard's gradient (master dtype)."""
-        for work, grad_shard, _ in self._pending:
-            work.wait()
-            grad_shard = grad_shard.to(self.shard.device, self.shard.dtype)
-            if self.shard.grad is None:
-                self.shard.grad = grad_shard
-            else:
-                self.shard.grad.add_(grad_shard)
-        self._pending.clear()
-
-    def abandon_reduce(self) -> None:
-        """Drop started reductions without applying them (after a failed backward)."""
-        self._pending.clear()
-
-    def has_pending_reduce(self) -> bool:
-        return bool(self._pending)
+            return None
+        if self._aliased:
+            return PendingReduce.ready(self.shard, grad)  # one rank: the full gradient is the shard's
+        return start_reduce(self.shard, grad, reduce_dtype or self.compute_dtype, group, world_size, self.label, ctx)

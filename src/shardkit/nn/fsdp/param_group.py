@@ -18,9 +18,11 @@ from torch import nn
 
 from shardkit.distributed.groups import GroupLike
 from shardkit.nn.fsdp import _collectives
+from shardkit.nn.fsdp.comm_context import CommContext
 from shardkit.nn.fsdp.flat_param import ParamLocation, build_meta
 from shardkit.nn.fsdp.handle import FlatParamHandle
 from shardkit.nn.fsdp.policies import FSDPPolicies
+from shardkit.nn.fsdp.reduce import PendingReduce
 
 Owners = list[tuple[ParamLocation, nn.Parameter]]
 Aliases = list[tuple[ParamLocation, int]]
@@ -138,6 +140,15 @@ def _compute_device(owners: Owners, policies: FSDPPolicies) -> torch.device:
     return device
 
 
+def _shard_tensor(local: torch.Tensor, policies: FSDPPolicies, compute_device: torch.device) -> torch.Tensor:
+    """A private copy of this rank's chunk: in CPU memory under offload (pinned when compute is on CUDA, so
+    uploads can overlap compute), else where the parameters are."""
+    if not policies.offload.offload_params:
+        return local.clone()
+    shard = local.to("cpu", copy=True)
+    return shard.pin_memory() if compute_device.type == "cuda" else shard
+
+
 class ParamGroup:
     """The flat parameters of one wrapped unit and the operations the runtime applies to all of them."""
 
@@ -193,8 +204,9 @@ class ParamGroup:
             ):
                 meta = build_meta(g_owners, g_aliases, world_size, rank)
                 full = meta.flatten([p for _, p in g_owners], device=g_owners[0][1].device)
-                shard_device = torch.device("cpu") if policies.offload.offload_params else full.device
-                shard = nn.Parameter(meta.local_shard(full).to(shard_device, copy=True), meta.requires_grad)
+                shard = nn.Parameter(
+                    _shard_tensor(meta.local_shard(full), policies, compute_device), meta.requires_grad
+                )
                 dtype = policies.mixed_precision.param_dtype or meta.dtype
                 handles.append(
                     FlatParamHandle(
@@ -221,9 +233,15 @@ class ParamGroup:
         return built
 
     # ------------------------------------------------------------------ forward / backward
-    def unshard(self) -> None:
+    def unshard(self, ctx: CommContext) -> None:
+        """Start gathering every flat parameter (asynchronously; see :meth:`wait_unsharded`)."""
         for handle in self.handles:
-            handle.unshard(self.group)
+            handle.unshard(self.group, ctx)
+
+    def wait_unsharded(self) -> None:
+        """Block until the gathers started by :meth:`unshard` have landed."""
+        for handle in self.handles:
+            handle.wait_unsharded()
 
     def use_views(self) -> None:
         for handle in self.handles:
@@ -234,33 +252,74 @@ class ParamGroup:
             handle.drop_views()
             handle.reshard()
 
+    def reshard_frozen(self) -> None:
+        """Free the flat parameters that get no gradient (their backward use is over)."""
+        for handle in self.handles:
+            if not handle.meta.requires_grad:
+                handle.drop_views()
+                handle.reshard()
+
     def is_unsharded(self) -> bool:
         return any(h.is_unsharded for h in self.handles)
 
-    def post_backward(self, handle: FlatParamHandle, sync_grads: bool) -> None:
+    @property
+    def has_frozen(self) -> bool:
+        """True when some flat parameter of this unit gets no gradient."""
+        return any(not h.meta.requires_grad for h in self.handles)
+
+    @property
+    def trainable_count(self) -> int:
+        """How many flat parameters of this unit get gradients (post-backward fires once for each)."""
+        return sum(1 for h in self.handles if h.meta.requires_grad)
+
+    def check_offload(self, unit_name: str) -> None:
+        """With parameter offload, shards must stay in CPU memory; say what to do if they were moved."""
+        if not self.policies.offload.offload_params:
+            return
+        for handle in self.handles:
+            if handle.shard.device.type != "cpu":
+                raise RuntimeError(
+                    f"FullyShardedDataParallel unit '{unit_name}' offloads its parameters to CPU "
+                    f"(cpu_offload/move_params_to_cpu), but its shard '{handle.name}' is on {handle.shard.device}. "
+                    "Do not move an offloaded model after wrapping (no model.cuda()/model.to()): full parameters "
+                    "are gathered on compute_device for you. Move the model before wrapping without offload instead."
+                )
+
+    def post_backward(self, handle: FlatParamHandle, sync_grads: bool, ctx: CommContext) -> Optional[PendingReduce]:
         """Reduce (or, under ``no_sync``, accumulate) one flat parameter's full gradient, then free it."""
         grad = handle.take_full_grad()
+        pending = None
         if sync_grads:
-            handle.reduce_grad(grad, self.group, self.world_size, self.policies.mixed_precision.reduce_dtype)
+            pending = handle.reduce_grad(
+                grad, self.group, self.world_size, self.policies.mixed_precision.reduce_dtype, ctx
+            )
         elif grad is not None:
             handle.accumulate_unsynced(grad)
         handle.drop_views()
         handle.reshard()
+        return pending
 
-    def finish_backward(self, sync_grads: bool) -> None:
-        """End of backward: reduce gradients left from ``no_sync`` steps, wait for reductions, free everything."""
+    def finish_backward(self, sync_grads: bool, ctx: CommContext) -> list[PendingReduce]:
+        """End of backward: reduce gradients left from ``no_sync`` steps and free everything.
+
+        Returns the reductions started here, for the caller to finish.
+        """
+        pending = []
         for handle in self.handles:
             if sync_grads and handle.grad_accum is not None:
-                handle.reduce_grad(None, self.group, self.world_size, self.policies.mixed_precision.reduce_dtype)
-            handle.finish_reduce()
+                started = handle.reduce_grad(
+                    None, self.group, self.world_size, self.policies.mixed_precision.reduce_dtype, ctx
+                )
+                if started is not None:
+                    pending.append(started)
             if handle.full is not None:
                 handle.full.grad = None
         self.reshard()
+        return pending
 
     def abandon_backward(self) -> None:
-        """Forget a backward pass that failed midway: pending reductions, full gradients, gathered copies."""
+        """Forget a backward pass that failed midway: full gradients and gathered copies."""
         for handle in self.handles:
-            handle.abandon_reduce()
             if handle.full is not None:
                 handle.full.grad = None
         self.reshard()

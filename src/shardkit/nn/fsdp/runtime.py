@@ -1,12 +1,14 @@
 """The training lifecycle of wrapped units: pre_forward, post_forward, pre_backward, post_backward and the root's
 end-of-backward callback, driven by one explicit state machine.
 
-Per step, for each unit: ``pre_forward`` gathers the full parameters and exposes them as views;
-``post_forward`` frees them (unless backward needs them right away) and hooks the outputs, so that
-``pre_backward`` gathers them again before the unit's gradients are computed; ``post_backward`` fires once per
-flat parameter when autograd has accumulated its full gradient, reduce-scatters it and frees the full copy.
-The root queues ``finish_backward`` with autograd's engine; it waits for the reductions, frees whatever is
-still gathered and returns every unit to IDLE.
+Per step, for each unit: ``pre_forward`` gathers the full parameters (and, with ``forward_prefetch``, starts
+gathering the next unit's) and exposes them as views; ``post_forward`` frees them (unless backward needs them
+right away) and hooks the outputs, so that ``pre_backward`` gathers them again before the unit's gradients are
+computed (``BACKWARD_PRE`` also starts the next unit's gather there); ``post_backward`` fires once per flat
+parameter when autograd has accumulated its full gradient, starts its reduce-scatter and frees the full copy
+(``BACKWARD_POST`` prefetches once the unit's last gradient is out). The root queues ``finish_backward`` with
+autograd's engine; it waits for the last reductions, frees whatever is still gathered and returns every unit
+to IDLE. The root's :class:`~shardkit.nn.fsdp.prefetch.Schedule` records the order and rate-limits prefetches.
 """
 
 from __future__ import annotations
@@ -16,11 +18,13 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch.profiler import record_function
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from shardkit.nn.fsdp.comm_context import CommContext
 from shardkit.nn.fsdp.handle import FlatParamHandle
 from shardkit.nn.fsdp.param_group import ParamGroup
-from shardkit.nn.fsdp.policies import FSDPPolicies
+from shardkit.nn.fsdp.policies import BackwardPrefetch, FSDPPolicies
+from shardkit.nn.fsdp.prefetch import Schedule
 
 
 class TrainingState(enum.Enum):
@@ -75,8 +79,25 @@ class Unit:
         self.sync_grads = True
         self._callback_queued = False
         self.cast_inputs: Callable[[Any], Any] = lambda x: x
+        #: Root only: execution order, prefetches and reductions in flight; channels and streams.
+        self.schedule = Schedule()
+        self.comm = CommContext()
+        #: Gradients of this unit's trainable flat parameters already out in this backward.
+        self._grads_done = 0
+        #: Forwards whose inputs still wait for their gradient (frozen parameters are needed until then).
+        self._inputs_pending = 0
         for handle in group.handles:
             handle.on_grad_ready = self._on_grad_ready
+
+    @property
+    def tree_schedule(self) -> Schedule:
+        """The schedule of this unit's tree (the root's)."""
+        return (self.root or self).schedule
+
+    @property
+    def ctx(self) -> CommContext:
+        """Where this unit's tree communicates (the root's context)."""
+        return (self.root or self).comm
 
     def transition(self, event: str) -> None:
         """Apply ``event`` or raise an error naming this unit, its state and what to do."""
@@ -110,11 +131,24 @@ class Unit:
                 f"FullyShardedDataParallel unit '{self.name}' is in state {self.state.name} outside backward: a "
                 "backward pass through it did not finish. Run forward through the root instance."
             )
+        recomputing = self.state in _IN_BACKWARD  # activation checkpointing runs forward again inside backward
         self.transition("pre_forward")
         args, kwargs = self.cast_inputs((args, kwargs))
+        schedule = self.tree_schedule
         with record_function(f"shardkit::fsdp:pre_forward:{self.name}"):
-            self.group.unshard()
+            self.group.check_offload(self.name)
+            if not recomputing:
+                if self.is_root:
+                    schedule.begin_forward()
+                schedule.record_pre_forward(self)
+            self.group.unshard(self.ctx)
+            if not recomputing and self.policies.prefetch.forward:
+                schedule.prefetch(schedule.next_in_forward(self))
+            self.group.wait_unsharded()
+            schedule.consume(self)
             self.group.use_views()
+        if not recomputing and self.group.has_frozen and torch.is_grad_enabled():
+            args, kwargs = self._hook_inputs((args, kwargs))
         return args, kwargs
 
     def post_forward(self, output: Any) -> Any:
@@ -122,10 +156,14 @@ class Unit:
         self.transition("post_forward")
         if resumed_in_backward:
             return output  # recomputation during backward: the backward hooks own gathering and freeing
+        schedule = self.tree_schedule
+        schedule.record_post_forward(self)
         hooked = self._hook_outputs(output) if torch.is_grad_enabled() else False
         keep = hooked and (self.is_root or not self.policies.sharding.reshard_after_forward)
         if not keep:
             self.group.reshard()
+        if self.is_root:
+            schedule.release_unused()  # forward is over: drop prefetches no unit used
         return output
 
     def forward_failed(self) -> None:
@@ -134,12 +172,31 @@ class Unit:
         self.transition("post_forward")
         if not resumed_in_backward:
             self.group.reshard()
+            if self.is_root:
+                self.tree_schedule.release_unused()
+
+    def prefetch_unshard(self) -> None:
+        """Start gathering this unit's parameters ahead of its use (called by the schedule)."""
+        with record_function(f"shardkit::fsdp:prefetch:{self.name}"):
+            self.group.unshard(self.ctx)
 
     def _hook_outputs(self, output: Any) -> bool:
         tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         for tensor in tensors:
             tensor.register_hook(self._pre_backward_hook)
         return bool(tensors)
+
+    def _hook_inputs(self, inputs: Any) -> Any:
+        """Route the inputs that need gradients through a node that reports when their gradients are ready."""
+        flat, spec = tree_flatten(inputs)
+        positions = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not positions:
+            return inputs
+        self._inputs_pending += 1
+        routed = _InputsGradReady.apply(self, *[flat[i] for i in positions])
+        for i, tensor in zip(positions, routed):
+            flat[i] = tensor
+        return tree_unflatten(flat, spec)
 
     # ------------------------------------------------------------------ backward
     def _pre_backward_hook(self, grad: torch.Tensor) -> torch.Tensor:
@@ -152,8 +209,13 @@ class Unit:
         if self.state == TrainingState.BACKWARD_PRE and self.group.is_unsharded():
             return
         self.transition("pre_backward")
+        schedule = self.tree_schedule
         with record_function(f"shardkit::fsdp:pre_backward:{self.name}"), torch.enable_grad():
-            self.group.unshard()
+            self.group.unshard(self.ctx)
+            if self.policies.prefetch.backward == BackwardPrefetch.BACKWARD_PRE:
+                schedule.prefetch(schedule.next_in_backward(self))
+            self.group.wait_unsharded()
+            schedule.consume(self)
             # Views made with grad enabled, for activation checkpointing that recomputes from the attributes.
             self.group.use_views()
 
@@ -161,11 +223,29 @@ class Unit:
         self.post_backward(handle)
 
     def post_backward(self, handle: FlatParamHandle) -> None:
-        """One flat parameter's full gradient is complete: reduce-scatter it and free the full copy."""
+        """One flat parameter's full gradient is complete: start its reduce-scatter and free the full copy."""
         self._queue_finish_backward()
         self.transition("post_backward")
+        schedule = self.tree_schedule
         with record_function(f"shardkit::fsdp:post_backward:{self.name}"):
-            self.group.post_backward(handle, self.sync_grads)
+            pending = self.group.post_backward(handle, self.sync_grads, self.ctx)
+            self._grads_done += 1
+            if self._grads_done == self.group.trainable_count:
+                self._maybe_free_frozen()
+                if self.policies.prefetch.backward == BackwardPrefetch.BACKWARD_POST:
+                    schedule.prefetch(schedule.next_in_backward(self))
+            schedule.add_reduce(pending)
+
+    def inputs_grad_ready(self) -> None:
+        """The gradients of one forward's inputs are computed (frozen parameters may no longer be needed)."""
+        self._inputs_pending = max(0, self._inputs_pending - 1)
+        self._maybe_free_frozen()
+
+    def _maybe_free_frozen(self) -> None:
+        # Frozen parameters serve backward only to carry gradients to the inputs and to this unit's trainable
+        # parameters; once both are out they can go, instead of waiting for the end of backward.
+        if self.state in _IN_BACKWARD and self._inputs_pending == 0 and self._grads_done >= self.group.trainable_count:
+            self.group.reshard_frozen()
 
     def _queue_finish_backward(self) -> None:
         root = self.root or self
@@ -176,27 +256,48 @@ class Unit:
     def _abandon_backward(self) -> None:
         """A backward pass raised before its end callback ran: drop its leftovers so training can go on."""
         self._callback_queued = False
+        self.schedule.abandon()
         for unit in self.units or [self]:
             unit.group.abandon_backward()
             unit.state = TrainingState.IDLE
             unit._resume_state.clear()
+            unit._grads_done = unit._inputs_pending = 0
 
     def finish_backward(self) -> None:
         """Root only, at the end of backward: wait for reductions, free full copies, return every unit to IDLE."""
         self._callback_queued = False
         stuck = []
+        schedule = self.schedule
         with record_function("shardkit::fsdp:finish_backward"):
             for unit in self.units or [self]:
                 if unit.state not in _TRANSITIONS["finish_backward"][0]:
                     stuck.append(unit)
                     continue
                 unit.transition("finish_backward")
-                unit.group.finish_backward(unit.sync_grads)
+                for pending in unit.group.finish_backward(unit.sync_grads, self.comm):
+                    schedule.add_reduce(pending)
+                unit._grads_done = unit._inputs_pending = 0
+            schedule.finish_reduces()
+            schedule.release_unused()
         if stuck:
             names = ", ".join(f"'{u.name}' ({u.state.name}: {_HINTS[u.state]})" for u in stuck)
             raise RuntimeError(
                 f"FullyShardedDataParallel: backward finished but these units did not return to IDLE: {names}"
             )
+
+
+class _InputsGradReady(torch.autograd.Function):
+    """Identity on a unit's inputs whose backward tells the unit that the inputs' gradients are computed."""
+
+    @staticmethod
+    def forward(ctx: Any, unit: Unit, *tensors: torch.Tensor) -> Any:
+        ctx.unit = unit
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        ctx.unit.inputs_grad_ready()
+        return (None, *grads)
 
 
 def _in_backward() -> bool:

@@ -1,0 +1,125 @@
+"""The root's schedule: the order units ran in, the gathers issued ahead of use, the reductions in flight.
+
+Execution order is recorded every forward: *pre-forward* order (which unit starts next) drives forward
+prefetch, which therefore begins at the second step; the reverse of *post-forward* order is the order
+backward visits units (the root's head first, then the last block, ...), which drives backward prefetch::
+
+    forward:   root | b0 | b1 | ... | b7 | (root's head)      pre-forward order  root, b0, ..., b7
+    backward:  (root's head) | b7 | b6 | ... | b0 | root    reversed post-forward order root, b7, ..., b0
+
+A prefetch issues the next unit's all-gather early and only that; at most ``limit`` units are gathered ahead of
+their use at once (the rate limit), so prefetching raises peak memory by at most that many units' full
+parameters. Decisions depend only on the recorded order, which every rank shares, so every rank issues the
+same collectives in the same order.
+
+Reductions: each new reduce-scatter is started first, then every older one is finished, so at most one full
+gradient waits on the network while the next unit computes.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from shardkit.nn.fsdp.reduce import PendingReduce
+
+if TYPE_CHECKING:
+    from shardkit.nn.fsdp.runtime import Unit
+
+
+class Schedule:
+    """Owned by the root unit; shared by every unit of its tree."""
+
+    def __init__(self, limit: int = 1) -> None:
+        #: Units gathered ahead of use at once, at most.
+        self.limit = limit
+        self._pre_order: list[Unit] = []
+        self._post_order: list[Unit] = []
+        self._seen_pre: set[int] = set()
+        self._seen_post: set[int] = set()
+        #: Previous forward's pre-forward successor of each unit (forward prefetch).
+        self._forward_next: dict[int, Unit] = {}
+        #: This forward's backward successor of each unit (backward prefetch), built on first use.
+        self._backward_next: Optional[dict[int, Unit]] = None
+        self.prefetched: list[Unit] = []
+        self._reduces: deque[PendingReduce] = deque()
+        self._needs_sync: Optional[torch.device] = None
+
+    # ------------------------------------------------------------------ execution order
+    def begin_forward(self) -> None:
+        """The root starts a forward: the last recorded order becomes the forward-prefetch plan."""
+        if self._pre_order:
+            order = self._pre_order
+            self._forward_next = {id(a): b for a, b in zip(order, order[1:])}
+        self._pre_order, self._post_order = [], []
+        self._seen_pre, self._seen_post = set(), set()
+        self._backward_next = None
+
+    def record_pre_forward(self, unit: Unit) -> None:
+        if id(unit) not in self._seen_pre:
+            self._seen_pre.add(id(unit))
+            self._pre_order.append(unit)
+
+    def record_post_forward(self, unit: Unit) -> None:
+        if id(unit) not in self._seen_post:
+            self._seen_post.add(id(unit))
+            self._post_order.append(unit)
+            self._backward_next = None
+
+    def next_in_forward(self, unit: Unit) -> Optional[Unit]:
+        """The unit that started after ``unit`` in the previous forward (None at the first step)."""
+        return self._forward_next.get(id(unit))
+
+    def next_in_backward(self, unit: Unit) -> Optional[Unit]:
+        """The unit backward visits after ``unit`` in this step."""
+        if self._backward_next is None:
+            order = self._post_order[::-1]
+            self._backward_next = {id(a): b for a, b in zip(order, order[1:])}
+        return self._backward_next.get(id(unit))
+
+    # ------------------------------------------------------------------ prefetch (rate limited)
+    def prefetch(self, unit: Optional[Unit]) -> None:
+        """Start gathering ``unit``'s parameters ahead of its use, unless already gathered or over the limit."""
+        if unit is None or unit.group.is_unsharded() or len(self.prefetched) >= self.limit:
+            return
+        unit.prefetch_unshard()
+        self.prefetched.append(unit)
+
+    def consume(self, unit: Unit) -> None:
+        """``unit`` started using its (possibly prefetched) parameters."""
+        if self.prefetched and unit in self.prefetched:
+            self.prefetched.remove(unit)
+
+    def release_unused(self) -> None:
+        """Free prefetched parameters nobody used (the order changed, or forward ended without using them)."""
+        for unit in self.prefetched:
+            unit.group.reshard()
+        self.prefetched.clear()
+
+    # ------------------------------------------------------------------ reductions
+    def add_reduce(self, pending: Optional[PendingReduce]) -> None:
+        """Queue a started reduction, then finish every older one (one stays in flight behind the newest)."""
+        if pending is None:
+            return
+        self._reduces.append(pending)
+        while len(self._reduces) > 1:
+            self._finish(self._reduces.popleft())
+
+    def finish_reduces(self) -> None:
+        """Finish every reduction in flight; synchronise pending copies to pinned CPU memory."""
+        while self._reduces:
+            self._finish(self._reduces.popleft())
+        if self._needs_sync is not None:
+            torch.cuda.current_stream(self._needs_sync).synchronize()
+            self._needs_sync = None
+
+    def _finish(self, pending: PendingReduce) -> None:
+        if pending.finish():
+            self._needs_sync = pending.grad_shard.device
+
+    def abandon(self) -> None:
+        """Drop everything in flight after a failed backward (the collectives keep their tensors alive)."""
+        self._reduces.clear()
+        self.release_unused()

@@ -1,0 +1,103 @@
+"""Gradient reduction of one flat parameter: start the reduce-scatter, and later fold its result into ``.grad``.
+
+:func:`start_reduce` issues the reduce-scatter on the tree's reduce channel (on CUDA, on the reduce stream)
+and returns a :class:`PendingReduce`. The runtime keeps at most one of them in flight behind the newest, so
+the full gradient it holds is freed one unit later instead of at the end of backward.
+
+Averaging: in FP32 the *shard* of the sum is divided by the world size after the reduction, which touches
+``1/world_size`` of the elements; in 16-bit the full gradient is divided first, so the sum cannot overflow.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from shardkit import memory
+from shardkit.distributed.collectives import Handle
+from shardkit.distributed.groups import GroupLike
+from shardkit.nn.fsdp import _collectives
+from shardkit.nn.fsdp.comm_context import CommContext, join
+
+
+class PendingReduce:
+    """A reduce-scatter in flight and what to do with its result."""
+
+    def __init__(
+        self,
+        shard: nn.Parameter,
+        grad_shard: torch.Tensor,
+        work: Optional[Handle] = None,
+        full_grad: Optional[torch.Tensor] = None,
+        stream: Optional[torch.cuda.Stream] = None,
+        post_divide: int = 1,
+    ) -> None:
+        self.shard = shard
+        self.grad_shard = grad_shard
+        self.work = work
+        #: Kept alive until the reduction finished reading it.
+        self.full_grad = full_grad
+        self.stream = stream
+        self.post_divide = post_divide
+
+    @classmethod
+    def ready(cls, shard: nn.Parameter, grad: torch.Tensor) -> PendingReduce:
+        """A result that needs no communication (one rank): ``grad`` is already the shard's gradient."""
+        return cls(shard, grad)
+
+    def finish(self) -> bool:
+        """Wait for the reduction and add its result to the shard's ``.grad`` (in the shard's dtype and device).
+
+        Returns True when a copy to CPU may still be in flight (offload from CUDA into pinned memory): the
+        caller synchronises before the optimizer reads the gradient.
+        """
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        join(self.stream)
+        self.full_grad = None
+        grad = self.grad_shard
+        if self.post_divide > 1:
+            grad.div_(self.post_divide)
+        shard = self.shard
+        copying = False
+        if shard.grad is None and grad.device != shard.device and shard.is_pinned():
+            # Offloaded from CUDA: copy into pinned memory without blocking; synchronised at the end of backward.
+            target = torch.empty(shard.shape, dtype=shard.dtype, pin_memory=True)
+            target.copy_(grad, non_blocking=True)
+            grad, copying = target, True
+        elif grad.device != shard.device or grad.dtype != shard.dtype:
+            grad = grad.to(shard.device, shard.dtype)
+        if shard.grad is None:
+            shard.grad = grad.view(shard.shape)
+        else:
+            shard.grad.add_(grad.view(shard.shape))
+        memory.tag(shard.grad, memory.Category.GRADIENTS)
+        return copying
+
+
+def start_reduce(
+    shard: nn.Parameter,
+    full_grad: torch.Tensor,
+    dtype: torch.dtype,
+    group: GroupLike,
+    world_size: int,
+    label: str,
+    ctx: CommContext,
+) -> PendingReduce:
+    """Issue the reduce-scatter of ``full_grad`` (ours to modify: autograd handed it over) over ``group``."""
+    with ctx.reduce.issue(full_grad.device) as stream:
+        if stream is not None:
+            full_grad.record_stream(stream)  # produced on the compute stream, read on the reduce stream
+        grad = full_grad.to(dtype)
+        pre_divide = world_size > 1 and dtype != torch.float32
+        if pre_divide:
+            grad.div_(world_size)
+        shard_numel = grad.numel() // world_size
+        grad_shard = torch.empty(shard_numel, dtype=dtype, device=grad.device)
+        memory.tag(grad, memory.Category.GRADIENTS)
+        work = _collectives.reduce_scatter_grads(grad_shard, grad, ctx.reduce_channel(group), label)
+    post_divide = world_size if (world_size > 1 and not pre_divide) else 1
+    return PendingReduce(shard, grad_shard, work, grad, stream, post_divide)
