@@ -23,7 +23,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -51,6 +51,7 @@ class PipelineSettings:
     lr: float = 1e-3
     seed: int = 0
     smp_pipeline: str = "interleaved"
+    smp_optimize: str = "speed"  #: auto-partition balancing compute (memory_weight 0.2)
 
     @property
     def global_batch(self) -> int:
@@ -89,8 +90,17 @@ class _LastStage(_MiddleStage):
         return self.head(self.ln_f(super().forward(x)))
 
 
-def _block_split(n_layers: int, stages: int) -> list[range]:
-    """Blocks per stage: for two stages the cut smp's auto-partition makes (half the blocks each)."""
+def _block_split(n_layers: int, stages: int, placement: Any = None) -> list[range]:
+    """Blocks per stage: the cut smp's auto-partition chose (when it kept the embedding first and the output
+    projection last, as torch's stages here do), else an even split."""
+    if placement is not None:
+        per_stage = [
+            [int(n.split(".")[1]) for n in placement.modules_on(s) if n.startswith("blocks.")] for s in range(stages)
+        ]
+        flat = [b for blocks in per_stage for b in blocks]
+        ends_ok = placement.stage_of("embed") == 0 and placement.stage_of("head") == stages - 1
+        if ends_ok and flat == list(range(n_layers)) and all(per_stage):
+            return [range(blocks[0], blocks[-1] + 1) for blocks in per_stage]
     edges = [round(i * n_layers / stages) for i in range(stages + 1)]
     return [range(a, b) for a, b in zip(edges, edges[1:])]
 
@@ -98,13 +108,15 @@ def _block_split(n_layers: int, stages: int) -> list[range]:
 class _TorchPipeline:
     """One torch.distributed.pipelining schedule over this rank's stage of the bench LM."""
 
-    def __init__(self, schedule_cls: Any, settings: PipelineSettings, group: Any, tied_group: Any) -> None:
+    def __init__(
+        self, schedule_cls: Any, settings: PipelineSettings, group: Any, tied_group: Any, placement: Any = None
+    ) -> None:
         from torch.distributed.pipelining import PipelineStage
 
         rank, n = dist.get_rank(), settings.stages
         self.tied: Optional[torch.Tensor] = None
         lm = _build_lm(settings)
-        blocks = [lm.blocks[i] for i in _block_split(settings.lm.n_layers, n)[rank]]
+        blocks = [lm.blocks[i] for i in _block_split(settings.lm.n_layers, n, placement)[rank]]
         if rank == 0:
             module: nn.Module = _FirstStage(lm, blocks)
             self.tied = lm.embed.weight
@@ -141,7 +153,12 @@ class _SmpPipeline:
         import shardkit.modelparallel as smp
 
         smp.init(
-            {"partitions": settings.stages, "microbatches": settings.microbatches, "pipeline": settings.smp_pipeline}
+            {
+                "partitions": settings.stages,
+                "microbatches": settings.microbatches,
+                "pipeline": settings.smp_pipeline,
+                "optimize": settings.smp_optimize,
+            }
         )
         self.smp = smp
         self.model = smp.DistributedModel(_build_lm(settings), trace_device="cpu")
@@ -154,7 +171,17 @@ class _SmpPipeline:
             model.backward(loss)
             return loss
 
+        @smp.step
+        def forward_only(model: Any, tokens: torch.Tensor) -> None:
+            model(tokens)
+
         self.train_step = train_step
+        self.forward_only = forward_only
+
+    def partition(self, tokens: torch.Tensor) -> None:
+        """A forward-only step: partitions the model without changing it."""
+        with torch.no_grad():
+            self.forward_only(self.model, tokens)
 
     def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
         self.optimizer.zero_grad()
@@ -179,13 +206,21 @@ def _worker(settings: PipelineSettings, names: list[str]) -> dict[str, Any]:
     rank, n = dist.get_rank(), settings.stages
     bench_group = dist.new_group(list(range(n)))
     tied_group = dist.new_group(sorted({0, n - 1}))
-    builders: dict[str, Callable[[], Any]] = {
-        "smp": lambda: _SmpPipeline(settings),
-        "torch GPipe": lambda: _TorchPipeline(ScheduleGPipe, settings, dist.new_group(list(range(n))), tied_group),
-        "torch 1F1B": lambda: _TorchPipeline(Schedule1F1B, settings, dist.new_group(list(range(n))), tied_group),
-    }
-    lives = {name: builders[name]() for name in names}
     task = MarkovTask.create(settings.lm.vocab_size, seed=settings.seed)
+    lives: dict[str, Any] = {}
+    placement = None
+    if "smp" in names:  # smp partitions on its first step; torch's stages then get the same cut
+        lives["smp"] = _SmpPipeline(settings)
+        tokens, _ = task.batch(settings.global_batch, settings.lm.seq_len, torch.Generator().manual_seed(0))
+        lives["smp"].partition(tokens)
+        placement = lives["smp"].model.placement
+    torch_schedules = {"torch GPipe": ScheduleGPipe, "torch 1F1B": Schedule1F1B}
+    for name in names:
+        if name in torch_schedules:
+            group = dist.new_group(list(range(n)))
+            lives[name] = _TorchPipeline(torch_schedules[name], settings, group, tied_group, placement)
+        elif name != "smp":
+            raise ValueError(f"unknown strategy {name!r}; known: smp, {', '.join(torch_schedules)}")
     times: dict[str, list[float]] = {name: [] for name in names}
     losses: dict[str, list[float]] = {name: [] for name in names}
     for step in range(settings.warmup + settings.steps):
@@ -201,6 +236,7 @@ def _worker(settings: PipelineSettings, names: list[str]) -> dict[str, Any]:
                 times[name].append(elapsed)
             losses[name].append(loss)
     result: dict[str, Any] = {"rank": rank, "times": times, "losses": losses}
+    result["split"] = [list(r) for r in _block_split(settings.lm.n_layers, n, placement)]
     if "smp" in lives:
         smp_live = lives["smp"]
         result["smp_wait"] = smp_live.waits[settings.warmup :]
@@ -243,7 +279,7 @@ def combine(settings: PipelineSettings, per_rank: list[dict[str, Any]]) -> list[
     return rows
 
 
-def _print(settings: PipelineSettings, rows: list[Row], placement: Optional[str]) -> None:
+def _print(settings: PipelineSettings, rows: list[Row], placement: Optional[str], split: list[list[int]]) -> None:
     p, m = settings.stages, settings.microbatches
     theory = (p - 1) / (m + p - 1)
     base = next((r.median_step_s for r in rows if r.name == "torch 1F1B"), None)
@@ -287,6 +323,7 @@ def _print(settings: PipelineSettings, rows: list[Row], placement: Optional[str]
         )
     if placement:
         print(placement)
+    print("torch.pipelining stages: " + " | ".join(f"blocks {b[0]}-{b[-1]}" for b in split) + " (embedding first)")
 
 
 def run(argv: list[str]) -> None:
@@ -297,11 +334,17 @@ def run(argv: list[str]) -> None:
     parser.add_argument("--warmup", type=int, default=None, help="untimed warm-up steps (default 2)")
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--smp-pipeline", choices=("interleaved", "simple"), default="interleaved")
+    parser.add_argument("--smp-optimize", choices=("speed", "memory"), default="speed")
     parser.add_argument("--strategies", default="smp,torch GPipe,torch 1F1B")
     parser.add_argument("--quick", action="store_true", help="tiny model and few steps (seconds), for tests")
     parser.add_argument("--json", default=None, metavar="PATH")
     args = parser.parse_args(argv)
-    settings = PipelineSettings(stages=args.world_size, microbatches=args.microbatches, smp_pipeline=args.smp_pipeline)
+    settings = PipelineSettings(
+        stages=args.world_size,
+        microbatches=args.microbatches,
+        smp_pipeline=args.smp_pipeline,
+        smp_optimize=args.smp_optimize,
+    )
     if args.quick:
         settings = replace(settings, lm=QUICK_LM, steps=2, warmup=1)
     settings = replace(
@@ -318,7 +361,7 @@ def run(argv: list[str]) -> None:
     names = [n.strip() for n in args.strategies.split(",") if n.strip()]
     per_rank = launch_local(_worker, settings.stages, settings, names)
     rows = combine(settings, per_rank)
-    _print(settings, rows, per_rank[0].get("placement"))
+    _print(settings, rows, per_rank[0].get("placement"), per_rank[0]["split"])
     if args.json:
         write_json(args.json, {"settings": settings, "rows": rows})
 
