@@ -1,0 +1,87 @@
+"""What a strategy adapter does: save its state into a directory, and read it back in two checked phases.
+
+Loading is split so that nothing is written into the model or optimizer until every rank has read and checked
+everything: :meth:`Adapter.read` (this rank alone, no collectives: read files, validate), then
+:meth:`PendingLoad.fetch` (collectives every rank issues, such as filling DCP targets), then
+:meth:`PendingLoad.apply` (the only step that changes the model and optimizer).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from shardkit.checkpoint.errors import CorruptCheckpointError
+from shardkit.checkpoint.metadata import CheckpointMeta
+
+
+def _nothing() -> None:
+    return None
+
+
+@dataclass
+class PendingLoad:
+    """A read and validated checkpoint, not yet applied: ``fetch()`` (collective) then ``apply()``."""
+
+    apply: Callable[[], None]
+    fetch: Callable[[], None] = field(default=_nothing)
+
+
+class Adapter(abc.ABC):
+    """Saves and loads the model and optimizer state of one strategy.
+
+    Attributes:
+        strategy: name recorded in the checkpoint.
+        layout: how the state is stored; a checkpoint loads into any strategy with the same layout.
+        resizable: whether a checkpoint loads at another world size.
+    """
+
+    strategy: str = ""
+    layout: str = ""
+    resizable: bool = True
+
+    def __init__(self, model: nn.Module, optimizer: Optional[Any]) -> None:
+        self.model = model
+        self.optimizer = optimizer
+
+    @staticmethod
+    @abc.abstractmethod
+    def handles(model: nn.Module, optimizer: Optional[Any]) -> bool:
+        """Whether this adapter is the one for ``model`` and ``optimizer``."""
+
+    @abc.abstractmethod
+    def save(self, directory: Path, rank: int) -> None:
+        """Write the model and optimizer state into ``directory``; called on every rank (may be collective)."""
+
+    @abc.abstractmethod
+    def read(self, directory: Path, meta: CheckpointMeta, rank: int) -> PendingLoad:
+        """Read and validate this rank's part of the checkpoint without collectives or changing anything."""
+
+
+def as_state(value: Any, path: Path) -> Mapping[str, Any]:
+    """``value`` if it is a state dict (a mapping with string keys), else a CorruptCheckpointError."""
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+        raise CorruptCheckpointError(f"{path} should hold a state dict but holds a {type(value).__name__}")
+    return value
+
+
+def named_parameter_ids(module: nn.Module) -> dict[int, str]:
+    """``id(parameter) -> name`` for naming parameters in error messages."""
+    return {id(p): name for name, p in module.named_parameters()}
+
+
+def to_cpu(value: Any) -> Any:
+    """``value`` with every tensor detached and on the CPU (what the files hold)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return type(value)((k, to_cpu(v)) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return type(value)(to_cpu(v) for v in value)
+    return value

@@ -1,0 +1,23 @@
+"""Pick the adapter for a model and optimizer by their types, without importing strategies that are not in use."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Optional
+
+
+def loaded_class(module: str, name: str) -> Optional[type]:
+    """``module.name`` if ``module`` is already imported, else ``None``.
+
+    An object can only be an instance of a class whose module was imported, so type dispatch never needs to
+    import a strategy (FSDP, smp, SlowMo ...) the program does not use.
+    """
+    found = sys.modules.get(module)
+    value = getattr(found, name, None) if found is not None else None
+    return value if isinstance(value, type) else None
+
+
+def isinstance_of(obj: Any, module: str, name: str) -> bool:
+    """``isinstance(obj, module.name)`` without importing ``module``."""
+    cls = loaded_class(module, name)
+    return cls is not None and isinstance(obj, cls)

@@ -1,0 +1,261 @@
+"""``save_checkpoint`` and ``load_checkpoint``: the orchestration every strategy shares.
+
+Saving: rank 0 creates a hidden sibling directory ``.<name>.tmp-<id>``; every rank writes its part there (the
+strategy's files, its RNG states and data position; rank 0 also the scaler and ``extra``), fsyncing each file;
+the ranks hash the files between them; rank 0 writes ``meta.json`` last, fsyncs the directories and renames the
+directory to its final name. A crash at any point leaves either the old checkpoint or the new complete one.
+
+Loading: the ranks agree on the directory, check ``meta.json`` against this run, verify every file's size and
+SHA-256 (shared out between the ranks), read and validate everything, and only then write into the model,
+optimizer and scaler. Any rank's error is raised on every rank, so none is left waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+from torch import nn
+
+import shardkit
+from shardkit.checkpoint import _collectives as comm
+from shardkit.checkpoint import rng
+from shardkit.checkpoint.adapters import Adapter, PendingLoad, adapter_for
+from shardkit.checkpoint.errors import CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError
+from shardkit.checkpoint.files import check_weights_only, fsync_dir, safe_load, sha256, write_json_atomic, write_torch
+from shardkit.checkpoint.metadata import META_FILE, CheckpointInfo, CheckpointMeta, FileRecord, read_meta, resolve
+
+COMMON_FILE = "common.pt"
+RANKS_DIR = "ranks"
+PathLike = Union[str, Path]
+
+
+def step_directory(root: PathLike, step: int) -> Path:
+    """The conventional directory for ``step`` under ``root``: ``root/step_00000042``."""
+    return Path(root) / f"step_{step:08d}"
+
+
+def _rank_file(directory: Path, rank: int) -> Path:
+    return directory / RANKS_DIR / f"rank_{rank:05d}.pt"
+
+
+def save_checkpoint(
+    directory: PathLike,
+    *,
+    step: int,
+    model: nn.Module,
+    optimizer: Optional[Any] = None,
+    scaler: Optional[Any] = None,
+    data_position: Any = None,
+    extra: Any = None,
+) -> Path:
+    """Atomically save the training state of any shardkit strategy into ``directory``; call on every rank.
+
+    Saves the model and optimizer state (sharded state through torch.distributed.checkpoint, full state as
+    files written by rank 0), the ``GradScaler``/``ShardedGradScaler`` state, ``step``, every rank's RNG states
+    (torch CPU and CUDA, Python, NumPy) and ``data_position``, and ``extra`` (rank 0's). ``data_position`` and
+    ``extra`` must be tensors and plain data (they are read back with ``torch.load(weights_only=True)``). An
+    existing checkpoint in ``directory`` is replaced only once the new one is complete. Returns the directory.
+
+    Example::
+
+        for step in range(start, steps):
+            train_one_step(...)
+            if step % 100 == 0:
+                save_checkpoint(step_directory("runs/exp1", step), step=step, model=model,
+                                optimizer=optimizer, scaler=scaler, data_position={"batch": step})
+    """
+    final = Path(directory)
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be a non-negative int, got {step!r}")
+    check_weights_only(data_position, "data_position")
+    check_weights_only(extra, "extra")
+    adapter = adapter_for(model, optimizer)
+    rank, world_size = comm.rank_and_size()
+    rng_state = rng.capture()  # before any work, so resuming continues the exact random streams
+    made = comm.agreed(lambda: _make_temporary(final) if rank == 0 else None, "save_checkpoint: prepare")
+    tmp = Path(comm.broadcast_from_zero(made, "save_checkpoint: directory"))
+    try:
+        comm.agreed(
+            lambda: _write_parts(tmp, adapter, rank, rng_state, scaler, data_position, extra), "save_checkpoint: write"
+        )
+        meta = CheckpointMeta(
+            step=step,
+            world_size=world_size,
+            strategy=adapter.strategy,
+            layout=adapter.layout,
+            resizable=adapter.resizable,
+            has_optimizer=optimizer is not None,
+            has_scaler=scaler is not None,
+            shardkit_version=shardkit.__version__,
+            torch_version=torch.__version__,
+            files=_digests(tmp, rank, world_size),
+        )
+        comm.agreed(lambda: _publish(tmp, final, meta) if rank == 0 else None, "save_checkpoint: publish")
+    except BaseException:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def _make_temporary(final: Path) -> str:
+    """Rank 0: check ``final`` may be (re)placed, clear interrupted saves of it, create the hidden sibling."""
+    if final.exists() and not (final.is_dir() and ((final / META_FILE).exists() or not any(final.iterdir()))):
+        raise CheckpointError(
+            f"{final} exists and is not a shardkit checkpoint; refusing to replace it. Save into a new directory."
+        )
+    final.parent.mkdir(parents=True, exist_ok=True)
+    for stale in final.parent.glob(f".{final.name}.tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)  # left by a save that crashed; never complete
+    tmp = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:12]}"
+    tmp.mkdir()
+    return str(tmp)
+
+
+def _write_parts(
+    tmp: Path, adapter: Adapter, rank: int, rng_state: Any, scaler: Any, data_position: Any, extra: Any
+) -> None:
+    adapter.save(tmp, rank)
+    write_torch(_rank_file(tmp, rank), {"rng": rng_state, "data_position": data_position})
+    if rank == 0:
+        write_torch(tmp / COMMON_FILE, {"scaler": None if scaler is None else scaler.state_dict(), "extra": extra})
+
+
+def _digests(tmp: Path, rank: int, world_size: int) -> dict[str, FileRecord]:
+    """Size and SHA-256 of every file, each rank hashing every ``world_size``-th one; all ranks get all."""
+    names = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
+    mine = {
+        name: FileRecord((tmp / name).stat().st_size, sha256(tmp / name))
+        for i, name in enumerate(names)
+        if i % world_size == rank
+    }
+    merged: dict[str, FileRecord] = {}
+    for part in comm.all_gather(mine, "save_checkpoint: digests"):
+        merged.update(part)
+    return dict(sorted(merged.items()))
+
+
+def _publish(tmp: Path, final: Path, meta: CheckpointMeta) -> None:
+    """Rank 0: write ``meta.json`` last, make everything durable, and rename into place."""
+    write_json_atomic(tmp / META_FILE, meta.to_json())
+    for sub in sorted((p for p in tmp.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
+        fsync_dir(sub)
+    fsync_dir(tmp)
+    old = None
+    if final.exists():
+        old = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:12]}"
+        os.rename(final, old)
+    os.rename(tmp, final)
+    fsync_dir(final.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def load_checkpoint(
+    directory_or_root: PathLike,
+    *,
+    model: nn.Module,
+    optimizer: Optional[Any] = None,
+    scaler: Optional[Any] = None,
+    verify: bool = True,
+) -> CheckpointInfo:
+    """Restore what :func:`save_checkpoint` saved into ``model``, ``optimizer`` and ``scaler``; call on every rank.
+
+    ``directory_or_root`` is a checkpoint directory or a folder of them (the latest complete one is used). With
+    ``verify`` every file's size and SHA-256 is checked first. Everything is read and validated on every rank
+    before anything is written, so a bad checkpoint raises a :class:`CheckpointError` subclass on every rank and
+    leaves the model, optimizer and scaler unchanged. RNG states are restored when the world size is the saved
+    one. Files are only ever read with ``torch.load(weights_only=True)`` or through a safe DCP reader.
+
+    Example::
+
+        if latest_checkpoint("runs/exp1") is not None:
+            info = load_checkpoint("runs/exp1", model=model, optimizer=optimizer, scaler=scaler)
+            start = info.step + 1
+    """
+    rank, world_size = comm.rank_and_size()
+    adapter = adapter_for(model, optimizer)
+    found = comm.agreed(lambda: str(resolve(directory_or_root)) if rank == 0 else None, "load_checkpoint: find")
+    path = Path(comm.broadcast_from_zero(found, "load_checkpoint: directory"))
+    meta = comm.agreed(lambda: _check_meta(path, adapter, world_size, scaler), "load_checkpoint: metadata")
+    if verify:
+        comm.agreed(lambda: _verify_files(path, meta, rank, world_size), "load_checkpoint: verify")
+    same_size = meta.world_size == world_size
+    pending, rank_state, common = comm.agreed(
+        lambda: _read_all(path, meta, adapter, rank, rank if same_size else 0, scaler), "load_checkpoint: read"
+    )
+    comm.agreed(pending.fetch, "load_checkpoint: fetch")
+    pending.apply()
+    if scaler is not None:
+        scaler.load_state_dict(common["scaler"])
+    if same_size:
+        rng.restore(rank_state["rng"])
+    return CheckpointInfo(
+        path=path,
+        step=meta.step,
+        data_position=rank_state["data_position"],
+        world_size=meta.world_size,
+        strategy=meta.strategy,
+        extra=common["extra"],
+        rng_restored=same_size,
+        shardkit_version=meta.shardkit_version,
+        torch_version=meta.torch_version,
+    )
+
+
+def _check_meta(path: Path, adapter: Adapter, world_size: int, scaler: Any) -> CheckpointMeta:
+    meta = read_meta(path)
+    if meta.layout != adapter.layout:
+        raise IncompatibleCheckpointError(
+            f"{path} was saved by strategy '{meta.strategy}' (layout '{meta.layout}'), which this run's "
+            f"'{adapter.strategy}' (layout '{adapter.layout}') cannot read; load it with the strategy that saved it"
+        )
+    if meta.world_size != world_size and not (meta.resizable and adapter.resizable):
+        raise IncompatibleCheckpointError(
+            f"{path} was saved by '{meta.strategy}' at world size {meta.world_size}; its state is per rank, so it "
+            f"loads only at world size {meta.world_size}, not {world_size}. Restart with {meta.world_size} ranks."
+        )
+    if scaler is not None and not meta.has_scaler:
+        raise IncompatibleCheckpointError(f"{path} holds no scaler state; load it with scaler=None")
+    return meta
+
+
+def _verify_files(path: Path, meta: CheckpointMeta, rank: int, world_size: int) -> None:
+    for i, (name, record) in enumerate(meta.files.items()):
+        if i % world_size != rank:
+            continue
+        file = path / name
+        if not file.is_file():
+            raise CorruptCheckpointError(f"{file} is missing; the checkpoint was damaged after it was written")
+        size = file.stat().st_size
+        if size != record.bytes:
+            raise CorruptCheckpointError(
+                f"{file} has {size} bytes, {record.bytes} were written: it is truncated or damaged. "
+                "Load an earlier checkpoint."
+            )
+        if sha256(file) != record.sha256:
+            raise CorruptCheckpointError(
+                f"{file} does not match the SHA-256 recorded when it was written: it is damaged. "
+                "Load an earlier checkpoint."
+            )
+
+
+def _read_all(
+    path: Path, meta: CheckpointMeta, adapter: Adapter, rank: int, rank_to_read: int, scaler: Any
+) -> tuple[PendingLoad, dict[str, Any], dict[str, Any]]:
+    """Everything this rank needs, validated; ``rank_to_read``'s RNG and data position (rank 0's when resized)."""
+    pending = adapter.read(path, meta, rank)
+    rank_state = safe_load(_rank_file(path, rank_to_read), "rank state")
+    common = safe_load(path / COMMON_FILE, "common state")
+    if not isinstance(rank_state, dict) or not isinstance(common, dict):
+        raise CorruptCheckpointError(f"{path}: the rank or common state is not a dict")
+    if scaler is not None and getattr(scaler, "is_enabled", lambda: True)() and not common.get("scaler"):
+        raise IncompatibleCheckpointError(
+            f"{path} holds the state of a disabled scaler; load it with scaler=None or enabled=False"
+        )
+    return pending, rank_state, common

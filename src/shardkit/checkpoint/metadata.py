@@ -1,0 +1,149 @@
+"""``meta.json``, the file that completes a checkpoint, and finding the newest complete checkpoint.
+
+A checkpoint is a directory. Its ``meta.json`` is written last (after every other file is on disk and fsynced)
+and records step, world size, strategy and the size and SHA-256 of every file; a directory without it, or whose
+name starts with a dot (a save in progress), is not a checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Union
+
+from shardkit.checkpoint.errors import CheckpointNotFoundError, CorruptCheckpointError
+
+META_FILE = "meta.json"
+FORMAT = "shardkit-checkpoint"
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    """Size and SHA-256 of one file of a checkpoint."""
+
+    bytes: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class CheckpointMeta:
+    """The contents of ``meta.json``."""
+
+    step: int
+    world_size: int
+    strategy: str
+    layout: str
+    resizable: bool
+    has_optimizer: bool
+    has_scaler: bool
+    shardkit_version: str
+    torch_version: str
+    files: dict[str, FileRecord] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON object written to ``meta.json``."""
+        return {"format": FORMAT, "format_version": FORMAT_VERSION, **asdict(self)}
+
+    @staticmethod
+    def from_json(obj: Any, where: Path) -> CheckpointMeta:
+        """Parse ``meta.json``'s object, or raise :class:`CorruptCheckpointError` saying what is off."""
+        if not isinstance(obj, dict) or obj.get("format") != FORMAT:
+            raise CorruptCheckpointError(f"{where} is not a shardkit checkpoint index")
+        if obj.get("format_version") != FORMAT_VERSION:
+            raise CorruptCheckpointError(
+                f"{where} has checkpoint format version {obj.get('format_version')}, this shardkit reads "
+                f"{FORMAT_VERSION}; load it with the shardkit version that wrote it ({obj.get('shardkit_version')})"
+            )
+        try:
+            files = {name: FileRecord(**record) for name, record in obj["files"].items()}
+            fields = {k: obj[k] for k in CheckpointMeta.__dataclass_fields__ if k != "files"}
+            return CheckpointMeta(files=files, **fields)
+        except (KeyError, TypeError, AttributeError) as err:
+            raise CorruptCheckpointError(f"{where} is a damaged checkpoint index ({err!r})") from None
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """What :func:`~shardkit.checkpoint.load_checkpoint` restored, besides the model and optimizer.
+
+    Attributes:
+        path: the checkpoint directory that was loaded.
+        step: the training step given to ``save_checkpoint``.
+        data_position: this rank's ``data_position`` when the world size is unchanged, else rank 0's.
+        world_size: the world size the checkpoint was saved at.
+        strategy: the strategy that saved it (``"plain"``, ``"ddp"``, ``"oss"``, ``"oss_sdp"``, ``"fsdp"``,
+            ``"smp"``, ``"slowmo"``).
+        extra: the ``extra`` object given to ``save_checkpoint``.
+        rng_restored: whether this rank's random generators were restored (only at the saving world size).
+        shardkit_version, torch_version: the versions that wrote it.
+    """
+
+    path: Path
+    step: int
+    data_position: Any
+    world_size: int
+    strategy: str
+    extra: Any
+    rng_restored: bool
+    shardkit_version: str
+    torch_version: str
+
+
+def read_meta(directory: Path) -> CheckpointMeta:
+    """The checkpoint index of ``directory``; :class:`CorruptCheckpointError` if it is incomplete or damaged."""
+    path = directory / META_FILE
+    if not path.is_file():
+        raise CorruptCheckpointError(
+            f"{directory} is not a complete checkpoint: it has no {META_FILE}, which is written last, so its save "
+            "was interrupted. Load an earlier one (latest_checkpoint(root) skips incomplete checkpoints)."
+        )
+    try:
+        obj = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise CorruptCheckpointError(f"{path} cannot be parsed ({err}); the checkpoint index is damaged") from None
+    return CheckpointMeta.from_json(obj, path)
+
+
+def _complete_step(directory: Path) -> Optional[int]:
+    if directory.name.startswith(".") or not directory.is_dir():
+        return None
+    try:
+        return read_meta(directory).step
+    except CorruptCheckpointError:
+        return None
+
+
+def latest_checkpoint(root: Union[str, Path]) -> Optional[Path]:
+    """The complete checkpoint directory with the highest step directly under ``root``, or ``None``.
+
+    Directories without a readable ``meta.json`` (interrupted saves) and hidden ones (saves in progress) are
+    skipped. Equal steps are broken by name.
+
+    Example::
+
+        path = latest_checkpoint("runs/exp1")
+        if path is not None:
+            info = load_checkpoint(path, model=model, optimizer=optimizer)
+    """
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    found = [(step, child.name, child) for child in root.iterdir() if (step := _complete_step(child)) is not None]
+    return max(found)[2] if found else None
+
+
+def resolve(directory_or_root: Union[str, Path]) -> Path:
+    """A checkpoint directory itself, or the latest complete checkpoint under a root."""
+    path = Path(directory_or_root)
+    if (path / META_FILE).exists():
+        return path
+    latest = latest_checkpoint(path)
+    if latest is not None:
+        return latest
+    if path.is_dir() and any(child.is_file() for child in path.iterdir()):
+        read_meta(path)  # files but no index: an interrupted save, say so
+    raise CheckpointNotFoundError(
+        f"no complete checkpoint at or under {path}: pass a directory written by save_checkpoint, or its parent"
+    )

@@ -1,0 +1,130 @@
+"""torch.distributed.checkpoint (DCP) with reading made safe.
+
+DCP stores tensors in ``.distcp`` files (read with ``torch.load(weights_only=True)``), but it reads its
+``.metadata`` index with a plain ``pickle.load`` and non-tensor entries with ``torch.load(weights_only=False)``:
+either would run code from a tampered checkpoint. Here the index is unpickled by an allow-list that knows only
+DCP's own metadata classes, ``torch.Size``, dtypes and paths, and non-tensor entries go through
+``weights_only=True``; anything else raises :class:`~shardkit.checkpoint.errors.UnsafeCheckpointError` before it
+is built.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+
+from shardkit.checkpoint.errors import CorruptCheckpointError, UnsafeCheckpointError
+
+_METADATA_FILE = ".metadata"
+_DCP_META = "torch.distributed.checkpoint.metadata"
+_ALLOWED: dict[str, set[str]] = {
+    _DCP_META: {
+        "Metadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "StorageMeta",
+        "MetadataIndex",
+        "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path"},
+    "collections": {"OrderedDict"},
+}
+
+
+class _IndexUnpickler(pickle.Unpickler):
+    """Builds only the classes a DCP index is made of; refuses every other global before importing it."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _ALLOWED.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise UnsafeCheckpointError(
+            f"the DCP index names {module}.{name}, which is not part of a torch.distributed.checkpoint index; "
+            "the file was refused unread (it could run code)"
+        )
+
+
+def read_metadata(path: Path) -> Metadata:
+    """The DCP index of the checkpoint in ``path``, unpickled through the allow-list."""
+    file = path / _METADATA_FILE
+    if not file.is_file():
+        raise CorruptCheckpointError(f"{path} holds no DCP index ({_METADATA_FILE}): the sharded state is incomplete")
+    try:
+        with open(file, "rb") as f:
+            metadata = _IndexUnpickler(f).load()
+    except UnsafeCheckpointError as err:
+        raise UnsafeCheckpointError(f"{file}: {err}") from None
+    except Exception as err:
+        raise CorruptCheckpointError(f"{file} cannot be read ({type(err).__name__}: {err}); it is damaged") from err
+    if not isinstance(metadata, Metadata):
+        raise CorruptCheckpointError(f"{file} is not a DCP index (it holds a {type(metadata).__name__})")
+    return metadata
+
+
+def global_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Key -> full shape of every tensor in the DCP checkpoint at ``path`` (non-tensor entries are left out)."""
+    shapes = {}
+    for key, entry in read_metadata(path).state_dict_metadata.items():
+        if isinstance(entry, TensorStorageMetadata):
+            shapes[key] = tuple(entry.size)
+    return shapes
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """``FileSystemReader`` whose index is read through the allow-list."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        metadata = read_metadata(Path(self.path))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id  # type: ignore[union-attr]
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """``DefaultLoadPlanner`` that reads non-tensor entries with ``torch.load(weights_only=True)``."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        try:
+            loaded = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as err:
+            raise UnsafeCheckpointError(
+                f"DCP entry {read_item.dest_index.fqn} holds pickled objects torch.load(weights_only=True) refuses"
+            ) from err
+        replacement = io.BytesIO()
+        torch.save(loaded, replacement)
+        replacement.seek(0)
+        super().load_bytes(read_item, replacement)  # re-serialised plain data: safe to hand to torch's reader
+
+
+def _no_dist() -> bool:
+    return not (dist.is_available() and dist.is_initialized())
+
+
+def save(state: dict[str, Any], path: Path) -> None:
+    """Write ``state`` (DTensors and tensors) as a DCP checkpoint in ``path``; collective; files are fsynced."""
+    writer = FileSystemWriter(path, sync_files=True)
+    dcp.save(state, storage_writer=writer, no_dist=_no_dist())
+
+
+def load(state: dict[str, Any], path: Path) -> None:
+    """Fill ``state`` in place from the DCP checkpoint in ``path`` (any saving world size); collective."""
+    dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(), no_dist=_no_dist())
+
+
+__all__ = ["SafeFileSystemReader", "SafeLoadPlanner", "global_shapes", "load", "read_metadata", "save"]
