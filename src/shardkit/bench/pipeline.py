@@ -19,6 +19,7 @@ Run it as ``shardkit bench pipeline`` (options ``--steps``, ``--warmup``, ``--wo
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -55,6 +56,7 @@ class PipelineSettings:
 
     @property
     def global_batch(self) -> int:
+        """Sequences per step, over all micro-batches."""
         return self.batch_per_rank * self.stages
 
 
@@ -132,6 +134,7 @@ class _TorchPipeline:
         self.optimizer = torch.optim.AdamW(module.parameters(), lr=settings.lr)
 
     def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+        """One training step; returns the mean loss on the last stage (NaN elsewhere)."""
         self.optimizer.zero_grad()
         losses: list[torch.Tensor] = []
         if self.rank == 0:
@@ -184,6 +187,7 @@ class _SmpPipeline:
             self.forward_only(self.model, tokens)
 
     def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+        """One training step; returns the mean loss (on every stage)."""
         self.optimizer.zero_grad()
         loss = self.train_step(self.model, tokens, targets).reduce_mean().item()
         self.optimizer.step()
@@ -286,7 +290,7 @@ def _print(settings: PipelineSettings, rows: list[Row], placement: Optional[str]
     print(
         f"pipeline: LM {settings.lm.n_layers} blocks x d{settings.lm.d_model}, vocab {settings.lm.vocab_size}, "
         f"seq {settings.lm.seq_len}; {p} stages x {m} micro-batches, global batch {settings.global_batch}; gloo/CPU; "
-        f"median of {settings.steps} steps after {settings.warmup} warm-up"
+        f"median of {settings.steps} steps after {settings.warmup} warm-up; load average {os.getloadavg()[0]:.1f}"
     )
     headers = [
         "strategy",

@@ -136,6 +136,7 @@ class _Recorder:
     glue_used: set[str] = field(default_factory=set)
 
     def sources_of(self, value: Any) -> frozenset[Source]:
+        """The unit outputs every tensor in ``value`` was computed from."""
         found: set[Source] = set()
         for leaf in tree_leaves(value):
             if isinstance(leaf, torch.Tensor):
@@ -143,9 +144,32 @@ class _Recorder:
         return frozenset(found)
 
     def consume(self, srcs: frozenset[Source], stage: int) -> None:
+        """``stage`` needs these unit outputs: it becomes a consumer of those computed elsewhere."""
         for call_index, leaf in srcs:
             if self.calls[call_index]["stage"] != stage:
                 self.calls[call_index]["consumers"][leaf].add(stage)
+
+    def record_call(self, unit: str, stage: int, out: Any) -> tuple[Optional[LeafSpec], ...]:
+        """Record a unit call's outputs and tag each as a source; returns their specs."""
+        leaves, spec = tree_flatten(out)
+        index = len(self.calls)
+        is_tensor = tuple(isinstance(x, torch.Tensor) for x in leaves)
+        self.calls.append(
+            dict(
+                index=index,
+                unit=unit,
+                stage=stage,
+                treespec=spec,
+                constants=tuple(None if t else x for x, t in zip(leaves, is_tensor)),
+                is_tensor=is_tensor,
+                consumers=[set() for _ in leaves],
+            )
+        )
+        for i, (x, t) in enumerate(zip(leaves, is_tensor)):
+            if t:
+                self.sources[id(x)] = frozenset({(index, i)})
+                self.keepalive.append(x)
+        return tuple(LeafSpec(tuple(x.shape), x.dtype) if t else None for x, t in zip(leaves, is_tensor))
 
 
 class _GlueMode(TorchFunctionMode):
@@ -205,28 +229,9 @@ def build_plan(
 
     def post(module: nn.Module, a: Any, kw: Any, out: Any) -> None:
         rec.depth -= 1
-        if rec.depth:
-            return
-        name = unit_of[id(module)]
-        leaves, spec = tree_flatten(out)
-        index = len(rec.calls)
-        is_tensor = tuple(isinstance(x, torch.Tensor) for x in leaves)
-        rec.calls.append(
-            dict(
-                index=index,
-                unit=name,
-                stage=units[name],
-                treespec=spec,
-                constants=tuple(None if t else x for x, t in zip(leaves, is_tensor)),
-                is_tensor=is_tensor,
-                consumers=[set() for _ in leaves],
-            )
-        )
-        shapes.append(tuple(LeafSpec(tuple(x.shape), x.dtype) if t else None for x, t in zip(leaves, is_tensor)))
-        for i, (x, t) in enumerate(zip(leaves, is_tensor)):
-            if t:
-                rec.sources[id(x)] = frozenset({(index, i)})
-                rec.keepalive.append(x)
+        if rec.depth == 0:
+            name = unit_of[id(module)]
+            shapes.append(rec.record_call(name, units[name], out))
 
     handles = []
     for u in units:

@@ -106,9 +106,21 @@ def init(config: ConfigLike = None) -> None:
             f"{cfg.partitions} processes"
         )
     topo = Topology(world_size, rank, cfg.partitions, cfg.placement_strategy)
+    mp_group, dp_group, p2p_group, owned = _create_groups(topo)
+    world = dist.group.WORLD
+    assert world is not None
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    local_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    _STATE.set(SMPState(cfg, topo, world, mp_group, dp_group, p2p_group, local_rank, local_size, owned))
+
+
+def _create_groups(topo: Topology) -> tuple[Any, Any, Any, list[Any]]:
+    """This rank's mp, dp and point-to-point groups, and every group created (to destroy on reset).
+
+    ``new_group`` is collective over the whole world: every rank creates every group, in the same order.
+    """
     owned: list[Any] = []
     mp_group = dp_group = None
-    # new_group is collective over the whole world: every rank creates every group, in the same order.
     for dp_rank in range(topo.dp_size):
         group = dist.new_group(topo.mp_group_ranks(dp_rank))
         owned.append(group)
@@ -118,13 +130,9 @@ def init(config: ConfigLike = None) -> None:
         owned.append(group)
         dp_group = group if mp_rank == topo.mp_rank else dp_group
     # Activations travel on their own group so user collectives on the world group never interleave with them.
-    p2p_group = dist.new_group(list(range(world_size)))
+    p2p_group = dist.new_group(list(range(topo.world_size)))
     owned.append(p2p_group)
-    world = dist.group.WORLD
-    assert world is not None and mp_group is not None and dp_group is not None
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    local_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    _STATE.set(SMPState(cfg, topo, world, mp_group, dp_group, p2p_group, local_rank, local_size, owned))
+    return mp_group, dp_group, p2p_group, owned
 
 
 def reset() -> None:
