@@ -192,6 +192,7 @@ def train(
     result["trainer_model"] = model.wrapper_seen
     result["units"], result["compute_dtype"] = model.units_seen, model.compute_dtype_seen
     result["checkpointed"] = model.checkpointed_seen
+    result["scaler"] = type(getattr(trainer.precision_plugin, "scaler", None)).__name__
     if evaluate:
         result["validate"] = trainer.validate(model, verbose=False)[0]
         result["test"] = trainer.test(model, verbose=False)[0]

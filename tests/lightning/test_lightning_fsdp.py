@@ -128,3 +128,16 @@ def test_lightning_starts_the_processes_and_returns_full_weights(ddp_run: Runs) 
     # gathered state dict back instead, so this process's module has the trained weights.
     state = {k: v.float() for k, v in model.state_dict().items()}
     assert_states_close(state, ddp_run[0]["state"], **TOL)
+
+
+@pytest.mark.timeout(150)
+def test_fp16_mixed_precision_with_sharded_loss_scaling(ddp_run: Runs) -> None:
+    # Lightning maps Trainer(precision="16-mixed") to bf16 on CPU; an explicit plugin keeps fp16 (and its scaler).
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    offloaded = {**BLOCKS, "cpu_offload": True}  # shards already live on the CPU here: exercises the argument
+    fsdp = run_training("fsdp", STEPS, strategy_kwargs=offloaded, plugins=[MixedPrecision("16-mixed", "cpu")], **CLIP)
+    for rank in range(2):
+        assert fsdp[rank]["compute_dtype"] == "torch.float16"
+        assert fsdp[rank]["scaler"] == "ShardedGradScaler"  # skip decisions agreed across ranks
+        assert fsdp[rank]["losses"] == pytest.approx(ddp_run[rank]["losses"], rel=5e-3)

@@ -173,7 +173,9 @@ class DDPFullyShardedStrategy(ShardkitParallelStrategy):
             _optimizers_to_device(self.optimizers, self._shard_device())
 
     def _shard_device(self) -> torch.device:
-        return torch.device("cpu") if "cpu_offload" in self.config.fsdp_kwargs else self.root_device
+        """Where the shards (and so the optimizer state) live: the CPU under offload, else the root device."""
+        shard = next(self._root.parameters(), None) if self._root is not None else None
+        return shard.device if shard is not None else self.root_device
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
@@ -220,6 +222,7 @@ class DDPFullyShardedStrategy(ShardkitParallelStrategy):
         self.precision_plugin.teardown()
         assert self.accelerator is not None
         self.accelerator.teardown()
+        self.checkpoint_io.teardown()
 
     # ----------------------------------------------------------------- checkpoints
     @property
