@@ -96,3 +96,27 @@ def _scaler(rank: int, world_size: int) -> list[tuple[float, bool]]:
 def test_grad_scaler_agrees_on_overflow_across_stages() -> None:
     for per_rank in run_distributed(_scaler, 2):
         assert per_rank == [(512.0, False), (512.0, True)]
+
+
+def test_step_options_split_axes_and_unsplit_inputs() -> None:
+    """input_split_axes splits along another axis; non_split_inputs reach every micro-batch whole."""
+    smp.init({"microbatches": 2})
+    try:
+        model = smp.DistributedModel(torch.nn.Linear(3, 1))
+        seen = []
+
+        @smp.step(non_split_inputs=["scale"], input_split_axes={"x": 1})
+        def step(model: Any, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+            seen.append((tuple(x.shape), tuple(scale.shape)))
+            out = model(x.transpose(0, 1)) * scale
+            model.backward(out.sum())
+            return out
+
+        x = torch.arange(12.0).view(3, 4)  # batch along axis 1
+        result = step(model, x, torch.tensor([2.0]))
+        assert seen == [((3, 2), (1,)), ((3, 2), (1,))]
+        layer = model.module
+        expected = F.linear(x.transpose(0, 1), layer.weight, layer.bias) * 2.0
+        assert torch.allclose(result.concat(), expected.detach())
+    finally:
+        smp.reset()

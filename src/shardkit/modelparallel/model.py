@@ -191,7 +191,10 @@ class DistributedModel(LocalViewsMixin, nn.Module):  # type: ignore[misc]  # sta
     ) -> None:
         """Backward through the whole pipeline, like ``torch.autograd.backward(tensors, grad_tensors)``.
 
-        Only inside ``@smp.step``; it runs when the schedule reaches this micro-batch's backward.
+        Only inside ``@smp.step``; it runs when the schedule reaches this micro-batch's backward. Every stage
+        runs the step function, but only the output stage (where the model's outputs are real) starts the
+        backward from ``tensors``; the others start from the gradients later stages send them. So every rank
+        must call it the same way. ``retain_graph``/``create_graph`` are not supported.
         """
         run = self._active_run("call model.backward")
         record = run.current
