@@ -128,12 +128,16 @@ def _write_parts(
 
 def _digests(tmp: Path, rank: int, world_size: int) -> dict[str, FileRecord]:
     """Size and SHA-256 of every file, each rank hashing every ``world_size``-th one; all ranks get all."""
-    names = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
-    mine = {
-        name: FileRecord((tmp / name).stat().st_size, sha256(tmp / name))
-        for i, name in enumerate(names)
-        if i % world_size == rank
-    }
+
+    def hash_my_share() -> dict[str, FileRecord]:
+        names = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
+        return {
+            name: FileRecord((tmp / name).stat().st_size, sha256(tmp / name))
+            for i, name in enumerate(names)
+            if i % world_size == rank
+        }
+
+    mine = comm.agreed(hash_my_share, "save_checkpoint: hash")
     merged: dict[str, FileRecord] = {}
     for part in comm.all_gather(mine, "save_checkpoint: digests"):
         merged.update(part)

@@ -10,15 +10,18 @@ is built.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import pickle
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import CheckpointException, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
@@ -119,12 +122,37 @@ def _no_dist() -> bool:
 def save(state: dict[str, Any], path: Path) -> None:
     """Write ``state`` (DTensors and tensors) as a DCP checkpoint in ``path``; collective; files are fsynced."""
     writer = FileSystemWriter(path, sync_files=True)
-    dcp.save(state, storage_writer=writer, no_dist=_no_dist())
+    with _single_process_is_intended():
+        dcp.save(state, storage_writer=writer, no_dist=_no_dist())
 
 
 def load(state: dict[str, Any], path: Path) -> None:
     """Fill ``state`` in place from the DCP checkpoint in ``path`` (any saving world size); collective."""
-    dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(), no_dist=_no_dist())
+    try:
+        with _single_process_is_intended():
+            dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(), no_dist=_no_dist())
+    except CheckpointException as err:
+        raise _explain(err, path) from err
+
+
+def _explain(err: CheckpointException, path: Path) -> Exception:
+    """DCP gathers every rank's failure into one exception; surface the first, keeping our error types."""
+    failures = [f[0] if isinstance(f, tuple) else f for f in err.failures.values()]
+    for failure in failures:
+        if isinstance(failure, (UnsafeCheckpointError, CorruptCheckpointError)):
+            return type(failure)(f"{path}: {failure}")
+    first = failures[0] if failures else err
+    return CorruptCheckpointError(
+        f"torch.distributed.checkpoint could not read {path}: {type(first).__name__}: {first}"
+    )
+
+
+@contextlib.contextmanager
+def _single_process_is_intended() -> Iterator[None]:
+    """Without a process group DCP warns that it assumes one process: here that is the intent, not a slip."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
 
 
 __all__ = ["SafeFileSystemReader", "SafeLoadPlanner", "global_shapes", "load", "read_metadata", "save"]

@@ -1,0 +1,313 @@
+"""Shared pieces of the reliability tests: one tiny model under every strategy, deterministic training, and the
+entry point of the elastic fault-injection runs.
+
+Every strategy trains the same 3-layer net with dropout (so resuming must restore the RNG states) on batches that
+depend only on ``(step, data-parallel rank)``, so a resumed run can be compared bitwise with an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+STRATEGIES = ("ddp", "oss", "oss_sdp", "fsdp", "smp", "slowmo")
+
+
+def tiny_net(seed: int, fsdp_inner: bool = False, width: int = 8, group: Any = None) -> nn.Module:
+    """Linear(6, 8) - ReLU - Dropout - Linear(8, width) - Tanh - Linear(width, 3).
+
+    With ``fsdp_inner`` the first layer is its own FSDP unit (over ``group``).
+    """
+    torch.manual_seed(seed)
+    first: nn.Module = nn.Linear(6, 8)
+    if fsdp_inner:
+        from shardkit.nn import FullyShardedDataParallel as FSDP
+
+        first = FSDP(first, process_group=group)
+    return nn.Sequential(first, nn.ReLU(), nn.Dropout(0.25), nn.Linear(8, width), nn.Tanh(), nn.Linear(width, 3))
+
+
+def fsdp_model(seed: int, width: int = 8, group: Any = None) -> nn.Module:
+    """:func:`tiny_net` in FSDP, with its first layer in a nested unit."""
+    from shardkit.nn import FullyShardedDataParallel as FSDP
+
+    return FSDP(tiny_net(seed, fsdp_inner=True, width=width, group=group), process_group=group)
+
+
+@dataclass
+class Run:
+    """A model under one strategy, with its optimizer and grad scaler."""
+
+    strategy: str
+    model: Any
+    optimizer: Any
+    scaler: Optional[Any] = None
+
+
+def build(strategy: str, seed: int) -> Run:
+    """``strategy`` over :func:`tiny_net` (every rank must call it: wrappers synchronise at construction)."""
+    if strategy == "ddp":
+        model = DDP(tiny_net(seed))
+        return Run(strategy, model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+    if strategy == "oss":
+        from shardkit.optim import OSS
+
+        model = DDP(tiny_net(seed))
+        return Run(strategy, model, OSS(model.parameters(), optim=torch.optim.SGD, lr=0.05, momentum=0.9))
+    if strategy == "oss_sdp":
+        from shardkit.nn import ShardedDataParallel
+        from shardkit.optim import OSS, ShardedGradScaler
+
+        net = tiny_net(seed)
+        opt = OSS(net.parameters(), optim=torch.optim.Adam, lr=0.01)
+        return Run(strategy, ShardedDataParallel(net, opt), opt, ShardedGradScaler(init_scale=2.0**10))
+    if strategy == "fsdp":
+        model = fsdp_model(seed)
+        return Run(strategy, model, torch.optim.Adam(model.parameters(), lr=0.01))
+    if strategy == "smp":
+        import shardkit.modelparallel as smp
+
+        smp.init({"partitions": 2, "microbatches": 2})
+        model = smp.DistributedModel(tiny_net(seed))
+        return Run(strategy, model, smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05)))
+    if strategy == "slowmo":
+        from shardkit.nn.data_parallel import SlowMoDistributedDataParallel
+
+        model = SlowMoDistributedDataParallel(
+            tiny_net(seed), nprocs_per_node=1, slowmo_base_algorithm="sgp", slowmo_frequency=3, slowmo_num_shards=2
+        )
+        return Run(strategy, model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+    raise ValueError(f"unknown strategy {strategy}")
+
+
+def release(run: Run) -> None:
+    """Forget process-wide state a strategy keeps (smp allows one model per process)."""
+    if run.strategy == "smp":
+        import shardkit.modelparallel as smp
+
+        smp.reset()
+
+
+def batch(step: int, dp_rank: int, poison: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """This step's batch for one data-parallel rank; ``poison`` puts an inf in it (its gradients overflow)."""
+    gen = torch.Generator().manual_seed(1000 * step + dp_rank)
+    x, y = torch.randn(4, 6, generator=gen), torch.randn(4, 3, generator=gen)
+    if poison:
+        x[0, 0] = float("inf")
+    return x, y
+
+
+def _smp_step() -> Any:
+    import shardkit.modelparallel as smp
+
+    @smp.step
+    def step(model: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = F.mse_loss(model(x), y)
+        model.backward(loss)
+        return loss
+
+    return step
+
+
+def train(run: Run, steps: range, rank: int, poison_at: Optional[tuple[int, int]] = None) -> None:
+    """Train ``run`` on ``steps``; ``poison_at=(step, rank)`` gives that rank an overflowing batch at that step."""
+    smp_step = _smp_step() if run.strategy == "smp" else None
+    for step in steps:
+        x, y = batch(step, 0 if run.strategy == "smp" else rank, poison=poison_at == (step, rank))
+        run.optimizer.zero_grad()
+        if smp_step is not None:
+            smp_step(run.model, x, y)
+            run.optimizer.step()
+            continue
+        loss = F.mse_loss(run.model(x), y)
+        if run.scaler is not None:
+            run.scaler.scale(loss).backward()
+            run.scaler.step(run.optimizer)
+            run.scaler.update()
+        else:
+            loss.backward()
+            run.optimizer.step()
+        if run.strategy == "slowmo":
+            run.model.perform_slowmo(run.optimizer)
+
+
+def full_state(run: Run) -> dict[str, torch.Tensor]:
+    """The whole model's parameters and buffers as this rank sees them (collective for FSDP and smp)."""
+    if run.strategy in ("ddp", "oss", "oss_sdp"):
+        state = run.model.module.state_dict()
+    else:
+        state = run.model.state_dict()
+    return {k: v.detach().clone().cpu() for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+
+def first_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> Optional[str]:
+    """The first key whose tensors differ in any bit (or that only one side has), else ``None``."""
+    if list(a) != list(b):
+        return f"keys differ: {sorted(set(a) ^ set(b))}"
+    for key in a:
+        if a[key].dtype != b[key].dtype or not torch.equal(a[key], b[key]):
+            return f"{key}: max diff {(a[key].double() - b[key].double()).abs().max().item()}"
+    return None
+
+
+def as_numpy(state: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Tensors sent back from a worker die with its shared memory; arrays travel by value."""
+    return {k: v.numpy() for k, v in state.items()}
+
+
+# ------------------------------------------------------------------------------------- elastic fault injection
+def _watchdog(deadline: float) -> None:
+    """Exit this worker if the whole run outlives ``deadline`` (wall clock): nothing may hang the suite."""
+
+    def watch() -> None:
+        while time.time() < deadline:
+            time.sleep(0.5)
+        os._exit(3)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def _die_once(marker: Path) -> None:
+    """SIGKILL this process unless ``marker`` exists (created first, so the restarted run does not die again)."""
+    if marker.exists():
+        return
+    fd = os.open(marker, os.O_CREAT | os.O_WRONLY)
+    os.fsync(fd)
+    os.close(fd)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _arm_save_kill(kill: dict[str, Any]) -> None:
+    """Make the next save_checkpoint die after writing its files ("digests") or its meta.json ("publish")."""
+    from shardkit.checkpoint import api
+
+    name = {"digests": "_digests", "publish": "_publish"}[kill["where"]]
+    original = getattr(api, name)
+
+    def dying(*args: Any, **kwargs: Any) -> Any:
+        if kill["where"] == "publish":
+            from shardkit.checkpoint.files import write_json_atomic
+
+            write_json_atomic(args[0] / "meta.json", args[2].to_json())  # the index lands, the rename never does
+        _die_once(Path(kill["marker"]))
+        return original(*args, **kwargs)
+
+    setattr(api, name, dying)
+
+
+def elastic_train(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Train ``cfg["strategy"]`` for ``cfg["steps"]`` steps, resuming from the latest checkpoint under
+    ``cfg["root"]`` and saving every ``cfg["every"]`` steps; die by SIGKILL as ``cfg["kills"]`` says.
+
+    Runs under torch's elastic agent (environment from torchrun) or under ``run_distributed`` (group already up).
+    Each kill is ``{"step", "rank", "where": "train" | "digests" | "publish", "marker"}``.
+    """
+    from shardkit.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, step_directory
+
+    _watchdog(cfg["deadline"])
+    if not dist.is_initialized():
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", timeout=timedelta(seconds=30))
+    rank = dist.get_rank()
+    root = Path(cfg["root"])
+    run = build(cfg["strategy"], seed=0)
+    start = 0
+    if latest_checkpoint(root) is not None:
+        info = load_checkpoint(root, model=run.model, optimizer=run.optimizer, scaler=run.scaler)
+        start = info.step + 1
+        assert info.data_position == {"next_step": start}, info.data_position
+    with open(root / f"starts_rank{rank}.txt", "a") as log:
+        log.write(f"{start}\n")
+    for step in range(start, cfg["steps"]):
+        for kill in cfg["kills"]:
+            if kill["rank"] == rank and kill["step"] == step and kill["where"] == "train":
+                _die_once(Path(kill["marker"]))
+        train(run, range(step, step + 1), rank)
+        if step % cfg["every"] == cfg["every"] - 1:
+            for kill in cfg["kills"]:
+                if kill["rank"] == rank and kill["step"] == step and kill["where"] != "train":
+                    _arm_save_kill(kill)
+            save_checkpoint(
+                step_directory(root, step),
+                step=step,
+                model=run.model,
+                optimizer=run.optimizer,
+                scaler=run.scaler,
+                data_position={"next_step": step + 1},
+            )
+    state = full_state(run)
+    return {"rank": rank, "state": as_numpy(state) if rank == 0 else None}
+
+
+# ------------------------------------------------------------------------------------- single-process helpers
+def plain_run(seed: int, width: int = 8) -> Run:
+    """The tiny net with Adam and a GradScaler in this process (no process group), trained one step."""
+    model = tiny_net(seed, width=width)
+    run = Run("plain", model, torch.optim.Adam(model.parameters(), lr=0.01), torch.amp.GradScaler("cpu"))
+    train(run, range(1), rank=0)
+    return run
+
+
+def snapshot(run: Run) -> dict[str, Any]:
+    """Deep copies of everything a failed load must leave untouched."""
+    import copy
+
+    return {
+        "model": {k: v.clone() for k, v in run.model.state_dict().items()},
+        "optimizer": copy.deepcopy(run.optimizer.state_dict()),
+        "scaler": None if run.scaler is None else copy.deepcopy(run.scaler.state_dict()),
+    }
+
+
+def assert_unchanged(run: Run, before: dict[str, Any]) -> None:
+    """The model, optimizer and scaler hold exactly what :func:`snapshot` saw."""
+    now = snapshot(run)
+    assert first_difference(before["model"], now["model"]) is None
+    assert _same(before["optimizer"], now["optimizer"]), "optimizer state changed"
+    assert before["scaler"] == now["scaler"]
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return bool(a == b)
+
+
+def rewrite_digests(directory: Path) -> None:
+    """Re-record every file's size and SHA-256 in ``meta.json``, as an attacker who edits a checkpoint would."""
+    import json
+
+    from shardkit.checkpoint.files import sha256
+
+    meta_path = directory / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    for name in meta["files"]:
+        file = directory / name
+        meta["files"][name] = {"bytes": file.stat().st_size, "sha256": sha256(file)}
+    meta_path.write_text(json.dumps(meta))
+
+
+class RunsCode:
+    """Unpickling this calls ``os.mkdir(marker)``: a stand-in for any code a malicious checkpoint would run."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> Any:
+        return (os.mkdir, (self.marker,))
