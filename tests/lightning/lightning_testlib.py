@@ -38,15 +38,15 @@ def token_data(seed: int) -> TensorDataset:
 class LitLM(pl.LightningModule):
     """A two-block GPT (dropout on, tied embedding) trained with AdamW and a step LR schedule.
 
-    ``build_in_configure_model=True`` creates the network in ``configure_model`` and wraps each block with
-    ``shardkit.nn.wrap.wrap`` there (the manual-wrapping path; a no-op under other strategies).
+    Built in ``__init__``; the subclasses build it in a hook instead (see :meth:`build_and_wrap`).
     """
 
-    def __init__(self, build_in_configure_model: bool = False, lr: float = 0.02) -> None:
+    builds_in_hook = False
+
+    def __init__(self, lr: float = 0.02) -> None:
         super().__init__()
         self.lr = lr
-        self.build_in_configure_model = build_in_configure_model
-        self.model: Optional[nn.Module] = None if build_in_configure_model else TransformerLM(CFG)
+        self.model: Optional[nn.Module] = None if self.builds_in_hook else TransformerLM(CFG)
         self.saved_bytes: list[int] = []
         self.losses: list[float] = []
         self.wrapper_seen = ""
@@ -62,7 +62,9 @@ class LitLM(pl.LightningModule):
         self.compute_dtype_seen = str(getattr(wrapper, "compute_dtype", None))
         self.checkpointed_seen = sum(type(m).__name__ == "CheckpointWrapper" for m in wrapper.modules())
 
-    def configure_model(self) -> None:
+    def build_and_wrap(self) -> None:
+        """Create the network and wrap each block with ``shardkit.nn.wrap.wrap`` (the manual-wrapping path;
+        a no-op outside the fully sharded strategy)."""
         if self.model is not None:
             return
         from shardkit.nn.wrap import wrap
@@ -125,6 +127,27 @@ class LitLM(pl.LightningModule):
         return self._loader(2)
 
 
+class ConfiguredLitLM(LitLM):
+    """Builds and wraps in ``configure_model``."""
+
+    builds_in_hook = True
+
+    def configure_model(self) -> None:
+        self.build_and_wrap()
+
+
+class LegacyLitLM(LitLM):
+    """Builds and wraps in the older ``configure_sharded_model`` hook."""
+
+    builds_in_hook = True
+
+    def configure_sharded_model(self) -> None:
+        self.build_and_wrap()
+
+
+MODULES = {"init": LitLM, "configure_model": ConfiguredLitLM, "configure_sharded_model": LegacyLitLM}
+
+
 def make_strategy(kind: str, **kwargs: Any) -> Any:
     if kind == "ddp":
         return DDPStrategy(**kwargs)
@@ -171,7 +194,7 @@ def train(
     kind: str,
     steps: int,
     strategy_kwargs: Optional[dict[str, Any]] = None,
-    module_kwargs: Optional[dict[str, Any]] = None,
+    build_in: str = "init",
     checkpoint_dir: Optional[str] = None,
     resume_from: Optional[str] = None,
     evaluate: bool = False,
@@ -179,7 +202,7 @@ def train(
 ) -> bytes:
     """Seeded fit (optionally resumed, optionally followed by validate and test); what every rank saw."""
     pl.seed_everything(7, verbose=False)
-    model = LitLM(**(module_kwargs or {}))
+    model = MODULES[build_in]()
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
     if checkpoint_dir is not None:
         # Lightning's own checkpointing: one checkpoint at the end of every epoch (every 2 steps).
@@ -225,4 +248,4 @@ def assert_states_close(actual: dict[str, torch.Tensor], expected: dict[str, tor
         torch.testing.assert_close(actual[key], value, msg=key, **tol)
 
 
-__all__ = ["Block", "LitLM", "assert_states_close", "make_strategy", "run_training", "train", "trainer_for"]
+__all__ = ["MODULES", "Block", "LitLM", "assert_states_close", "make_strategy", "run_training", "train", "trainer_for"]

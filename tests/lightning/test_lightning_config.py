@@ -107,11 +107,11 @@ def test_bad_arguments_are_rejected(kwargs: dict, error: type, match: str) -> No
 
 
 def test_wrap_in_configure_model_is_a_no_op_outside_the_strategy() -> None:
-    from lightning_testlib import LitLM
+    from lightning_testlib import ConfiguredLitLM
 
     from shardkit.nn import FullyShardedDataParallel
 
-    module = LitLM(build_in_configure_model=True)
+    module = ConfiguredLitLM()
     module.configure_model()  # no strategy context: shardkit.nn.wrap.wrap returns the blocks unchanged
     assert module.model is not None
     assert not any(isinstance(m, FullyShardedDataParallel) for m in module.modules())

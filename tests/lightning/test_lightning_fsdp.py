@@ -94,9 +94,17 @@ def test_sharded_checkpoint_resumes_identically(checkpointed_run: tuple[Runs, Pa
 @pytest.mark.timeout(150)
 def test_manual_wrap_in_configure_model_by_registry_name(ddp_run: Runs) -> None:
     # The blocks are wrapped with shardkit.nn.wrap.wrap inside configure_model; the strategy comes by name.
-    fsdp = run_training("shardkit_fsdp", STEPS, module_kwargs={"build_in_configure_model": True}, **CLIP)
+    fsdp = run_training("shardkit_fsdp", STEPS, build_in="configure_model", **CLIP)
     for rank in range(2):
         assert fsdp[rank]["trainer_model"] == "CheckpointedShardUnit" and fsdp[rank]["units"] == 3
+        assert_states_close(fsdp[rank]["state"], ddp_run[rank]["state"], **TOL)
+
+
+@pytest.mark.timeout(150)
+def test_manual_wrap_in_the_legacy_configure_sharded_model_hook(ddp_run: Runs) -> None:
+    fsdp = run_training("fsdp", STEPS, build_in="configure_sharded_model", **CLIP)
+    for rank in range(2):
+        assert fsdp[rank]["units"] == 3
         assert_states_close(fsdp[rank]["state"], ddp_run[rank]["state"], **TOL)
 
 
