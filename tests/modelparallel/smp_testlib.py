@@ -13,10 +13,16 @@ from shardkit.testing.models import LMConfig, TransformerLM, lm_batch
 
 
 def mlp() -> nn.Module:
-    """Seven modules in a row: enough to give each of four stages something."""
+    """Seven modules in a row: enough to give each of four stages something; in-place ReLUs."""
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)
+        nn.Linear(8, 16),
+        nn.ReLU(inplace=True),
+        nn.Linear(16, 16),
+        nn.Tanh(),
+        nn.Linear(16, 16),
+        nn.ReLU(inplace=True),  # at the start of a stage with four: updates a received activation in place
+        nn.Linear(16, 4),
     )
 
 
@@ -33,7 +39,8 @@ class PairBlock(nn.Module):
 
 
 class ResidualNet(nn.Module):
-    """Not a Sequential: residuals that cross stages, tuple and dict outputs, a parameter used in glue code.
+    """Not a Sequential: residuals that cross stages, tuple and dict outputs, a parameter used in glue code,
+    an in-place update of a module output that other stages also use.
 
     With ``stages`` set, modules are placed with ``smp.partition`` (embed, pair, mix, head on stages
     0, 1, 2, 3 for four stages; 0, 0, 1, 1 for two).
@@ -54,10 +61,12 @@ class ResidualNet(nn.Module):
         self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 16))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        h = torch.relu(self.embed(x))
+        e = self.embed(x)
+        h = torch.relu(e)
+        e.mul_(0.5)  # in place after e was sent on: the gradient coming back must skip this
         a, b = self.pair(h)
         z = self.mix(a * self.scale) + h  # h comes from the first stage
-        out = self.head(z + b)
+        out = self.head(z + b + e)
         return out, {"aux": (a * a).mean(dim=1)}
 
 

@@ -34,9 +34,14 @@ class StageLink:
         """Seconds blocked on receives since the last :meth:`reset_stats`."""
         self.sent_bytes = 0
 
-    def send(self, tensor: torch.Tensor, dst_stage: int, label: str) -> None:
-        """Queue a copy of ``tensor`` for stage ``dst_stage``; returns at once."""
-        payload = tensor.detach().clone(memory_format=torch.contiguous_format)
+    def send(self, tensor: torch.Tensor, dst_stage: int, label: str, private: bool = False) -> None:
+        """Queue ``tensor`` for stage ``dst_stage``; returns at once.
+
+        The tensor is copied first unless ``private`` says nobody else will write it (nor free it early).
+        """
+        payload = tensor.detach()
+        if not private or not payload.is_contiguous():
+            payload = payload.clone(memory_format=torch.contiguous_format)
         handle = C.send(payload, self.topology.stage_rank(dst_stage), group=self.group, label=label)
         self._pending.append((handle, payload))
         self.sent_bytes += payload.numel() * payload.element_size()

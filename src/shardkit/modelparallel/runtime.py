@@ -147,10 +147,16 @@ class StageRuntime:
                 "input shapes before; smp needs output shapes to depend only on input shapes"
             )
         for i, leaf in enumerate(leaves):
+            if not call.consumers[i]:
+                continue
+            # A copy made now, inside autograd, is both what travels and what the returning gradient is
+            # applied to: glue code may update ``leaf`` in place afterwards (``x += r``), which would
+            # otherwise send the gradient through that later operation too.
+            snapshot = leaf.clone(memory_format=torch.contiguous_format)
             for dst in call.consumers[i]:
-                self.link.send(leaf, dst, label=f"fwd:{call.unit}")
+                self.link.send(snapshot, dst, label=f"fwd:{call.unit}", private=True)
                 if _needs_grad(leaf.dtype):
-                    inv.record.sent.append((leaf, dst))
+                    inv.record.sent.append((snapshot, dst))
         return out
 
     def _run_remote(self, call: UnitCall, inv: _Invocation) -> Any:
@@ -176,6 +182,9 @@ class StageRuntime:
                 if _needs_grad(leaf.dtype):
                     leaf.requires_grad_(True)
                     inv.record.received.append((leaf, call.stage))
+                    # Glue or units may update what they get in place (ReLU(inplace=True)): hand out a
+                    # non-leaf copy; its gradient still lands on the leaf.
+                    leaf = leaf.clone()
                 leaves.append(leaf)
             else:
                 leaves.append(torch.zeros(spec.shape, dtype=spec.dtype, device=self.device))
