@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 import torch
-from lightning_testlib import LitLM, assert_states_close, reference_run, run_training
+from lightning_testlib import Block, LitLM, assert_states_close, reference_run, run_training
 
 STEPS = 4
 #: Adam normalises the near-zero gradients of the attention key bias, amplifying float noise to ~1e-6.
@@ -54,3 +54,28 @@ def test_checkpoint_resume_continues_identically(sharded_run: tuple[Runs, Path])
     resumed = run_training("sharded", STEPS, resume_from=str(saved), **CLIP)
     for rank in range(2):
         assert_states_close(resumed[rank]["state"], straight[rank]["state"], rtol=0, atol=0)
+
+
+@pytest.mark.timeout(150)
+def test_fp16_mixed_precision_with_sharded_loss_scaling(ddp_run: Runs) -> None:
+    # Lightning maps Trainer(precision="16-mixed") to bf16 on CPU; an explicit plugin keeps fp16 (and its scaler).
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    sharded = run_training("sharded", STEPS, plugins=[MixedPrecision("16-mixed", "cpu")], **CLIP)
+    for rank in range(2):
+        assert sharded[rank]["scaler"] == "ShardedGradScaler"
+        assert sharded[rank]["losses"] == pytest.approx(ddp_run[rank]["losses"], rel=5e-3)
+        assert sharded[rank]["losses"] != ddp_run[rank]["losses"]
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("kind", ["sharded", "fsdp"])
+def test_gradient_accumulation_matches_ddp(kind: str) -> None:
+    # Lightning skips the gradient sync of the first micro-batch through strategy.block_backward_sync().
+    accumulate = {"accumulate_grad_batches": 2, **CLIP}
+    ddp = reference_run("ddp", 2, **accumulate)
+    strategy_kwargs = {"transformer_layer_cls": Block} if kind == "fsdp" else {}
+    other = run_training(kind, 2, strategy_kwargs=strategy_kwargs, **accumulate)
+    for rank in range(2):
+        assert len(other[rank]["losses"]) == 4  # two optimizer steps of two micro-batches
+        assert_states_close(other[rank]["state"], ddp[rank]["state"], **TOL)
