@@ -145,7 +145,19 @@ class LegacyLitLM(LitLM):
         self.build_and_wrap()
 
 
-MODULES = {"init": LitLM, "configure_model": ConfiguredLitLM, "configure_sharded_model": LegacyLitLM}
+class SelfParametersLitLM(LitLM):
+    """The mistake the fully sharded strategy must catch: an optimizer over ``self.parameters()``."""
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
+MODULES = {
+    "init": LitLM,
+    "configure_model": ConfiguredLitLM,
+    "configure_sharded_model": LegacyLitLM,
+    "init_self_parameters": SelfParametersLitLM,
+}
 
 
 def make_strategy(kind: str, **kwargs: Any) -> Any:

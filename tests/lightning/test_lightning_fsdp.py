@@ -10,6 +10,8 @@ import pytest
 import torch
 from lightning_testlib import Block, LitLM, assert_states_close, reference_run, run_training, trainer_for
 
+from shardkit.testing import DistributedTestError
+
 STEPS = 4
 TOL = {"rtol": 1e-5, "atol": 2e-5}  # Adam amplifies float noise in the near-zero key-bias gradients
 CLIP = {"gradient_clip_val": 0.05}  # clips every step: the root's global norm is needed for parity
@@ -106,6 +108,12 @@ def test_manual_wrap_in_the_legacy_configure_sharded_model_hook(ddp_run: Runs) -
     for rank in range(2):
         assert fsdp[rank]["units"] == 3
         assert_states_close(fsdp[rank]["state"], ddp_run[rank]["state"], **TOL)
+
+
+@pytest.mark.timeout(150)
+def test_optimizer_over_self_parameters_is_a_clear_error() -> None:
+    with pytest.raises(DistributedTestError, match=r"self\.trainer\.model\.parameters\(\)"):
+        run_training("fsdp", STEPS, strategy_kwargs=BLOCKS, build_in="init_self_parameters")
 
 
 @pytest.mark.timeout(150)

@@ -189,7 +189,8 @@ class DDPFullyShardedStrategy(ShardkitParallelStrategy):
                 f"{type(self).__name__}: the optimizers do not hold {len(missing)} of the sharded parameters "
                 f"({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}), so they would never be trained. "
                 "After wrapping, parameters are flat shards: build the optimizer in configure_optimizers from "
-                "self.trainer.model.parameters() (self.parameters() misses the shards the root unit owns)."
+                "self.trainer.model.parameters() (self.parameters() misses the shards the root unit owns). "
+                "Set requires_grad=False on parameters you mean to leave untrained."
             )
 
     def _clip_grad_norm(self, optimizer: Optimizer, max_norm: float) -> None:
