@@ -163,9 +163,9 @@ NOTES = [
     "params/grads/optim state: bytes one rank holds (the larger rank), counted from the storages of the",
     "  parameters, their .grad and the optimizer state after optimizer.step(); torch DDP's separate gradient",
     "  buckets, activations and transient all-gathered parameters are not counted.",
-    "comm/step: bytes one rank sends per step (ring conventions). 'measured' = shardkit collectives counted by",
-    "  count_comm_bytes; 'formula' = torch-internal collectives computed from sizes (DDP all-reduce",
-    "  2(n-1)/n x grads, ZeroRedundancyOptimizer broadcast of all params, torch FSDP gathers/reduce-scatter).",
+    "comm/step: bytes on the wire per rank per step (group traffic / n, ring algorithms). 'measured' = shardkit",
+    "  collectives counted by count_comm_bytes; 'formula' = torch-internal collectives computed from sizes (DDP",
+    "  all-reduce 2(n-1)/n x grads, ZeroRedundancyOptimizer broadcast (n-1)/n x params, torch FSDP gathers).",
 ]
 
 
