@@ -103,11 +103,11 @@ def is_sharded(path: Any) -> bool:
     return path.is_dir() and (path / META_FILE).is_file()
 
 
-def _mesh() -> Any:
+def _mesh(root: FullyShardedDataParallel) -> Any:
+    """A one-dimensional mesh over the world, on the device type the shards (and their optimizer state) use."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    device_type = "cpu" if dist.get_backend() == "gloo" else "cuda"
-    return init_device_mesh(device_type, (dist.get_world_size(),))
+    return init_device_mesh(_shard_device(root).type, (dist.get_world_size(),))
 
 
 def _as_dtensors(state: Any, mesh: Any, shard_numels: set[int]) -> Any:
@@ -139,7 +139,7 @@ def save_sharded(root: FullyShardedDataParallel, checkpoint: dict[str, Any], pat
         raise FileExistsError(f"{path} is a file; a sharded checkpoint is a folder. Remove it or pick another name.")
     path.mkdir(parents=True, exist_ok=True)
     numels = _shard_numels(root)
-    mesh = _mesh()
+    mesh = _mesh(root)
     tensors = {_MODEL_KEY: checkpoint.pop("state_dict")}
     param_groups = []
     for index, state in enumerate(checkpoint.pop("optimizer_states", [])):
@@ -188,7 +188,7 @@ def _template(root: FullyShardedDataParallel, path: Path, num_optimizers: int) -
 
     from shardkit.nn.fsdp.state_dict import sharded_state_dict
 
-    mesh = _mesh()
+    mesh = _mesh(root)
     template: dict[str, Any] = {_MODEL_KEY: dict(sharded_state_dict(root))}
     metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
     world = dist.get_world_size()
