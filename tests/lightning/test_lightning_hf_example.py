@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-transformers = pytest.importorskip("transformers")
+import transformers  # installed by the "examples" extra that make test installs
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "hf_causal_lm_lightning.py"
 
