@@ -67,6 +67,7 @@ class StageRuntime:
         self._shapes: dict[tuple[Any, ...], Shapes] = {plan.signature: plan.shapes}
         self._active: Optional[_Invocation] = None
         self._installed: list[nn.Module] = []
+        self._placeholders: dict[tuple[tuple[int, ...], torch.dtype, torch.device], torch.Tensor] = {}
 
     # ---- installation -------------------------------------------------------------------------------------
 
@@ -187,8 +188,21 @@ class StageRuntime:
                     leaf = leaf.clone()
                 leaves.append(leaf)
             else:
-                leaves.append(torch.zeros(spec.shape, dtype=spec.dtype, device=self.device))
+                leaves.append(self._placeholder(spec))
         return tree_unflatten(leaves, call.treespec)
+
+    def _placeholder(self, spec: LeafSpec) -> torch.Tensor:
+        """A zero tensor standing in for an output this stage never needs.
+
+        One per shape, reused by every call: nothing real is ever computed from a placeholder (the plan makes a
+        stage receive whatever its real work depends on), so even glue code updating it in place is harmless,
+        and the stage saves allocating and clearing it per micro-batch (megabytes for a vocabulary's logits).
+        """
+        key = (spec.shape, spec.dtype, self.device)
+        tensor = self._placeholders.get(key)
+        if tensor is None:
+            tensor = self._placeholders[key] = torch.zeros(spec.shape, dtype=spec.dtype, device=self.device)
+        return tensor
 
     # ---- backward -----------------------------------------------------------------------------------------
 
