@@ -180,9 +180,17 @@ def _build_fsdp(
     model: nn.Module, optim: OptimizerSpec, group: Group, *, reshard_after_forward: bool
 ) -> tuple[nn.Module, torch.optim.Optimizer]:
     from shardkit.nn import FullyShardedDataParallel
+    from shardkit.nn.fsdp import BackwardPrefetch
 
     def wrap(module: nn.Module) -> nn.Module:
-        return FullyShardedDataParallel(module, process_group=group, reshard_after_forward=reshard_after_forward)
+        # Prefetch one block ahead in both directions (torch FSDP2 prefetches in backward by default).
+        return FullyShardedDataParallel(
+            module,
+            process_group=group,
+            reshard_after_forward=reshard_after_forward,
+            backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
+            forward_prefetch=True,
+        )
 
     wrapped = _wrap_blocks(model, wrap)
     return wrapped, optim.make(wrapped.parameters())
@@ -244,7 +252,7 @@ register(
 register(
     Strategy(
         "fsdp",
-        "shardkit FSDP per block + root, reshard after forward (ZeRO-3)",
+        "shardkit FSDP per block + root, reshard after forward, prefetch one block ahead (ZeRO-3)",
         functools.partial(_build_fsdp, reshard_after_forward=True),
         requires=("shardkit.nn.fsdp:FullyShardedDataParallel",),
     )
@@ -252,7 +260,7 @@ register(
 register(
     Strategy(
         "fsdp_no_reshard",
-        "shardkit FSDP per block + root, keep params until backward",
+        "shardkit FSDP per block + root, keep params until backward, forward prefetch",
         functools.partial(_build_fsdp, reshard_after_forward=False),
         requires=("shardkit.nn.fsdp:FullyShardedDataParallel",),
     )
