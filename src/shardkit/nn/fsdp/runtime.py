@@ -142,10 +142,10 @@ class Unit:
                     schedule.begin_forward()
                 schedule.record_pre_forward(self)
             self.group.unshard(self.ctx)
+            schedule.consume(self)
             if not recomputing and self.policies.prefetch.forward:
                 schedule.prefetch(schedule.next_in_forward(self))
             self.group.wait_unsharded()
-            schedule.consume(self)
             self.group.use_views()
         if not recomputing and self.group.has_frozen and torch.is_grad_enabled():
             args, kwargs = self._hook_inputs((args, kwargs))
@@ -212,10 +212,10 @@ class Unit:
         schedule = self.tree_schedule
         with record_function(f"shardkit::fsdp:pre_backward:{self.name}"), torch.enable_grad():
             self.group.unshard(self.ctx)
-            if self.policies.prefetch.backward == BackwardPrefetch.BACKWARD_PRE:
-                schedule.prefetch(schedule.next_in_backward(self))
-            self.group.wait_unsharded()
             schedule.consume(self)
+            if self.policies.prefetch.backward == BackwardPrefetch.BACKWARD_PRE:
+                self._prefetch_backward()
+            self.group.wait_unsharded()
             # Views made with grad enabled, for activation checkpointing that recomputes from the attributes.
             self.group.use_views()
 
@@ -233,8 +233,16 @@ class Unit:
             if self._grads_done == self.group.trainable_count:
                 self._maybe_free_frozen()
                 if self.policies.prefetch.backward == BackwardPrefetch.BACKWARD_POST:
-                    schedule.prefetch(schedule.next_in_backward(self))
+                    self._prefetch_backward()
             schedule.add_reduce(pending)
+
+    def _prefetch_backward(self) -> None:
+        # Only a unit backward has not reached yet: the root comes first in backward order but its last
+        # gradient (the embedding's) is out only at the very end.
+        schedule = self.tree_schedule
+        target = schedule.next_in_backward(self)
+        if target is not None and target.state not in _IN_BACKWARD:
+            schedule.prefetch(target)
 
     def inputs_grad_ready(self) -> None:
         """The gradients of one forward's inputs are computed (frozen parameters may no longer be needed)."""
