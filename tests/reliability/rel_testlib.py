@@ -229,7 +229,7 @@ def elastic_train(cfg: dict[str, Any]) -> dict[str, Any]:
         start = info.step + 1
         assert info.data_position == {"next_step": start}, info.data_position
     with open(root / f"starts_rank{rank}.txt", "a") as log:
-        log.write(f"{start}\n")
+        log.write(f"{start} {os.environ.get('TORCHELASTIC_RESTART_COUNT', '-')} {time.time():.1f}\n")
     for step in range(start, cfg["steps"]):
         for kill in cfg["kills"]:
             if kill["rank"] == rank and kill["step"] == step and kill["where"] == "train":

@@ -35,7 +35,7 @@ Pieces: :mod:`~.api` (the two entry points), :mod:`~.adapters` (one file per str
 (DCP with a safe reader), :mod:`~.validate` (key and shape checks), :mod:`~.rng`.
 """
 
-from shardkit.checkpoint.api import load_checkpoint, save_checkpoint, step_directory
+from shardkit.checkpoint.api import load_checkpoint, save_checkpoint, step_directory, verify_checkpoint
 from shardkit.checkpoint.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -58,4 +58,5 @@ __all__ = [
     "safe_load",
     "save_checkpoint",
     "step_directory",
+    "verify_checkpoint",
 ]

@@ -212,6 +212,33 @@ def load_checkpoint(
     )
 
 
+def verify_checkpoint(directory: PathLike) -> CheckpointInfo:
+    """Check that ``directory`` is a complete checkpoint whose every file has its recorded size and SHA-256.
+
+    Reads no tensors and needs no process group (an fsck for checkpoints). Raises
+    :class:`CorruptCheckpointError` naming the first bad file; returns what the index records.
+
+    Example::
+
+        for path in sorted(Path("runs/exp1").glob("step_*")):
+            verify_checkpoint(path)
+    """
+    path = Path(directory)
+    meta = read_meta(path)
+    _verify_files(path, meta, rank=0, world_size=1)
+    return CheckpointInfo(
+        path=path,
+        step=meta.step,
+        data_position=None,
+        world_size=meta.world_size,
+        strategy=meta.strategy,
+        extra=None,
+        rng_restored=False,
+        shardkit_version=meta.shardkit_version,
+        torch_version=meta.torch_version,
+    )
+
+
 def _check_meta(path: Path, adapter: Adapter, world_size: int, scaler: Any) -> CheckpointMeta:
     meta = read_meta(path)
     if meta.layout != adapter.layout:

@@ -14,7 +14,7 @@ import os
 import pickle
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -78,15 +78,25 @@ def safe_load(path: Path, what: str) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
-        if "weights_only" in str(err) or "Unsupported global" in str(err):
+        refusal = _refusal(str(err))
+        if refusal is not None:
             raise UnsafeCheckpointError(
                 f"{what}: {path} holds pickled Python objects that torch.load(weights_only=True) refuses (they "
                 "could run code when loaded), so it was not loaded. shardkit checkpoints hold only tensors and "
-                "plain data; do not load files of unknown origin. Details: " + str(err).splitlines()[0]
+                f"plain data; do not load files of unknown origin. ({refusal})"
             ) from None
         raise _corrupt(path, what, err) from err
     except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile, KeyError, AttributeError) as err:
         raise _corrupt(path, what, err) from err
+
+
+def _refusal(message: str) -> Optional[str]:
+    """What torch's weights-only unpickler refused (the line naming it), or ``None`` if it refused nothing."""
+    if "Weights only load failed" not in message and "WeightsUnpickler" not in message:
+        return None
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    named = [line for line in lines if "GLOBAL" in line or "nsupported" in line or "unrecognized" in line]
+    return (named or lines)[0]
 
 
 def _corrupt(path: Path, what: str, err: BaseException) -> CorruptCheckpointError:

@@ -58,6 +58,9 @@ class CheckpointMeta:
             )
         try:
             files = {name: FileRecord(**record) for name, record in obj["files"].items()}
+            outside = [name for name in files if Path(name).is_absolute() or ".." in Path(name).parts]
+            if outside:
+                raise CorruptCheckpointError(f"{where} lists files outside the checkpoint: {outside[:3]}")
             fields = {k: obj[k] for k in CheckpointMeta.__dataclass_fields__ if k != "files"}
             return CheckpointMeta(files=files, **fields)
         except (KeyError, TypeError, AttributeError) as err:
