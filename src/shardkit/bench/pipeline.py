@@ -8,7 +8,8 @@ batches, so their losses must agree. torch.pipelining's stages are cut where smp
 stages (embedding and the first half of the blocks | the rest); its tied embedding/output weight is kept in
 sync by an all-reduce of the two copies' gradients, as smp does.
 
-The table gives the median step time (slowest rank per step), its ratio to torch's 1F1B, and smp's measured
+The table gives the median and the minimum step time (slowest rank per step; the minimum is the least
+disturbed by other load on a shared machine), their ratios to torch's 1F1B, and smp's measured
 bubble (time each stage spent blocked on receives, averaged over stages) against the theory
 ``(p - 1) / (m + p - 1)``.
 
@@ -257,6 +258,7 @@ class Row:
     name: str
     schedule: str
     median_step_s: float
+    min_step_s: float
     final_loss: float
     max_loss_diff_vs_smp: Optional[float]
     bubble_measured: Optional[float]
@@ -279,14 +281,16 @@ def combine(settings: PipelineSettings, per_rank: list[dict[str, Any]]) -> list[
             per_stage = [statistics.fmean(r["smp_wait"]) for r in per_rank]
             bubble = statistics.fmean(per_stage)
         schedule = {"smp": settings.smp_pipeline, "torch GPipe": "GPipe", "torch 1F1B": "1F1B"}[name]
-        rows.append(Row(name, schedule, statistics.median(step_times), losses[-1], diff, bubble, per_stage))
+        rows.append(
+            Row(name, schedule, statistics.median(step_times), min(step_times), losses[-1], diff, bubble, per_stage)
+        )
     return rows
 
 
 def _print(settings: PipelineSettings, rows: list[Row], placement: Optional[str], split: list[list[int]]) -> None:
     p, m = settings.stages, settings.microbatches
     theory = (p - 1) / (m + p - 1)
-    base = next((r.median_step_s for r in rows if r.name == "torch 1F1B"), None)
+    base = next((r for r in rows if r.name == "torch 1F1B"), None)
     print(
         f"pipeline: LM {settings.lm.n_layers} blocks x d{settings.lm.d_model}, vocab {settings.lm.vocab_size}, "
         f"seq {settings.lm.seq_len}; {p} stages x {m} micro-batches, global batch {settings.global_batch}; gloo/CPU; "
@@ -295,8 +299,10 @@ def _print(settings: PipelineSettings, rows: list[Row], placement: Optional[str]
     headers = [
         "strategy",
         "schedule",
-        "step ms",
+        "median ms",
         "vs torch 1F1B",
+        "min ms",
+        "vs torch 1F1B (min)",
         "bubble measured",
         "bubble theory",
         "loss",
@@ -311,7 +317,9 @@ def _print(settings: PipelineSettings, rows: list[Row], placement: Optional[str]
                 r.name,
                 r.schedule,
                 f"{r.median_step_s * 1e3:.0f}",
-                ratio(r.median_step_s, base),
+                ratio(r.median_step_s, base.median_step_s if base else None),
+                f"{r.min_step_s * 1e3:.0f}",
+                ratio(r.min_step_s, base.min_step_s if base else None),
                 measured,
                 f"{theory:.1%}",
                 f"{r.final_loss:.4f}",
