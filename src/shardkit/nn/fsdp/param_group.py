@@ -272,8 +272,12 @@ class ParamGroup:
         """How many flat parameters of this unit get gradients (post-backward fires once for each)."""
         return sum(1 for h in self.handles if h.meta.requires_grad)
 
-    def check_offload(self, unit_name: str) -> None:
-        """With parameter offload, shards must stay in CPU memory; say what to do if they were moved."""
+    def check_shards(self, unit_name: str) -> None:
+        """Adopt shards that ``model.to()`` replaced by new objects; under offload, insist they stay on CPU."""
+        for handle in self.handles:
+            registered = self.owner._parameters.get(handle.name)
+            if registered is not None and registered is not handle.shard:
+                handle.shard = registered
         if not self.policies.offload.offload_params:
             return
         for handle in self.handles:

@@ -131,12 +131,12 @@ class Unit:
                 f"FullyShardedDataParallel unit '{self.name}' is in state {self.state.name} outside backward: a "
                 "backward pass through it did not finish. Run forward through the root instance."
             )
+        self.group.check_shards(self.name)
         recomputing = self.state in _IN_BACKWARD  # activation checkpointing runs forward again inside backward
         self.transition("pre_forward")
         args, kwargs = self.cast_inputs((args, kwargs))
         schedule = self.tree_schedule
         with record_function(f"shardkit::fsdp:pre_forward:{self.name}"):
-            self.group.check_offload(self.name)
             if not recomputing:
                 if self.is_root:
                     schedule.begin_forward()
