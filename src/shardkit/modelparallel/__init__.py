@@ -22,10 +22,13 @@ Example::
         loss = train_step(model, x, y).reduce_mean()
         optimizer.step()
 
-Pieces: :mod:`~shardkit.modelparallel.state` (``init``, rank helpers), :mod:`~.model` (``DistributedModel``),
-:mod:`~.step` (``step``, ``StepOutput``), :mod:`~.partition` (``smp.partition``), :mod:`~.auto_partition`,
-:mod:`~.plan` and :mod:`~.runtime` (how a partitioned forward runs), :mod:`~.pipeline_parallel` (schedules),
-:mod:`~.pp_communications` (send/recv), :mod:`~.grad_sync`, :mod:`~.optimizer`, :mod:`~.checkpoint`, :mod:`~.amp`.
+Pieces: :mod:`~.config` and :mod:`~.topology` (settings, rank arithmetic), :mod:`~.state` (``init``, rank
+helpers, the one state object), :mod:`~.model` and :mod:`~.model_views` (``DistributedModel``), :mod:`~.step`
+(``step``, ``StepOutput``), :mod:`~.partition` (``smp.partition``), :mod:`~.trace`, :mod:`~.auto_partition`
+and :mod:`~.partitioner` (deciding the placement), :mod:`~.plan` and :mod:`~.runtime` (how a partitioned
+forward runs on every stage), :mod:`~.pipeline_parallel` (schedules) beside :mod:`~.pp_communications`
+(send/recv), :mod:`~.grad_sync` and :mod:`~.stage_groups` (gradient reduction), :mod:`~.startup`,
+:mod:`~.optimizer`, :mod:`~.checkpoint`, :mod:`~.amp`.
 """
 
 from shardkit.modelparallel import amp
