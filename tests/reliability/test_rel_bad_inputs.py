@@ -25,12 +25,14 @@ from rel_testlib import (
 )
 
 from shardkit.checkpoint import (
+    CheckpointError,
     CorruptCheckpointError,
     IncompatibleCheckpointError,
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
     step_directory,
+    verify_checkpoint,
 )
 from shardkit.distributed import DummyProcessGroup
 from shardkit.optim import OSS
@@ -187,7 +189,28 @@ def _fsdp_and_oss_bad_inputs(rank: int, world_size: int, root: str) -> dict[str,
         for p in opt.optim.state
     )
     out["oss_model"] = as_numpy(full_state(Run("plain", net, opt)))
+    out["slowmo"] = _slowmo_gossip_in_flight(rank, root_path)
     return out
+
+
+def _slowmo_gossip_in_flight(rank: int, root: Path) -> list[str]:
+    """Overlapped gossip still in flight cannot be saved; eval() completes it, and then the save works."""
+    from shardkit.nn.data_parallel import SlowMoDistributedDataParallel
+
+    model = SlowMoDistributedDataParallel(
+        tiny_net(seed=0), nprocs_per_node=1, slowmo_base_algorithm="sgp", overlap=True
+    )
+    run = Run("slowmo", model, torch.optim.SGD(model.parameters(), lr=0.05))
+    train(run, range(2), rank)
+    seen = []
+    try:
+        save_checkpoint(root / "slowmo_overlap", step=2, model=model, optimizer=run.optimizer)
+    except CheckpointError as err:
+        seen.append(str(err))
+    model.eval()
+    saved = save_checkpoint(root / "slowmo_overlap", step=2, model=model, optimizer=run.optimizer)
+    seen.append(verify_checkpoint(saved).strategy)
+    return seen
 
 
 def test_bad_inputs_at_two_ranks_fail_on_every_rank_and_change_nothing(tmp_path: Path) -> None:
@@ -207,6 +230,8 @@ def test_bad_inputs_at_two_ranks_fail_on_every_rank_and_change_nothing(tmp_path:
         assert "rank_00001.pt" in out["one_rank_corrupt"] and "rank 0:" not in out["one_rank_corrupt"], rank
         assert "world_size': 1" in out["local"] and "same world size" in out["local"], rank
         assert out["oss_equal"], rank
+        assert "gossip rounds in flight" in out["slowmo"][0] and "model.eval()" in out["slowmo"][0], rank
+        assert out["slowmo"][1] == "slowmo", rank
         assert first_difference(out_tensors(out["oss_model"]), {k: v for k, v in net.state_dict().items()}) is None
     owned = [results[0]["oss_owned"], results[1]["oss_owned"]]
     assert sorted(owned[0] + owned[1]) == list(range(6)) and owned[0] and owned[1]
