@@ -88,4 +88,5 @@ def agreed(fn: Callable[[], T], label: str) -> T:
         raise own
     kind = _ERROR_TYPES.get(failures[0][1][0], errors.CheckpointError)
     lines = [f"rank {rank}: {name}: {message}" for rank, (name, message) in failures]
-    raise kind(f"{label} failed; nothing was applied.\n" + "\n".join(lines)) from own
+    ranks = ", ".join(str(rank) for rank, _ in failures)
+    raise kind(f"{label} failed on rank(s) {ranks}:\n" + "\n".join(lines)) from own
