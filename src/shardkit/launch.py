@@ -6,9 +6,11 @@ launcher users run in production; shardkit never manages worker processes by han
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import uuid
+from collections.abc import Iterator
 from typing import Any, Callable
 
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -51,7 +53,26 @@ def launch_local(
         monitor_interval=0.1,
         start_method=start_method,
     )
-    # The agent inherits OMP_NUM_THREADS for workers; without it torchrun's default of 1 thread applies.
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    results = elastic_launch(config, entrypoint)(*args)
+    env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}  # torchrun's default for workers
+    if max_restarts > 0:
+        # Restarted workers must not reuse the rendezvous TCP store shared with the first round: it still holds
+        # the dead workers' addresses and gloo's mesh setup then fails (pytorch/pytorch#135712).
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    with _environment(env):
+        results = elastic_launch(config, entrypoint)(*args)
     return [results[rank] for rank in range(nprocs)]
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    """Set environment variables the agent and its workers inherit, restoring the caller's afterwards."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

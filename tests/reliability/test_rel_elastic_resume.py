@@ -49,9 +49,8 @@ def _uninterrupted(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str,
 def test_sigkilled_run_resumes_through_the_elastic_agent_to_identical_parameters(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, strategy: str, kills: int
 ) -> None:
-    # With the rendezvous store shared with the workers (torch's default), a restarted worker can read a dead
-    # worker's gloo address left in the store and fail to connect (pytorch/pytorch#135712). A store per round:
-    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    # launch_local itself must avoid pytorch/pytorch#135712 (restarted workers reading dead workers' addresses).
+    monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
     seed = int(os.environ.get("SHARDKIT_REL_SEED", random.randrange(2**31)))
     root = tmp_path / "killed"
     root.mkdir()

@@ -153,14 +153,15 @@ def save_sharded(root: FullyShardedDataParallel, checkpoint: dict[str, Any], pat
 
 def load_sharded(root: FullyShardedDataParallel, path: Any, weights_only: Optional[bool]) -> dict[str, Any]:
     """Read a folder written by :func:`save_sharded` into a Lightning checkpoint holding this rank's shards."""
-    import torch.distributed.checkpoint as dcp
+    from shardkit.checkpoint import safe_dcp
 
     path = Path(path)
-    meta: dict[str, Any] = torch.load(path / META_FILE, weights_only=bool(weights_only))
+    # Safe by default (as torch >= 2.6 and Lightning are): only an explicit weights_only=False unpickles objects.
+    meta: dict[str, Any] = torch.load(path / META_FILE, weights_only=weights_only is not False)
     param_groups = meta.pop(_PARAM_GROUPS)
     template = _template(root, path, len(param_groups))
     try:
-        dcp.load(template, checkpoint_id=str(path))
+        safe_dcp.load(template, path)  # DCP's index is read through an allow-list unpickler
     except Exception as exc:
         raise RuntimeError(
             f"could not load the sharded checkpoint {path} into this run ({exc}). A sharded checkpoint resumes "
