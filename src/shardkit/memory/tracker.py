@@ -57,6 +57,13 @@ class ModuleMemory:
     retained: int = 0
 
 
+_PLAIN = (torch.Tensor, nn.Parameter)
+
+
+def _is_dtensor_type(cls: type) -> bool:
+    return any(base.__name__ == "DTensor" for base in cls.__mro__)
+
+
 def _storage(tensor: torch.Tensor) -> Optional[torch.UntypedStorage]:
     local = getattr(tensor, "_local_tensor", None)  # DTensor parameters (torch FSDP2): the rank's shard
     if isinstance(local, torch.Tensor):
@@ -183,12 +190,13 @@ class MemoryTracker(TorchDispatchMode):
 
     # ------------------------------------------------------------------ the dispatch mode
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if any(t is not torch.Tensor and t is not nn.Parameter for t in types):
-            return NotImplemented  # let tensor subclasses (DTensor) run their local ops, which come back here
+        if any(_is_dtensor_type(t) for t in types):
+            return NotImplemented  # let DTensor run its local ops, which come back here with plain tensors
         out = func(*args, **(kwargs or {}))
         category = self._category_now()
         for tensor in tree_flatten(out)[0]:
-            if isinstance(tensor, torch.Tensor) and self._wanted(tensor):
+            # Only plain tensors own real memory (fake tensors of sharding propagation, wrappers, ... do not).
+            if type(tensor) in _PLAIN and self._wanted(tensor):
                 storage = _storage(tensor)
                 if storage is not None:
                     self._book.track(storage, category)

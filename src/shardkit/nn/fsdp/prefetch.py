@@ -13,7 +13,8 @@ parameters. Decisions depend only on the recorded order, which every rank shares
 same collectives in the same order.
 
 Reductions: each new reduce-scatter is started first, then every older one is finished, so at most one full
-gradient waits on the network while the next unit computes.
+gradient waits on the network while the next unit computes; one that completed earlier is finished (and its
+full gradient freed) as soon as the next hook notices.
 """
 
 from __future__ import annotations
@@ -105,6 +106,12 @@ class Schedule:
             return
         self._reduces.append(pending)
         while len(self._reduces) > 1:
+            self._finish(self._reduces.popleft())
+
+    def poll_reduces(self) -> None:
+        """Finish the reductions that already completed, oldest first, without waiting: their full gradients
+        are freed now instead of at the next unit's post-backward."""
+        while self._reduces and self._reduces[0].done():
             self._finish(self._reduces.popleft())
 
     def finish_reduces(self) -> None:

@@ -47,6 +47,10 @@ class PendingReduce:
         """A result that needs no communication (one rank): ``grad`` is already the shard's gradient."""
         return cls(shard, grad)
 
+    def done(self) -> bool:
+        """True when :meth:`finish` would not wait for communication."""
+        return self.work is None or self.work.is_completed()
+
     def finish(self) -> bool:
         """Wait for the reduction and add its result to the shard's ``.grad`` (in the shard's dtype and device).
 

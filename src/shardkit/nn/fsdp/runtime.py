@@ -137,13 +137,15 @@ class Unit:
         args, kwargs = self.cast_inputs((args, kwargs))
         schedule = self.tree_schedule
         with record_function(f"shardkit::fsdp:pre_forward:{self.name}"):
-            if not recomputing:
+            # A forward run again inside backward (activation checkpointing) neither records nor prefetches.
+            first_pass = not recomputing and not _in_backward()
+            if first_pass:
                 if self.is_root:
                     schedule.begin_forward()
                 schedule.record_pre_forward(self)
             self.group.unshard(self.ctx)
             schedule.consume(self)
-            if not recomputing and self.policies.prefetch.forward:
+            if first_pass and self.policies.prefetch.forward:
                 schedule.prefetch(schedule.next_in_forward(self))
             self.group.wait_unsharded()
             self.group.use_views()
@@ -211,6 +213,7 @@ class Unit:
         self.transition("pre_backward")
         schedule = self.tree_schedule
         with record_function(f"shardkit::fsdp:pre_backward:{self.name}"), torch.enable_grad():
+            schedule.poll_reduces()
             self.group.unshard(self.ctx)
             schedule.consume(self)
             if self.policies.prefetch.backward == BackwardPrefetch.BACKWARD_PRE:
