@@ -169,13 +169,15 @@ def agree_on_failures(lives: Sequence[LiveStrategy]) -> None:
 class Combined:
     """One strategy's measurements merged over ranks, as the tables show them.
 
-    Step time: per step the slowest rank, then the median over steps. Loss: per step the mean over ranks (the
-    loss of the global batch). Memory and comm: the rank that holds or sends the most.
+    Step time: per step the slowest rank (``step_times``), then the median and minimum over steps. Loss: per
+    step the mean over ranks (the loss of the global batch). Memory and comm: the rank that holds or sends the
+    most.
     """
 
     name: str
     median_step_s: float
     min_step_s: float
+    step_times: list[float]
     losses: list[float]
     memory: Optional[MemoryBreakdown]
     comm_bytes_per_step: int
@@ -202,12 +204,23 @@ def combine(per_rank: Sequence[StrategyResult]) -> Combined:
         name=first.name,
         median_step_s=median(times) if times else float("nan"),
         min_step_s=min(times) if times else float("nan"),
+        step_times=times,
         losses=losses,
         memory=memory,
         comm_bytes_per_step=meter + (formula or 0),
         comm_source=source,
         error=error,
     )
+
+
+def paired_ratio(times: Sequence[float], base_times: Sequence[float]) -> float:
+    """Median over steps of ``times[s] / base_times[s]``.
+
+    When strategies run interleaved, step ``s`` of each ran within seconds of the others, so the per-step ratio
+    cancels slow drifts in background load that a ratio of medians would pick up.
+    """
+    ratios = [t / b for t, b in zip(times, base_times) if b > 0]
+    return median(ratios) if ratios and len(times) == len(base_times) else float("nan")
 
 
 def combine_all(rank_results: Sequence[Sequence[StrategyResult]]) -> list[Combined]:

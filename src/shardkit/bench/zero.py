@@ -29,6 +29,7 @@ from shardkit.bench.runner import (
     StrategyResult,
     agree_on_failures,
     combine_all,
+    paired_ratio,
     quiet_torch_deprecations,
 )
 from shardkit.demo.task import MarkovTask
@@ -126,7 +127,7 @@ def _rows(results: list[Combined]) -> list[list[str]]:
                 r.name,
                 f"{r.median_step_s * 1000:.0f}",
                 f"{r.min_step_s * 1000:.0f}",
-                ratio(r.median_step_s, base.median_step_s if base else None),
+                f"{paired_ratio(r.step_times, base.step_times):.2f}x" if base else "-",
                 format_bytes(mem.params) if mem else "-",
                 format_bytes(mem.grads) if mem else "-",
                 format_bytes(mem.optim_state) if mem else "-",
@@ -145,7 +146,7 @@ HEADERS = [
     "strategy",
     "step ms (median)",
     "min",
-    "vs ddp",
+    "vs ddp (paired)",
     "params",
     "grads",
     "optim state",
@@ -159,7 +160,8 @@ HEADERS = [
 
 
 NOTES = [
-    "step ms: per step the slowest rank, then the median (and min) over timed steps.",
+    "step ms: per step the slowest rank, then the median (and min) over timed steps. vs ddp (paired): median over",
+    "  steps of this strategy's time / DDP's time in the same step (robust to drifting background load).",
     "params/grads/optim state: bytes one rank holds (the larger rank), counted from the storages of the",
     "  parameters, their .grad and the optimizer state after optimizer.step(); torch DDP's separate gradient",
     "  buckets, activations and transient all-gathered parameters are not counted.",
@@ -198,7 +200,7 @@ def _target_lines(results: list[Combined]) -> list[str]:
     base, sdp = by_name.get("ddp"), by_name.get("oss_sdp")
     if base is None or sdp is None or base.memory is None or sdp.memory is None:
         return []
-    time_ratio = sdp.median_step_s / base.median_step_s
+    time_ratio = paired_ratio(sdp.step_times, base.step_times)
     mem_ratio = sdp.memory.total / base.memory.total
     loss_diff = abs(sdp.losses[-1] - base.losses[-1])
 
