@@ -20,6 +20,7 @@ from typing import Callable, Optional
 #: Suite name -> module defining ``run(argv)``. Suites owned by other capabilities land here by name.
 SUITES: dict[str, str] = {
     "zero": "shardkit.bench.zero",
+    "fsdp": "shardkit.bench.fsdp",
     "pipeline": "shardkit.bench.pipeline",
     "slowmo": "shardkit.bench.slowmo",
 }
