@@ -4,7 +4,15 @@ Layers, outermost first: :mod:`~shardkit.nn.fsdp.api` (the public class, argumen
 :mod:`~shardkit.nn.fsdp.runtime` (lifecycle hooks and the :class:`TrainingState` machine),
 :mod:`~shardkit.nn.fsdp.param_group` (one unit: shard, gather, free, reduce),
 :mod:`~shardkit.nn.fsdp.handle` (one flat parameter at run time), :mod:`~shardkit.nn.fsdp.flat_param`
-(the layout metadata) and :mod:`~shardkit.nn.fsdp._collectives`.
+(the layout metadata), :mod:`~shardkit.nn.fsdp.reduce` (gradient reduction in flight),
+:mod:`~shardkit.nn.fsdp.prefetch` (the root's schedule: recorded order, rate-limited prefetch, reductions in
+flight), :mod:`~shardkit.nn.fsdp.comm_context` (reduce channels, CUDA side streams) and
+:mod:`~shardkit.nn.fsdp._collectives`.
+
+Fast settings (prefetch one unit ahead in both directions; ``BACKWARD_PRE`` costs at most one unit's full
+parameters of extra memory)::
+
+    block = FSDP(block, backward_prefetch=BackwardPrefetch.BACKWARD_PRE, forward_prefetch=True)
 """
 
 from shardkit.nn.fsdp.api import FullyShardedDataParallel

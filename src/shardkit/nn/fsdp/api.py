@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import importlib
 from collections.abc import Iterator
 from typing import Any, Optional, Union
 
@@ -14,6 +13,7 @@ from shardkit.distributed.groups import GroupLike, group_rank, group_size, resol
 from shardkit.nn.fsdp import grad_norm
 from shardkit.nn.fsdp._collectives import create_reduce_channels
 from shardkit.nn.fsdp._names import clean_members, clean_named_modules
+from shardkit.nn.fsdp._state_dict_methods import StateDictMethods
 from shardkit.nn.fsdp.comm_context import CommContext
 from shardkit.nn.fsdp.flat_param import FlatParamMeta
 from shardkit.nn.fsdp.param_group import ParamGroup
@@ -21,7 +21,7 @@ from shardkit.nn.fsdp.policies import BackwardPrefetch, CPUOffload, policies_fro
 from shardkit.nn.fsdp.runtime import TrainingState, Unit, make_input_caster
 
 
-class FullyShardedDataParallel(nn.Module):
+class FullyShardedDataParallel(StateDictMethods, nn.Module):
     """Shard a module's parameters, gradients and optimizer state across a process group (ZeRO-3).
 
     Each rank keeps ``1/world_size`` of every parameter as a flat FP32 shard; ``model.parameters()`` yields only
@@ -81,6 +81,11 @@ class FullyShardedDataParallel(nn.Module):
         optim.step()
         with model.summon_full_params():
             print(dict(model.named_parameters()).keys())     # original names and shapes
+
+    Overlapping communication, and shards kept in CPU memory::
+
+        blocks = [FSDP(b, backward_prefetch=BackwardPrefetch.BACKWARD_PRE, forward_prefetch=True) for b in blocks]
+        model = FSDP(model, cpu_offload=CPUOffload(offload_params=True))   # optimizer then steps on CPU
     """
 
     def __init__(
@@ -362,64 +367,6 @@ class FullyShardedDataParallel(nn.Module):
             )
         self._unit.assert_state(TrainingState.IDLE)
         return grad_norm.clip_grad_norm_(self._unit.units, max_norm, norm_type)
-
-    # ------------------------------------------------------------------ state dicts (shardkit.nn.fsdp.state_dict)
-    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        """Full, unflattened state dict with the unwrapped model's keys (see :mod:`shardkit.nn.fsdp.state_dict`)."""
-        sd = _state_dict_module()
-        return sd.state_dict(self, *args, **kwargs)
-
-    def load_state_dict(self, state_dict: Any, *args: Any, **kwargs: Any) -> Any:
-        """Load a full state dict (as returned by :meth:`state_dict` or by the unwrapped model)."""
-        sd = _state_dict_module()
-        return sd.load_state_dict(self, state_dict, *args, **kwargs)
-
-    def local_state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        """This rank's shards and buffers, for saving and loading at the same world size."""
-        sd = _state_dict_module()
-        return sd.local_state_dict(self, *args, **kwargs)
-
-    def load_local_state_dict(self, state_dict: Any, *args: Any, **kwargs: Any) -> Any:
-        """Load what :meth:`local_state_dict` returned on this rank."""
-        sd = _state_dict_module()
-        return sd.load_local_state_dict(self, state_dict, *args, **kwargs)
-
-    def gather_full_optim_state_dict(self, optim: torch.optim.Optimizer, **kwargs: Any) -> Any:
-        """The optimizer state for the full, unflattened model (see :mod:`shardkit.nn.fsdp.state_dict`)."""
-        sd = _state_dict_module()
-        return sd.gather_full_optim_state_dict(self, optim, **kwargs)
-
-    def get_shard_from_optim_state_dict(
-        self, full_optim_state_dict: dict[str, Any], optim: Optional[torch.optim.Optimizer] = None
-    ) -> Any:
-        """This rank's part of a full optimizer state dict, ready for ``optim.load_state_dict``."""
-        sd = _state_dict_module()
-        return sd.get_shard_from_optim_state_dict(self, full_optim_state_dict, optim=optim)
-
-    def sharded_state_dict(self) -> dict[str, Any]:
-        """Per original parameter a row-sharded DTensor, for ``torch.distributed.checkpoint.save``.
-
-        Example::
-
-            torch.distributed.checkpoint.save({"model": model.sharded_state_dict()}, checkpoint_id=path)
-        """
-        sd = _state_dict_module()
-        return sd.sharded_state_dict(self)
-
-    def load_sharded_state_dict(self, state_dict: Any, strict: bool = True) -> Any:
-        """Load what ``torch.distributed.checkpoint.load`` filled in from :meth:`sharded_state_dict`, at any
-        world size."""
-        sd = _state_dict_module()
-        return sd.load_sharded_state_dict(self, state_dict, strict=strict)
-
-    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
-        # Reached only when an *unwrapped* parent's load_state_dict recurses into this unit (auto_wrap case).
-        _state_dict_module().load_from_state_dict_hook(self, state_dict, prefix, *args)
-
-
-def _state_dict_module() -> Any:
-    # Imported on use: the state-dict code builds on this class, not the other way round.
-    return importlib.import_module("shardkit.nn.fsdp.state_dict")
 
 
 def _unit_of(module: FullyShardedDataParallel) -> Unit:
