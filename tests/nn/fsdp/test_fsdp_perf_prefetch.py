@@ -177,3 +177,30 @@ def _prefetch_memory(rank: int, world_size: int) -> tuple[int, int, int]:
 def test_prefetch_raises_peak_memory_by_at_most_one_layer() -> None:
     for without, with_prefetch, block in run_distributed(_prefetch_memory, 2):
         assert 0 < with_prefetch - without <= block, (without, with_prefetch, block)
+
+
+def _subgroups(rank: int, world_size: int) -> list[float]:
+    # Hybrid sharding: ranks {0, 1} and {2, 3} each shard their own replica; channels are made for both pairs.
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    group = pairs[rank // 2]
+    model = _lm(CFG, process_group=group, backward_prefetch=PRE, forward_prefetch=True)
+    rec = _Recorder()
+    rec.watch(model)
+    losses = _train(model, rec, steps=2)
+    channel = model._unit.comm.reduce_channel(group)
+    assert channel is not group and dist.get_process_group_ranks(channel) == dist.get_process_group_ranks(group)
+    assert rec.reduce_groups and all(g is channel for g in rec.reduce_groups)
+    return losses
+
+
+def _world_pair(rank: int, world_size: int) -> list[float]:
+    rec = _Recorder()
+    model = _lm(CFG, backward_prefetch=PRE, forward_prefetch=True)
+    rec.watch(model)
+    return _train(model, rec, steps=2)
+
+
+def test_reduce_channels_for_ranks_sharding_over_different_subgroups() -> None:
+    hybrid = run_distributed(_subgroups, 4)
+    # The pair {0, 1} trains exactly like the same two ranks sharding over a world of two.
+    assert hybrid[:2] == run_distributed(_world_pair, 2)
