@@ -13,8 +13,8 @@ Three parts, all in the same worker processes (gloo):
    ``BACKWARD_PRE`` + ``forward_prefetch``, under :func:`~shardkit.distributed.comm_delay` (which slows
    shardkit's own collectives asynchronously, as a real link would), with their peaks.
 
-Run it as ``python -m shardkit.bench.fsdp`` (options: ``--steps``, ``--warmup``, ``--world-size``,
-``--strategies``, ``--quick``, ``--no-memory``, ``--delay-steps``, ``--json PATH``).
+Run it as ``shardkit bench fsdp`` or ``python -m shardkit.bench.fsdp`` (options: ``--steps``, ``--warmup``,
+``--world-size``, ``--strategies``, ``--quick``, ``--no-memory``, ``--delay-steps``, ``--json PATH``).
 """
 
 from __future__ import annotations
@@ -316,7 +316,7 @@ def run_suite(settings: FsdpSettings, world_size: int) -> dict[str, Any]:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m shardkit.bench.fsdp", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="shardkit bench fsdp", description=__doc__.splitlines()[0])
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 12)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3)")
