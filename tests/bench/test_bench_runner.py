@@ -7,11 +7,16 @@ from shardkit.bench.runner import StrategyResult, combine, paired_ratio
 
 
 def test_combine_takes_slowest_rank_mean_loss_and_largest_memory() -> None:
-    rank0 = StrategyResult("x", [1.0, 3.0, 2.0], [4.0, 2.0], MemoryBreakdown(10, 5, 20), 7, 100)
-    rank1 = StrategyResult("x", [2.0, 1.0, 2.5], [2.0, 1.0], MemoryBreakdown(10, 6, 10), 9, 100)
+    rank0 = StrategyResult(
+        "x", [1.0, 3.0, 2.0], {"forward": [0.5, 2.0, 1.0]}, [4.0, 2.0], MemoryBreakdown(10, 5, 20), 7, 100
+    )
+    rank1 = StrategyResult(
+        "x", [2.0, 1.0, 2.5], {"forward": [1.0, 0.5, 2.0]}, [2.0, 1.0], MemoryBreakdown(10, 6, 10), 9, 100
+    )
     merged = combine([rank0, rank1])
     assert merged.step_times == [2.0, 3.0, 2.5]
     assert merged.median_step_s == 2.5 and merged.min_step_s == 2.0
+    assert merged.phase_medians_s == {"forward": 2.0}  # per step max: 1.0, 2.0, 2.0
     assert merged.losses == [3.0, 1.5]
     assert merged.memory == MemoryBreakdown(10, 5, 20)  # total 35 > 26
     assert merged.comm_bytes_per_step == 9 + 100 and merged.comm_source == "measured+formula"

@@ -30,6 +30,9 @@ from shardkit.testing.models import TransformerLM
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
+#: The phases of a timed step: forward + loss, backward (with the reductions it overlaps), step + zero_grad.
+PHASES = ("forward", "backward", "optimizer")
+
 
 @dataclass
 class StrategyResult:
@@ -37,6 +40,8 @@ class StrategyResult:
 
     name: str
     step_times: list[float] = field(default_factory=list)
+    #: Host time of each phase of each timed step (see :data:`PHASES`); on CUDA, kernels may finish later.
+    phase_times: dict[str, list[float]] = field(default_factory=dict)
     losses: list[float] = field(default_factory=list)
     memory: Optional[MemoryBreakdown] = None
     meter_bytes_per_step: int = 0
@@ -133,16 +138,23 @@ class LiveStrategy:
             with count_comm_bytes(self._meter if timed else CommMeter()):
                 start = time.perf_counter()
                 loss = self.loss_fn(model(tokens), targets)
+                forward_end = time.perf_counter()
                 loss.backward()
+                backward_end = time.perf_counter()
                 optimizer.step()
-                if measure_memory:
+                step_end = time.perf_counter()
+                if measure_memory:  # between step and zero_grad: gradients and state both present
                     self.result.memory = training_memory(model, optimizer)
+                resume = time.perf_counter()
                 optimizer.zero_grad()
                 _sync_device(model)
-                elapsed = time.perf_counter() - start
+                end = time.perf_counter()
             self.result.losses.append(float(loss.detach()))
             if timed:
-                self.result.step_times.append(elapsed)
+                phases = (forward_end - start, backward_end - forward_end, step_end - backward_end + end - resume)
+                self.result.step_times.append(sum(phases))
+                for name, seconds in zip(PHASES, phases):
+                    self.result.phase_times.setdefault(name, []).append(seconds)
                 self._metered_steps += 1
         except Exception as exc:
             self.fail(exc)
@@ -178,6 +190,7 @@ class Combined:
     median_step_s: float
     min_step_s: float
     step_times: list[float]
+    phase_medians_s: dict[str, float]
     losses: list[float]
     memory: Optional[MemoryBreakdown]
     comm_bytes_per_step: int
@@ -205,12 +218,24 @@ def combine(per_rank: Sequence[StrategyResult]) -> Combined:
         median_step_s=median(times) if times else float("nan"),
         min_step_s=min(times) if times else float("nan"),
         step_times=times,
+        phase_medians_s=_phase_medians(per_rank),
         losses=losses,
         memory=memory,
         comm_bytes_per_step=meter + (formula or 0),
         comm_source=source,
         error=error,
     )
+
+
+def _phase_medians(per_rank: Sequence[StrategyResult]) -> dict[str, float]:
+    """Per phase: each step's slowest rank, then the median over steps."""
+    medians = {}
+    for phase in PHASES:
+        series = [r.phase_times.get(phase, []) for r in per_rank]
+        per_step = [max(ts) for ts in zip(*series)]
+        if per_step:
+            medians[phase] = median(per_step)
+    return medians
 
 
 def paired_ratio(times: Sequence[float], base_times: Sequence[float]) -> float:

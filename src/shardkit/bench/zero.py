@@ -24,6 +24,7 @@ from shardkit.bench import strategies as registry
 from shardkit.bench.memory import format_bytes
 from shardkit.bench.report import format_table, ratio, unavailable_lines, write_json
 from shardkit.bench.runner import (
+    PHASES,
     Combined,
     LiveStrategy,
     StrategyResult,
@@ -142,6 +143,14 @@ def _rows(results: list[Combined]) -> list[list[str]]:
     return rows
 
 
+def _phase_rows(results: list[Combined]) -> list[list[str]]:
+    return [
+        [r.name, *(f"{r.phase_medians_s[p] * 1000:.0f}" if p in r.phase_medians_s else "-" for p in PHASES)]
+        for r in results
+        if r.error is None
+    ]
+
+
 HEADERS = [
     "strategy",
     "step ms (median)",
@@ -160,8 +169,10 @@ HEADERS = [
 
 
 NOTES = [
-    "step ms: per step the slowest rank, then the median (and min) over timed steps. vs ddp (paired): median over",
-    "  steps of this strategy's time / DDP's time in the same step (robust to drifting background load).",
+    "step ms: per step the slowest rank, then the median (and min) over timed steps; phases: forward+loss,",
+    "  backward (and the gradient reductions it waits for), optimizer step+zero_grad (and parameter broadcasts).",
+    "vs ddp (paired): median over steps of this strategy's time / DDP's time in the same step (robust to",
+    "  drifting background load).",
     "params/grads/optim state: bytes one rank holds (the larger rank), counted from the storages of the",
     "  parameters, their .grad and the optimizer state after optimizer.step(); torch DDP's separate gradient",
     "  buckets, activations and transient all-gathered parameters are not counted.",
@@ -184,6 +195,10 @@ def report(
         load,
         "",
         format_table(HEADERS, _rows(results)),
+        "",
+        "where the time goes (median ms per phase, slowest rank):",
+        "",
+        format_table(["strategy", *PHASES], _phase_rows(results)),
         "",
         *NOTES,
     ]
