@@ -86,5 +86,5 @@ def _raise_quietly() -> str:
 
 
 def test_rank_failed_error_names_rank_and_exception() -> None:
-    messages = run_distributed(_failed_rank_message, 2, timeout_s=20)
+    messages = run_distributed(_failed_rank_message, 2, timeout_s=5)
     assert "rank 1 failed first: ValueError: bad batch on purpose" in messages[0]
