@@ -16,7 +16,7 @@ from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -153,16 +153,28 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def _issue(
-    op: str, label: str, tensor: torch.Tensor, group: GroupLike, wire: float, async_op: bool, run: Any
+def custom_collective(
+    op: str,
+    label: str,
+    tensor: torch.Tensor,
+    group: GroupLike,
+    wire_bytes: float,
+    async_op: bool,
+    run: Callable[[], Any],
 ) -> Handle:
+    """Issue a collective that shardkit does not wrap itself, with the same labelling, metering and checks.
+
+    ``run`` starts the operation asynchronously and returns its torch work handle (or None). ``tensor`` is the
+    buffer whose size and dtype identify the call (checked across ranks in debug mode); ``wire_bytes`` is what
+    the :class:`CommMeter` records as sent per rank. Strategies use this for hand-built exchanges (for example
+    send/recv rings) so they still show up in profiles, byte counts and :func:`comm_delay`.
+    """
     verify_matching(group, op, label, tensor)
-    nbytes = _nbytes(tensor)
     meter = _METER.get()
     if meter is not None:
-        meter.record(op, nbytes, wire)
+        meter.record(op, _nbytes(tensor), wire_bytes)
     link = _LINK.get()
-    ready_at = link.finish_time(wire) if link is not None else 0.0
+    ready_at = link.finish_time(wire_bytes) if link is not None else 0.0
     name = f"shardkit::{op}:{label}" if label else f"shardkit::{op}"
     with record_function(name):
         try:
@@ -175,15 +187,23 @@ def _issue(
     return handle
 
 
-def _is_trivial(group: GroupLike) -> bool:
+def _peers(group: Optional[GroupLike]) -> Optional[GroupLike]:
+    """The resolved group, or None when it has a single member (every collective is then the identity)."""
+    group = resolve_group(group)
     if isinstance(group, DummyProcessGroup):
         if group.size() != 1:
             raise RuntimeError(
                 f"{group!r} cannot run collectives: it only describes a sharding. Use a size-1 dummy group "
                 "or initialise torch.distributed."
             )
-        return True
-    return False
+        return None
+    return group if group_size(group) > 1 else None
+
+
+def _share(group: GroupLike) -> float:
+    """(n-1)/n: the fraction of a buffer each rank sends in a ring all-gather, reduce-scatter, broadcast, reduce."""
+    n = group_size(group)
+    return (n - 1) / n
 
 
 def all_reduce(
@@ -194,20 +214,14 @@ def all_reduce(
     label: str = "",
 ) -> Handle:
     """In-place all-reduce of ``tensor`` over ``group``."""
-    group = resolve_group(group)
-    if _is_trivial(group):
+    peers = _peers(group)
+    if peers is None:
         return Handle()
-    n = group_size(group)
-    nbytes = _nbytes(tensor)
-    return _issue(
-        "all_reduce",
-        label,
-        tensor,
-        group,
-        2 * (n - 1) / n * nbytes,
-        async_op,
-        lambda: dist.all_reduce(tensor, op=op, group=group, async_op=True),
-    )
+    wire = 2 * _share(peers) * _nbytes(tensor)
+    return custom_collective(
+        "all_reduce", label, tensor, peers, wire, async_op,
+        lambda: dist.all_reduce(tensor, op=op, group=peers, async_op=True),
+    )  # fmt: skip
 
 
 def broadcast(
@@ -218,20 +232,14 @@ def broadcast(
     label: str = "",
 ) -> Handle:
     """Broadcast ``tensor`` from member ``src_in_group`` of ``group``."""
-    group = resolve_group(group)
-    if _is_trivial(group) or group_size(group) == 1:
+    peers = _peers(group)
+    if peers is None:
         return Handle()
-    nbytes = _nbytes(tensor)
-    src = global_rank(group, src_in_group)
-    return _issue(
-        "broadcast",
-        label,
-        tensor,
-        group,
-        (group_size(group) - 1) / group_size(group) * nbytes,
-        async_op,
-        lambda: dist.broadcast(tensor, src=src, group=group, async_op=True),  # type: ignore[arg-type]
-    )
+    src = global_rank(peers, src_in_group)
+    return custom_collective(
+        "broadcast", label, tensor, peers, _share(peers) * _nbytes(tensor), async_op,
+        lambda: dist.broadcast(tensor, src=src, group=peers, async_op=True),  # type: ignore[arg-type]
+    )  # fmt: skip
 
 
 def reduce(
@@ -243,20 +251,14 @@ def reduce(
     label: str = "",
 ) -> Handle:
     """Reduce ``tensor`` onto member ``dst_in_group`` of ``group`` (other ranks' buffers become scratch)."""
-    group = resolve_group(group)
-    if _is_trivial(group) or group_size(group) == 1:
+    peers = _peers(group)
+    if peers is None:
         return Handle()
-    nbytes = _nbytes(tensor)
-    dst = global_rank(group, dst_in_group)
-    return _issue(
-        "reduce",
-        label,
-        tensor,
-        group,
-        (group_size(group) - 1) / group_size(group) * nbytes,
-        async_op,
-        lambda: dist.reduce(tensor, dst=dst, op=op, group=group, async_op=True),  # type: ignore[arg-type]
-    )
+    dst = global_rank(peers, dst_in_group)
+    return custom_collective(
+        "reduce", label, tensor, peers, _share(peers) * _nbytes(tensor), async_op,
+        lambda: dist.reduce(tensor, dst=dst, op=op, group=peers, async_op=True),  # type: ignore[arg-type]
+    )  # fmt: skip
 
 
 def all_gather_into_tensor(
@@ -267,21 +269,14 @@ def all_gather_into_tensor(
     label: str = "",
 ) -> Handle:
     """Gather equal-sized ``shard`` of every rank into ``output`` (rank order, concatenated)."""
-    group = resolve_group(group)
-    if _is_trivial(group) or group_size(group) == 1:
+    peers = _peers(group)
+    if peers is None:
         output.copy_(shard.reshape(output.shape))
         return Handle()
-    n = group_size(group)
-    nbytes = _nbytes(output)
-    return _issue(
-        "all_gather",
-        label,
-        output,
-        group,
-        (n - 1) / n * nbytes,
-        async_op,
-        lambda: all_gather_flat(output, shard, group=group, async_op=True),
-    )
+    return custom_collective(
+        "all_gather", label, output, peers, _share(peers) * _nbytes(output), async_op,
+        lambda: all_gather_flat(output, shard, group=peers, async_op=True),
+    )  # fmt: skip
 
 
 def reduce_scatter_tensor(
@@ -293,50 +288,32 @@ def reduce_scatter_tensor(
     label: str = "",
 ) -> Handle:
     """Reduce ``full`` over ``group`` and leave chunk ``rank`` of the result in ``output``."""
-    group = resolve_group(group)
-    if _is_trivial(group) or group_size(group) == 1:
+    peers = _peers(group)
+    if peers is None:
         output.copy_(full.reshape(output.shape))
         return Handle()
-    n = group_size(group)
-    nbytes = _nbytes(full)
-    return _issue(
-        "reduce_scatter",
-        label,
-        full,
-        group,
-        (n - 1) / n * nbytes,
-        async_op,
-        lambda: reduce_scatter_flat(output, full, op=op, group=group, async_op=True),
-    )
+    return custom_collective(
+        "reduce_scatter", label, full, peers, _share(peers) * _nbytes(full), async_op,
+        lambda: reduce_scatter_flat(output, full, op=op, group=peers, async_op=True),
+    )  # fmt: skip
 
 
 def send(tensor: torch.Tensor, dst: int, group: Optional[GroupLike] = None, label: str = "") -> Handle:
     """Asynchronously send ``tensor`` to global rank ``dst``."""
     group = resolve_group(group)
-    nbytes = _nbytes(tensor)
-    return _issue(
-        "send",
-        label,
-        tensor,
-        group,
-        nbytes,
-        True,
+    return custom_collective(
+        "send", label, tensor, group, _nbytes(tensor), True,
         lambda: dist.isend(tensor, dst=dst, group=group),  # type: ignore[arg-type]
-    )
+    )  # fmt: skip
 
 
 def recv(tensor: torch.Tensor, src: int, group: Optional[GroupLike] = None, label: str = "") -> Handle:
     """Asynchronously receive into ``tensor`` from global rank ``src``."""
     group = resolve_group(group)
-    return _issue(
-        "recv",
-        label,
-        tensor,
-        group,
-        0,
-        True,
+    return custom_collective(
+        "recv", label, tensor, group, 0, True,
         lambda: dist.irecv(tensor, src=src, group=group),  # type: ignore[arg-type]
-    )
+    )  # fmt: skip
 
 
 def wait_all(handles: Sequence[Handle]) -> None:

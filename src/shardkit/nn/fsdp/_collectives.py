@@ -76,7 +76,7 @@ def all_gather_params(
         return _Exchange(works)
 
     n, nbytes = len(ranks), full_flat.numel() * full_flat.element_size()
-    return c._issue("all_gather", label, full_flat, group, (n - 1) / n * nbytes, async_op, run)
+    return c.custom_collective("all_gather", label, full_flat, group, (n - 1) / n * nbytes, async_op, run)
 
 
 def reduce_scatter_grads(grad_shard: torch.Tensor, full_grad: torch.Tensor, group: GroupLike, label: str) -> c.Handle:
@@ -105,7 +105,7 @@ def reduce_scatter_grads(grad_shard: torch.Tensor, full_grad: torch.Tensor, grou
         return _Exchange(works, total)
 
     nbytes = full_grad.numel() * full_grad.element_size()
-    return c._issue("reduce_scatter", label, full_grad, group, (n - 1) / n * nbytes, True, run)
+    return c.custom_collective("reduce_scatter", label, full_grad, group, (n - 1) / n * nbytes, True, run)
 
 
 def all_reduce_norm(partial: torch.Tensor, group: GroupLike, use_max: bool) -> None:
