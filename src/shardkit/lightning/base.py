@@ -42,6 +42,20 @@ class ShardkitParallelStrategy(ParallelStrategy):
             ``"fork"`` and ``"forkserver"`` start workers with multiprocessing (needed in notebooks and tests).
     """
 
+    #: Constructor arguments that belong to Lightning's strategy; subclasses pass the rest to the wrapper.
+    _BASE_KWARGS = frozenset(
+        {
+            "accelerator",
+            "parallel_devices",
+            "cluster_environment",
+            "checkpoint_io",
+            "precision_plugin",
+            "process_group_backend",
+            "timeout",
+            "start_method",
+        }
+    )
+
     def __init__(
         self,
         accelerator: Optional[Accelerator] = None,

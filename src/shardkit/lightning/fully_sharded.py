@@ -66,18 +66,6 @@ class DDPFullyShardedStrategy(ShardkitParallelStrategy):
     """
 
     strategy_name = "shardkit_fsdp"
-    _BASE_KWARGS = frozenset(
-        {
-            "accelerator",
-            "parallel_devices",
-            "cluster_environment",
-            "checkpoint_io",
-            "precision_plugin",
-            "process_group_backend",
-            "timeout",
-            "start_method",
-        }
-    )
 
     def __init__(
         self,

@@ -49,18 +49,6 @@ class DDPShardedStrategy(ShardkitParallelStrategy):
     """
 
     strategy_name = "shardkit_sharded"
-    _BASE_KWARGS = frozenset(
-        {
-            "accelerator",
-            "parallel_devices",
-            "cluster_environment",
-            "checkpoint_io",
-            "precision_plugin",
-            "process_group_backend",
-            "timeout",
-            "start_method",
-        }
-    )
 
     def __init__(self, broadcast_fp16: Optional[bool] = None, **kwargs: Any) -> None:
         base = {k: v for k, v in kwargs.items() if k in self._BASE_KWARGS}

@@ -19,6 +19,7 @@ from torch import nn
 
 from shardkit.distributed import DummyProcessGroup, GroupLike
 from shardkit.modelparallel import state as smp_state
+from shardkit.utils.tensors import to_cpu
 
 PARTIAL_KEY = "_smp_is_partial"
 
@@ -51,17 +52,6 @@ def all_gather_objects(obj: Any, group: GroupLike) -> list[Any]:
     gathered: list[Any] = [None] * size
     dist.all_gather_object(gathered, obj, group=group)
     return gathered
-
-
-def to_cpu(value: Any) -> Any:
-    """``value`` with every tensor detached and on the CPU (for pickling across ranks and for files)."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    if isinstance(value, dict):
-        return type(value)((k, to_cpu(v)) for k, v in value.items())
-    if isinstance(value, (list, tuple)):
-        return type(value)(to_cpu(v) for v in value)
-    return value
 
 
 def merge_model_partials(partials: list[Mapping[str, Any]], key_order: list[str]) -> OrderedDict[str, Any]:

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-import torch
 from torch import nn
 
 from shardkit.checkpoint.errors import CorruptCheckpointError
@@ -74,14 +73,3 @@ def as_state(value: Any, path: Path) -> Mapping[str, Any]:
 def named_parameter_ids(module: nn.Module) -> dict[int, str]:
     """``id(parameter) -> name`` for naming parameters in error messages."""
     return {id(p): name for name, p in module.named_parameters()}
-
-
-def to_cpu(value: Any) -> Any:
-    """``value`` with every tensor detached and on the CPU (what the files hold)."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    if isinstance(value, dict):
-        return type(value)((k, to_cpu(v)) for k, v in value.items())
-    if isinstance(value, (list, tuple)):
-        return type(value)(to_cpu(v) for v in value)
-    return value

@@ -16,11 +16,12 @@ from typing import Any, Optional
 from torch import nn
 
 from shardkit.checkpoint import safe_dcp, validate
-from shardkit.checkpoint.adapters.base import Adapter, PendingLoad, to_cpu
+from shardkit.checkpoint.adapters.base import Adapter, PendingLoad
 from shardkit.checkpoint.adapters.registry import isinstance_of
 from shardkit.checkpoint.errors import IncompatibleCheckpointError
 from shardkit.checkpoint.files import safe_load, write_torch
 from shardkit.checkpoint.metadata import CheckpointMeta
+from shardkit.utils.tensors import to_cpu
 
 MODEL_DIR = "model"
 OPTIMIZER_FILE = "optimizer.pt"

@@ -14,10 +14,11 @@ from typing import Any, Optional
 from torch import nn
 
 from shardkit.checkpoint import validate
-from shardkit.checkpoint.adapters.base import Adapter, PendingLoad, as_state, named_parameter_ids, to_cpu
+from shardkit.checkpoint.adapters.base import Adapter, PendingLoad, as_state, named_parameter_ids
 from shardkit.checkpoint.errors import IncompatibleCheckpointError
 from shardkit.checkpoint.files import safe_load, write_torch
 from shardkit.checkpoint.metadata import CheckpointMeta
+from shardkit.utils.tensors import to_cpu
 
 MODEL_FILE = "model.pt"
 OPTIMIZER_FILE = "optimizer.pt"

@@ -17,11 +17,12 @@ import torch
 from torch import nn
 
 from shardkit.checkpoint import validate
-from shardkit.checkpoint.adapters.base import Adapter, PendingLoad, as_state, named_parameter_ids, to_cpu
+from shardkit.checkpoint.adapters.base import Adapter, PendingLoad, as_state, named_parameter_ids
 from shardkit.checkpoint.adapters.registry import isinstance_of
 from shardkit.checkpoint.errors import CorruptCheckpointError, IncompatibleCheckpointError
 from shardkit.checkpoint.files import safe_load, write_torch
 from shardkit.checkpoint.metadata import CheckpointMeta
+from shardkit.utils.tensors import to_cpu
 
 
 def _shape(value: Any) -> Any:

@@ -8,25 +8,10 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
 from shardkit.distributed.groups import GroupLike, broadcast_object, global_rank, group_rank, group_size
-
-
-def to_cpu(value: Any) -> Any:
-    """A copy of a (nested) optimizer-state value with every tensor moved to the CPU.
-
-    Pickled tensors keep their device, so CUDA state must come to the CPU before it crosses to another rank.
-    """
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
-    if isinstance(value, dict):
-        return {k: to_cpu(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(to_cpu(v) for v in value)
-    return value
 
 
 def broadcast_obj(obj: Any, src_in_group: int, group: GroupLike, label: str) -> Any:

@@ -14,8 +14,9 @@ import torch
 from torch.optim import Optimizer
 
 from shardkit.distributed.groups import GroupLike
-from shardkit.optim.zero1.comm import broadcast_obj, to_cpu
+from shardkit.optim.zero1.comm import broadcast_obj
 from shardkit.optim.zero1.partition import Partition
+from shardkit.utils.tensors import to_cpu
 
 _NOT_HYPERPARAMS = ("params", "param_names")
 
