@@ -42,6 +42,10 @@ class ShardkitParallelStrategy(ParallelStrategy):
             ``"fork"`` and ``"forkserver"`` start workers with multiprocessing (needed in notebooks and tests).
     """
 
+    #: Name and description under which :meth:`register_strategies` files the subclass in Lightning's registry.
+    strategy_name: str = ""
+    strategy_description: str = ""
+
     #: Constructor arguments that belong to Lightning's strategy; subclasses pass the rest to the wrapper.
     _BASE_KWARGS = frozenset(
         {
@@ -176,3 +180,9 @@ class ShardkitParallelStrategy(ParallelStrategy):
         if isinstance(tensor, torch.Tensor):
             return _collectives.reduce(tensor, group, reduce_op)
         return tensor
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        if cls.strategy_name:
+            strategy_registry.register(cls.strategy_name, cls, description=cls.strategy_description, override=True)

@@ -66,6 +66,7 @@ class DDPFullyShardedStrategy(ShardkitParallelStrategy):
     """
 
     strategy_name = "shardkit_fsdp"
+    strategy_description = "shardkit ZeRO-3: FullyShardedDataParallel with auto-wrap and activation checkpointing"
 
     def __init__(
         self,
@@ -266,16 +267,6 @@ class DDPFullyShardedStrategy(ShardkitParallelStrategy):
         assert self._root is not None
         fsdp_checkpoint.load_optimizer_states(self._root, self.optimizers, checkpoint)
         _optimizers_to_device(self.optimizers, self._shard_device())
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(
-            cls.strategy_name,
-            cls,
-            description="shardkit ZeRO-3: FullyShardedDataParallel with auto-wrap and activation checkpointing",
-            override=True,
-        )
 
 
 def _auto_wrap_children(model: nn.Module, policy: Any, auto_wrap: Any) -> nn.Module:

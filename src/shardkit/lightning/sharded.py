@@ -49,6 +49,7 @@ class DDPShardedStrategy(ShardkitParallelStrategy):
     """
 
     strategy_name = "shardkit_sharded"
+    strategy_description = "shardkit ZeRO-2: OSS optimizer-state sharding with ShardedDataParallel"
 
     def __init__(self, broadcast_fp16: Optional[bool] = None, **kwargs: Any) -> None:
         base = {k: v for k, v in kwargs.items() if k in self._BASE_KWARGS}
@@ -123,16 +124,6 @@ class DDPShardedStrategy(ShardkitParallelStrategy):
         if self.lightning_module is not None and self.model is not self.lightning_module:
             self.model = self.lightning_module
         super().teardown()
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(
-            cls.strategy_name,
-            cls,
-            description="shardkit ZeRO-2: OSS optimizer-state sharding with ShardedDataParallel",
-            override=True,
-        )
 
 
 def _constructor_defaults(optim_class: type, defaults: dict[str, Any]) -> dict[str, Any]:
