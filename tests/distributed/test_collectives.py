@@ -92,3 +92,36 @@ def test_comm_delay_is_asynchronous() -> None:
     elapsed = run_distributed(_delayed_async_overlaps, 2)
     # 0.2 s of compute overlapped with a 0.2 s link: well under the 0.4 s a blocking delay would take.
     assert all(0.19 < e < 0.35 for e in elapsed), elapsed
+
+
+def _direct_sends(rank: int, world_size: int) -> dict[str, object]:
+    with count_comm_bytes() as meter:
+        handles = []
+        received = []
+        for root in range(world_size):  # every rank the root of its own tensor, as OSS's exchange
+            t = torch.full((5,), float(root)) if rank == root else torch.zeros(5)
+            handles.append(C.broadcast(t, root, async_op=True, label="direct", by_sends=True))
+            received.append(t)
+        C.wait_all(handles)
+        summed = torch.arange(4.0) * (rank + 1)
+        C.reduce(summed, world_size - 1, label="direct", by_sends=True)
+    return {
+        "received": [t.tolist() for t in received],
+        "summed": summed.tolist(),
+        "calls": dict(meter.calls),
+        "wire": meter.total_wire_bytes,
+    }
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_broadcast_and_reduce_by_sends(world_size: int) -> None:
+    results = run_distributed(_direct_sends, world_size)
+    n = world_size
+    total = float(sum(range(1, n + 1)))
+    for rank, res in enumerate(results):
+        assert res["received"] == [[float(root)] * 5 for root in range(n)]
+        # the destination holds the sum; every other rank's buffer is left as it was
+        expected = [total * i for i in range(4)] if rank == n - 1 else [float(i * (rank + 1)) for i in range(4)]
+        assert res["summed"] == expected
+        assert res["calls"] == {"broadcast": n, "reduce": 1}  # counted as the collectives they replace
+        assert res["wire"] == n * int((n - 1) / n * 20) + int((n - 1) / n * 16)

@@ -15,33 +15,13 @@ its native collectives.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
 from shardkit.distributed import collectives as c
 from shardkit.distributed.groups import GroupLike, group_size, is_dummy
-
-
-class _Exchange:
-    """The point-to-point works of one gather or reduction, completed as one, then an optional local step."""
-
-    def __init__(self, works: list[Any], then: Optional[Callable[[], Any]] = None) -> None:
-        self._works = works
-        self._then = then
-
-    def wait(self) -> bool:
-        for work in self._works:
-            work.wait()
-        self._works = []
-        if self._then is not None:
-            then, self._then = self._then, None
-            then()
-        return True
-
-    def is_completed(self) -> bool:
-        return all(work.is_completed() for work in self._works)
 
 
 def _exchange_ranks(group: GroupLike, tensor: torch.Tensor) -> Optional[tuple[list[int], int]]:
@@ -69,11 +49,11 @@ def all_gather_params(
     ranks, me = found
     chunks = full_flat.view(len(ranks), -1)
 
-    def run() -> _Exchange:
+    def run() -> c.Works:
         peers = [(j, peer) for j, peer in enumerate(ranks) if j != me]
         works = _post([(chunks[j], peer) for j, peer in peers], [(local_shard, peer) for _, peer in peers], group)
         chunks[me].copy_(local_shard)
-        return _Exchange(works)
+        return c.Works(works)
 
     n, nbytes = len(ranks), full_flat.numel() * full_flat.element_size()
     return c.custom_collective("all_gather", label, full_flat, group, (n - 1) / n * nbytes, async_op, run)
@@ -89,12 +69,12 @@ def reduce_scatter_grads(grad_shard: torch.Tensor, full_grad: torch.Tensor, grou
     n = len(ranks)
     chunks = full_grad.view(n, -1)
 
-    def run() -> _Exchange:
+    def run() -> c.Works:
         peers = [(j, peer) for j, peer in enumerate(ranks) if j != me]
         sends = [(chunks[j], peer) for j, peer in peers]
         if n == 2:  # receive straight into the result, then add our own chunk (a + b == b + a exactly)
             works = _post([(grad_shard, peers[0][1])], sends, group)
-            return _Exchange(works, lambda: grad_shard.add_(chunks[me]))
+            return c.Works(works, lambda: grad_shard.add_(chunks[me]))
         rows = torch.empty(n, grad_shard.numel(), dtype=grad_shard.dtype, device=grad_shard.device)
         works = _post([(rows[j], peer) for j, peer in peers], sends, group)
 
@@ -102,7 +82,7 @@ def reduce_scatter_grads(grad_shard: torch.Tensor, full_grad: torch.Tensor, grou
             rows[me].copy_(chunks[me])
             torch.sum(rows, dim=0, out=grad_shard)
 
-        return _Exchange(works, total)
+        return c.Works(works, total)
 
     nbytes = full_grad.numel() * full_grad.element_size()
     return c.custom_collective("reduce_scatter", label, full_grad, group, (n - 1) / n * nbytes, True, run)

@@ -10,7 +10,7 @@ import torch
 from torch.optim import Optimizer
 
 from shardkit.distributed.groups import GroupLike, global_rank, group_rank, group_size, resolve_group
-from shardkit.optim.zero1.broadcast import BroadcastBucket, broadcast_params, plan_buckets
+from shardkit.optim.zero1.broadcast import ParamBucket, buckets_intact, build_buckets, exchange_params
 from shardkit.optim.zero1.clip import sharded_clip_grad_norm
 from shardkit.optim.zero1.comm import gather_obj
 from shardkit.optim.zero1.partition import Partition
@@ -57,6 +57,12 @@ class OSS(Optimizer):
     the parameters it owns, then every owner broadcasts its updated parameters (in flat buckets) so all ranks
     end the step with the same model. Gradients must be complete on the owner at ``step()``: use it under
     ``torch.nn.parallel.DistributedDataParallel`` or :class:`shardkit.nn.ShardedDataParallel`.
+
+    As in fairscale, the trainable parameters are moved into flat buckets at construction (each parameter's
+    ``.data`` becomes a view of its bucket), so updates are sent and received in place with no packing. Values,
+    shapes and memory formats are kept. If something later replaces a parameter's ``.data`` (``model.to(...)``),
+    the next ``step()`` notices and rebuilds the buckets. ``torch.save`` of a single parameter writes its whole
+    bucket: save whole modules' state dicts, or clones.
 
     Args:
         params: parameters or param-group dicts, as for any ``torch.optim`` optimizer.
@@ -108,9 +114,7 @@ class OSS(Optimizer):
         self.state = self.optim.state
         self._synced: list[dict[str, Any]] = [{} for _ in self.param_groups]
         self._sync_param_groups()
-        self._buckets: list[BroadcastBucket] = plan_buckets(
-            self._partition, broadcast_fp16, self.broadcast_bucket_bytes
-        )
+        self._buckets: list[ParamBucket] = build_buckets(self._partition, broadcast_fp16, self.broadcast_bucket_bytes)
         self._ready = True
 
     # ----------------------------------------------------------------- partition
@@ -168,7 +172,7 @@ class OSS(Optimizer):
         self.state = local.state
         self._synced = [{} for _ in self.param_groups]
         self._sync_param_groups()
-        self._buckets = plan_buckets(new, self.broadcast_fp16, self.broadcast_bucket_bytes)
+        self._buckets = build_buckets(new, self.broadcast_fp16, self.broadcast_bucket_bytes)
         self._consolidated = None
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -216,7 +220,9 @@ class OSS(Optimizer):
             loss = self.optim.step(**kwargs)
         self._sync_param_groups()
         if self.world_size > 1:
-            broadcast_params(self._buckets, self.rank, self.group)
+            if not buckets_intact(self._buckets):  # a parameter's .data was replaced (module.to(), .half(), ...)
+                self._buckets = build_buckets(self._partition, self.broadcast_fp16, self.broadcast_bucket_bytes)
+            exchange_params(self._buckets, self.rank, self.group)
         return loss
 
     def clip_grad_norm(
