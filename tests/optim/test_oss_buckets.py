@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from oss_testlib import ddp_pair, max_param_diff, train_steps
+from oss_testlib import batch, ddp_pair, max_param_diff, train_steps
 from torch import nn
 
 from shardkit.optim.zero1.broadcast import buckets_intact, build_buckets, exchange_params
 from shardkit.optim.zero1.partition import Partition
 from shardkit.testing import run_distributed
+from shardkit.testing.models import loss_for
 
 
 def _params() -> list[nn.Parameter]:
@@ -83,3 +84,26 @@ def _replaced_data(rank: int, world_size: int) -> float:
 
 def test_replacing_parameter_data_after_construction_keeps_parity() -> None:
     assert all(diff <= 1e-6 for diff in run_distributed(_replaced_data, 2))
+
+
+def _closure_steps(rank: int, world_size: int) -> float:
+    """step(closure) runs forward and backward inside the step: no parameter may change under it."""
+    ref_model, oss_model, ref_opt, oss_opt = ddp_pair("lm", "adamw")
+    for step in range(3):
+        for model, opt in ((ref_model, ref_opt), (oss_model, oss_opt)):
+            x, y = batch("lm", model, rank, step)
+
+            def closure(
+                model: nn.Module = model, opt: torch.optim.Optimizer = opt, x: torch.Tensor = x, y: torch.Tensor = y
+            ) -> float:
+                opt.zero_grad()
+                loss = loss_for("lm", model(x), y)
+                loss.backward()
+                return float(loss)
+
+            opt.step(closure)
+    return max_param_diff(ref_model, oss_model)
+
+
+def test_step_with_a_closure_matches_ddp() -> None:
+    assert all(diff <= 1e-6 for diff in run_distributed(_closure_steps, 2))

@@ -364,21 +364,25 @@ def reduce_scatter_tensor(
     )  # fmt: skip
 
 
-def send(tensor: torch.Tensor, dst: int, group: Optional[GroupLike] = None, label: str = "") -> Handle:
-    """Asynchronously send ``tensor`` to global rank ``dst``."""
+def send(tensor: torch.Tensor, dst: int, group: Optional[GroupLike] = None, label: str = "", tag: int = 0) -> Handle:
+    """Asynchronously send ``tensor`` to global rank ``dst``.
+
+    A receive matches the earliest send from its source with the same ``tag``: a strategy whose receives may be
+    open while other traffic flows between the same ranks gives its messages a tag of their own.
+    """
     group = resolve_group(group)
     return custom_collective(
         "send", label, tensor, group, _nbytes(tensor), True,
-        lambda: dist.isend(tensor, dst=dst, group=group),  # type: ignore[arg-type]
+        lambda: dist.isend(tensor, dst=dst, group=group, tag=tag),  # type: ignore[arg-type]
     )  # fmt: skip
 
 
-def recv(tensor: torch.Tensor, src: int, group: Optional[GroupLike] = None, label: str = "") -> Handle:
-    """Asynchronously receive into ``tensor`` from global rank ``src``."""
+def recv(tensor: torch.Tensor, src: int, group: Optional[GroupLike] = None, label: str = "", tag: int = 0) -> Handle:
+    """Asynchronously receive into ``tensor`` from global rank ``src`` (a send with the same ``tag``)."""
     group = resolve_group(group)
     return custom_collective(
         "recv", label, tensor, group, 0, True,
-        lambda: dist.irecv(tensor, src=src, group=group),  # type: ignore[arg-type]
+        lambda: dist.irecv(tensor, src=src, group=group, tag=tag),  # type: ignore[arg-type]
     )  # fmt: skip
 
 

@@ -20,13 +20,17 @@ from typing import Optional
 import torch
 
 from shardkit.distributed import collectives
-from shardkit.distributed.groups import GroupLike
+from shardkit.distributed.groups import GroupLike, global_rank, group_size
 from shardkit.optim.zero1.partition import Partition
 
 #: Upper bound on one flat bucket; bigger buckets mean fewer messages, smaller ones an earlier first message.
 DEFAULT_BUCKET_BYTES = 2**24
 
 _COMPRESSIBLE = (torch.float32, torch.float64)
+
+#: Tag of the parameter messages: the receives are open during the step, when other point-to-point traffic
+#: between the same ranks (ShardedDataParallel's gradient sends, for one) must not land in them.
+EXCHANGE_TAG = 0x05D0
 
 
 @dataclass(frozen=True)
@@ -126,28 +130,79 @@ def buckets_intact(buckets: Sequence[ParamBucket]) -> bool:
     return all(bucket.intact() for bucket in buckets)
 
 
-@torch.no_grad()
-def exchange_params(buckets: Sequence[ParamBucket], rank: int, group: GroupLike, direct: Optional[bool] = None) -> None:
-    """Overwrite every rank's copy of each bucket with its owner's values.
+class ParamExchange:
+    """One step's exchange of updated parameters: started before the owners' optimizer step, finished after it.
 
-    ``direct`` picks point-to-point sends from each owner over the backend's broadcast; by default CPU buckets
-    (gloo) use sends, which gloo runs concurrently, and accelerator buckets (NCCL) use broadcasts. The owner
-    keeps its own full-precision values; with fp16 buckets the other ranks receive them rounded.
+    CPU buckets (gloo) travel as direct sends from each owner to every peer, which gloo runs concurrently (its
+    broadcasts queue one after another on its worker threads). Every rank posts the receives of the buckets it
+    does not own at construction, so a rank that finishes its shard early streams it into the others while
+    they are still stepping; on the bench LM at world size 2 that took the optimizer phase from about 95 to
+    73 ms. Between two ranks, messages match in the order they were posted, and every rank posts in bucket
+    order, so buckets cannot be confused. Accelerator buckets (NCCL) are broadcast after the step instead: a
+    collective must be issued in the same order everywhere, and a root cannot issue its own before its step.
+
+    ``direct`` forces the choice (``True``: sends, ``False``: broadcasts) for every bucket. The owner keeps its
+    own full-precision values; with fp16 buckets the other ranks receive them rounded.
     """
-    pending = []
-    for bucket in buckets:
+
+    def __init__(
+        self, buckets: Sequence[ParamBucket], rank: int, group: GroupLike, direct: Optional[bool] = None
+    ) -> None:
+        self.buckets = list(buckets)
+        self.rank = rank
+        self.group = group
+        self._direct = [b.flat.device.type == "cpu" if direct is None else direct for b in self.buckets]
+        self._wires: list[Optional[torch.Tensor]] = [None] * len(self.buckets)
+        self._handles: list[collectives.Handle] = []
+        for index, bucket in enumerate(self.buckets):
+            if self._direct[index] and bucket.owner != rank:
+                wire = self._wire(bucket)
+                self._wires[index] = wire
+                src = global_rank(group, bucket.owner)
+                self._handles.append(collectives.recv(wire, src, group, label=_label(bucket), tag=EXCHANGE_TAG))
+
+    @staticmethod
+    def _wire(bucket: ParamBucket) -> torch.Tensor:
+        """What travels for ``bucket`` on this rank: its flat buffer itself, unless converted to ``wire_dtype``."""
         flat = bucket.flat
         if bucket.wire_dtype == flat.dtype:
-            wire = flat
-        elif bucket.owner == rank:
-            wire = flat.to(bucket.wire_dtype)
-        else:
-            wire = torch.empty(flat.numel(), dtype=bucket.wire_dtype, device=flat.device)
-        use_sends = flat.device.type == "cpu" if direct is None else direct
-        label = f"oss.params.from{bucket.owner}"
-        handle = collectives.broadcast(wire, bucket.owner, group, async_op=True, label=label, by_sends=use_sends)
-        pending.append((bucket, wire, handle))
-    for bucket, wire, handle in pending:
-        handle.wait()
-        if wire is not bucket.flat and bucket.owner != rank:
-            bucket.flat.copy_(wire)
+            return flat
+        return torch.empty(flat.numel(), dtype=bucket.wire_dtype, device=flat.device)
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """Send this rank's updated buckets (after its step), complete every transfer, and unpack fp16 buckets."""
+        peers = [global_rank(self.group, r) for r in range(group_size(self.group)) if r != self.rank]
+        for index, bucket in enumerate(self.buckets):
+            if bucket.owner == self.rank:
+                flat = bucket.flat
+                wire = flat if bucket.wire_dtype == flat.dtype else flat.to(bucket.wire_dtype)
+                self._wires[index] = wire
+            elif not self._direct[index]:
+                self._wires[index] = wire = self._wire(bucket)
+            else:
+                continue
+            if self._direct[index]:
+                for peer in peers:
+                    self._handles.append(
+                        collectives.send(wire, peer, self.group, label=_label(bucket), tag=EXCHANGE_TAG)
+                    )
+            else:
+                self._handles.append(
+                    collectives.broadcast(wire, bucket.owner, self.group, async_op=True, label=_label(bucket))
+                )
+        collectives.wait_all(self._handles)
+        self._handles = []
+        for bucket, received in zip(self.buckets, self._wires):
+            if bucket.owner != self.rank and received is not None and received is not bucket.flat:
+                bucket.flat.copy_(received)
+        self._wires = [None] * len(self.buckets)
+
+
+def _label(bucket: ParamBucket) -> str:
+    return f"oss.params.from{bucket.owner}"
+
+
+def exchange_params(buckets: Sequence[ParamBucket], rank: int, group: GroupLike, direct: Optional[bool] = None) -> None:
+    """Overwrite every rank's copy of each bucket with its owner's values (a :class:`ParamExchange` at once)."""
+    ParamExchange(buckets, rank, group, direct).finish()

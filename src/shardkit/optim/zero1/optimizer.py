@@ -10,7 +10,7 @@ import torch
 from torch.optim import Optimizer
 
 from shardkit.distributed.groups import GroupLike, global_rank, group_rank, group_size, resolve_group
-from shardkit.optim.zero1.broadcast import ParamBucket, buckets_intact, build_buckets, exchange_params
+from shardkit.optim.zero1.broadcast import ParamBucket, ParamExchange, buckets_intact, build_buckets
 from shardkit.optim.zero1.clip import sharded_clip_grad_norm
 from shardkit.optim.zero1.comm import gather_obj
 from shardkit.optim.zero1.partition import Partition
@@ -214,15 +214,19 @@ class OSS(Optimizer):
             self._repartition()
         self._sync_param_groups()
         self._consolidated = None
+        exchange = None
+        if self.world_size > 1:
+            if not buckets_intact(self._buckets):  # a parameter's .data was replaced (module.to(), .half(), ...)
+                self._buckets = build_buckets(self._partition, self.broadcast_fp16, self.broadcast_bucket_bytes)
+            if closure is None:  # receives open while we step; a closure's forward still reads every parameter
+                exchange = ParamExchange(self._buckets, self.rank, self.group)
         if closure is not None:
             loss = self.optim.step(closure=closure, **kwargs)
         else:
             loss = self.optim.step(**kwargs)
         self._sync_param_groups()
         if self.world_size > 1:
-            if not buckets_intact(self._buckets):  # a parameter's .data was replaced (module.to(), .half(), ...)
-                self._buckets = build_buckets(self._partition, self.broadcast_fp16, self.broadcast_bucket_bytes)
-            exchange_params(self._buckets, self.rank, self.group)
+            (exchange or ParamExchange(self._buckets, self.rank, self.group)).finish()
         return loss
 
     def clip_grad_norm(
