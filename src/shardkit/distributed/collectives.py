@@ -244,14 +244,14 @@ def broadcast(
     peers = _peers(group)
     if peers is None:
         return Handle()
-    members = [global_rank(peers, r) for r in range(group_size(peers))]
-    root = members[src_in_group]
+    root = global_rank(peers, src_in_group)
 
     def run() -> Any:
         if not by_sends:
             return dist.broadcast(tensor, src=root, group=peers, async_op=True)  # type: ignore[arg-type]
         if dist.get_rank() == root:
-            return Works([dist.isend(tensor, dst=peer, group=peers) for peer in members if peer != root])  # type: ignore[arg-type]
+            others = [global_rank(peers, r) for r in range(group_size(peers)) if r != src_in_group]
+            return Works([dist.isend(tensor, dst=peer, group=peers) for peer in others])  # type: ignore[arg-type]
         return Works([dist.irecv(tensor, src=root, group=peers)])  # type: ignore[arg-type]
 
     return custom_collective("broadcast", label, tensor, peers, _share(peers) * _nbytes(tensor), async_op, run)
@@ -303,14 +303,14 @@ def reduce(
         return Handle()
     if by_sends and op != dist.ReduceOp.SUM:
         raise ValueError(f"reduce(by_sends=True) only sums, got op={op}")
-    members = [global_rank(peers, r) for r in range(group_size(peers))]
-    root = members[dst_in_group]
+    root = global_rank(peers, dst_in_group)
 
     def run() -> Any:
         if not by_sends:
             return dist.reduce(tensor, dst=root, op=op, group=peers, async_op=True)  # type: ignore[arg-type]
         if dist.get_rank() != root:
             return Works([dist.isend(tensor, dst=root, group=peers)])  # type: ignore[arg-type]
+        members = [global_rank(peers, r) for r in range(group_size(peers))]
         if len(members) == 2:  # a + b == b + a exactly: add the one arrival to our own values
             arrived = torch.empty_like(tensor)
             other = members[1 - dst_in_group]

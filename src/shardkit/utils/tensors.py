@@ -1,7 +1,8 @@
-"""Helpers for nested containers of tensors (state dicts, optimizer state)."""
+"""Helpers for tensors: copying nested containers (state dicts, optimizer state), cutting lists into buckets."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -21,3 +22,25 @@ def to_cpu(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(to_cpu(v) for v in value)
     return value
+
+
+def runs_by_kind(tensors: Sequence[torch.Tensor], max_bytes: int) -> list[list[torch.Tensor]]:
+    """``tensors`` grouped by device and dtype (in order of first appearance), each group cut into runs of at most
+    ``max_bytes``; a tensor larger than that makes a run of its own. What flat communication buckets hold."""
+    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in tensors:
+        by_kind.setdefault((t.device, t.dtype), []).append(t)
+    runs: list[list[torch.Tensor]] = []
+    for group in by_kind.values():
+        current: list[torch.Tensor] = []
+        current_bytes = 0
+        for t in group:
+            size = t.numel() * t.element_size()
+            if current and current_bytes + size > max_bytes:
+                runs.append(current)
+                current, current_bytes = [], 0
+            current.append(t)
+            current_bytes += size
+        if current:
+            runs.append(current)
+    return runs

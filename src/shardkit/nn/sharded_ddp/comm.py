@@ -16,6 +16,7 @@ from torch.profiler import record_function
 
 from shardkit.distributed import collectives
 from shardkit.distributed.groups import GroupLike, group_rank, group_size
+from shardkit.utils.tensors import runs_by_kind
 
 
 def all_gather_objects(obj: Any, group: GroupLike, label: str) -> list[Any]:
@@ -28,27 +29,6 @@ def all_gather_objects(obj: Any, group: GroupLike, label: str) -> list[Any]:
     with record_function(f"shardkit::all_gather_object:{label}"):
         dist.all_gather_object(gathered, obj, group=group)
     return gathered
-
-
-def _chunks(tensors: Sequence[torch.Tensor], chunk_bytes: int) -> list[list[torch.Tensor]]:
-    """Tensors grouped by device and dtype, each group cut into runs of at most ``chunk_bytes``."""
-    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for t in tensors:
-        by_kind.setdefault((t.device, t.dtype), []).append(t)
-    chunks: list[list[torch.Tensor]] = []
-    for group in by_kind.values():
-        current: list[torch.Tensor] = []
-        current_bytes = 0
-        for t in group:
-            size = t.numel() * t.element_size()
-            if current and current_bytes + size > chunk_bytes:
-                chunks.append(current)
-                current, current_bytes = [], 0
-            current.append(t)
-            current_bytes += size
-        if current:
-            chunks.append(current)
-    return chunks
 
 
 @torch.no_grad()
@@ -65,7 +45,7 @@ def broadcast_coalesced(
         return
     receiving = group_rank(group) != src_in_group
     pending: list[tuple[collectives.Handle, list[torch.Tensor], torch.Tensor]] = []
-    for chunk in _chunks(tensors, max(chunk_bytes, 1)):
+    for chunk in runs_by_kind(tensors, max(chunk_bytes, 1)):
         if len(chunk) == 1 and chunk[0].is_contiguous():
             flat = chunk[0]
         elif receiving:

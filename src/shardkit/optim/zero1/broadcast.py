@@ -22,6 +22,7 @@ import torch
 from shardkit.distributed import collectives
 from shardkit.distributed.groups import GroupLike, global_rank, group_size
 from shardkit.optim.zero1.partition import Partition
+from shardkit.utils.tensors import runs_by_kind
 
 #: Upper bound on one flat bucket; bigger buckets mean fewer messages, smaller ones an earlier first message.
 DEFAULT_BUCKET_BYTES = 2**24
@@ -57,24 +58,11 @@ class ParamBucket:
 
 def _plan(partition: Partition, bucket_bytes: int) -> list[tuple[int, list[torch.Tensor]]]:
     """(owner, parameters) of each bucket, the same list on every rank."""
-    planned: list[tuple[int, list[torch.Tensor]]] = []
-    for owner in range(partition.world_size):
-        by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-        for p in partition.owned(owner, trainable_only=True):
-            by_kind.setdefault((p.device, p.dtype), []).append(p)
-        for params in by_kind.values():
-            current: list[torch.Tensor] = []
-            current_bytes = 0
-            for p in params:
-                size = p.numel() * p.element_size()
-                if current and current_bytes + size > bucket_bytes:
-                    planned.append((owner, current))
-                    current, current_bytes = [], 0
-                current.append(p)
-                current_bytes += size
-            if current:
-                planned.append((owner, current))
-    return planned
+    return [
+        (owner, run)
+        for owner in range(partition.world_size)
+        for run in runs_by_kind(partition.owned(owner, trainable_only=True), bucket_bytes)
+    ]
 
 
 def _is_dense(tensor: torch.Tensor) -> bool:
