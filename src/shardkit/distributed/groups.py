@@ -27,7 +27,7 @@ def resolve_group(group: Optional[GroupLike], who: str = "shardkit") -> GroupLik
     Raises a clear error when no group is given and ``torch.distributed`` is not initialised.
     """
     if group is not None:
-        return group
+        return _adopt_foreign_dummy(group)
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             f"{who} needs a process group: call torch.distributed.init_process_group() first (torchrun sets "
@@ -37,6 +37,17 @@ def resolve_group(group: Optional[GroupLike], who: str = "shardkit") -> GroupLik
     world = dist.group.WORLD
     assert world is not None
     return world
+
+
+def _adopt_foreign_dummy(group: GroupLike) -> GroupLike:
+    """Turn another library's ``DummyProcessGroup`` (fairscale's test helper: same name, ``rank()`` and ``size()``)
+    into ours, so code written against fairscale's helper runs unchanged; any other group is returned as is."""
+    if isinstance(group, (DummyProcessGroup, dist.ProcessGroup)) or type(group).__name__ != "DummyProcessGroup":
+        return group
+    rank, size = getattr(group, "rank", None), getattr(group, "size", None)
+    if not callable(rank) or not callable(size):
+        return group
+    return DummyProcessGroup(rank=int(rank()), size=int(size()))
 
 
 def group_rank(group: Optional[GroupLike]) -> int:
