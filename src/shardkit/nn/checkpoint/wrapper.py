@@ -8,7 +8,11 @@ fairscale's ``checkpoint_wrapper`` rely on:
 - the RNG state is replayed, so dropout draws the same mask in the recomputation;
 - forward side effects on normalisation statistics happen once: running mean/variance and the batch counter
   are restored after the recomputation (:mod:`shardkit.nn.checkpoint.norm_stats`);
-- in eval mode or under ``torch.no_grad()`` the module runs a plain forward (there is nothing to save);
+- in eval mode, under ``torch.no_grad()`` or inside :func:`~shardkit.nn.checkpoint.flags.disable_checkpointing`
+  the module runs a plain forward;
+- :func:`~shardkit.nn.checkpoint.flags.is_checkpointing` is True inside the checkpointed forward and
+  :func:`~shardkit.nn.checkpoint.flags.is_recomputing` inside its recomputation, on whichever thread autograd
+  runs it;
 - ``state_dict`` and ``named_parameters`` use the wrapped module's names, so checkpoints load into the
   unwrapped model and back.
 """
@@ -23,6 +27,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from shardkit.nn.checkpoint.flags import enable_checkpointing, enable_recomputing, is_checkpointing_disabled
 from shardkit.nn.checkpoint.norm_stats import restore_norm_stats_after
 
 #: The child name the wrapped module is registered under; stripped from every name the wrapper reports.
@@ -63,7 +68,7 @@ class CheckpointWrapper(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         inner = self.wrapped_module
-        if not (self.training and torch.is_grad_enabled()):
+        if not (self.training and torch.is_grad_enabled()) or is_checkpointing_disabled():
             return inner(*args, **kwargs)
         # Keyword values travel as positional inputs so the checkpoint saves (and offloads) them like the rest.
         kw_names = tuple(kwargs)
@@ -79,7 +84,7 @@ class CheckpointWrapper(nn.Module):
                 *inputs,
                 use_reentrant=False,
                 preserve_rng_state=True,
-                context_fn=lambda: (contextlib.nullcontext(), restore_norm_stats_after(inner)),
+                context_fn=lambda: (enable_checkpointing(), _recomputation(inner)),
             )
 
     def _offload_context(self, inputs: tuple[Any, ...]) -> contextlib.AbstractContextManager[Any]:
@@ -108,6 +113,13 @@ class CheckpointWrapper(nn.Module):
         return f"offload_to_cpu={self.offload_to_cpu}"
 
 
+@contextlib.contextmanager
+def _recomputation(module: nn.Module) -> Iterator[None]:
+    """Entered by torch's checkpoint around the recomputation, on the thread that runs it (any autograd thread)."""
+    with enable_recomputing(), restore_norm_stats_after(module):
+        yield
+
+
 def adds_no_name(parent: nn.Module, child_name: str) -> bool:
     """True when ``parent``'s child ``child_name`` adds no segment to the names of the parameters below it.
 
@@ -121,24 +133,25 @@ def adds_no_name(parent: nn.Module, child_name: str) -> bool:
 def checkpoint_wrapper(module: nn.Module, offload_to_cpu: bool = False) -> CheckpointWrapper:
     """Wrap ``module`` so its activations are recomputed in backward instead of kept from forward.
 
-    Only the module's inputs are kept between forward and backward; everything computed inside is recomputed
-    when backward reaches it, trading one extra forward for the activation memory. Dropout masks are the same
-    in the recomputation, BatchNorm statistics are updated once, and eval / ``no_grad`` forwards run plainly.
+        Only the module's inputs are kept between forward and backward; everything computed inside is recomputed
+        when backward reaches it, trading one extra forward for the activation memory. Dropout masks are the same
+        in the recomputation, BatchNorm statistics are updated once, and eval / ``no_grad`` forwards (and those inside
+    :func:`~shardkit.nn.checkpoint.flags.disable_checkpointing`) run plainly.
 
-    Args:
-        module: the module to checkpoint, typically one transformer block.
-        offload_to_cpu: keep the saved inputs in host memory (pinned when they come from CUDA) and copy them
-            back for the recomputation. Inputs that already live on the CPU are left alone.
+        Args:
+            module: the module to checkpoint, typically one transformer block.
+            offload_to_cpu: keep the saved inputs in host memory (pinned when they come from CUDA) and copy them
+                back for the recomputation. Inputs that already live on the CPU are left alone.
 
-    Returns:
-        A :class:`CheckpointWrapper`; its ``state_dict`` keys equal the unwrapped module's. It composes with
-        sharding: ``FullyShardedDataParallel(checkpoint_wrapper(block))``.
+        Returns:
+            A :class:`CheckpointWrapper`; its ``state_dict`` keys equal the unwrapped module's. It composes with
+            sharding: ``FullyShardedDataParallel(checkpoint_wrapper(block))``.
 
-    Example::
+        Example::
 
-        block = checkpoint_wrapper(TransformerBlock(cfg))
-        loss = block(x, attention_mask=mask).sum()
-        loss.backward()  # block's forward runs a second time here
+            block = checkpoint_wrapper(TransformerBlock(cfg))
+            loss = block(x, attention_mask=mask).sum()
+            loss.backward()  # block's forward runs a second time here
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"checkpoint_wrapper expects an nn.Module, got {type(module).__name__}")
