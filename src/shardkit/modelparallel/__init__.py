@@ -31,7 +31,7 @@ forward runs on every stage), :mod:`~.pipeline_parallel` (schedules) beside :mod
 :mod:`~.optimizer`, :mod:`~.checkpoint`, :mod:`~.amp`.
 """
 
-from shardkit.modelparallel import amp
+from shardkit.modelparallel import amp, nn, optimizers
 from shardkit.modelparallel.auto_partition import Placement
 from shardkit.modelparallel.checkpoint import load, save
 from shardkit.modelparallel.config import ModelParallelConfig
@@ -84,6 +84,8 @@ __all__ = [
     "local_size",
     "mp_rank",
     "mp_size",
+    "nn",
+    "optimizers",
     "partition",
     "plan_partition",
     "pp_rank",

@@ -7,7 +7,7 @@ life cycle (partition, forward, backward) and this one the views on its result.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Optional
 
 import torch
@@ -67,6 +67,25 @@ class LocalViewsMixin:
             if stage == self._smp.topology.mp_rank:
                 for sub, module in self.module.get_submodule(unit).named_modules():
                     yield (f"{unit}.{sub}" if unit and sub else unit or sub), module
+
+    @property
+    def execution_device(self) -> torch.device:
+        """The device this stage computes on (where its held parameters live after the partition)."""
+        return self._device
+
+    def first_holder_mask(self, params: Sequence[torch.Tensor]) -> list[bool]:
+        """For each parameter, whether this stage is the lowest one holding it.
+
+        Summing a per-parameter quantity (a squared gradient norm) over the stages only where this is True
+        counts every parameter once, tied and replicated copies included. A tensor that is not one of the
+        model's parameters counts here. Before the partition every parameter counts.
+        """
+        if not self.partitioned or self._plan is None:
+            return [True] * len(params)
+        names = {id(p): name for name, p in self.module.named_parameters()}
+        stage = self._smp.topology.mp_rank
+        holders = self._plan.holders
+        return [min(holders.get(names.get(id(p), ""), (stage,))) == stage for p in params]
 
     def local_modules(self) -> Iterator[nn.Module]:
         """The modules that run on this stage."""

@@ -8,12 +8,15 @@ over the unwrapped model's parameters in the same order.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Optional
 
 import torch
 
+from shardkit.distributed import collectives as C
 from shardkit.modelparallel import checkpoint as ckpt
 from shardkit.modelparallel import state as smp_state
+from shardkit.modelparallel.optimizers import FusedLamb
 
 
 class DistributedOptimizer:
@@ -35,6 +38,18 @@ class DistributedOptimizer:
         self._smp = state
         self._pending: Optional[dict[str, Any]] = None
         state.optimizer = self
+        if isinstance(optimizer, FusedLamb):  # its global gradient norm spans every stage
+            optimizer.set_sum_of_squares(self._sum_over_stages)
+
+    def _sum_over_stages(self, params: Sequence[torch.Tensor], squares: torch.Tensor) -> torch.Tensor:
+        """Sum of per-parameter squares over the replica's stages, each parameter counted once (collective)."""
+        model = self._smp.model
+        if model is None or not model.partitioned or self._smp.topology.mp_size == 1 or not self._smp.distributed:
+            return squares.sum()
+        mask = torch.tensor(model.first_holder_mask(params), dtype=torch.bool, device=squares.device)
+        total = torch.where(mask, squares, torch.zeros_like(squares)).sum().reshape(1).to(model.execution_device)
+        C.all_reduce(total, group=self._smp.mp_group, label="smp_global_grad_norm")
+        return total.reshape(()).to(squares.device)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["optimizer"], name)
