@@ -32,7 +32,12 @@ from shardkit.modelparallel.plan import PipelinePlan
 from shardkit.modelparallel.pp_communications import StageLink
 from shardkit.modelparallel.runtime import StageRuntime
 from shardkit.modelparallel.stage_groups import copy_groups
-from shardkit.modelparallel.startup import broadcast_initial_state, canonical_tensors, check_same_inputs
+from shardkit.modelparallel.startup import (
+    broadcast_initial_state,
+    canonical_tensors,
+    check_same_inputs,
+    check_same_model,
+)
 
 
 @dataclass(frozen=True)
@@ -223,6 +228,7 @@ class DistributedModel(LocalViewsMixin, nn.Module):  # type: ignore[misc]  # sta
         state = self._smp
         cfg, topo = state.config, state.topology
         if state.distributed and topo.world_size > 1:
+            check_same_model(self.module, state.world_group)  # before anything is broadcast into it
             check_same_inputs((args, kwargs), state.mp_group)
             broadcast_initial_state(self.module, state.world_group, self._execution_device())
         payload: tuple[Any, Any, Optional[str]] = (None, None, None)

@@ -1,0 +1,76 @@
+"""Ranks that built different models get one clear ValueError each, before anything is broadcast."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import shardkit.modelparallel as smp
+from shardkit.modelparallel.startup import model_fingerprint
+from shardkit.testing import run_distributed
+
+
+@smp.step
+def _step(model: smp.DistributedModel, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    loss = F.mse_loss(model(x), y)
+    model.backward(loss)
+    return loss
+
+
+def _build(rank: int, case: str) -> nn.Module:
+    torch.manual_seed(0)
+    width = 16 + rank if case == "shape" else 16
+    layers: list[nn.Module] = [nn.Linear(8, width), nn.ReLU(), nn.Linear(width, 4)]
+    if case == "extra" and rank == 1:
+        layers.append(nn.Linear(4, 4))
+    model = nn.Sequential(*layers)
+    if case == "dtype" and rank == 1:
+        model[2].double()
+    return model
+
+
+def _different_models(rank: int, world_size: int, config: dict[str, object]) -> dict[str, str]:
+    messages = {}
+    for case in ("shape", "extra", "dtype"):
+        smp.init(config)
+        model = smp.DistributedModel(_build(rank, case))
+        before = {k: v.clone() for k, v in model.module.state_dict().items()}
+        try:
+            _step(model, torch.ones(4, 8), torch.zeros(4, 4))
+            messages[case] = "no error"
+        except ValueError as exc:
+            messages[case] = str(exc)
+        untouched = all(torch.equal(before[k], v) for k, v in model.module.state_dict().items())
+        messages[case + "_untouched"] = str(untouched and not model.partitioned)
+        smp.reset()
+    return messages
+
+
+def test_different_models_raise_on_every_rank_before_the_broadcast() -> None:
+    for config in ({"partitions": 2, "microbatches": 2}, {"partitions": 1, "ddp": True}):
+        results = run_distributed(_different_models, 2, config)
+        for messages in results:
+            assert (
+                "ranks built different models: parameter '0.weight' is shape (16, 8) float32 on rank 0 but "
+                "shape (17, 8) float32 on rank 1" in messages["shape"]
+            ), messages["shape"]
+            assert "rank 1 has an extra parameter '3.weight' that rank 0 does not have" in messages["extra"]
+            assert (
+                "parameter '2.weight' is shape (4, 16) float32 on rank 0 but shape (4, 16) float64"
+                in (messages["dtype"])
+            )
+            assert "make the model's construction independent of the rank" in messages["shape"]
+            assert all(messages[f"{case}_untouched"] == "True" for case in ("shape", "extra", "dtype"))
+
+
+def test_fingerprint_lists_parameters_then_buffers() -> None:
+    model = nn.Sequential(nn.Linear(2, 3), nn.BatchNorm1d(3))
+    kinds = [(kind, name) for kind, name, _, _ in model_fingerprint(model)]
+    assert kinds[:4] == [
+        ("parameter", "0.weight"),
+        ("parameter", "0.bias"),
+        ("parameter", "1.weight"),
+        ("parameter", "1.bias"),
+    ]
+    assert ("buffer", "1.running_mean") in kinds
