@@ -7,6 +7,12 @@
   gets gradient contributions on each; they are summed over its holders so every copy takes the same step.
 
 Both run only every ``backward_passes_per_step`` steps, so gradients can accumulate locally in between.
+
+With ``gradient_as_bucket_view`` (torch DDP's option of that name) each data-parallel bucket is one flat tensor
+allocated once, and every parameter's ``.grad`` is a view into it: autograd accumulates straight into the
+bucket, the all-reduce runs on it in place, and no second copy of the gradients exists at any time. A
+gradient autograd created fresh (after ``zero_grad(set_to_none=True)``) is copied into its view on arrival
+and replaced by it.
 """
 
 from __future__ import annotations
@@ -48,11 +54,45 @@ def _write_back(params: Sequence[nn.Parameter], flat: torch.Tensor, scale: float
 
 
 class _Bucket:
-    def __init__(self, params: list[nn.Parameter]) -> None:
+    def __init__(self, params: list[nn.Parameter], as_view: bool) -> None:
         self.params = params
         self.ready = 0
         self.flat: Optional[torch.Tensor] = None
         self.handle: Optional[C.Handle] = None
+        self.storage: Optional[torch.Tensor] = None
+        """With ``gradient_as_bucket_view``: the bucket's flat gradients, which every ``.grad`` views."""
+        self.views: dict[int, torch.Tensor] = {}
+        if as_view:
+            first = params[0]
+            self.storage = torch.zeros(sum(p.numel() for p in params), dtype=first.dtype, device=first.device)
+            offset = 0
+            for p in params:
+                view = self.storage[offset : offset + p.numel()].view_as(p)
+                offset += p.numel()
+                if p.grad is not None:
+                    view.copy_(p.grad)
+                p.grad = view
+                self.views[id(p)] = view
+
+    def adopt(self, param: torch.Tensor) -> None:
+        """Make ``param.grad`` its view into the bucket again (copying a fresh gradient in)."""
+        view = self.views[id(param)]
+        grad = param.grad
+        if grad is None:  # no gradient this step (or dropped by zero_grad): contributes zeros
+            view.zero_()
+        elif grad.data_ptr() != view.data_ptr():
+            view.copy_(grad)
+        else:
+            return
+        param.grad = view
+
+    def flat_grads(self) -> torch.Tensor:
+        """The gradients to all-reduce: the bucket itself (views) or a fresh concatenation."""
+        if self.storage is None:
+            return _flat_grads(self.params)
+        for p in self.params:
+            self.adopt(p)
+        return self.storage
 
 
 class GradientSync:
@@ -68,6 +108,7 @@ class GradientSync:
         overlap: bool,
         backward_passes_per_step: int,
         device: torch.device,
+        gradient_as_bucket_view: bool = False,
     ) -> None:
         self.dp_group = dp_group
         self.device = device
@@ -79,6 +120,8 @@ class GradientSync:
         self._armed = False
         self.joining = False
         """Inside ``DistributedModel.join()``: every step also tells joined replicas what it reduces."""
+        # Buckets only exist to reduce across replicas; without replicas gradients stay as autograd made them.
+        self.as_view = gradient_as_bucket_view and dp_size > 1
         trainable = [p for p in local_params if p.requires_grad]
         cap = max(1, int(bucket_cap_mb * 2**20))
         # Reverse registration order approximates the order backward produces gradients (as DDP assumes).
@@ -87,15 +130,15 @@ class GradientSync:
         size = 0
         for p in reversed(trainable):
             if current and (size + p.numel() * p.element_size() > cap or p.dtype != current[0].dtype):
-                self._buckets.append(_Bucket(current))
+                self._buckets.append(_Bucket(current, self.as_view))
                 current, size = [], 0
             current.append(p)
             size += p.numel() * p.element_size()
         if current:
-            self._buckets.append(_Bucket(current))
+            self._buckets.append(_Bucket(current, self.as_view))
         self._bucket_of = {id(p): b for b in self._buckets for p in b.params}
         self._hooks: list[Any] = []
-        if self.overlap:
+        if self.overlap or self.as_view:
             self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in trainable]
 
     def _reduces_this_step(self) -> bool:
@@ -110,15 +153,17 @@ class GradientSync:
             bucket.ready, bucket.flat, bucket.handle = 0, None, None
 
     def _on_grad(self, param: torch.Tensor) -> None:
+        bucket = self._bucket_of[id(param)]
+        if self.as_view:
+            bucket.adopt(param)
         if not self._armed:
             return
-        bucket = self._bucket_of[id(param)]
         bucket.ready += 1
         if bucket.ready == len(bucket.params):
             self._launch(bucket)
 
     def _launch(self, bucket: _Bucket) -> None:
-        bucket.flat = _flat_grads(bucket.params)
+        bucket.flat = bucket.flat_grads()
         bucket.handle = C.all_reduce(bucket.flat, group=self.dp_group, async_op=True, label="smp_ddp_bucket")
 
     def finish(self, had_backward: bool) -> None:
@@ -138,7 +183,10 @@ class GradientSync:
             for bucket in self._buckets:
                 assert bucket.handle is not None and bucket.flat is not None
                 bucket.handle.wait()
-                _write_back(bucket.params, bucket.flat, 1.0 / self.dp_size)
+                if bucket.storage is not None:  # the gradients are views of what was just reduced
+                    bucket.storage.div_(self.dp_size)
+                else:
+                    _write_back(bucket.params, bucket.flat, 1.0 / self.dp_size)
                 bucket.flat, bucket.handle = None, None
         for group, params in self.copies:
             by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}

@@ -299,6 +299,7 @@ class DistributedModel(LocalViewsMixin, nn.Module):  # type: ignore[misc]  # sta
             self.options.overlapping_allreduce,
             self.options.backward_passes_per_step,
             self._device,
+            self.options.gradient_as_bucket_view,
         )
         self._plan, self._placement, self._runtime = plan, placement, runtime
         if self._pending_state is not None:
