@@ -20,12 +20,13 @@ import torch.distributed as dist
 from torch import nn
 
 from shardkit.distributed import DummyProcessGroup, GroupLike, is_dummy, resolve_group
+from shardkit.distributed.model_check import check_same_model
 from shardkit.nn.slowmo.collectives import broadcast_from_rank0, node_average, node_broadcast
 from shardkit.nn.slowmo.config import SlowMoBaseAlgorithm, SlowMoConfig, configs_from_arguments
 from shardkit.nn.slowmo.flat import FlatParams, fp32_views, groups_by_dtype
 from shardkit.nn.slowmo.gossip import Gossiper
 from shardkit.nn.slowmo.graphs import GraphManager
-from shardkit.nn.slowmo.layout import create_groups, make_layout
+from shardkit.nn.slowmo.layout import ProcessLayout, create_groups, make_layout
 from shardkit.nn.slowmo.local_sgd import ExactAverager
 from shardkit.nn.slowmo.mixing import MixingManager
 from shardkit.nn.slowmo.push_sum import ParamForm, PushSumState
@@ -113,31 +114,42 @@ class SlowMoDistributedDataParallel(nn.Module):
     ) -> None:
         super().__init__()
         # Check everything before building anything: a bad argument leaves no groups, hooks or broadcasts behind.
+        # The checks run on every rank; one all-gather then shares their outcome and the model's shapes, so an
+        # argument refused on some ranks only, or ranks holding different models, fail on every rank alike.
         group = _global_group(global_group, process_world_size)
-        layout = make_layout(group, nprocs_per_node, process_rank, process_world_size)
-        config = configs_from_arguments(
-            world_size=layout.world_size,
-            slowmo_base_algorithm=slowmo_base_algorithm,
-            broadcast_buffers=broadcast_buffers,
-            slowmo_momentum=slowmo_momentum,
-            slowmo_memory_efficient=slowmo_memory_efficient,
-            slowmo_frequency=slowmo_frequency,
-            slowmo_lr=slowmo_lr,
-            slowmo_num_shards=slowmo_num_shards,
-            localsgd_frequency=localsgd_frequency,
-            push_sum=push_sum,
-            overlap=overlap,
-            synch_freq=synch_freq,
-            use_streams=use_streams,
-            slowmo_sgp_average_params=slowmo_sgp_average_params,
-            verbose=verbose,
-            profile_mode=profile_mode,
-            comm_device=comm_device,
-        )
-        topology = resolve_topology(config.wrapper.base_algorithm, layout, graph, mixing, config.gossip.push_sum)
+        local_error: Optional[Exception] = None
+        try:
+            layout, config, topology = self._checked_settings(
+                group,
+                module,
+                nprocs_per_node,
+                process_rank,
+                process_world_size,
+                graph,
+                mixing,
+                slowmo_base_algorithm=slowmo_base_algorithm,
+                broadcast_buffers=broadcast_buffers,
+                slowmo_momentum=slowmo_momentum,
+                slowmo_memory_efficient=slowmo_memory_efficient,
+                slowmo_frequency=slowmo_frequency,
+                slowmo_lr=slowmo_lr,
+                slowmo_num_shards=slowmo_num_shards,
+                localsgd_frequency=localsgd_frequency,
+                push_sum=push_sum,
+                overlap=overlap,
+                synch_freq=synch_freq,
+                use_streams=use_streams,
+                slowmo_sgp_average_params=slowmo_sgp_average_params,
+                verbose=verbose,
+                profile_mode=profile_mode,
+                comm_device=comm_device,
+            )
+        except (TypeError, ValueError) as exc:
+            local_error = exc
+        # Raises on every rank (this rank's own error re-raised here) when any rank failed or the models differ.
+        check_same_model(module, group, "SlowMoDistributedDataParallel", local_error=local_error)
         params = list(module.parameters())
         flat = FlatParams(params)
-        _check_params(params)
         self.module = module
         self.config: SlowMoConfig = config
         self.layout = layout
@@ -155,6 +167,28 @@ class SlowMoDistributedDataParallel(nn.Module):
         self._sync_initial_state()
         self._build_components(topology)
         logger.debug("rank %d: %s, %s", layout.process_rank, layout, config)
+
+    @staticmethod
+    def _checked_settings(
+        group: GroupLike,
+        module: nn.Module,
+        nprocs_per_node: int,
+        process_rank: Optional[int],
+        process_world_size: Optional[int],
+        graph: Optional[GraphManager],
+        mixing: Optional[MixingManager],
+        **arguments: Any,
+    ) -> tuple[ProcessLayout, SlowMoConfig, Optional[tuple[GraphManager, MixingManager]]]:
+        """This rank's checks of every argument (no communication): the layout, the configs and the topology."""
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"SlowMoDistributedDataParallel wraps an nn.Module, got {type(module).__name__}")
+        layout = make_layout(group, nprocs_per_node, process_rank, process_world_size)
+        config = configs_from_arguments(world_size=layout.world_size, **arguments)
+        topology = resolve_topology(config.wrapper.base_algorithm, layout, graph, mixing, config.gossip.push_sum)
+        params = list(module.parameters())
+        FlatParams(params)
+        _check_params(params)
+        return layout, config, topology
 
     def _build_components(self, topology: Optional[tuple[GraphManager, MixingManager]]) -> None:
         """The algorithm's pieces and the backward hooks, once parameters are synchronised."""

@@ -172,7 +172,7 @@ def configs_from_arguments(
             "with slowmo_memory_efficient the LocalSGD average is skipped on slow-momentum steps). Set "
             "slowmo_frequency to a multiple of localsgd_frequency.",
             UserWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
     device = torch.device(comm_device) if comm_device is not None else None
     return SlowMoConfig(

@@ -1,0 +1,135 @@
+"""Refuse ranks that built different models, before any of their tensors is communicated.
+
+A strategy that broadcasts rank 0's parameters or averages flat buffers assumes every rank holds the same
+tensors in the same order. When they do not, the broadcast writes rank 0's values into the wrong tensors (or a
+collective of different sizes hangs or aborts in the backend), and training goes on wrong or dies far from the
+cause. :func:`check_same_model` compares the ranks' parameter and buffer signatures with one all-gather of small
+Python objects and raises the same ``ValueError`` on every rank, naming the first difference and the ranks.
+
+Example::
+
+    check_same_model(module, group, who="SlowMoDistributedDataParallel")  # before the initial broadcast
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional
+
+import torch.distributed as dist
+from torch import nn
+from torch.profiler import record_function
+
+from shardkit.distributed.groups import GroupLike, group_size, is_dummy
+
+
+class TensorSignature(NamedTuple):
+    """What the ranks must agree on about one parameter or buffer."""
+
+    kind: str  # "parameter" or "buffer"
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    requires_grad: bool
+
+    def describe(self) -> str:
+        """``parameter 'fc.weight' [4, 2] torch.float32`` (plus ``frozen`` for a parameter without gradient)."""
+        frozen = " frozen" if self.kind == "parameter" and not self.requires_grad else ""
+        return f"{self.kind} '{self.name}' {list(self.shape)} {self.dtype}{frozen}"
+
+
+def model_signature(module: nn.Module, buffers: bool = True) -> list[TensorSignature]:
+    """The name, shape, dtype and ``requires_grad`` of every parameter (then buffer) of ``module``, in order."""
+    signature = [
+        TensorSignature("parameter", name, tuple(p.shape), str(p.dtype), p.requires_grad)
+        for name, p in module.named_parameters()
+    ]
+    if buffers:
+        signature += [
+            TensorSignature("buffer", name, tuple(b.shape), str(b.dtype), False) for name, b in module.named_buffers()
+        ]
+    return signature
+
+
+def describe_mismatch(
+    reference: list[TensorSignature], other: list[TensorSignature], reference_rank: int, other_rank: int
+) -> Optional[str]:
+    """What first differs between two ranks' signatures, or None when they agree."""
+    for ref, mine in zip(reference, other):
+        if ref != mine:
+            return f"rank {reference_rank} has {ref.describe()} where rank {other_rank} has {mine.describe()}"
+    if len(reference) != len(other):
+        longer, owner = (reference, reference_rank) if len(reference) > len(other) else (other, other_rank)
+        extra = longer[min(len(reference), len(other))]
+        return (
+            f"{extra.describe()} exists only on rank {owner} ({len(reference)} tensors on rank {reference_rank}, "
+            f"{len(other)} on rank {other_rank})"
+        )
+    return None
+
+
+def all_gather_objects(obj: Any, group: GroupLike, label: str) -> list[Any]:
+    """Every member's picklable ``obj``, in group-rank order, on every member (labelled for profiles)."""
+    if is_dummy(group) or group_size(group) == 1:
+        return [obj]
+    assert isinstance(group, dist.ProcessGroup)
+    gathered: list[Any] = [None] * group_size(group)
+    with record_function(f"shardkit::all_gather_object:{label}"):
+        dist.all_gather_object(gathered, obj, group=group)
+    return gathered
+
+
+def check_same_model(
+    module: nn.Module,
+    group: GroupLike,
+    who: str,
+    buffers: bool = True,
+    local_error: Optional[Exception] = None,
+) -> None:
+    """Raise on every member of ``group`` unless all hold the same tensors and none refused its arguments.
+
+    Compares names, shapes, dtypes and ``requires_grad`` of the parameters (and, with ``buffers``, of the
+    buffers) with one all-gather; values are not compared (the caller's broadcast makes them equal). Every member
+    must call it, before anything else is communicated or changed, so a mismatch leaves every rank untouched.
+
+    ``local_error`` is the error this rank's own argument checks raised, if any: it travels in the same
+    all-gather, so a check that fails on some ranks only (a rank-specific argument) fails on all of them instead
+    of leaving the others waiting in their next collective. This rank re-raises its own error; the others raise
+    a ``ValueError`` quoting the first failing rank's.
+
+    Args:
+        module: the model this rank is about to wrap.
+        group: the ranks that must agree (real or dummy process group).
+        who: the caller's name for the message, e.g. ``"SlowMoDistributedDataParallel"``.
+        buffers: compare buffers too (when the caller broadcasts or averages them).
+        local_error: what this rank's argument checks raised (None when they passed).
+
+    Example::
+
+        try:
+            settings = validate(**kwargs)
+            error = None
+        except (TypeError, ValueError) as exc:
+            error = exc
+        check_same_model(module, group, "MyWrapper", local_error=error)  # raises everywhere, or nowhere
+    """
+    signature = model_signature(module, buffers) if isinstance(module, nn.Module) else []
+    mine = (signature, None if local_error is None else _error_text(local_error))
+    everyone = all_gather_objects(mine, group, f"{who}.model_check")
+    if local_error is not None:
+        raise local_error
+    for rank, (_, error) in enumerate(everyone):
+        if error is not None:
+            raise ValueError(f"{who}: rank {rank} refused its arguments ({error}). Nothing was broadcast or changed.")
+    signatures = [signature for signature, _ in everyone]
+    for rank, signature in enumerate(signatures[1:], start=1):
+        problem = describe_mismatch(signatures[0], signature, 0, rank)
+        if problem is not None:
+            raise ValueError(
+                f"{who}: the ranks hold different models: {problem}. Build the same model on every rank (same "
+                "parameter and buffer names, shapes, dtypes and requires_grad) before wrapping it; rank-specific "
+                "parts need their own process group. Nothing was broadcast or changed."
+            )
+
+
+def _error_text(error: Exception) -> str:
+    return f"{type(error).__name__}: {error}"
