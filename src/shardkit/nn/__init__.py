@@ -14,7 +14,13 @@ from shardkit.nn.slowmo import SlowMoBaseAlgorithm, SlowMoDistributedDataParalle
 
 # ``shardkit.nn.wrap`` is the package; it is callable as the ``wrap`` function (see its docstring), so both
 # ``from shardkit.nn import wrap`` and ``from shardkit.nn.wrap import wrap`` give something that wraps.
-from shardkit.nn.wrap import auto_wrap, default_auto_wrap_policy, enable_wrap, transformer_auto_wrap_policy
+from shardkit.nn.wrap import (
+    auto_wrap,
+    config_auto_wrap_policy,
+    default_auto_wrap_policy,
+    enable_wrap,
+    transformer_auto_wrap_policy,
+)
 
 __all__ = [
     "BackwardPrefetch",
@@ -26,6 +32,7 @@ __all__ = [
     "apply_activation_checkpointing",
     "auto_wrap",
     "checkpoint_wrapper",
+    "config_auto_wrap_policy",
     "default_auto_wrap_policy",
     "enable_wrap",
     "transformer_auto_wrap_policy",

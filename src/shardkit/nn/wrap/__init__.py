@@ -5,7 +5,11 @@
   large layers once and run wrapped or unwrapped.
 - :func:`auto_wrap` walks a module tree and wraps what a policy selects, innermost first.
 - Policies (:mod:`shardkit.nn.wrap.policies`): by size (:func:`default_auto_wrap_policy`), by class
-  (:func:`transformer_auto_wrap_policy`) or by tag (:func:`config_auto_wrap_policy`).
+  (:func:`transformer_auto_wrap_policy`) or by tag (:func:`config_auto_wrap_policy`); fairscale's four-argument
+  and torch's three-argument policy signatures both work.
+- Tied parameters are never split across units: :func:`auto_wrap` keeps the modules that share a parameter in
+  their common parent's unit, and the FSDP constructor refuses a unit that would split a tie.
+- :class:`ConfigAutoWrap` is fairscale's name for the context state (read-only here).
 
 Example::
 
@@ -23,6 +27,7 @@ from typing import Any
 
 from torch import nn
 
+from shardkit.nn.wrap.config_auto_wrap import ConfigAutoWrap
 from shardkit.nn.wrap.context import WrapConfig, auto_wrap, current_wrap_config, enable_wrap, wrap
 from shardkit.nn.wrap.policies import (
     DEFAULT_EXCLUDE_WRAP_MODULES,
@@ -38,6 +43,7 @@ __all__ = [
     "DEFAULT_EXCLUDE_WRAP_MODULES",
     "DEFAULT_FORCE_LEAF_MODULES",
     "AutoWrapPolicy",
+    "ConfigAutoWrap",
     "WrapConfig",
     "auto_wrap",
     "config_auto_wrap_policy",

@@ -2,7 +2,8 @@
 
 The active configuration lives in a :class:`contextvars.ContextVar`, not in class attributes: contexts nest (the
 inner one replaces the outer one until it exits), a thread or asyncio task started elsewhere never sees another
-one's context, and an exception inside the ``with`` block still restores the previous state.
+one's context, and an exception inside the ``with`` block still restores the previous state. None of these
+functions needs a process group; only the wrapper they build may (pass it ``process_group=``).
 """
 
 from __future__ import annotations
@@ -15,9 +16,12 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Callable, Optional
 
+import torch
 from torch import nn
 
 from shardkit.nn.wrap.policies import AutoWrapPolicy, default_auto_wrap_policy
+from shardkit.nn.wrap.policy_call import policy_caller
+from shardkit.nn.wrap.walk import wrap_tree
 
 WrapperFactory = Callable[..., nn.Module]
 
@@ -32,6 +36,19 @@ class WrapConfig:
     auto_wrap_policy: Optional[AutoWrapPolicy]
     #: Keyword arguments passed to every wrapper built in the context (read-only).
     wrapper_kwargs: Mapping[str, Any]
+    #: fairscale's flag: move each module to the current CUDA device in float16 before wrapping it.
+    move_module_cuda_half: bool = False
+
+    def __post_init__(self) -> None:
+        if not callable(self.wrapper_cls):
+            raise TypeError(f"enable_wrap(wrapper_cls=...) must be a class or callable, got {self.wrapper_cls!r}")
+        if self.auto_wrap_policy is not None:
+            policy_caller(self.auto_wrap_policy)  # raises TypeError now if auto_wrap could not call it later
+        if self.move_module_cuda_half and not torch.cuda.is_available():
+            raise ValueError(
+                "enable_wrap(move_module_cuda_half=True) moves every wrapped module to CUDA in float16, but CUDA is "
+                "not available; drop the flag (and convert the model yourself, e.g. model.half(), if you meant to)"
+            )
 
     def is_wrapped(self, module: nn.Module) -> bool:
         """True when ``module`` already is a wrapper of this context's class (so it must not be wrapped again)."""
@@ -48,15 +65,23 @@ def current_wrap_config() -> Optional[WrapConfig]:
 
 @contextlib.contextmanager
 def enable_wrap(
-    wrapper_cls: Optional[WrapperFactory] = None,
     auto_wrap_policy: Optional[AutoWrapPolicy] = None,
+    *,
+    wrapper_cls: Optional[WrapperFactory] = None,
     **wrapper_kwargs: Any,
 ) -> Iterator[WrapConfig]:
     """Within this context :func:`wrap` and :func:`auto_wrap` wrap modules with ``wrapper_cls(module, **kwargs)``.
 
-    ``wrapper_cls`` defaults to :class:`~shardkit.nn.FullyShardedDataParallel`; ``auto_wrap_policy`` is the policy
-    :func:`auto_wrap` uses when it is given none. A nested ``enable_wrap`` replaces this configuration (it does not
-    merge with it) until it exits. The context is local to the current thread or asyncio task.
+    Args:
+        auto_wrap_policy: the policy :func:`auto_wrap` uses when it is given none (default
+            :func:`default_auto_wrap_policy`, 100M parameters). First positional argument, as in fairscale.
+        wrapper_cls: the wrapper class, by keyword (default :class:`~shardkit.nn.FullyShardedDataParallel`;
+            fairscale requires it, shardkit does not).
+        **wrapper_kwargs: passed to every wrapper built in the context. ``move_module_cuda_half=True``
+            (fairscale's flag) is taken out and moves each module to the current CUDA device in float16 first.
+
+    A nested ``enable_wrap`` replaces this configuration (it does not merge with it) until it exits; fairscale
+    refuses nesting, shardkit allows it. The context is local to the current thread or asyncio task.
 
     Example::
 
@@ -69,13 +94,8 @@ def enable_wrap(
         from shardkit.nn.fsdp import FullyShardedDataParallel
 
         wrapper_cls = FullyShardedDataParallel
-    if not callable(wrapper_cls):
-        raise TypeError(f"enable_wrap(wrapper_cls=...) must be a class or callable, got {wrapper_cls!r}")
-    if auto_wrap_policy is not None and not callable(auto_wrap_policy):
-        raise TypeError(
-            f"auto_wrap_policy must be callable as policy(module, recurse, nonwrapped_numel), got {auto_wrap_policy!r}"
-        )
-    config = WrapConfig(wrapper_cls, auto_wrap_policy, MappingProxyType(dict(wrapper_kwargs)))
+    move_module_cuda_half = bool(wrapper_kwargs.pop("move_module_cuda_half", False))
+    config = WrapConfig(wrapper_cls, auto_wrap_policy, MappingProxyType(dict(wrapper_kwargs)), move_module_cuda_half)
     token = _ACTIVE_CONFIG.set(config)
     try:
         yield config
@@ -106,10 +126,16 @@ def auto_wrap(module: nn.Module, auto_wrap_policy: Optional[AutoWrapPolicy] = No
     """Wrap the sub-modules of ``module`` that the policy selects, innermost first; a no-op outside a context.
 
     The policy is ``auto_wrap_policy`` if given, else the context's, else :func:`default_auto_wrap_policy`
-    (100M parameters). ``min_num_params=N`` is a shortcut for the size policy with that threshold. Any other
-    keyword is a wrapper override, as in :func:`wrap`. Children are replaced in place (``setattr`` on their
-    parent) and the possibly wrapped ``module`` is returned. Modules that already are wrappers are kept as they
-    are and their parameters count as wrapped; a sub-module reachable under several names is wrapped once.
+    (100M parameters); it may follow fairscale's signature ``(module, recurse, unwrapped_params, module_is_root)``
+    or torch's ``(module, recurse, nonwrapped_numel)``. ``min_num_params=N`` is a shortcut for the size policy
+    with that threshold. Any other keyword is a wrapper override, as in :func:`wrap`.
+
+    Children are replaced in place (``setattr`` on their parent) and the possibly wrapped ``module`` is returned.
+    Modules that already are wrappers are kept as they are and their parameters count as wrapped; a sub-module
+    reachable under several names is wrapped once. Tied parameters are never split: a module that shares a
+    parameter (or a sub-module) with something outside it is not wrapped on its own, whatever the policy says,
+    so the parameter stays in the unit of the smallest module around all its users (a warning names such
+    modules). If building a wrapper fails, the model is restored as it was before the call and the error raised.
 
     Example (the fairscale documentation example)::
 
@@ -121,8 +147,8 @@ def auto_wrap(module: nn.Module, auto_wrap_policy: Optional[AutoWrapPolicy] = No
     if config is None:
         return module
     policy = _resolve_policy(config, auto_wrap_policy, kwargs.pop("min_num_params", None))
-    memo: dict[int, nn.Module] = {}
-    return _recursive_wrap(module, policy, config, kwargs, memo)
+    caller = policy_caller(policy)
+    return wrap_tree(module, caller, config.is_wrapped, lambda m: _wrap_with(config, m, kwargs))
 
 
 def _resolve_policy(
@@ -148,54 +174,9 @@ def _wrap_with(config: WrapConfig, module: nn.Module, overrides: Mapping[str, An
         raise TypeError(
             f"{type(module).__name__}.wrapper_config must be a dict of wrapper arguments, got {per_module!r}"
         )
+    if config.move_module_cuda_half:
+        module = module.to(device=torch.device("cuda", torch.cuda.current_device()), dtype=torch.float16)
     return config.wrapper_cls(module, **{**config.wrapper_kwargs, **per_module, **overrides})
-
-
-def _recursive_wrap(
-    module: nn.Module,
-    policy: AutoWrapPolicy,
-    config: WrapConfig,
-    overrides: Mapping[str, Any],
-    memo: dict[int, nn.Module],
-) -> nn.Module:
-    """Bottom-up wrap: children first, then the module itself on what its children left unwrapped."""
-    if id(module) in memo:
-        return memo[id(module)]
-    result = module
-    if not config.is_wrapped(module) and policy(module, True, _nonwrapped_numel(module, config)):
-        # Iterate _modules directly: named_children() hides a child registered under two names, and both names
-        # must point at the same wrapped child.
-        for name, child in list(module._modules.items()):
-            if child is None:
-                continue
-            new_child = _recursive_wrap(child, policy, config, overrides, memo)
-            if new_child is not child:
-                setattr(module, name, new_child)
-        if policy(module, False, _nonwrapped_numel(module, config)):
-            result = _wrap_with(config, module, overrides)
-    memo[id(module)] = result
-    return result
-
-
-def _nonwrapped_numel(module: nn.Module, config: WrapConfig) -> int:
-    """Elements of the distinct parameters of ``module`` that no wrapper inside it owns (tied ones once)."""
-    if config.is_wrapped(module):
-        return 0
-    seen: set[int] = set()
-    total = 0
-    stack = [module]
-    visited: set[int] = set()
-    while stack:
-        current = stack.pop()
-        if id(current) in visited:
-            continue
-        visited.add(id(current))
-        for param in current._parameters.values():
-            if param is not None and id(param) not in seen:
-                seen.add(id(param))
-                total += param.numel()
-        stack.extend(c for c in current._modules.values() if c is not None and not config.is_wrapped(c))
-    return total
 
 
 __all__ = ["WrapConfig", "auto_wrap", "current_wrap_config", "enable_wrap", "wrap"]
