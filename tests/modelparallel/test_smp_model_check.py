@@ -7,7 +7,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import shardkit.modelparallel as smp
-from shardkit.modelparallel.startup import model_fingerprint
 from shardkit.testing import run_distributed
 
 
@@ -52,25 +51,13 @@ def test_different_models_raise_on_every_rank_before_the_broadcast() -> None:
         results = run_distributed(_different_models, 2, config)
         for messages in results:
             assert (
-                "ranks built different models: parameter '0.weight' is shape (16, 8) float32 on rank 0 but "
-                "shape (17, 8) float32 on rank 1" in messages["shape"]
+                "smp.DistributedModel: the ranks hold different models: rank 0 has parameter '0.weight' [16, 8] "
+                "torch.float32 where rank 1 has parameter '0.weight' [17, 8] torch.float32" in messages["shape"]
             ), messages["shape"]
-            assert "rank 1 has an extra parameter '3.weight' that rank 0 does not have" in messages["extra"]
+            assert "parameter '3.weight' [4, 4] torch.float32 exists only on rank 1" in messages["extra"]
             assert (
-                "parameter '2.weight' is shape (4, 16) float32 on rank 0 but shape (4, 16) float64"
-                in (messages["dtype"])
+                "rank 0 has parameter '2.weight' [4, 16] torch.float32 where rank 1 has parameter '2.weight' "
+                "[4, 16] torch.float64" in messages["dtype"]
             )
-            assert "make the model's construction independent of the rank" in messages["shape"]
+            assert "Build the same model on every rank" in messages["shape"]
             assert all(messages[f"{case}_untouched"] == "True" for case in ("shape", "extra", "dtype"))
-
-
-def test_fingerprint_lists_parameters_then_buffers() -> None:
-    model = nn.Sequential(nn.Linear(2, 3), nn.BatchNorm1d(3))
-    kinds = [(kind, name) for kind, name, _, _ in model_fingerprint(model)]
-    assert kinds[:4] == [
-        ("parameter", "0.weight"),
-        ("parameter", "0.bias"),
-        ("parameter", "1.weight"),
-        ("parameter", "1.bias"),
-    ]
-    assert ("buffer", "1.running_mean") in kinds

@@ -21,6 +21,7 @@ from torch.utils.hooks import RemovableHandle
 
 from shardkit.distributed import broadcast_object
 from shardkit.distributed import collectives as C
+from shardkit.distributed.model_check import check_same_model
 from shardkit.modelparallel import checkpoint as ckpt
 from shardkit.modelparallel import state as smp_state
 from shardkit.modelparallel.auto_partition import Placement
@@ -36,7 +37,6 @@ from shardkit.modelparallel.startup import (
     broadcast_initial_state,
     canonical_tensors,
     check_same_inputs,
-    check_same_model,
 )
 
 
@@ -228,7 +228,7 @@ class DistributedModel(LocalViewsMixin, nn.Module):  # type: ignore[misc]  # sta
         state = self._smp
         cfg, topo = state.config, state.topology
         if state.distributed and topo.world_size > 1:
-            check_same_model(self.module, state.world_group)  # before anything is broadcast into it
+            check_same_model(self.module, state.world_group, "smp.DistributedModel")  # before the broadcast
             check_same_inputs((args, kwargs), state.mp_group)
             broadcast_initial_state(self.module, state.world_group, self._execution_device())
         payload: tuple[Any, Any, Optional[str]] = (None, None, None)
