@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from shardkit.distributed.groups import GroupLike, group_rank, group_size, resolve_group
-from shardkit.nn.fsdp import grad_norm
+from shardkit.nn.fsdp import grad_norm, ties
 from shardkit.nn.fsdp._collectives import create_reduce_channels
 from shardkit.nn.fsdp._names import clean_members, clean_named_modules
 from shardkit.nn.fsdp._state_dict_methods import StateDictMethods
@@ -132,9 +132,11 @@ class FullyShardedDataParallel(StateDictMethods, nn.Module):
         label = type(module).__name__
         nested = [_unit_of(m).group for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
         # May raise; nothing has been changed yet.
+        tied = ties.check_unclaimed(module, _is_unit)  # refuses a parameter another unit already shards
         param_group = ParamGroup.build(
             self, module, group, self.rank, self.world_size, policies, _is_unit, label, nested
         )
+        ties.claim(self, module, tied)
         self.module = module
         self._unit = Unit(param_group, policies, label)
         if policies.mixed_precision.param_dtype is not None:
