@@ -32,6 +32,10 @@ class Placement:
     stage_memory_bytes: tuple[int, ...]
     memory_weight: float
     automatic: bool
+    traced_on: str = "cpu"
+    """The device the trace ran on (smp's ``trace_device``, resolved)."""
+    memory_measured: bool = False
+    """True when activation memory was measured (``trace_memory_usage``) rather than estimated."""
 
     def stage_of(self, name: str) -> int:
         """The stage of a placed module."""
@@ -52,7 +56,11 @@ class Placement:
 
     def __str__(self) -> str:
         kind = "auto" if self.automatic else "manual"
-        lines = [f"smp placement ({kind}, {self.partitions} stages, memory_weight={self.memory_weight:g}):"]
+        memory = "measured" if self.memory_measured else "estimated"
+        lines = [
+            f"smp placement ({kind}, {self.partitions} stages, memory_weight={self.memory_weight:g}, traced on "
+            f"{self.traced_on}, {memory} memory):"
+        ]
         lines.append(f"  {'stage':>5}  {'cost':>6}  {'compute':>8}  {'memory':>10}  modules")
         total_compute = sum(self.stage_compute) or 1.0
         for stage in range(self.partitions):
@@ -67,10 +75,9 @@ class Placement:
 
 def _combined(costs: dict[str, ModuleCost], memory_weight: float, root: str = "") -> dict[str, float]:
     total_compute = costs[root].compute or 1.0
-    total_memory = (costs[root].param_bytes + costs[root].activation_bytes) or 1
+    total_memory = costs[root].memory_bytes or 1
     return {
-        name: (1 - memory_weight) * c.compute / total_compute
-        + memory_weight * (c.param_bytes + c.activation_bytes) / total_memory
+        name: (1 - memory_weight) * c.compute / total_compute + memory_weight * c.memory_bytes / total_memory
         for name, c in costs.items()
     }
 
@@ -159,7 +166,12 @@ def auto_assignment(
 
 
 def describe(
-    costs: dict[str, ModuleCost], units: dict[str, int], partitions: int, memory_weight: float, automatic: bool
+    costs: dict[str, ModuleCost],
+    units: dict[str, int],
+    partitions: int,
+    memory_weight: float,
+    automatic: bool,
+    traced_on: str = "cpu",
 ) -> Placement:
     """A :class:`Placement` for ``units`` (module name -> stage), with stage costs from the trace."""
     weight = _combined(costs, memory_weight)
@@ -170,8 +182,17 @@ def describe(
         cost = costs[name]
         stage_costs[stage] += weight[name]
         compute[stage] += cost.compute
-        memory[stage] += cost.param_bytes + cost.activation_bytes
+        memory[stage] += cost.memory_bytes
     ordered = sorted(units.items(), key=lambda item: (costs[item[0]].order < 0, costs[item[0]].order, item[0]))
+    measured = any(c.measured_bytes is not None for c in costs.values())
     return Placement(
-        partitions, tuple(ordered), tuple(stage_costs), tuple(compute), tuple(memory), memory_weight, automatic
+        partitions,
+        tuple(ordered),
+        tuple(stage_costs),
+        tuple(compute),
+        tuple(memory),
+        memory_weight,
+        automatic,
+        traced_on,
+        measured,
     )

@@ -38,6 +38,7 @@ from shardkit.modelparallel.startup import (
     canonical_tensors,
     check_same_inputs,
 )
+from shardkit.modelparallel.trace import to_device
 
 
 @dataclass(frozen=True)
@@ -67,17 +68,6 @@ class ModelOptions:
             raise ValueError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb}")
 
 
-def _move(value: Any, device: torch.device) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(device) if value.device != device else value
-    if isinstance(value, (list, tuple)):
-        items = [_move(v, device) for v in value]
-        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
-    if isinstance(value, dict):
-        return type(value)((k, _move(v, device)) for k, v in value.items())
-    return value
-
-
 class DistributedModel(LocalViewsMixin, nn.Module):  # type: ignore[misc]  # state_dict is smp-aware
     """Split ``module`` into pipeline stages (and replicate it with ``ddp=True``); one per process.
 
@@ -88,12 +78,23 @@ class DistributedModel(LocalViewsMixin, nn.Module):  # type: ignore[misc]  # sta
     ``overlapping_allreduce``, ``backward_passes_per_step``, ``average_grads_across_microbatches``,
     ``bucket_cap_mb``, ``trace_memory_usage``, ``broadcast_buffers``, ``gradient_as_bucket_view``.
 
-    Differences from SageMaker's smp: the trace runs where the model's parameters are (build the model on the
-    device you want it traced on; ``trace_device`` is validated but does not move it); memory is always
-    estimated from tensor sizes (``trace_memory_usage`` changes nothing); gradients are reduced from flat
-    buckets (``gradient_as_bucket_view`` changes nothing). Every rank of a replica must pass the same inputs
-    to the step function, and the forward's control flow must not depend on tensor values: the module call
-    order of the first step is the plan for every later one (a different order raises).
+    What the tracing and bucketing options do here:
+
+    - ``trace_device``: where rank 0 runs the tracing forward that decides the partition. ``"cpu"`` traces on
+      the CPU (for a model too big for one accelerator; the model is copied there for the trace and left
+      where it was); ``"gpu"`` traces on the device this rank computes on: CUDA under NCCL (a model built on
+      the CPU is copied to it for the trace), else where the parameters are, so a CPU-only run traces on the
+      CPU. ``model.placement.traced_on`` says where it ran.
+    - ``trace_memory_usage``: measure, in one more forward with autograd recording, the memory each module
+      leaves alive for backward, and balance stages with it (``placement.memory_measured``); without it the
+      memory is estimated from the bytes each module's operators write.
+    - ``gradient_as_bucket_view`` (``ddp=True`` with several replicas): gradients are views into the flat
+      all-reduce buckets, as torch DDP's option, so no second copy of them exists.
+
+    Every rank must build the same model (checked at the first step: a ``ValueError`` names the first
+    differing parameter on every rank before anything is broadcast). Every rank of a replica must pass the
+    same inputs to the step function, and the forward's control flow must not depend on tensor values: the
+    module call order of the first step is the plan for every later one (a different order raises).
 
     Example::
 
@@ -180,10 +181,10 @@ class DistributedModel(LocalViewsMixin, nn.Module):  # type: ignore[misc]  # sta
         assert record is not None
         if self._runtime is None:
             first = next(iter(self.module.parameters()), None)
-            args, kwargs = _move((args, kwargs), first.device if first is not None else torch.device("cpu"))
+            args, kwargs = to_device((args, kwargs), first.device if first is not None else torch.device("cpu"))
             self._partition(args, kwargs)
         assert self._runtime is not None
-        args, kwargs = _move((args, kwargs), self._device)
+        args, kwargs = to_device((args, kwargs), self._device)
         with self._runtime.invocation(record, (args, kwargs), first_microbatch=record.index == 0):
             return self.module(*args, **kwargs)
 
@@ -243,6 +244,8 @@ class DistributedModel(LocalViewsMixin, nn.Module):  # type: ignore[misc]  # sta
                     default_partition=cfg.default_partition,
                     memory_weight=cfg.effective_memory_weight,
                     measure_time=self.options.trace_execution_times,
+                    measure_memory=self.options.trace_memory_usage,
+                    trace_device=self._trace_device(),
                 )
                 check_plan(plan)
                 payload = (plan, placement, None)
@@ -260,6 +263,12 @@ class DistributedModel(LocalViewsMixin, nn.Module):  # type: ignore[misc]  # sta
         if error is not None:
             raise RuntimeError(f"smp could not partition the model (error on rank 0): {error}")
         self._apply_plan(plan, placement)
+
+    def _trace_device(self) -> torch.device:
+        """``trace_device`` resolved: the CPU, or for ``"gpu"`` the device this rank computes on."""
+        if self.options.trace_device == "cpu":
+            return torch.device("cpu")
+        return self._execution_device()  # a CPU-only run (gloo, parameters on the CPU) traces on the CPU
 
     def _execution_device(self) -> torch.device:
         state = self._smp

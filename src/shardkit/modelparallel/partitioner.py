@@ -6,14 +6,15 @@ group, so it also previews a partition in a plain Python session.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
+import torch
 from torch import nn
 
 from shardkit.modelparallel.auto_partition import Placement, auto_assignment, describe
 from shardkit.modelparallel.partition import manual_assignment
 from shardkit.modelparallel.plan import PipelinePlan, build_plan, derive_units
-from shardkit.modelparallel.trace import trace_costs
+from shardkit.modelparallel.trace import to_device, trace_costs, traced_on
 
 
 def _auto_stage_of(root: nn.Module, atoms: dict[str, int], default_partition: int) -> dict[str, int]:
@@ -42,16 +43,55 @@ def plan_partition(
     default_partition: int = 0,
     memory_weight: float = 0.8,
     measure_time: bool = False,
+    measure_memory: bool = False,
+    trace_device: Optional[Union[str, torch.device]] = None,
 ) -> tuple[PipelinePlan, Placement]:
-    """Trace ``module(*args, **kwargs)`` and decide its pipeline partition; nothing is moved or communicated.
+    """Trace ``module(*args, **kwargs)`` and decide its pipeline partition; nothing is communicated.
+
+    ``measure_time``/``measure_memory`` measure each module's time/activation memory in extra forwards
+    instead of estimating them. ``trace_device`` runs the trace there (the model and inputs are copied for
+    it and the model is left where it was); None traces where the parameters are.
 
     Example::
 
-        plan, placement = plan_partition(model, (tokens,), partitions=2)
+        plan, placement = plan_partition(model, (tokens,), partitions=2, trace_device="cpu")
         print(placement)
     """
     kwargs = kwargs or {}
-    costs = trace_costs(module, args, kwargs, measure_time=measure_time)
+    if trace_device is None:
+        first = next(iter(module.parameters()), None)
+        device = first.device if first is not None else torch.device("cpu")
+    else:
+        device = torch.device(trace_device)
+    args, kwargs = to_device((args, kwargs), device)
+    with traced_on(module, device):
+        return _plan(
+            module,
+            args,
+            kwargs,
+            partitions,
+            auto_partition,
+            default_partition,
+            memory_weight,
+            measure_time,
+            measure_memory,
+            str(device),
+        )
+
+
+def _plan(
+    module: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    partitions: int,
+    auto_partition: bool,
+    default_partition: int,
+    memory_weight: float,
+    measure_time: bool,
+    measure_memory: bool,
+    traced_on: str,
+) -> tuple[PipelinePlan, Placement]:
+    costs = trace_costs(module, args, kwargs, measure_time=measure_time, measure_memory=measure_memory)
     if auto_partition:
         atoms = auto_assignment(costs, partitions, memory_weight)
         stage_of = _auto_stage_of(module, atoms, default_partition)
@@ -64,7 +104,7 @@ def plan_partition(
         atoms = auto_assignment(costs, partitions, memory_weight, open_big=False)
         units = derive_units(module, _auto_stage_of(module, atoms, default_partition))
         plan = build_plan(module, args, kwargs, units, partitions)
-    placement = describe(costs, units, partitions, memory_weight, auto_partition)
+    placement = describe(costs, units, partitions, memory_weight, auto_partition, traced_on)
     return plan, placement
 
 

@@ -4,13 +4,18 @@ The trace runs the full model once (on the first ``@smp.step``, before the parti
 module and a dispatch mode that estimates each operator's cost: matmul-like operators by their FLOP formula
 (torch's own registry), attention by ``4 * numel(q) * len(k)``, everything else by the elements it writes.
 With ``trace_execution_times=True`` a second, unhooked-by-dispatch pass measures each module's wall time,
-which then replaces the FLOP estimate. Buffers and the RNG are restored afterwards, so tracing leaves no trace.
+which then replaces the FLOP estimate. With ``trace_memory_usage=True`` another pass runs with autograd
+recording, under :class:`~shardkit.memory.MemoryTracker`, and measures what each module really leaves alive
+for backward (its saved activations and outputs), which replaces the estimate from the bytes its operators
+write. Buffers and the RNG are restored afterwards, so tracing leaves no trace. :func:`traced_on` runs all this
+on another device than the one the model lives on (smp's ``trace_device``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -19,6 +24,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+from shardkit.memory.tracker import MemoryTracker
 
 try:  # torch's FLOP formulas; absent or changed in some versions, then every op is costed by size
     from torch.utils.flop_counter import flop_registry as _FLOP_REGISTRY
@@ -42,12 +49,20 @@ class ModuleCost:
     """Bytes of the parameters in its subtree (each counted once)."""
     activation_bytes: int = 0
     """Bytes written by its operators: a proxy for the activations it keeps for backward."""
+    measured_bytes: Optional[int] = None
+    """Measured bytes its calls leave alive for backward, when ``trace_memory_usage`` is on."""
     children: list[str] = field(default_factory=list)
 
     @property
     def compute(self) -> float:
         """Measured time when available, else the FLOP estimate."""
         return self.time_s if self.time_s is not None else self.flops
+
+    @property
+    def memory_bytes(self) -> int:
+        """Parameters plus activations: measured activations when available, else the estimate."""
+        activations = self.measured_bytes if self.measured_bytes is not None else self.activation_bytes
+        return self.param_bytes + activations
 
 
 def _nbytes(value: Any) -> int:
@@ -85,13 +100,48 @@ class _CostMode(TorchDispatchMode):
         return out
 
 
+def to_device(value: Any, device: torch.device) -> Any:
+    """``value`` with every tensor inside (lists, tuples, named tuples, dicts) on ``device``."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device) if value.device != device else value
+    if isinstance(value, (list, tuple)):
+        items = [to_device(v, device) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    if isinstance(value, dict):
+        return type(value)((k, to_device(v, device)) for k, v in value.items())
+    return value
+
+
 @contextlib.contextmanager
-def side_effect_free(module: nn.Module) -> Iterator[None]:
-    """Run extra forwards without changing the model: buffers (BatchNorm statistics) and RNG are restored."""
+def traced_on(module: nn.Module, device: torch.device) -> Iterator[None]:
+    """Parameters and buffers on ``device`` inside, back on their own tensors (the same data) afterwards.
+
+    The same parameter objects are kept (only ``.data`` is swapped), so nothing outside sees a different
+    module; the original storage is held meanwhile, so tracing elsewhere costs one copy of the model there.
+    """
+    moved: list[tuple[torch.Tensor, torch.Tensor]] = []
+    try:
+        with torch.no_grad():
+            for tensor in [*module.parameters(), *module.buffers()]:
+                if tensor.device != device and all(tensor is not t for t, _ in moved):
+                    moved.append((tensor, tensor.data))
+                    tensor.data = tensor.data.to(device)
+        yield
+    finally:
+        for tensor, original in moved:
+            tensor.data = original
+
+
+@contextlib.contextmanager
+def side_effect_free(module: nn.Module, record_autograd: bool = False) -> Iterator[None]:
+    """Run extra forwards without changing the model: buffers (BatchNorm statistics) and RNG are restored.
+
+    Autograd is off unless ``record_autograd`` (the memory pass needs the tensors backward would keep).
+    """
     saved = [(b, b.detach().clone()) for b in module.buffers()]
     devices = sorted({b.device.index for b, _ in saved if b.device.type == "cuda" and b.device.index is not None})
     try:
-        with torch.random.fork_rng(devices=devices), torch.no_grad():
+        with torch.random.fork_rng(devices=devices), torch.set_grad_enabled(record_autograd):
             yield
     finally:
         with torch.no_grad():
@@ -100,9 +150,16 @@ def side_effect_free(module: nn.Module) -> Iterator[None]:
 
 
 def trace_costs(
-    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], measure_time: bool = False
+    module: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    measure_time: bool = False,
+    measure_memory: bool = False,
 ) -> dict[str, ModuleCost]:
     """Run ``module(*args, **kwargs)`` once and return every module's :class:`ModuleCost` by name.
+
+    ``measure_time`` adds measured wall times, ``measure_memory`` measured activation bytes (one more
+    forward each).
 
     Example::
 
@@ -150,6 +207,8 @@ def trace_costs(
     _fold_children(costs, self_flops, self_bytes)
     if measure_time:
         _measure_times(module, args, kwargs, names, costs)
+    if measure_memory:
+        _measure_memory(module, args, kwargs, costs)
     return costs
 
 
@@ -195,3 +254,35 @@ def _measure_times(
             handle.remove()
     for name, seconds in totals.items():
         costs[name].time_s = seconds
+
+
+def _measure_memory(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], costs: dict[str, ModuleCost]
+) -> None:
+    """Each module's bytes left alive by its forward with autograd recording (the activations backward needs).
+
+    The tracker counts only storages created on the parameters' device during this forward. A module called
+    several times is charged its last call's retention times its number of calls.
+    """
+    first = next(iter(module.parameters()), None)
+    device = first.device if first is not None else None
+    tracker = MemoryTracker(device=device)
+    try:
+        with side_effect_free(module, record_autograd=True), tracker:
+            tracker.watch(module)
+            output = module(*args, **kwargs)
+            del output  # drops the graph: the activations are freed before the tracker closes
+    except RuntimeError as exc:
+        if "already active" not in str(exc):
+            raise
+        warnings.warn(
+            "smp trace_memory_usage=True: another MemoryTracker is active in this process, so module memory "
+            "could not be measured; the partition uses the estimate from tensor sizes",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return
+    root_label = type(module).__name__
+    for name, cost in costs.items():
+        stats = tracker.modules.get(name or root_label)
+        cost.measured_bytes = max(0, stats.retained) * stats.calls if stats is not None else 0
