@@ -3,7 +3,9 @@
 Files, one responsibility each: ``api`` (the public wrapper), ``config`` (frozen settings), ``schedule`` (what
 each step does), ``layout`` (nodes and process groups), ``graphs`` / ``mixing`` (gossip topology and weights),
 ``push_sum`` (the push-sum weight and parameter forms), ``gossip`` (gossip rounds), ``local_sgd`` (exact
-averages), ``slow_momentum`` (the outer step), ``collectives`` (the labelled communication patterns).
+averages), ``slow_momentum`` (the outer step), ``collectives`` (the labelled communication patterns);
+``gossipers`` (fairscale's stand-alone ``PushSum``/``PushPull``) and ``helpers`` (``communicate``,
+``CudaEventRecorder``) serve code written against fairscale's gossip package.
 
 Example::
 
@@ -24,24 +26,29 @@ from shardkit.nn.slowmo.config import (
     SlowMomentumConfig,
     WrapperConfig,
 )
+from shardkit.nn.slowmo.gossipers import PushPull, PushSum
 from shardkit.nn.slowmo.graphs import (
     DynamicBipartiteExponentialGraph,
     DynamicBipartiteLinearGraph,
     DynamicDirectedExponentialGraph,
     DynamicDirectedLinearGraph,
+    Edge,
     GraphManager,
     NPeerDynamicDirectedExponentialGraph,
     RingGraph,
 )
+from shardkit.nn.slowmo.helpers import CudaEventRecorder, communicate
 from shardkit.nn.slowmo.mixing import MixingManager, MixingShares, UniformMixing
 from shardkit.nn.slowmo.push_sum import ParamForm
 from shardkit.nn.slowmo.schedule import StepPlan, plan_step
 
 __all__ = [
+    "CudaEventRecorder",
     "DynamicBipartiteExponentialGraph",
     "DynamicBipartiteLinearGraph",
     "DynamicDirectedExponentialGraph",
     "DynamicDirectedLinearGraph",
+    "Edge",
     "GossipConfig",
     "GraphManager",
     "LocalSGDConfig",
@@ -49,6 +56,8 @@ __all__ = [
     "MixingShares",
     "NPeerDynamicDirectedExponentialGraph",
     "ParamForm",
+    "PushPull",
+    "PushSum",
     "RingGraph",
     "SlowMoBaseAlgorithm",
     "SlowMoConfig",
@@ -57,5 +66,6 @@ __all__ = [
     "StepPlan",
     "UniformMixing",
     "WrapperConfig",
+    "communicate",
     "plan_step",
 ]

@@ -18,7 +18,8 @@ Example::
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Optional
+from dataclasses import dataclass
+from typing import Any, Optional
 
 
 def _int_log(value: int, base: int) -> int:
@@ -29,11 +30,33 @@ def _int_log(value: int, base: int) -> int:
     return exponent
 
 
+@dataclass(frozen=True)
+class Edge:
+    """One directed gossip edge between two processes (node masters): ``src`` sends to ``dest``.
+
+    fairscale built a two-rank process group per edge; shardkit gossips with point-to-point messages over one group
+    of node masters, so an edge holds no group and :attr:`process_group` says so.
+    """
+
+    src: int
+    dest: int
+
+    @property
+    def process_group(self) -> Any:
+        """Not available: there are no per-edge process groups in shardkit."""
+        raise AttributeError(
+            "shardkit's gossip edges have no process_group: gossip runs as point-to-point sends over the node "
+            "masters' group. Use edge.src / edge.dest (process ranks) with torch.distributed.isend/irecv, or "
+            "PushSum/PushPull.mix, which do the exchange."
+        )
+
+
 class GraphManager(ABC):
     """A gossip topology over ``world_size`` nodes, seen from node ``rank``.
 
     ``nprocs_per_node`` and ``local_rank`` are accepted for fairscale compatibility (the wrapper maps nodes to
-    processes itself). Use :meth:`out_peers` / :meth:`in_peers` to get a round's edges.
+    processes itself). Use :meth:`out_peers` / :meth:`in_peers` to get a round's edges. fairscale's stateful
+    :meth:`get_peers` / :meth:`get_edges` (rotated by the gossipers after every round) are offered too.
     """
 
     def __init__(
@@ -52,6 +75,7 @@ class GraphManager(ABC):
         self.local_rank = local_rank
         self.peers_per_itr = peers_per_itr
         self.phone_book: list[list[int]] = [[] for _ in range(world_size)]
+        self._rotations = 0  # how often get_peers/get_edges rotated (fairscale's group indices)
         self._make_graph()
         self._check_phone_book()
 
@@ -91,11 +115,45 @@ class GraphManager(ABC):
         """Nodes that send to this node in round ``round_index``, in increasing order."""
         return [n for n in range(self.world_size) if n != self.rank and self.rank in self._out_peers_of(n, round_index)]
 
+    def get_peers(self, rotate: bool = False) -> tuple[list[int], list[int]]:
+        """fairscale's stateful view: ``(out_peers, in_peers)`` now, after first moving on one step if ``rotate``.
+
+        As in fairscale, out-peers are the *process* ranks of the peer nodes' masters (``node * nprocs_per_node``)
+        and in-peers are *node* ranks; the two agree when ``nprocs_per_node == 1``. Rotation moves every node's
+        choice by ``peers_per_itr`` entries of its phone book, for static graphs too (gossipers only rotate dynamic
+        graphs). :meth:`out_peers` / :meth:`in_peers` give any round's peers without state.
+        """
+        if rotate:
+            self._rotations += 1
+        out_nodes, in_nodes = self._current_peers()
+        return [n * self.nprocs_per_node for n in out_nodes], in_nodes
+
+    def get_edges(self, rotate: bool = False) -> tuple[list[Edge], list[Edge]]:
+        """Like :meth:`get_peers`, as :class:`Edge`\\ s between process ranks: ``(out_edges, in_edges)``."""
+        if rotate:
+            self._rotations += 1
+        out_nodes, in_nodes = self._current_peers()
+        me = self.rank * self.nprocs_per_node
+        return (
+            [Edge(me, n * self.nprocs_per_node) for n in out_nodes],
+            [Edge(n * self.nprocs_per_node, me) for n in in_nodes],
+        )
+
+    def _current_peers(self) -> tuple[list[int], list[int]]:
+        """Out- and in-peer nodes at the current rotation (ignoring whether the graph is dynamic)."""
+        out_nodes = self._peers_at(self.rank, self._rotations)
+        others = [(n, self._peers_at(n, self._rotations)) for n in range(self.world_size) if n != self.rank]
+        # fairscale's order: by peer slot first, then by node.
+        in_nodes = [n for slot in range(len(out_nodes)) for n, peers in others if peers[slot] == self.rank]
+        return out_nodes, in_nodes
+
     def _out_peers_of(self, node: int, round_index: int) -> list[int]:
+        return self._peers_at(node, round_index if self.is_dynamic_graph() else 0)
+
+    def _peers_at(self, node: int, step: int) -> list[int]:
         book = self.phone_book[node]
         count = min(self.peers_per_itr, len(book))
-        shift = round_index * count if self.is_dynamic_graph() else 0
-        return [book[(shift + j) % len(book)] for j in range(count)]
+        return [book[(step * count + j) % len(book)] for j in range(count)]
 
     def _add_peers(self, rank: int, peers: list[int]) -> None:
         for peer in peers:
@@ -224,6 +282,7 @@ __all__ = [
     "DynamicBipartiteLinearGraph",
     "DynamicDirectedExponentialGraph",
     "DynamicDirectedLinearGraph",
+    "Edge",
     "GraphManager",
     "NPeerDynamicDirectedExponentialGraph",
     "RingGraph",

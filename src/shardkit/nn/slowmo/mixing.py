@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -52,6 +52,30 @@ class MixingManager(ABC):
     @abstractmethod
     def shares(self, out_peers: list[int]) -> MixingShares:
         """The split for a round whose out-peers are ``out_peers``; the shares must sum to one."""
+
+    def get_mixing_weights(self, residual_adjusted: bool = True) -> dict[Union[str, int], torch.Tensor]:
+        """fairscale's form of the current round's shares (peers from ``graph_manager.get_peers()``).
+
+        Keys: ``"lo"`` (the kept share), each out-peer's process rank (its share) and, for uniform mixing,
+        ``"uniform"``. With ``residual_adjusted`` the sent shares are divided by the kept one (the factor to apply
+        to values already scaled by ``"lo"``). One-element float32 tensors on ``device``. Subclasses define
+        :meth:`shares`; this is derived from it.
+        """
+        out_peers, _ = self.graph_manager.get_peers()
+        nprocs = self.graph_manager.nprocs_per_node
+        shares = self.shares([peer // nprocs for peer in out_peers])
+
+        scale = 1.0 / shares.keep if residual_adjusted else 1.0
+
+        def weight(share: float) -> torch.Tensor:
+            return torch.tensor([share], device=self.device)
+
+        weights: dict[Union[str, int], torch.Tensor] = {"lo": weight(shares.keep)}
+        if self.is_uniform():
+            weights["uniform"] = weight(shares.keep * scale)
+        for peer in out_peers:
+            weights[peer] = weight(shares.send[peer // nprocs] * scale)
+        return weights
 
 
 class UniformMixing(MixingManager):

@@ -1,5 +1,5 @@
-"""Compatibility path: fairscale kept SlowMo under ``experimental``; shardkit's lives in ``shardkit.nn.slowmo``."""
+"""fairscale's ``fairscale.experimental.nn.data_parallel`` path: SlowMo (its home is :mod:`shardkit.nn.slowmo`)."""
 
-from shardkit.nn.slowmo import SlowMoBaseAlgorithm, SlowMoDistributedDataParallel
+from shardkit.experimental.nn.data_parallel.gossip import SlowMoBaseAlgorithm, SlowMoDistributedDataParallel
 
 __all__ = ["SlowMoBaseAlgorithm", "SlowMoDistributedDataParallel"]

@@ -1,0 +1,5 @@
+"""fairscale's ``gossip.utils.cuda_metering`` path."""
+
+from shardkit.nn.slowmo.helpers import CudaEventRecorder
+
+__all__ = ["CudaEventRecorder"]
