@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from shardkit.distributed import DummyProcessGroup
-from shardkit.optim import OSS, ShardedGradScaler
+from shardkit.optim import OSS, GradScaler, ShardedGradScaler
 from shardkit.optim.grad_scaler import ShardedGradScaler as ScalerFromCompatPath
 from shardkit.testing import run_distributed
 
@@ -130,5 +130,31 @@ def test_single_process_without_distributed() -> None:
 
 @pytest.mark.parametrize("device", ["cpu", torch.device("cpu")])
 def test_explicit_device(device: object) -> None:
-    scaler = ShardedGradScaler(device, init_scale=8.0)  # type: ignore[arg-type]
+    scaler = ShardedGradScaler(init_scale=8.0, device=device)  # type: ignore[arg-type]
     assert scaler.scale(torch.ones(())).item() == 8.0
+
+
+def test_first_positional_argument_is_init_scale_as_in_fairscale() -> None:
+    scaler = ShardedGradScaler(1024.0, 3.0, 0.25, 7, True, None)
+    assert scaler.scale(torch.ones(())).item() == 1024.0
+    assert (scaler.get_growth_factor(), scaler.get_backoff_factor(), scaler.get_growth_interval()) == (3.0, 0.25, 7)
+    assert scaler.process_group is None and scaler.is_enabled()
+    with pytest.raises(TypeError, match=r"first argument is init_scale.*device='cpu'"):
+        ShardedGradScaler("cpu")  # type: ignore[arg-type]
+
+
+def test_plain_grad_scaler_unscales_fp16_gradients() -> None:
+    """fairscale's GradScaler: torch's refuses fp16 gradients, this one unscales them like any other."""
+    model = nn.Linear(4, 1, bias=False).half()
+    for scaler_cls, expect_error in ((torch.amp.GradScaler, True), (GradScaler, False)):
+        model.zero_grad()
+        scaler = scaler_cls(init_scale=64.0) if scaler_cls is GradScaler else scaler_cls("cpu", init_scale=64.0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        scaler.scale(model(torch.ones(2, 4, dtype=torch.float16)).sum()).backward()
+        assert model.weight.grad is not None and torch.all(model.weight.grad == 128.0)  # 2 rows x scale 64
+        if expect_error:
+            with pytest.raises(ValueError, match="FP16"):
+                scaler.unscale_(opt)
+        else:
+            scaler.unscale_(opt)
+            assert torch.all(model.weight.grad == 2.0)

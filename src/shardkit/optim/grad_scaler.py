@@ -1,4 +1,4 @@
-"""AMP loss scaling when each rank holds only part of the gradients: ``ShardedGradScaler``."""
+"""AMP loss scaling: ``ShardedGradScaler`` for sharded gradients, and fairscale's fp16-tolerant ``GradScaler``."""
 
 from __future__ import annotations
 
@@ -6,13 +6,85 @@ from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
-from torch.amp import GradScaler
+from torch.amp import GradScaler as TorchGradScaler
 
 from shardkit.distributed import collectives
 from shardkit.distributed.groups import GroupLike
 
 
-class ShardedGradScaler(GradScaler):
+def _check_init_scale(init_scale: Any, who: str) -> None:
+    if isinstance(init_scale, (str, torch.device)):
+        raise TypeError(
+            f"{who}'s first argument is init_scale, as in fairscale (got {init_scale!r}); pass the device by name: "
+            f"{who}(device={str(init_scale)!r})"
+        )
+
+
+class _DeviceInferringScaler(TorchGradScaler):
+    """A ``torch.amp.GradScaler`` whose device type defaults to that of the first tensor it scales."""
+
+    def __init__(
+        self,
+        init_scale: float,
+        growth_factor: float,
+        backoff_factor: float,
+        growth_interval: int,
+        enabled: bool,
+        device: Optional[Union[str, torch.device]],
+    ) -> None:
+        _check_init_scale(init_scale, type(self).__name__)
+        self._infer_device = device is None
+        device_type = "cpu" if device is None else torch.device(device).type
+        super().__init__(device_type, init_scale, growth_factor, backoff_factor, growth_interval, enabled)
+
+    def scale(self, outputs: Any) -> Any:
+        """Multiply ``outputs`` by the scale (see ``torch.amp.GradScaler.scale``); fixes the device if inferred."""
+        if self._infer_device and self._enabled and getattr(self, "_scale", None) is None:
+            first = _first_tensor(outputs)
+            if first is not None:
+                self._device = first.device.type
+        return super().scale(outputs)
+
+
+class GradScaler(_DeviceInferringScaler):
+    """fairscale's ``GradScaler``: a ``torch.amp.GradScaler`` that also unscales fp16 gradients.
+
+    torch's scaler refuses fp16 gradients ("Attempting to unscale FP16 gradients"); models kept in fp16 (for
+    example with an fp16-aware optimizer) need them unscaled all the same. Use :class:`ShardedGradScaler` with
+    sharded gradients instead.
+
+    Args:
+        init_scale, growth_factor, backoff_factor, growth_interval, enabled: as for ``torch.amp.GradScaler``.
+        device: keyword only; device type of the scale. Default: taken from the first tensor given to
+            :meth:`scale`, ``"cpu"`` until then.
+
+    Example::
+
+        scaler = GradScaler()
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    """
+
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+        *,
+        device: Optional[Union[str, torch.device]] = None,
+    ) -> None:
+        super().__init__(init_scale, growth_factor, backoff_factor, growth_interval, enabled, device)
+
+    def _unscale_grads_(
+        self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool
+    ) -> dict[torch.device, torch.Tensor]:
+        return super()._unscale_grads_(optimizer, inv_scale, found_inf, True)
+
+
+class ShardedGradScaler(_DeviceInferringScaler):
     """A ``torch.amp.GradScaler`` whose skip decision is shared by every rank of a process group.
 
     With sharded gradients (:class:`shardkit.nn.ShardedDataParallel` + :class:`shardkit.optim.OSS`) an inf or
@@ -20,12 +92,15 @@ class ShardedGradScaler(GradScaler):
     MAX, so either every rank steps or every rank skips (and lowers the scale) together; otherwise the ranks'
     parameters and scales would drift apart.
 
+    The positional arguments are fairscale's (``ShardedGradScaler(1024.0)`` sets ``init_scale``). Unlike
+    fairscale's, which turns itself off without CUDA, it also scales on CPU.
+
     Args:
-        device: device type of the scale (``"cuda"``, ``"cpu"``, ...). Default: taken from the first tensor
-            given to :meth:`scale` (the loss), ``"cpu"`` until then.
         init_scale, growth_factor, backoff_factor, growth_interval, enabled: as for ``torch.amp.GradScaler``.
         process_group: group whose ranks must agree. Default: the optimizer's own ``group`` when it has one
             (OSS), else the world group; with ``torch.distributed`` not initialised, no synchronisation.
+        device: keyword only; device type of the scale (``"cuda"``, ``"cpu"``, ...). Default: taken from the
+            first tensor given to :meth:`scale` (the loss), ``"cpu"`` until then.
 
     Example::
 
@@ -39,26 +114,17 @@ class ShardedGradScaler(GradScaler):
 
     def __init__(
         self,
-        device: Optional[Union[str, torch.device]] = None,
         init_scale: float = 2.0**16,
         growth_factor: float = 2.0,
         backoff_factor: float = 0.5,
         growth_interval: int = 2000,
         enabled: bool = True,
         process_group: Optional[GroupLike] = None,
+        *,
+        device: Optional[Union[str, torch.device]] = None,
     ) -> None:
-        self._infer_device = device is None
-        device_type = "cpu" if device is None else torch.device(device).type
-        super().__init__(device_type, init_scale, growth_factor, backoff_factor, growth_interval, enabled)
+        super().__init__(init_scale, growth_factor, backoff_factor, growth_interval, enabled, device)
         self.process_group = process_group
-
-    def scale(self, outputs: Any) -> Any:
-        """Multiply ``outputs`` by the scale (see ``torch.amp.GradScaler.scale``); fixes the device if inferred."""
-        if self._infer_device and self._enabled and getattr(self, "_scale", None) is None:
-            first = _first_tensor(outputs)
-            if first is not None:
-                self._device = first.device.type
-        return super().scale(outputs)
 
     def _group_for(self, optimizer: torch.optim.Optimizer) -> Optional[GroupLike]:
         if self.process_group is not None:

@@ -57,17 +57,20 @@ def test_no_hooks_are_left_behind_by_a_rejected_model() -> None:
 
 
 def _different_models(rank: int, world_size: int) -> dict[str, str]:
-    """Rank 1 builds a wider first layer, then a model with an extra layer; every rank must raise, none hang."""
+    """Rank 1 builds a wider last layer, then a model with an extra layer; every rank must raise, none hang.
+
+    The OSS holds only the first layer, identical everywhere, so its own check passes and the wrapper's is tested.
+    """
     messages = {}
     variants = {
-        "shape": lambda r: nn.Sequential(nn.Linear(4, 8 if r == 0 else 9), nn.ReLU(), nn.Linear(8 if r == 0 else 9, 2)),
+        "shape": lambda r: nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2 if r == 0 else 3)),
         "extra": lambda r: nn.Sequential(*([nn.Linear(4, 4)] * 1 + ([nn.Linear(4, 4)] if r == 1 else []))),
     }
     for name, build in variants.items():
         torch.manual_seed(rank)  # different values per rank: a broadcast would be visible
         model = build(rank)
         before = copy.deepcopy(model.state_dict())
-        oss = OSS(model.parameters(), lr=0.1)
+        oss = OSS(model[0].parameters(), lr=0.1)
         try:
             ShardedDataParallel(model, oss)
         except ValueError as err:
@@ -82,8 +85,8 @@ def _different_models(rank: int, world_size: int) -> dict[str, str]:
 def test_ranks_with_different_models_fail_at_construction_on_every_rank() -> None:
     results = run_distributed(_different_models, 2, timeout_s=60)
     for messages in results:
-        assert "parameter '0.weight' has shape [9, 4]" in messages["shape"], messages["shape"]
-        assert "on rank 1 but shape [8, 4]" in messages["shape"]
+        assert "rank 0 has parameter '2.weight' [2, 8]" in messages["shape"], messages["shape"]
+        assert "where rank 1 has parameter '2.weight' [3, 8]" in messages["shape"]
         assert "Build the same model on every rank" in messages["shape"]
-        assert "parameter '1.weight' exists only on rank 1" in messages["extra"], messages["extra"]
+        assert "parameter '1.weight' [4, 4] torch.float32 exists only on rank 1" in messages["extra"], messages["extra"]
         assert messages["shape-unchanged"] == messages["extra-unchanged"] == "True"

@@ -85,10 +85,10 @@ def test_single_rank_dummy_group_trains_like_the_plain_model() -> None:
     assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), model.parameters()))
 
 
-def test_zero_grad_drops_or_zeroes_the_wrapped_models_gradients() -> None:
+def test_zero_grad_zeroes_by_default_as_fairscale_or_drops() -> None:
     wrapped = _wrap(NestedWrappedModule())
     wrapped(torch.randn(2, 8)).sum().backward()
-    wrapped.zero_grad(set_to_none=False)
+    wrapped.zero_grad()  # fairscale's default: set_to_none=False
     assert all(p.grad is not None and not p.grad.any() for p in wrapped.parameters())
-    wrapped.zero_grad()
+    wrapped.zero_grad(set_to_none=True)
     assert all(p.grad is None for p in wrapped.parameters())

@@ -12,11 +12,12 @@ from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
 from shardkit.distributed.groups import GroupLike, global_rank, group_rank, group_size
+from shardkit.distributed.model_check import check_same_model
 from shardkit.nn.sharded_ddp import state_dict as sd_keys
 from shardkit.nn.sharded_ddp.comm import broadcast_coalesced
 from shardkit.nn.sharded_ddp.policy import ReducePolicy, SyncPolicy
 from shardkit.nn.sharded_ddp.reducer import GradReducer, ReducerState, RoundStats
-from shardkit.nn.sharded_ddp.startup import check_same_model, sync_module_states
+from shardkit.nn.sharded_ddp.startup import sync_module_states
 
 if TYPE_CHECKING:
     from shardkit.optim.oss import OSS
@@ -84,6 +85,18 @@ def _owner_map(optimizers: Sequence[OSS]) -> dict[torch.Tensor, int]:
     return owner_of
 
 
+def _devices_of(module: nn.Module) -> tuple[str, set[torch.device]]:
+    """The device type of ``module``'s parameters (one only, as torch DDP requires) and their devices."""
+    devices = {p.device for p in module.parameters()}
+    types = sorted({d.type for d in devices})
+    if len(types) > 1:
+        raise ValueError(
+            f"ShardedDataParallel needs the module's parameters on one device type, found {types}: move the whole "
+            "model to one device type first (model.to(device))."
+        )
+    return (types[0] if types else "cpu"), devices
+
+
 class ShardedDataParallel(nn.Module):
     """Wrap a model so that each gradient is reduced only to the rank whose OSS shard updates it (ZeRO-2).
 
@@ -102,7 +115,10 @@ class ShardedDataParallel(nn.Module):
             are always checked first: ranks that built different models fail here, on every rank.
         reduce_buffer_size: bytes of one flat buffer of small gradients (0: every gradient reduced alone).
         auto_refresh_trainable: detect ``requires_grad`` changes at forward and call :meth:`refresh_trainable`.
-        reduce_fp16: reduce fp32 gradients as fp16 (half the bytes, lower precision).
+        reduce_fp16: reduce fp32 gradients as fp16 (half the bytes, lower precision). Unlike fairscale, which
+            turns it off when ``reduce_buffer_size > 0``, it also applies to packed gradients.
+        warn_on_trainable_params_changed: warn when a forward finds that parameters' ``requires_grad`` changed
+            (and, with ``auto_refresh_trainable``, the optimizers are re-partitioned).
 
     Semantics worth knowing:
 
@@ -113,6 +129,10 @@ class ShardedDataParallel(nn.Module):
     - Call ``zero_grad()`` after each ``step()``: a gradient left from a synced step is counted again as a local
       contribution. Use :meth:`no_sync` to accumulate gradients over several backward passes.
     - ``requires_grad`` changes must be made on every rank alike.
+    - Gradients are reduced by any backward pass outside :meth:`no_sync`, in train or eval mode, as with torch
+      DDP; a forward in eval mode followed by no backward communicates nothing but the buffers.
+    - Attributes the wrapper lacks are looked up on the wrapped module (``sdp.my_attribute``), and torch DDP's
+      ``module``, ``device_type`` and ``is_multi_device_module`` are there, for code that expects a DDP.
     - ``state_dict()`` keys are the wrapped model's own keys (torch DDP would prefix them with ``module.``), so
       checkpoints move freely between wrapped and plain models; ``load_state_dict`` also accepts a torch DDP
       checkpoint whose keys all carry the ``module.`` prefix.
@@ -138,17 +158,31 @@ class ShardedDataParallel(nn.Module):
         reduce_buffer_size: int = 2**23,
         auto_refresh_trainable: bool = True,
         reduce_fp16: bool = False,
+        warn_on_trainable_params_changed: bool = True,
     ) -> None:
         super().__init__()
-        # Everything that can reject the input runs before the first collective or change.
+        # Everything that can reject the input runs before the first collective or change. The optimizers and
+        # the group come first (they say who takes part); what else this rank refuses travels with the model
+        # check, so a rank-specific refusal raises on every rank instead of leaving the others waiting.
         optimizers = _as_sharded_optimizers(sharded_optimizer)
         group = _common_group(process_group, optimizers)
-        owner_of = _owner_map(optimizers)
-        self.reduce_policy = ReducePolicy(bucket_bytes=reduce_buffer_size, reduce_fp16=reduce_fp16)
-        self.sync_policy = SyncPolicy(broadcast_buffers, sync_models_at_startup, auto_refresh_trainable)
-        check_same_model(module, group)
+        error: Optional[Exception] = None
+        try:
+            owner_of = _owner_map(optimizers)
+            self.reduce_policy = ReducePolicy(bucket_bytes=reduce_buffer_size, reduce_fp16=reduce_fp16)
+            self.sync_policy = SyncPolicy(
+                broadcast_buffers, sync_models_at_startup, auto_refresh_trainable, warn_on_trainable_params_changed
+            )
+            device_type, devices = _devices_of(module)
+        except (TypeError, ValueError) as exc:
+            error = exc
+        check_same_model(module, group, "ShardedDataParallel", local_error=error)
 
         self.module = module
+        #: torch DDP's attributes, for code that inspects them: the parameters' device type, and whether they
+        #: span several devices.
+        self.device_type: str = device_type
+        self.is_multi_device_module: bool = len(devices) > 1
         self.sharded_optimizers = optimizers
         self.process_group = group
         self.dp_rank = group_rank(group)
@@ -181,6 +215,21 @@ class ShardedDataParallel(nn.Module):
     def _current_trainable_flags(self) -> tuple[bool, ...]:
         return tuple(p.requires_grad for p in self.module.parameters())
 
+    def _scan_parameters(self) -> tuple[bool, ...]:
+        """The ``requires_grad`` flags, after refusing a gradient that itself requires grad (one pass)."""
+        flags = []
+        for p in self.module.parameters():
+            grad = p.grad
+            if grad is not None and grad.requires_grad:
+                name = next(n for n, q in self.module.named_parameters() if q is p)
+                raise RuntimeError(
+                    f"ShardedDataParallel: the gradient of parameter '{name}' requires grad (left by "
+                    "backward(create_graph=True), or set by hand); only plain gradients can be reduced. Clear it "
+                    "first, e.g. model.zero_grad(set_to_none=True), or detach it."
+                )
+            flags.append(p.requires_grad)
+        return tuple(flags)
+
     def _plan(self, owner_of: Mapping[torch.Tensor, int]) -> None:
         """Hook the trainable parameters held by the optimizers, in reverse registration order."""
         planned: list[torch.Tensor] = []
@@ -201,6 +250,15 @@ class ShardedDataParallel(nn.Module):
             )
         self._reducer.rebuild(planned[::-1], owner_of)
 
+    def __getattr__(self, name: str) -> Any:
+        """Attributes the wrapper lacks come from the wrapped module, as in fairscale."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "module":  # not set yet (inside __init__): nothing to forward to
+                raise
+            return getattr(self.module, name)
+
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Run the wrapped module, after refreshing trainability and syncing buffers as configured."""
         if self._reducer.state is not ReducerState.IDLE:
@@ -208,8 +266,17 @@ class ShardedDataParallel(nn.Module):
                 "ShardedDataParallel: forward called while the previous backward pass is still reducing (did it "
                 "raise?). Gradients are inconsistent across ranks; restart from a checkpoint."
             )
-        if self.sync_policy.auto_refresh_trainable and self._current_trainable_flags() != self._trainable_flags:
-            self.refresh_trainable()
+        if self._scan_parameters() != self._trainable_flags:
+            if self.sync_policy.warn_on_trainable_params_changed:
+                warnings.warn(
+                    "ShardedDataParallel: parameters' requires_grad changed since the last forward"
+                    + ("; re-partitioning the optimizers." if self.sync_policy.auto_refresh_trainable else "."),
+                    stacklevel=2,
+                )
+            if self.sync_policy.auto_refresh_trainable:
+                self.refresh_trainable()
+            else:
+                self._trainable_flags = self._current_trainable_flags()
         if self.sync_policy.broadcast_buffers:
             self.sync_buffers()
         self._reducer.sync_enabled = not self._no_sync
@@ -227,10 +294,38 @@ class ShardedDataParallel(nn.Module):
         self._trainable_flags = self._current_trainable_flags()
         self._plan(_owner_map(self.sharded_optimizers))
 
-    def sync_buffers(self) -> None:
-        """Copy rank 0's buffers (BatchNorm statistics, ...) to every rank."""
+    def sync_buffers(self, blocking: bool = False) -> None:
+        """Copy rank 0's buffers (BatchNorm statistics, ...) to every rank; call on every rank.
+
+        ``blocking`` is fairscale's flag to wait for the copies: they are always complete when this returns,
+        so ``blocking=False`` is accepted and behaves like ``True`` (never a half-copied buffer).
+        """
         buffers = [b.detach() for b in self.module.buffers()]
         broadcast_coalesced(buffers, 0, self.process_group, self._chunk_bytes, "sdp_buffers")
+
+    def reduce(self) -> None:
+        """Reduce by hand the gradients accumulated under :meth:`no_sync`, instead of a last synced backward.
+
+        Call it on every rank, after the accumulating backward passes and before ``optimizer.step()``; owners
+        then hold the gradients averaged over the ranks and every other rank ``None``, exactly as after a synced
+        backward. A backward pass outside ``no_sync`` reduces by itself: this is only for accumulation that
+        ends without one.
+
+        Example::
+
+            for x, y in micro_batches:
+                with model.no_sync():
+                    loss_fn(model(x), y).backward()
+            model.reduce()
+            optimizer.step()
+        """
+        if not self._reducer.pending_local:
+            raise RuntimeError(
+                "ShardedDataParallel.reduce: no gradient is waiting to be reduced (no backward pass ran under "
+                "no_sync() since the last reduction). A backward pass outside no_sync() reduces by itself; "
+                "calling reduce() after it would count the reduced gradients again."
+            )
+        self._reducer.reduce_now()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -253,8 +348,12 @@ class ShardedDataParallel(nn.Module):
         finally:
             self._no_sync = previous
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Reset the wrapped model's gradients (dropping them, by default)."""
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        """Reset the wrapped model's gradients: zero them in place (fairscale's default), or drop them.
+
+        Args:
+            set_to_none: drop the gradients (``.grad = None``) instead of zeroing them, which saves memory.
+        """
         self.module.zero_grad(set_to_none=set_to_none)
 
     def load_state_dict(

@@ -1,5 +1,5 @@
-"""Collectives of ShardedDataParallel that the shared module does not offer: object gathering for the startup
-check and coalesced broadcasts of many small tensors (parameters at startup, buffers at every forward).
+"""Collectives of ShardedDataParallel that the shared module does not offer: coalesced broadcasts of many small
+tensors (parameters at startup, buffers at every forward).
 
 Tensor traffic still goes through :mod:`shardkit.distributed.collectives`, so it is labelled, metered and
 delayed like every other shardkit collective.
@@ -8,27 +8,12 @@ delayed like every other shardkit collective.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch.profiler import record_function
 
 from shardkit.distributed import collectives
 from shardkit.distributed.groups import GroupLike, group_rank, group_size
 from shardkit.utils.tensors import runs_by_kind
-
-
-def all_gather_objects(obj: Any, group: GroupLike, label: str) -> list[Any]:
-    """Every rank's picklable ``obj``, in rank order, on every rank."""
-    size = group_size(group)
-    if size == 1:
-        return [obj]
-    assert isinstance(group, dist.ProcessGroup)
-    gathered: list[Any] = [None] * size
-    with record_function(f"shardkit::all_gather_object:{label}"):
-        dist.all_gather_object(gathered, obj, group=group)
-    return gathered
 
 
 @torch.no_grad()

@@ -57,8 +57,10 @@ class SyncPolicy:
         sync_models_at_startup: copy rank 0's parameters and buffers to every rank at construction.
         auto_refresh_trainable: look for ``requires_grad`` changes at every forward and re-plan the reduction
             when one is found (costs one pass over the parameters per forward).
+        warn_on_trainable_params_changed: warn when a forward finds that ``requires_grad`` changed.
     """
 
     broadcast_buffers: bool = True
     sync_models_at_startup: bool = True
     auto_refresh_trainable: bool = True
+    warn_on_trainable_params_changed: bool = True

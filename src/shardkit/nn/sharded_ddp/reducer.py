@@ -78,6 +78,8 @@ class GradReducer:
         self.dp_size = group_size(group)
         self.policy = policy
         self.sync_enabled = True
+        #: True while some gradient accumulated under ``no_sync`` has not been reduced yet.
+        self.pending_local = False
         self.state = ReducerState.IDLE
         self.last_round: Optional[RoundStats] = None
         self.units: list[ReduceUnit] = []
@@ -144,14 +146,27 @@ class GradReducer:
         self._next_launch = 0
         self._next_release = 0
         self._stats = RoundStats()
-        engine: Any = torch.autograd.Variable._execution_engine
-        engine.queue_callback(self._end_of_backward)
+
+    def reduce_now(self) -> None:
+        """Reduce the gradients the parameters hold now (accumulated under ``no_sync``) as a backward pass would.
+
+        Every rank must call it. Afterwards owners hold the averaged gradients and every other rank ``None``.
+        """
+        self._expect_idle("reduce gradients by hand")
+        if not self.units:
+            self.pending_local = False
+            return
+        self._begin_round()
+        self._end_of_backward()
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         if not self.sync_enabled:
-            return  # no_sync: the gradient keeps accumulating locally
+            self.pending_local = True  # no_sync: the gradient keeps accumulating locally, to be reduced later
+            return
         if self.state is ReducerState.IDLE:
             self._begin_round()
+            engine: Any = torch.autograd.Variable._execution_engine
+            engine.queue_callback(self._end_of_backward)
         unit_index, member = self._slot_of[param]
         unit_round = self._round[unit_index]
         if unit_round.ready[member]:
@@ -272,6 +287,7 @@ class GradReducer:
                 if unit_round.unit.owner == self.dp_rank:
                     self._write_owned(unit_round, used)
             self.last_round = self._stats
+            self.pending_local = False
         finally:
             self._round = []
             self.state = ReducerState.IDLE

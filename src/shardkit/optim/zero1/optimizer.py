@@ -13,6 +13,7 @@ from shardkit.distributed.groups import GroupLike, global_rank, group_rank, grou
 from shardkit.optim.zero1.broadcast import ParamBucket, ParamExchange, buckets_intact, build_buckets
 from shardkit.optim.zero1.clip import sharded_clip_grad_norm
 from shardkit.optim.zero1.comm import gather_obj
+from shardkit.optim.zero1.consistency import check_same_params
 from shardkit.optim.zero1.partition import Partition
 from shardkit.optim.zero1.state_dict import (
     check_plain_state_dict,
@@ -68,9 +69,20 @@ class OSS(Optimizer):
         params: parameters or param-group dicts, as for any ``torch.optim`` optimizer.
         optim: the optimizer CLASS to run on each shard (not an instance), e.g. ``torch.optim.AdamW``.
         group: process group to shard over (default: the world group; a ``DummyProcessGroup`` of size 1 works).
+        broadcast_buffer_size: accepted for fairscale compatibility and ignored, as fairscale 0.4.13 itself
+            ignores it (deprecated there). Never passed to the wrapped optimizer. The size of the flat parameter
+            buckets is the class attribute :attr:`broadcast_bucket_bytes`.
         broadcast_fp16: send fp32/fp64 parameters as fp16 to halve the broadcast bytes; the owner keeps exact
             values, other ranks receive them rounded (fine under AMP, a small loss of precision otherwise).
+        force_broadcast_object: accepted for fairscale compatibility and has no effect. In fairscale it replaced
+            ``dist.broadcast_object_list`` by a hand-made tensor broadcast while consolidating the state dict,
+            to dodge a hang of that call on some GPUs; shardkit never calls ``broadcast_object_list`` there (it
+            gathers the shards with one ``gather_object``). Never passed to the wrapped optimizer.
         **defaults: the optimizer's arguments (``lr``, ``momentum``, ...).
+
+    Every rank must pass the same parameters (param groups, shapes, dtypes, ``requires_grad``, order): the
+    constructor checks it with one small all-gather and raises the same ``ValueError`` on every rank, before
+    anything is moved or broadcast, when ranks built different models.
 
     Example::
 
@@ -93,24 +105,34 @@ class OSS(Optimizer):
         params: Any,
         optim: OptimizerClass = torch.optim.SGD,
         group: Optional[GroupLike] = None,
+        broadcast_buffer_size: int = -1,
         broadcast_fp16: bool = False,
+        force_broadcast_object: bool = False,
         **defaults: Any,
     ) -> None:
-        _check_optim_class(optim)
         resolved = resolve_group(group, who="OSS")
         self._ready = False
-        super().__init__(params, defaults)
         self.group: GroupLike = resolved
         self.rank: int = group_rank(resolved)
         self.world_size: int = group_size(resolved)
         self.global_rank: int = global_rank(resolved, self.rank)
         self.broadcast_fp16 = broadcast_fp16
+        self.force_broadcast_object = force_broadcast_object
         self._optim_cls = optim
         self._optim_defaults = dict(defaults)
         self._consolidated: Optional[dict[int, Any]] = None
-        self._partition = Partition.build(self.param_groups, self.world_size)
+        # Everything that may refuse the input runs first, locally; its error (if any) travels with the layout
+        # check, so every rank raises together and nothing is moved into buckets or sent before that.
+        error: Optional[Exception] = None
+        try:
+            _check_optim_class(optim)
+            super().__init__(params, defaults)
+            self._partition = Partition.build(self.param_groups, self.world_size)
+            self.optim: Optimizer = self._make_local_optim(self._partition)
+        except Exception as exc:  # re-raised below, on every rank
+            error = exc
+        check_same_params(getattr(self, "param_groups", []), resolved, "OSS", local_error=error)
         self._param_to_rank = self._partition.param_to_rank()
-        self.optim: Optimizer = self._make_local_optim(self._partition)
         self.state = self.optim.state
         self._synced: list[dict[str, Any]] = [{} for _ in self.param_groups]
         self._sync_param_groups()
@@ -176,15 +198,27 @@ class OSS(Optimizer):
         self._consolidated = None
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a param group (as ``torch.optim.Optimizer.add_param_group``) and re-partition; call on every rank."""
-        super().add_param_group(param_group)
+        """Add a param group (as ``torch.optim.Optimizer.add_param_group``) and re-partition; call on every rank.
+
+        Every rank must add the same parameters (shapes, dtypes, ``requires_grad``); like the constructor, this
+        is checked first and a difference, or a group refused on any rank, raises on every rank with nothing
+        changed. Optimizer state of parameters that change owner moves to their new owner.
+        """
         if not getattr(self, "_ready", False):
+            super().add_param_group(param_group)
             return  # called from Optimizer.__init__: the partition is built once all groups are in
+        error: Optional[Exception] = None
         try:
+            super().add_param_group(param_group)
+        except Exception as exc:  # re-raised below, on every rank
+            error = exc
+        try:
+            check_same_params(self.param_groups, self.group, "OSS.add_param_group", local_error=error)
             self._repartition(force=True)
         except Exception:
-            self.param_groups.pop()
-            self._synced = self._synced[: len(self.param_groups)]
+            if error is None:
+                self.param_groups.pop()
+                self._synced = self._synced[: len(self.param_groups)]
             raise
 
     # ----------------------------------------------------------------- param-group sync

@@ -18,8 +18,10 @@ def assign_owners(params: Sequence[torch.Tensor], world_size: int) -> list[int]:
 
     Trainable tensors are placed largest first on the rank holding the fewest elements so far (ties go to the
     lower rank): the classic longest-processing-time rule, within 4/3 of the best possible balance. Frozen
-    tensors carry no optimizer work; they are dealt round-robin only so that each one still has an owner that
-    can keep any state it had before it was frozen.
+    tensors carry no optimizer work, so they are placed after all trainable ones and cannot disturb that
+    balance; each goes, largest first, to the rank holding the fewest elements in all, so every one has an
+    owner that can keep any state it had before it was frozen and the ranks' totals stay even (the balance
+    fairscale's ``add_param_group`` promises when a frozen group is added).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -27,12 +29,11 @@ def assign_owners(params: Sequence[torch.Tensor], world_size: int) -> list[int]:
     trainable = [i for i, p in enumerate(params) if p.requires_grad]
     frozen = [i for i, p in enumerate(params) if not p.requires_grad]
     load = [0] * world_size
-    for index in sorted(trainable, key=lambda i: (-params[i].numel(), i)):
-        rank = min(range(world_size), key=lambda r: (load[r], r))
-        owners[index] = rank
-        load[rank] += params[index].numel()
-    for position, index in enumerate(frozen):
-        owners[index] = position % world_size
+    for indices in (trainable, frozen):
+        for index in sorted(indices, key=lambda i: (-params[i].numel(), i)):
+            rank = min(range(world_size), key=lambda r: (load[r], r))
+            owners[index] = rank
+            load[rank] += params[index].numel()
     return owners
 
 
