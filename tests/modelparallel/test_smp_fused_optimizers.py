@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 import shardkit.modelparallel as smp
+from shardkit.testing import run_distributed
 
 STEPS = 5
 
@@ -225,3 +226,64 @@ def _loss_bf16(model: nn.Module, step: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(step)
     x, y = torch.randn(8, 6, generator=gen), torch.randn(8, 3, generator=gen)
     return ((model(x.bfloat16()).float() - y) ** 2).mean() * 4.0
+
+
+# ---- under smp.DistributedOptimizer ---------------------------------------------------------------------------
+
+
+def _make(kind: str, params: Any) -> torch.optim.Optimizer:
+    if kind == "lamb":
+        return smp.optimizers.FusedLamb(params, lr=0.02, weight_decay=0.01, max_grad_norm=0.05)
+    return smp.optimizers.FusedNovoGrad(params, lr=0.02, weight_decay=0.01)
+
+
+def _single_process(kind: str, name: str, steps: int) -> tuple[dict[str, torch.Tensor], list[float], Any]:
+    from smp_testlib import BUILDERS, batch, loss_of
+
+    model = BUILDERS[name]()
+    opt = _make(kind, model.parameters())
+    norms = []
+    for step in range(steps):
+        x, y = batch(name, 8, 100 * step)
+        opt.zero_grad()
+        loss_of(name, model(x), y).backward()
+        opt.step()
+        norms.append(float(opt.last_grad_norm) if isinstance(opt, smp.optimizers.FusedLamb) else 0.0)
+    return model.state_dict(), norms, opt.state_dict()
+
+
+def _pipelined(rank: int, world_size: int, kind: str, name: str, steps: int) -> dict[str, Any]:
+    from smp_testlib import BUILDERS, batch, train_step
+
+    smp.init({"partitions": 2, "microbatches": 2})
+    model = smp.DistributedModel(BUILDERS[name]())
+    opt = smp.DistributedOptimizer(_make(kind, model.parameters()))
+    norms = []
+    for step in range(steps):
+        x, y = batch(name, 8, 100 * step)
+        opt.zero_grad()
+        train_step(model, name, x, y)
+        opt.step()
+        inner = opt.optimizer
+        norms.append(float(inner.last_grad_norm) if isinstance(inner, smp.optimizers.FusedLamb) else 0.0)
+    result = {"state": model.state_dict(), "norms": norms, "optimizer": opt.state_dict()}
+    smp.reset()
+    return result
+
+
+@pytest.mark.parametrize("kind", ["lamb", "novograd"])
+def test_pipelined_training_matches_single_process(kind: str) -> None:
+    """Two stages, the residual model (one parameter replicated on both stages): the same steps as one
+    process, and for LAMB the same global gradient norm (the replicated parameter counted once)."""
+    steps = 3
+    ref_state, ref_norms, ref_opt = _single_process(kind, "residual", steps)
+    for out in run_distributed(_pipelined, 2, kind, "residual", steps):
+        for key, value in ref_state.items():
+            torch.testing.assert_close(out["state"][key], value, atol=2e-5, rtol=1e-4)
+        assert out["norms"] == pytest.approx(ref_norms, rel=1e-5)
+        assert out["optimizer"]["state"].keys() == ref_opt["state"].keys()
+        for index, state in ref_opt["state"].items():
+            for field, value in state.items():
+                torch.testing.assert_close(out["optimizer"]["state"][index][field], value, atol=2e-5, rtol=1e-4)
+    if kind == "lamb":
+        assert all(norm > 0.05 for norm in ref_norms)  # clipping was active at every step

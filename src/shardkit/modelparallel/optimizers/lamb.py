@@ -94,6 +94,8 @@ class FusedLamb(torch.optim.Optimizer):
         self.set_grad_none = bool(set_grad_none)
         self.use_nvlamb = bool(use_nvlamb)
         self._sum_of_squares: SumOfSquares = _local_sum
+        self.last_grad_norm: Optional[torch.Tensor] = None
+        """The global gradient norm the last ``step()`` saw, before clipping (over every stage under smp)."""
 
     def set_sum_of_squares(self, reducer: Optional[SumOfSquares]) -> None:
         """How the global gradient norm's sum of squares is formed from this process's share (None: locally).
@@ -127,6 +129,7 @@ class FusedLamb(torch.optim.Optimizer):
         device = params[0].device if params else self._any_device()
         local = torch.cat([s.to(device) for s in squares]) if squares else torch.zeros(0, device=device)
         global_norm = torch.sqrt(self._sum_of_squares(params, local))
+        self.last_grad_norm = global_norm.detach()
         max_norm = float(self.defaults["max_grad_norm"])
         if max_norm <= 0:
             return torch.ones((), device=device)
