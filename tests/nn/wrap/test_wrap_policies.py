@@ -11,6 +11,7 @@ from shardkit.nn.wrap import (
     config_auto_wrap_policy,
     default_auto_wrap_policy,
     enable_wrap,
+    size_based_auto_wrap_policy,
     transformer_auto_wrap_policy,
 )
 from shardkit.testing.models import Block, LMConfig, NestedWrappedModule, TransformerLM
@@ -106,3 +107,90 @@ def test_config_policy_wraps_tagged_modules_with_their_settings() -> None:
     assert isinstance(model.module[2], Wrapper) and model.module[2].kwargs == {"reshard_after_forward": False}
     assert isinstance(model.module[1][0], Wrapper) and model.module[1][0].kwargs == {"reshard_after_forward": True}
     assert sum(isinstance(m, Wrapper) for m in model.modules()) == 2
+
+
+def test_size_policy_takes_fairscale_positional_order_and_root_flag() -> None:
+    seq = nn.Sequential(nn.Linear(2, 2))
+    # fairscale order: (module, recurse, unwrapped_params, module_is_root, min_num_params, ...)
+    assert not default_auto_wrap_policy(seq, False, 10, True, 60)
+    assert default_auto_wrap_policy(seq, False, 10, True, 60, None, None, True)  # skip_params_check_for_root
+    assert not default_auto_wrap_policy(seq, False, 10, False, 60, None, None, True)  # only for the root
+    assert not default_auto_wrap_policy(nn.ModuleList(), False, 10, True, 60, None, None, True)  # still excluded
+    assert default_auto_wrap_policy(seq, False, nonwrapped_numel=60, min_num_params=60)  # torch's keyword
+
+
+def test_size_policy_exposes_its_default_sets_for_extension() -> None:
+    force_leaf = default_auto_wrap_policy.FORCE_LEAF_MODULES  # type: ignore[attr-defined]
+    exclude = default_auto_wrap_policy.EXCLUDE_WRAP_MODULES  # type: ignore[attr-defined]
+    assert force_leaf == {nn.MultiheadAttention} and exclude == {nn.ModuleList, nn.ModuleDict}
+    extended = force_leaf.union({nn.Linear})
+    assert not default_auto_wrap_policy(nn.Linear(2, 2), True, 100, False, 1, force_leaf_modules=extended)
+    assert default_auto_wrap_policy(nn.Linear(2, 2), True, 100, False, 1)
+
+
+def test_torch_size_policy_keeps_torch_positional_order() -> None:
+    # torch: (module, recurse, nonwrapped_numel, min_num_params, ...): the fourth argument is the threshold.
+    assert size_based_auto_wrap_policy(nn.Linear(2, 2), False, 50, 50)
+    assert not size_based_auto_wrap_policy(nn.Linear(2, 2), False, 49, 50)
+
+
+def _fairscale_style_policy(module: nn.Module, recurse: bool, unwrapped_params: int, module_is_root: bool) -> bool:
+    # wraps only the root, whatever its size: needs module_is_root, which a 3-argument call cannot give
+    return recurse or module_is_root
+
+
+def test_auto_wrap_calls_policies_of_either_signature() -> None:
+    calls: list[tuple[str, bool, int, Any]] = []
+
+    def fairscale_kw(module: nn.Module, recurse: bool, unwrapped_params: int, module_is_root: bool) -> bool:
+        calls.append(("fs", recurse, unwrapped_params, module_is_root))
+        return recurse
+
+    def torch_style(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
+        calls.append(("torch", recurse, nonwrapped_numel, None))
+        return recurse
+
+    def kwargs_only(module: nn.Module, recurse: bool, **kwargs: Any) -> bool:
+        calls.append(("kw", recurse, kwargs["unwrapped_params"], kwargs["module_is_root"]))
+        assert kwargs["nonwrapped_numel"] == kwargs["unwrapped_params"]
+        return recurse
+
+    def positional4(m: nn.Module, r: bool, n: int, root: bool) -> bool:  # fairscale's order, other names
+        calls.append(("pos4", r, n, root))
+        return r
+
+    model = nn.Sequential(nn.Linear(2, 2))
+    with enable_wrap(wrapper_cls=Wrapper):
+        for policy in (fairscale_kw, torch_style, kwargs_only, positional4):
+            auto_wrap(model, auto_wrap_policy=policy)
+        root_only = auto_wrap(nn.Sequential(nn.Linear(2, 2)), auto_wrap_policy=_fairscale_style_policy)
+    # each policy: recurse into the root (6 params), into the Linear, then the Linear's and the root's wrap question
+    for kind in ("fs", "kw", "pos4"):
+        assert [c[1:] for c in calls if c[0] == kind] == [
+            (True, 6, True),
+            (True, 6, False),
+            (False, 6, False),
+            (False, 6, True),
+        ]
+    assert [c[1:3] for c in calls if c[0] == "torch"] == [(True, 6), (True, 6), (False, 6), (False, 6)]
+    assert isinstance(root_only, Wrapper) and type(root_only.module[0]) is nn.Linear
+
+
+def test_auto_wrap_rejects_a_policy_it_cannot_call_before_wrapping() -> None:
+    model = nn.Sequential(nn.Linear(2, 2))
+    with enable_wrap(wrapper_cls=Wrapper), pytest.raises(TypeError, match="module_is_root"):
+        auto_wrap(model, auto_wrap_policy=lambda module: True)
+    assert type(model[0]) is nn.Linear
+    with pytest.raises(TypeError, match="auto_wrap_policy"), enable_wrap(lambda m, r: True, wrapper_cls=Wrapper):
+        pass
+
+
+def test_fairscale_docstring_cases_with_root_check() -> None:
+    # fairscale's documented behaviour: 60-parameter threshold over Linear(5,5) + Sequential(Linear, Linear)
+    policy = functools.partial(default_auto_wrap_policy, min_num_params=60)
+    skip_root = functools.partial(default_auto_wrap_policy, min_num_params=60, skip_params_check_for_root=True)
+    with enable_wrap(wrapper_cls=Wrapper):
+        plain = auto_wrap(nn.Sequential(nn.Linear(5, 5), nn.Sequential(nn.Linear(5, 5), nn.Linear(5, 5))), policy)
+        rooted = auto_wrap(nn.Sequential(nn.Linear(5, 5), nn.Sequential(nn.Linear(5, 5), nn.Linear(5, 5))), skip_root)
+    assert type(plain) is nn.Sequential and type(plain[0]) is nn.Linear and isinstance(plain[1], Wrapper)
+    assert isinstance(rooted, Wrapper) and isinstance(rooted.module[1], Wrapper)
