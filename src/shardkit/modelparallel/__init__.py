@@ -28,7 +28,8 @@ helpers, the one state object), :mod:`~.model` and :mod:`~.model_views` (``Distr
 and :mod:`~.partitioner` (deciding the placement), :mod:`~.plan` and :mod:`~.runtime` (how a partitioned
 forward runs on every stage), :mod:`~.pipeline_parallel` (schedules) beside :mod:`~.pp_communications`
 (send/recv), :mod:`~.grad_sync` and :mod:`~.stage_groups` (gradient reduction), :mod:`~.startup`,
-:mod:`~.optimizer`, :mod:`~.checkpoint`, :mod:`~.amp`.
+:mod:`~.optimizer`, :mod:`~.checkpoint`, :mod:`~.amp`; ``smp.nn`` (``FusedLayerNorm``) and ``smp.optimizers``
+(``FusedNovoGrad``, ``FusedLamb``), the Apex replacements smp ships, in plain torch.
 """
 
 from shardkit.modelparallel import amp, nn, optimizers
