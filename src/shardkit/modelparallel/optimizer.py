@@ -22,6 +22,10 @@ from shardkit.modelparallel.optimizers import FusedLamb
 class DistributedOptimizer:
     """Wrap ``optimizer`` (built over the DistributedModel's parameters) for stage-aware state dicts.
 
+    A :class:`~shardkit.modelparallel.optimizers.FusedLamb` inside gets its global gradient norm summed over
+    the replica's stages (each parameter counted once), so its clipping matches single-process training;
+    every rank must then call ``step()``.
+
     Example::
 
         optimizer = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
