@@ -1,6 +1,7 @@
 """Compatibility path for fairscale users: ``from shardkit.nn.data_parallel import ...``."""
 
 from shardkit.nn.fsdp import FullyShardedDataParallel, TrainingState
+from shardkit.nn.fsdp.helpers import auto_wrap_bn, get_fsdp_instances, no_pre_load_state_dict_hook
 from shardkit.nn.sharded_ddp import ShardedDataParallel
 from shardkit.nn.slowmo import SlowMoBaseAlgorithm, SlowMoDistributedDataParallel
 
@@ -10,4 +11,7 @@ __all__ = [
     "SlowMoBaseAlgorithm",
     "SlowMoDistributedDataParallel",
     "TrainingState",
+    "auto_wrap_bn",
+    "get_fsdp_instances",
+    "no_pre_load_state_dict_hook",
 ]

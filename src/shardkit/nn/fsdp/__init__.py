@@ -17,7 +17,8 @@ parameters of extra memory)::
 
 from shardkit.nn.fsdp.api import FullyShardedDataParallel
 from shardkit.nn.fsdp.flat_param import FlatParamMeta, ParamInfo, ShardSlice, SharedParamInfo
-from shardkit.nn.fsdp.policies import BackwardPrefetch, CPUOffload
+from shardkit.nn.fsdp.helpers import auto_wrap_bn, get_fsdp_instances, no_pre_load_state_dict_hook
+from shardkit.nn.fsdp.policies import BackwardPrefetch, CPUOffload, ProcessGroupName
 from shardkit.nn.fsdp.runtime import TrainingState
 
 FSDP = FullyShardedDataParallel
@@ -29,7 +30,11 @@ __all__ = [
     "FlatParamMeta",
     "FullyShardedDataParallel",
     "ParamInfo",
+    "ProcessGroupName",
     "ShardSlice",
     "SharedParamInfo",
     "TrainingState",
+    "auto_wrap_bn",
+    "get_fsdp_instances",
+    "no_pre_load_state_dict_hook",
 ]

@@ -39,10 +39,34 @@ class StateDictMethods:
         sd = _state_dict_module()
         return sd.load_local_state_dict(self, state_dict, *args, **kwargs)
 
-    def gather_full_optim_state_dict(self, optim: torch.optim.Optimizer, **kwargs: Any) -> Any:
-        """The optimizer state for the full, unflattened model (see :mod:`shardkit.nn.fsdp.state_dict`)."""
+    def local_metadata_dict(self) -> dict[str, Any]:
+        """How this rank's :meth:`local_state_dict` maps onto the full model, for :meth:`consolidate_shard_weights`."""
         sd = _state_dict_module()
-        return sd.gather_full_optim_state_dict(self, optim, **kwargs)
+        result: dict[str, Any] = sd.local_metadata_dict(self)
+        return result
+
+    @staticmethod
+    def consolidate_shard_weights(
+        shard_weights: list[dict[str, torch.Tensor]],
+        shard_metadata: list[dict[str, Any]],
+        with_module_buffers: bool = True,
+        strict: bool = True,
+    ) -> dict[str, torch.Tensor]:
+        """The full state dict from every rank's :meth:`local_state_dict` and :meth:`local_metadata_dict`, offline
+        (no processes, no model; see :mod:`shardkit.nn.fsdp.state_dict.consolidate`)."""
+        sd = _state_dict_module()
+        result: dict[str, torch.Tensor] = sd.consolidate_shard_weights(
+            shard_weights, shard_metadata, with_module_buffers, strict
+        )
+        return result
+
+    def gather_full_optim_state_dict(self, optim: torch.optim.Optimizer, **ignored: Any) -> Any:
+        """The optimizer state for the full, unflattened model (see :mod:`shardkit.nn.fsdp.state_dict`).
+
+        ``recipient_rank`` (default 0) is the one keyword used; fairscale's other keywords are ignored, as there.
+        """
+        sd = _state_dict_module()
+        return sd.gather_full_optim_state_dict(self, optim, recipient_rank=ignored.get("recipient_rank", 0))
 
     def get_shard_from_optim_state_dict(
         self, full_optim_state_dict: dict[str, Any], optim: Optional[torch.optim.Optimizer] = None

@@ -11,17 +11,17 @@ from torch import nn
 
 from shardkit.distributed.groups import GroupLike, group_rank, group_size, resolve_group
 from shardkit.nn.fsdp import grad_norm, ties
-from shardkit.nn.fsdp._collectives import create_reduce_channels
+from shardkit.nn.fsdp._fairscale_methods import FairscaleMethods, make_fp16_to_fp32_caster, plan_reduce_channels
 from shardkit.nn.fsdp._names import clean_members, clean_named_modules
 from shardkit.nn.fsdp._state_dict_methods import StateDictMethods
 from shardkit.nn.fsdp.comm_context import CommContext
 from shardkit.nn.fsdp.flat_param import FlatParamMeta
 from shardkit.nn.fsdp.param_group import ParamGroup
-from shardkit.nn.fsdp.policies import BackwardPrefetch, CPUOffload, policies_from_args
+from shardkit.nn.fsdp.policies import BackwardPrefetch, CPUOffload, ProcessGroupName, policies_from_args
 from shardkit.nn.fsdp.runtime import TrainingState, Unit, make_input_caster
 
 
-class FullyShardedDataParallel(StateDictMethods, nn.Module):
+class FullyShardedDataParallel(FairscaleMethods, StateDictMethods, nn.Module):
     """Shard a module's parameters, gradients and optimizer state across a process group (ZeRO-3).
 
     Each rank keeps ``1/world_size`` of every parameter as a flat FP32 shard; ``model.parameters()`` yields only
@@ -33,11 +33,23 @@ class FullyShardedDataParallel(StateDictMethods, nn.Module):
     outermost instance to run forward becomes the root; it casts inputs for mixed precision and finishes
     every backward pass.
 
+    The arguments are fairscale 0.4.13's, in its order (positional calls keep their meaning); shardkit's own
+    (``backward_prefetch``, ``forward_prefetch``) follow, keyword-only. They are validated here, on every rank,
+    before anything changes, and turned into the frozen policies of :mod:`shardkit.nn.fsdp.policies`.
+
     Args:
         module: the module to wrap; available afterwards as ``.module``.
         process_group: group to shard over (default: the world); a ``DummyProcessGroup(rank=0, size=1)`` runs
             without ``torch.distributed``.
+        process_group_reduce_scatter: where gradients are reduce-scattered. ``ProcessGroupName.reduce_scatter``
+            (default): a second process group over the same ranks, created at the root's first forward, so
+            reductions overlap the next gathers; ``ProcessGroupName.default``: ``process_group`` itself; a
+            process group: that group (it must hold the same ranks; one of another size is ignored with a
+            warning, as fairscale does).
         reshard_after_forward: free full parameters after forward and gather them again for backward.
+        disable_reshard_on_root: the root keeps its full parameters after forward (its backward comes first, so
+            they would be gathered again at once). False frees them too, for a root whose backward comes later
+            (an FSDP model inside a bigger one).
         mixed_precision: gather and compute in ``compute_dtype`` (default float16) with FP32 master shards.
         fp32_reduce_scatter: reduce gradients in FP32 under mixed precision.
         flatten_parameters: one flat tensor per (dtype, requires_grad) per unit; False shards each parameter.
@@ -46,11 +58,28 @@ class FullyShardedDataParallel(StateDictMethods, nn.Module):
         compute_dtype: dtype of full parameters during compute (enables mixed precision when 16-bit).
         buffer_dtype: dtype floating-point buffers are cast to (default: ``compute_dtype`` under mixed precision).
         move_grads_to_cpu: must match parameter offload (gradients live beside their shards).
-        bucket_cap_mb: accepted for compatibility; each flat parameter is already reduced in one collective.
+        bucket_cap_mb: accepted, no effect: each flat parameter is already reduced in one collective, so there
+            are no small tensors to bucket (fairscale's buckets only batch those).
         compute_device: where full parameters are gathered (default: the parameters' device; CUDA under offload
             when available).
+        no_broadcast_optim_state: :meth:`gather_full_optim_state_dict` does not gather this unit's optimizer
+            state; the recipient's own state is used (complete when the unit is sharded over one rank, as MoE
+            experts are; otherwise its ids are listed under ``uncollected_local_ids`` for the caller to fill in).
         state_dict_device: where full state dicts are materialised.
-        cpu_offload: ``CPUOffload(offload_params=True)``, torch's spelling of ``move_params_to_cpu``.
+        clear_autocast_cache: call ``torch.clear_autocast_cache()`` after this unit's forward, so autocast's
+            cached low-precision weight copies do not pile up across units.
+        force_input_to_fp32: in full precision, cast float16 inputs of this unit to float32 (e.g. for
+            SyncBatchNorm under autocast); no effect under mixed precision, where inputs get the compute dtype.
+        verbose: ``repr`` lists every setting.
+        cpu_offload: ``True`` (fairscale's deprecated alias of ``move_params_to_cpu``) or
+            ``CPUOffload(offload_params=True)`` (torch's spelling).
+        state_dict_on_rank_0_only: :meth:`state_dict` returns the full state dict on global rank 0 only and
+            ``{}`` elsewhere (no copies there); every rank must still call it, since all take part in the gathers.
+        gradient_predivide_factor: divide gradients by this before the reduction and by ``world_size / factor``
+            after it, so the result is still the average (a factor near ``sqrt(world_size)`` keeps 16-bit sums
+            from overflowing or underflowing). None: shardkit divides 16-bit gradients before and FP32 ones after.
+        allow_reset_parameters: let :meth:`reset_parameters` re-initialise the wrapped module (with its full
+            parameters, written back to the shards); otherwise it raises.
         backward_prefetch: ``BackwardPrefetch.BACKWARD_PRE`` starts gathering the next unit (in backward order)
             in this unit's pre-backward hook, so the gather overlaps this unit's gradient computation, at the
             cost of one more unit's full parameters in memory; ``BACKWARD_POST`` starts it once this unit's
@@ -92,7 +121,9 @@ class FullyShardedDataParallel(StateDictMethods, nn.Module):
         self,
         module: nn.Module,
         process_group: Optional[GroupLike] = None,
+        process_group_reduce_scatter: Any = ProcessGroupName.reduce_scatter,
         reshard_after_forward: bool = True,
+        disable_reshard_on_root: bool = True,
         mixed_precision: bool = False,
         fp32_reduce_scatter: bool = False,
         flatten_parameters: bool = True,
@@ -100,10 +131,18 @@ class FullyShardedDataParallel(StateDictMethods, nn.Module):
         compute_dtype: Optional[torch.dtype] = None,
         buffer_dtype: Optional[torch.dtype] = None,
         move_grads_to_cpu: Optional[bool] = None,
-        bucket_cap_mb: float = 25,
+        bucket_cap_mb: int = 25,
         compute_device: Optional[Union[torch.device, str, int]] = None,
+        no_broadcast_optim_state: Optional[bool] = False,
         state_dict_device: Optional[Union[torch.device, str]] = None,
-        cpu_offload: Optional[CPUOffload] = None,
+        clear_autocast_cache: bool = False,
+        force_input_to_fp32: bool = False,
+        verbose: bool = False,
+        cpu_offload: Union[bool, CPUOffload, None] = False,
+        state_dict_on_rank_0_only: bool = False,
+        gradient_predivide_factor: Optional[float] = None,
+        allow_reset_parameters: bool = False,
+        *,
         backward_prefetch: Optional[BackwardPrefetch] = None,
         forward_prefetch: bool = False,
     ) -> None:
@@ -123,8 +162,18 @@ class FullyShardedDataParallel(StateDictMethods, nn.Module):
             forward_prefetch=forward_prefetch,
             bucket_cap_mb=bucket_cap_mb,
             state_dict_device=state_dict_device,
+            process_group_reduce_scatter=process_group_reduce_scatter,
+            disable_reshard_on_root=disable_reshard_on_root,
+            no_broadcast_optim_state=no_broadcast_optim_state,
+            clear_autocast_cache=clear_autocast_cache,
+            force_input_to_fp32=force_input_to_fp32,
+            verbose=verbose,
+            state_dict_on_rank_0_only=state_dict_on_rank_0_only,
+            gradient_predivide_factor=gradient_predivide_factor,
+            allow_reset_parameters=allow_reset_parameters,
         )
         group = resolve_group(process_group, "FullyShardedDataParallel")
+        policies = self._check_reduce_group(policies, group)
         self.process_group = group
         self.rank = group_rank(group)
         self.world_size = group_size(group)
@@ -143,6 +192,8 @@ class FullyShardedDataParallel(StateDictMethods, nn.Module):
             # Every mixed-precision unit casts its floating-point inputs (a no-op below a mixed-precision root),
             # so a mixed-precision unit inside a full-precision root still gets inputs of its compute dtype.
             self._unit.cast_inputs = make_input_caster(policies.mixed_precision.param_dtype)
+        elif policies.mixed_precision.force_input_to_fp32:
+            self._unit.cast_inputs = make_fp16_to_fp32_caster()
         #: Original dtypes of floating-point buffers cast for mixed precision (clean name -> dtype), root only.
         self.buffer_original_dtypes: dict[str, torch.dtype] = {}
 
@@ -231,13 +282,20 @@ class FullyShardedDataParallel(StateDictMethods, nn.Module):
             # e.g. a user error, or activation checkpointing stopping a recomputation early on purpose
             self._unit.forward_failed()
             raise
-        return self._unit.post_forward(output)
+        output = self._unit.post_forward(output)
+        if self._policies.mixed_precision.clear_autocast_cache:
+            torch.clear_autocast_cache()
+        return output
 
     def _lazy_init(self) -> None:
         """At the first forward of the outermost instance: mark it root, mark nested instances non-root."""
         unit = self._unit
         if unit.is_root is not None:
             return
+        # Checked before anything changes: units sharing a process group must agree on its reduce channel.
+        channel_plan = plan_reduce_channels(
+            [(p, m) for p, m in clean_named_modules(self, _is_unit) if isinstance(m, FullyShardedDataParallel)]
+        )
         unit.is_root, unit.root, unit.units = True, None, []
         unit.name = f"<root {type(self.module).__name__}>"
         for path, module in clean_named_modules(self, _is_unit):
@@ -247,15 +305,20 @@ class FullyShardedDataParallel(StateDictMethods, nn.Module):
                     module._unit.name = path
                 unit.units.append(module._unit)
         # Every rank runs the root's first forward at the same point: the one moment to create process groups.
-        unit.comm = CommContext(create_reduce_channels([u.group.group for u in unit.units]))
-        mp = self._policies.mixed_precision
-        if mp.buffer_dtype is not None:
-            self._cast_buffers(mp.buffer_dtype)
+        unit.comm = CommContext(channel_plan())
+        self._cast_buffers()
 
-    def _cast_buffers(self, dtype: torch.dtype) -> None:
+    def _cast_buffers(self) -> None:
+        # A buffer takes the buffer dtype of the innermost unit holding it (None: left as it is), so a
+        # full-precision unit inside a mixed-precision root (auto_wrap_bn's BatchNorms) keeps FP32 statistics.
+        dtype_of: dict[int, Optional[torch.dtype]] = {}
+        for _, unit in clean_named_modules(self, _is_unit):
+            if isinstance(unit, FullyShardedDataParallel):
+                dtype_of.update((id(m), unit.buffer_dtype) for m in unit.module.modules())
         for path, module in clean_named_modules(self, _is_unit):
+            dtype = dtype_of.get(id(module))
             for name, buf in module._buffers.items():
-                if buf is not None and buf.is_floating_point() and buf.dtype != dtype:
+                if dtype is not None and buf is not None and buf.is_floating_point() and buf.dtype != dtype:
                     self.buffer_original_dtypes[f"{path}.{name}" if path else name] = buf.dtype
                     module._buffers[name] = buf.to(dtype)
 
@@ -297,23 +360,36 @@ class FullyShardedDataParallel(StateDictMethods, nn.Module):
         return self.module.__getitem__(key)  # type: ignore[operator]
 
     def extra_repr(self) -> str:
-        return (
+        text = (
             f"world_size={self.world_size}, flatten_parameters={self.flatten_parameters}, "
             f"reshard_after_forward={self.reshard_after_forward}, mixed_precision={self.mixed_precision}"
         )
+        return text + self._verbose_repr() if self._policies.verbose else text
 
     # ------------------------------------------------------------------ full parameters
     @contextlib.contextmanager
-    def summon_full_params(self, recurse: bool = True, writeback: bool = True) -> Iterator[None]:
+    def summon_full_params(
+        self, recurse: bool = True, volatile: bool = False, *, writeback: Optional[bool] = None
+    ) -> Iterator[None]:
         """Gather full-precision parameters and expose them under their original names inside the block.
 
-        With ``writeback`` the values (edited in place or reassigned, same shape) are copied back into the
-        shards on exit; every rank keeps its own part, so edits should agree across ranks. Not allowed inside
+        Unless ``volatile`` (fairscale's name; ``writeback=False`` is the same) the values (edited in place or
+        reassigned, same shape) are copied back into the shards on exit; every rank keeps its own part, so edits
+        should agree across ranks. ``recurse=False`` gathers only this unit's own parameters. Not allowed inside
         forward or backward. Example::
 
             with model.summon_full_params():
                 model.module.fc.weight.mul_(0.5)
+            with model.summon_full_params(volatile=True):   # read only: nothing is copied back
+                snapshot = {n: p.clone() for n, p in model.named_parameters()}
         """
+        if writeback is None:
+            writeback = not volatile
+        elif writeback and volatile:
+            raise ValueError(
+                "summon_full_params(volatile=True, writeback=True) contradict each other: volatile=True means no "
+                "writeback; pass only one of them"
+            )
         targets = [m for m in self.modules() if isinstance(m, FullyShardedDataParallel)] if recurse else [self]
         entered: list[FullyShardedDataParallel] = []
         try:

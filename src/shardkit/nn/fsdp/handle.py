@@ -195,6 +195,7 @@ class FlatParamHandle:
         world_size: int,
         reduce_dtype: Optional[torch.dtype],
         ctx: CommContext,
+        divide: Optional[tuple[float, float]] = None,
     ) -> Optional[PendingReduce]:
         """Start reduce-scattering ``grad`` (plus anything accumulated under ``no_sync``), averaged over ranks.
 
@@ -207,5 +208,8 @@ class FlatParamHandle:
         if grad is None:
             return None
         if self._aliased:
+            if divide is not None and divide[0] * divide[1] != 1:
+                grad = grad / (divide[0] * divide[1])  # explicit factors apply with one rank too
             return PendingReduce.ready(self.shard, grad)  # one rank: the full gradient is the shard's
-        return start_reduce(self.shard, grad, reduce_dtype or self.compute_dtype, group, world_size, self.label, ctx)
+        dtype = reduce_dtype or self.compute_dtype
+        return start_reduce(self.shard, grad, dtype, group, world_size, self.label, ctx, divide)

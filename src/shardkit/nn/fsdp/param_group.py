@@ -295,13 +295,17 @@ class ParamGroup:
         pending = None
         if sync_grads:
             pending = handle.reduce_grad(
-                grad, self.group, self.world_size, self.policies.mixed_precision.reduce_dtype, ctx
+                grad, self.group, self.world_size, self.policies.mixed_precision.reduce_dtype, ctx, self._divide()
             )
         elif grad is not None:
             handle.accumulate_unsynced(grad)
         handle.drop_views()
         handle.reshard()
         return pending
+
+    def _divide(self) -> Optional[tuple[float, float]]:
+        # gradient_predivide_factor / set_gradient_divide_factors; None: start_reduce chooses.
+        return self.policies.reduce.divide_factors(self.world_size)
 
     def finish_backward(self, sync_grads: bool, ctx: CommContext) -> list[PendingReduce]:
         """End of backward: reduce gradients left from ``no_sync`` steps and free everything.
@@ -312,7 +316,7 @@ class ParamGroup:
         for handle in self.handles:
             if sync_grads and handle.grad_accum is not None:
                 started = handle.reduce_grad(
-                    None, self.group, self.world_size, self.policies.mixed_precision.reduce_dtype, ctx
+                    None, self.group, self.world_size, self.policies.mixed_precision.reduce_dtype, ctx, self._divide()
                 )
                 if started is not None:
                     pending.append(started)

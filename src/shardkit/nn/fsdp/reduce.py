@@ -32,7 +32,7 @@ class PendingReduce:
         work: Optional[Handle] = None,
         full_grad: Optional[torch.Tensor] = None,
         stream: Optional[torch.cuda.Stream] = None,
-        post_divide: int = 1,
+        post_divide: float = 1,
     ) -> None:
         self.shard = shard
         self.grad_shard = grad_shard
@@ -63,7 +63,7 @@ class PendingReduce:
         join(self.stream)
         self.full_grad = None
         grad = self.grad_shard
-        if self.post_divide > 1:
+        if self.post_divide != 1:
             grad.div_(self.post_divide)
         shard = self.shard
         copying = False
@@ -90,18 +90,24 @@ def start_reduce(
     world_size: int,
     label: str,
     ctx: CommContext,
+    divide: Optional[tuple[float, float]] = None,
 ) -> PendingReduce:
-    """Issue the reduce-scatter of ``full_grad`` (ours to modify: autograd handed it over) over ``group``."""
+    """Issue the reduce-scatter of ``full_grad`` (ours to modify: autograd handed it over) over ``group``.
+
+    ``divide``: the ``(before, after)`` factors of ``gradient_predivide_factor``; None chooses as described above.
+    """
     with ctx.reduce.issue(full_grad.device) as stream:
         if stream is not None:
             full_grad.record_stream(stream)  # produced on the compute stream, read on the reduce stream
         grad = full_grad.to(dtype)
         pre_divide = world_size > 1 and dtype != torch.float32
-        if pre_divide:
-            grad.div_(world_size)
+        before, after = (
+            divide if divide is not None else (world_size if pre_divide else 1, 1 if pre_divide else world_size)
+        )
+        if before != 1:
+            grad.div_(before)
         shard_numel = grad.numel() // world_size
         grad_shard = torch.empty(shard_numel, dtype=dtype, device=grad.device)
         memory.tag(grad, memory.Category.GRADIENTS)
         work = _collectives.reduce_scatter_grads(grad_shard, grad, ctx.reduce_channel(group), label)
-    post_divide = world_size if (world_size > 1 and not pre_divide) else 1
-    return PendingReduce(shard, grad_shard, work, grad, stream, post_divide)
+    return PendingReduce(shard, grad_shard, work, grad, stream, after)

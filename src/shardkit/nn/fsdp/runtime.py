@@ -161,7 +161,8 @@ class Unit:
         schedule = self.tree_schedule
         schedule.record_post_forward(self)
         hooked = self._hook_outputs(output) if torch.is_grad_enabled() else False
-        keep = hooked and (self.is_root or not self.policies.sharding.reshard_after_forward)
+        sharding = self.policies.sharding
+        keep = hooked and ((self.is_root and sharding.disable_reshard_on_root) or not sharding.reshard_after_forward)
         if not keep:
             self.group.reshard()
         if self.is_root:

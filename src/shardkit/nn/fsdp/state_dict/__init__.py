@@ -12,6 +12,8 @@ function                     what it holds                                      
                              :mod:`torch.distributed.checkpoint` (any world size)     to save; one per parameter to
                                                                                       load; peak one flat param
 optimizer functions          optimizer state unflattened per original parameter       one all-gather per state tensor
+:func:`local_metadata_dict`  how the local shards map onto the full model; with        no communication
+                             :func:`consolidate_shard_weights`, offline consolidation
 ===========================  ======================================================  ==============================
 
 Shards cut across original parameters (see :mod:`~shardkit.nn.fsdp.flat_param`), so the DCP view gathers a
@@ -33,6 +35,7 @@ Example::
     load_sharded_state_dict(model, target)
 """
 
+from shardkit.nn.fsdp.state_dict.consolidate import consolidate_shard_weights, local_metadata_dict
 from shardkit.nn.fsdp.state_dict.full import (
     load_from_state_dict_hook,
     load_local_state_dict,
@@ -44,12 +47,14 @@ from shardkit.nn.fsdp.state_dict.optim import gather_full_optim_state_dict, get_
 from shardkit.nn.fsdp.state_dict.sharded import load_sharded_state_dict, sharded_state_dict
 
 __all__ = [
+    "consolidate_shard_weights",
     "gather_full_optim_state_dict",
     "get_shard_from_optim_state_dict",
     "load_from_state_dict_hook",
     "load_local_state_dict",
     "load_sharded_state_dict",
     "load_state_dict",
+    "local_metadata_dict",
     "local_state_dict",
     "sharded_state_dict",
     "state_dict",

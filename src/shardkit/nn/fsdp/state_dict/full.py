@@ -7,9 +7,11 @@ from collections.abc import Iterator, Mapping
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
+from shardkit.distributed.groups import is_dummy
 from shardkit.nn.checkpoint.wrapper import adds_no_name
 from shardkit.nn.fsdp.api import FullyShardedDataParallel as FSDP
 from shardkit.nn.fsdp.state_dict._layout import (
@@ -38,21 +40,28 @@ def state_dict(
     original dtypes, on ``state_dict_device`` (default: the parameters' device). Call on every rank.
 
     Also works when torch's ``state_dict`` recursion reaches a wrapped child of an unwrapped root (``destination``
-    and ``prefix`` are honoured). Cost: one all-gather per flat parameter; the full model lands on every rank.
+    and ``prefix`` are honoured). Cost: one all-gather per flat parameter; the full model lands on every rank,
+    except with ``state_dict_on_rank_0_only``: every rank still takes part in the gathers, but only global rank 0
+    copies the values out and the others get ``{}`` (nothing added to ``destination``).
     """
     if args:
         raise TypeError("state_dict() takes keyword arguments only (destination=, prefix=, keep_vars=)")
     check_idle(fsdp, "state_dict()")
     params, buffers, versions = layout(fsdp)
     device = fsdp.state_dict_device
+    keep = not fsdp.state_dict_on_rank_0_only or _global_rank(fsdp) == 0
     full_values: dict[tuple[int, int], torch.Tensor] = {}
     for unit in units(fsdp):
         for h in unit._unit.group.handles:
             full = gather_flat(h, unit.process_group, h.shard, "state_dict")
+            if not keep:
+                continue
             for i, info in enumerate(h.meta.params):
                 piece = full[info.offset : info.offset + info.numel].view(info.shape)
                 full_values[(id(h), i)] = piece.to(device or h.shard.device, copy=True)
     out: dict[str, Any] = OrderedDict() if destination is None else destination
+    if not keep:
+        return out
     metadata = getattr(out, "_metadata", None)
     if metadata is None and destination is None:
         metadata = out._metadata = OrderedDict()  # type: ignore[attr-defined]
@@ -70,6 +79,14 @@ def state_dict(
         for key, value in by_module.pop(path, []):
             out[prefix + key] = value
     return out
+
+
+def _global_rank(fsdp: FSDP) -> int:
+    """fairscale's "rank 0" for ``state_dict_on_rank_0_only``: the global rank (the group's rank without
+    ``torch.distributed``, e.g. under a ``DummyProcessGroup``)."""
+    if dist.is_available() and dist.is_initialized() and not is_dummy(fsdp.process_group):
+        return dist.get_rank()
+    return fsdp.rank
 
 
 def load_state_dict(fsdp: FSDP, full_state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:

@@ -41,14 +41,20 @@ def gather_full_optim_state_dict(
     original names under ``param_names`` (torch's convention). Load it into a plain optimizer built with the same
     groups, or back into the wrapped one with :func:`get_shard_from_optim_state_dict`. Tensors are on CPU.
     Call on every rank (one all-gather per sharded state tensor); other ranks get ``None``. Parameters whose
-    unit is sharded over its own group (per-rank experts) come from the recipient's own copy.
+    unit is sharded over its own group (per-rank experts) come from the recipient's own copy. Units built with
+    ``no_broadcast_optim_state=True`` and sharded over several ranks are not gathered: their parameters get no
+    state, and their ids are listed under ``uncollected_local_ids`` (fairscale's key) for the caller to fill in.
     """
     check_idle(fsdp, "gather_full_optim_state_dict()")
     group_of = _optim_handles(fsdp, optim)
     params, _, _ = layout(fsdp)
     keep = fsdp.rank == recipient_rank
     pieces: dict[tuple[int, int], dict[str, Any]] = {}
+    uncollected: set[int] = set()
     for _, h, unit in flat_entries(fsdp):
+        if unit.no_broadcast_optim_state and unit.world_size > 1:
+            uncollected.add(id(h))
+            continue
         state = optim.state.get(h.shard, {})
         for key in sorted(state):
             value = state[key]
@@ -73,6 +79,7 @@ def gather_full_optim_state_dict(
         if not e.alias and id(e.handle.shard) in group_of:
             members[group_of[id(e.handle.shard)]].append(e)
     state_out: dict[int, dict[str, Any]] = {}
+    uncollected_ids = []
     next_id = 0
     for group, entries in zip(groups, members):
         for e in entries:
@@ -80,8 +87,10 @@ def gather_full_optim_state_dict(
             group["param_names"].append(e.key)
             if (id(e.handle), e.index) in pieces:
                 state_out[next_id] = pieces[(id(e.handle), e.index)]
+            if id(e.handle) in uncollected:
+                uncollected_ids.append(next_id)
             next_id += 1
-    return {"state": state_out, "param_groups": groups}
+    return {"state": state_out, "param_groups": groups, "uncollected_local_ids": uncollected_ids}
 
 
 def _full_osd_by_name(fsdp: FSDP, full_osd: Mapping[str, Any]) -> dict[str, tuple[int, dict[str, Any]]]:

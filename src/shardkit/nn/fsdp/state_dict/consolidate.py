@@ -1,0 +1,144 @@
+"""Offline consolidation: every rank's :func:`~shardkit.nn.fsdp.state_dict.local_state_dict` plus its
+:func:`local_metadata_dict` give back the full state dict, without processes or a model (fairscale's
+``local_metadata_dict`` / ``consolidate_shard_weights`` pair, on shardkit's layout).
+
+Example::
+
+    torch.save({"weights": model.local_state_dict(), "meta": model.local_metadata_dict()}, f"shard{rank}.pt")
+    # later, anywhere, in one process:
+    shards = [torch.load(f"shard{r}.pt") for r in range(world_size)]
+    full = FullyShardedDataParallel.consolidate_shard_weights(
+        [s["weights"] for s in shards], [s["meta"] for s in shards]
+    )
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from shardkit.nn.fsdp.api import FullyShardedDataParallel as FSDP
+from shardkit.nn.fsdp.state_dict._layout import check_idle, flat_entries, layout, walk
+
+FORMAT = "shardkit.fsdp.local_metadata/1"
+
+
+def local_metadata_dict(fsdp: FSDP) -> dict[str, Any]:
+    """How this rank's :func:`local_state_dict` maps onto the full model: per flat parameter its key, the original
+    names, shapes and numels in flat order, the tied names, and which chunk of which group this rank holds.
+
+    Plain Python data (strings, ints, lists), so it can be saved next to the local state dict.
+    """
+    check_idle(fsdp, "local_metadata_dict()")
+    params, buffers, _ = layout(fsdp)
+    name_of = {(id(e.handle), e.index): e.key for e in params if not e.alias}
+    aliases: dict[int, list[list[str]]] = {}
+    for e in params:
+        if e.alias:
+            aliases.setdefault(id(e.handle), []).append([e.key, name_of[(id(e.handle), e.index)]])
+    paths = {id(m): path for path, m in walk(fsdp) if isinstance(m, FSDP)}
+    by_unit: dict[int, dict[str, Any]] = {}
+    for key, h, unit in flat_entries(fsdp):
+        entry = by_unit.setdefault(
+            id(unit),
+            {"fsdp_path": paths[id(unit)], "params": {}, "no_broadcast_optim_state": unit.no_broadcast_optim_state},
+        )
+        meta = h.meta
+        entry["params"][key] = {
+            "names": [name_of[(id(h), i)] for i in range(len(meta.params))],
+            "shapes": [list(info.shape) for info in meta.params],
+            "numels": [info.numel for info in meta.params],
+            "numel": meta.numel,
+            "padding": meta.padded_numel - meta.numel,
+            "world_size": meta.world_size,
+            "rank": meta.rank,
+            "shared": aliases.get(id(h), []),
+        }
+    return {
+        "format": FORMAT,
+        "param_metadata": list(by_unit.values()),
+        "buffer_names": [b.key for b in buffers],
+    }
+
+
+def consolidate_shard_weights(
+    shard_weights: Sequence[Mapping[str, Any]],
+    shard_metadata: Sequence[Mapping[str, Any]],
+    with_module_buffers: bool = True,
+    strict: bool = True,
+) -> dict[str, torch.Tensor]:
+    """The full state dict (unwrapped model's keys) from every rank's local state dict and metadata, in rank order.
+
+    Each flat parameter is rebuilt from the first shard of every chunk index of its own group (so experts sharded
+    over one rank come from rank 0, as :meth:`state_dict` gives them there). With ``strict``, a metadata entry
+    with no matching shard, or shards disagreeing with their metadata, raise a ``ValueError``; otherwise such
+    parameters are left out. Buffers come from rank 0's dict.
+    """
+    if len(shard_weights) != len(shard_metadata) or not shard_weights:
+        raise ValueError(
+            f"consolidate_shard_weights needs one local state dict and one metadata dict per rank, got "
+            f"{len(shard_weights)} and {len(shard_metadata)}"
+        )
+    for meta in shard_metadata:
+        if meta.get("format") != FORMAT:
+            raise ValueError(
+                f"consolidate_shard_weights: metadata of format {meta.get('format')!r}, expected {FORMAT!r}: pass "
+                "what shardkit's local_metadata_dict() returned (fairscale's shard metadata has another layout)"
+            )
+    out: dict[str, torch.Tensor] = OrderedDict()
+    for unit_meta in shard_metadata[0]["param_metadata"]:
+        for key, flat in unit_meta["params"].items():
+            full = _gather_flat(key, flat, shard_weights, shard_metadata, strict)
+            if full is None:
+                continue
+            offset = 0
+            for name, shape, numel in zip(flat["names"], flat["shapes"], flat["numels"]):
+                out[name] = full[offset : offset + numel].view(shape).clone()
+                offset += numel
+            for alias, primary in flat["shared"]:
+                out[alias] = out[primary]
+    if with_module_buffers:
+        for name in shard_metadata[0]["buffer_names"]:
+            if name in shard_weights[0]:
+                out[name] = shard_weights[0][name]
+            elif strict:
+                raise ValueError(
+                    f"consolidate_shard_weights: buffer '{name}' is missing from rank 0's local state dict"
+                )
+    return out
+
+
+def _gather_flat(
+    key: str,
+    flat: Mapping[str, Any],
+    shard_weights: Sequence[Mapping[str, Any]],
+    shard_metadata: Sequence[Mapping[str, Any]],
+    strict: bool,
+) -> Any:
+    chunks: dict[int, torch.Tensor] = {}
+    for weights, meta in zip(shard_weights, shard_metadata):
+        mine = next((u["params"][key] for u in meta["param_metadata"] if key in u["params"]), None)
+        if mine is None or key not in weights:
+            continue
+        if mine["world_size"] != flat["world_size"] or mine["numel"] != flat["numel"]:
+            if strict:
+                raise ValueError(f"consolidate_shard_weights: the ranks' metadata disagree on '{key}'")
+            return None
+        chunks.setdefault(mine["rank"], weights[key])
+    missing = [r for r in range(flat["world_size"]) if r not in chunks]
+    if missing:
+        if strict:
+            raise ValueError(f"consolidate_shard_weights: no shard {missing} of '{key}' among the given ranks")
+        return None
+    full = torch.cat([chunks[r].detach().reshape(-1) for r in range(flat["world_size"])])
+    if full.numel() != flat["numel"] + flat["padding"]:
+        if strict:
+            raise ValueError(
+                f"consolidate_shard_weights: the shards of '{key}' hold {full.numel()} elements, the metadata "
+                f"says {flat['numel'] + flat['padding']}"
+            )
+        return None
+    return full
