@@ -69,18 +69,20 @@ def default_auto_wrap_policy(
             model = auto_wrap(model)
     """
     numel = _resolve_numel(unwrapped_params, nonwrapped_numel)
-    defaults = default_auto_wrap_policy
-    force_leaf = defaults.FORCE_LEAF_MODULES if force_leaf_modules is None else force_leaf_modules  # type: ignore[attr-defined]
-    exclude = defaults.EXCLUDE_WRAP_MODULES if exclude_wrap_modules is None else exclude_wrap_modules  # type: ignore[attr-defined]
+    defaults = vars(default_auto_wrap_policy)  # the function's own attributes, set below
+    force_leaf = defaults["FORCE_LEAF_MODULES"] if force_leaf_modules is None else force_leaf_modules
+    exclude = defaults["EXCLUDE_WRAP_MODULES"] if exclude_wrap_modules is None else exclude_wrap_modules
     is_large = numel >= min_num_params
     if recurse:
         return is_large and not isinstance(module, tuple(force_leaf))
     return (is_large or (module_is_root and skip_params_check_for_root)) and not isinstance(module, tuple(exclude))
 
 
-# fairscale exposes the default sets on the function itself; the policy reads them from there at each call.
-default_auto_wrap_policy.FORCE_LEAF_MODULES = DEFAULT_FORCE_LEAF_MODULES  # type: ignore[attr-defined]
-default_auto_wrap_policy.EXCLUDE_WRAP_MODULES = DEFAULT_EXCLUDE_WRAP_MODULES  # type: ignore[attr-defined]
+# fairscale exposes the default sets on the function itself (``default_auto_wrap_policy.FORCE_LEAF_MODULES``);
+# the policy reads them from there at each call, as fairscale's does.
+vars(default_auto_wrap_policy).update(
+    FORCE_LEAF_MODULES=DEFAULT_FORCE_LEAF_MODULES, EXCLUDE_WRAP_MODULES=DEFAULT_EXCLUDE_WRAP_MODULES
+)
 
 
 def size_based_auto_wrap_policy(
