@@ -209,7 +209,7 @@ class SlowMoDistributedDataParallel(nn.Module):
             for p in self._params:
                 if p.requires_grad:
                     p.register_post_accumulate_grad_hook(self._on_grad_ready)
-        self.register_load_state_dict_post_hook(SlowMoDistributedDataParallel._after_load)
+        self.register_load_state_dict_post_hook(self._after_load)
 
     # ----------------------------------------------------------------- lifecycle hooks
 
@@ -366,12 +366,10 @@ class SlowMoDistributedDataParallel(nn.Module):
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
 
-    @staticmethod
-    def _after_load(module: nn.Module, incompatible_keys: Any) -> None:
+    def _after_load(self, _module: nn.Module, _incompatible_keys: Any) -> None:
         # The slow-momentum anchor x0 must be the loaded point, not the one the wrapper was built with.
-        assert isinstance(module, SlowMoDistributedDataParallel)
-        if module._push_sum is not None:
-            module._push_sum.to(ParamForm.NUMERATOR)
-        if module._slow is not None:
-            module._slow.reset_anchor(module._flat)
-        module._working = module._flat
+        if self._push_sum is not None:
+            self._push_sum.to(ParamForm.NUMERATOR)
+        if self._slow is not None:
+            self._slow.reset_anchor(self._flat)
+        self._working = self._flat

@@ -94,7 +94,7 @@ class Gossiper:
 
     def start_round(self, flat: FlatParams, state: PushSumState) -> None:
         """Take this round's messages from the parameters, keep this node's share, and post the exchange."""
-        state._require(ParamForm.NUMERATOR, "gossip")
+        state.require(ParamForm.NUMERATOR, "gossip")
         out_peers = self.graph.out_peers(self.round_index)
         in_peers = self.graph.in_peers(self.round_index)
         shares = self.mixing.shares(out_peers)

@@ -38,7 +38,7 @@ class PushSumState:
 
     def set_weight(self, value: float) -> None:
         """Set ``w`` (only while the parameters are numerators, so ``x / w`` stays consistent)."""
-        self._require(ParamForm.NUMERATOR, "change the push-sum weight")
+        self.require(ParamForm.NUMERATOR, "change the push-sum weight")
         self.weight = float(torch.tensor(value, dtype=torch.float32))
 
     def to(self, form: ParamForm) -> None:
@@ -54,7 +54,8 @@ class PushSumState:
                         p.mul_(self.weight)
         self.form = form
 
-    def _require(self, form: ParamForm, action: str) -> None:
+    def require(self, form: ParamForm, action: str) -> None:
+        """Raise, naming ``action``, unless the parameters are in ``form`` now."""
         if self.form is not form:
             raise RuntimeError(
                 f"cannot {action} while the parameters are {self.form.value}s; SlowMo converts them back to "
