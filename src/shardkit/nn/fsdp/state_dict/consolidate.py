@@ -33,7 +33,7 @@ def local_metadata_dict(fsdp: FSDP) -> dict[str, Any]:
     Plain Python data (strings, ints, lists), so it can be saved next to the local state dict.
     """
     check_idle(fsdp, "local_metadata_dict()")
-    params, buffers, _ = layout(fsdp)
+    params, buffers, versions = layout(fsdp)
     name_of = {(id(e.handle), e.index): e.key for e in params if not e.alias}
     aliases: dict[int, list[list[str]]] = {}
     for e in params:
@@ -57,10 +57,15 @@ def local_metadata_dict(fsdp: FSDP) -> dict[str, Any]:
             "rank": meta.rank,
             "shared": aliases.get(id(h), []),
         }
+    # state_dict() order: module by module, each module's parameters before its buffers.
+    by_module: dict[str, list[str]] = {}
+    for key in [e.key for e in params] + [b.key for b in buffers]:
+        by_module.setdefault(key.rpartition(".")[0], []).append(key)
     return {
         "format": FORMAT,
         "param_metadata": list(by_unit.values()),
         "buffer_names": [b.key for b in buffers],
+        "state_dict_keys": [key for path in versions for key in by_module.get(path, [])],
     }
 
 
@@ -108,7 +113,8 @@ def consolidate_shard_weights(
                 raise ValueError(
                     f"consolidate_shard_weights: buffer '{name}' is missing from rank 0's local state dict"
                 )
-    return out
+    order = {key: i for i, key in enumerate(shard_metadata[0]["state_dict_keys"])}
+    return OrderedDict(sorted(out.items(), key=lambda item: order.get(item[0], len(order))))
 
 
 def _gather_flat(
