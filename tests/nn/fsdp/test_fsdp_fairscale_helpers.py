@@ -60,8 +60,8 @@ def test_clear_autocast_cache_after_forward(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_verbose_repr_lists_every_setting() -> None:
-    short = repr(FSDP(nn.Linear(2, 2), process_group=ONE))
-    long = repr(FSDP(nn.Linear(2, 2), process_group=ONE, verbose=True, gradient_predivide_factor=1.0))
+    short = FSDP(nn.Linear(2, 2), process_group=ONE).extra_repr()
+    long = FSDP(nn.Linear(2, 2), process_group=ONE, verbose=True, gradient_predivide_factor=1.0).extra_repr()
     assert "gradient_divide_factors" not in short
     for field in ("process_group_reduce_scatter=ProcessGroupName.reduce_scatter", "gradient_divide_factors=(1.0,"):
         assert field in long, long

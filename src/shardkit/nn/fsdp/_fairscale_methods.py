@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_map
 
 from shardkit.distributed.groups import GroupLike, group_size, is_dummy, resolve_group
 from shardkit.nn.fsdp._collectives import create_reduce_channels
-from shardkit.nn.fsdp.policies import FSDPPolicies, ProcessGroupName
+from shardkit.nn.fsdp.policies import BackwardPrefetch, CPUOffload, FSDPPolicies, ProcessGroupName
 from shardkit.nn.fsdp.runtime import TrainingState, Unit
 
 if TYPE_CHECKING:
@@ -37,6 +37,50 @@ class FairscaleMethods:
     rank: int
 
     # ------------------------------------------------------------------ settings, as fairscale names them
+    @property
+    def mixed_precision(self) -> bool:
+        return self._policies.mixed_precision.enabled
+
+    @property
+    def compute_dtype(self) -> Optional[torch.dtype]:
+        return self._policies.mixed_precision.param_dtype
+
+    @property
+    def buffer_dtype(self) -> Optional[torch.dtype]:
+        return self._policies.mixed_precision.buffer_dtype
+
+    @property
+    def fp32_reduce_scatter(self) -> bool:
+        return self._policies.mixed_precision.reduce_dtype == torch.float32
+
+    @property
+    def flatten_parameters(self) -> bool:
+        return self._policies.sharding.flatten_parameters
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        return self._policies.sharding.reshard_after_forward
+
+    @property
+    def move_params_to_cpu(self) -> bool:
+        return self._policies.offload.offload_params
+
+    @property
+    def cpu_offload(self) -> CPUOffload:
+        return CPUOffload(offload_params=self._policies.offload.offload_params)
+
+    @property
+    def backward_prefetch(self) -> Optional[BackwardPrefetch]:
+        return self._policies.prefetch.backward
+
+    @property
+    def forward_prefetch(self) -> bool:
+        return self._policies.prefetch.forward
+
+    @property
+    def state_dict_device(self) -> Optional[torch.device]:
+        return self._policies.state_dict.device
+
     @property
     def process_group_reduce_scatter(self) -> GroupLike:
         """The process group this unit's gradients are reduce-scattered on (before the root's first forward

@@ -197,51 +197,7 @@ class FullyShardedDataParallel(FairscaleMethods, StateDictMethods, nn.Module):
         #: Original dtypes of floating-point buffers cast for mixed precision (clean name -> dtype), root only.
         self.buffer_original_dtypes: dict[str, torch.dtype] = {}
 
-    # ------------------------------------------------------------------ settings
-    @property
-    def mixed_precision(self) -> bool:
-        return self._policies.mixed_precision.enabled
-
-    @property
-    def compute_dtype(self) -> Optional[torch.dtype]:
-        return self._policies.mixed_precision.param_dtype
-
-    @property
-    def buffer_dtype(self) -> Optional[torch.dtype]:
-        return self._policies.mixed_precision.buffer_dtype
-
-    @property
-    def fp32_reduce_scatter(self) -> bool:
-        return self._policies.mixed_precision.reduce_dtype == torch.float32
-
-    @property
-    def flatten_parameters(self) -> bool:
-        return self._policies.sharding.flatten_parameters
-
-    @property
-    def reshard_after_forward(self) -> bool:
-        return self._policies.sharding.reshard_after_forward
-
-    @property
-    def move_params_to_cpu(self) -> bool:
-        return self._policies.offload.offload_params
-
-    @property
-    def cpu_offload(self) -> CPUOffload:
-        return CPUOffload(offload_params=self._policies.offload.offload_params)
-
-    @property
-    def backward_prefetch(self) -> Optional[BackwardPrefetch]:
-        return self._policies.prefetch.backward
-
-    @property
-    def forward_prefetch(self) -> bool:
-        return self._policies.prefetch.forward
-
-    @property
-    def state_dict_device(self) -> Optional[torch.device]:
-        return self._policies.state_dict.device
-
+    # ------------------------------------------------------------------ state (settings: FairscaleMethods)
     @property
     def training_state(self) -> TrainingState:
         return self._unit.state
