@@ -131,6 +131,9 @@ class ShardedDataParallel(nn.Module):
     - ``requires_grad`` changes must be made on every rank alike.
     - Gradients are reduced by any backward pass outside :meth:`no_sync`, in train or eval mode, as with torch
       DDP; a forward in eval mode followed by no backward communicates nothing but the buffers.
+    - Casting or moving the model after wrapping (``sdp.to(...)``, ``model.half()``) is noticed at the next
+      forward, which re-plans the reduction for the new dtypes and devices (OSS rebuilds its buckets at its
+      next step).
     - Attributes the wrapper lacks are looked up on the wrapped module (``sdp.my_attribute``), and torch DDP's
       ``module``, ``device_type`` and ``is_multi_device_module`` are there, for code that expects a DDP.
     - ``state_dict()`` keys are the wrapped model's own keys (torch DDP would prefix them with ``module.``), so
@@ -215,9 +218,14 @@ class ShardedDataParallel(nn.Module):
     def _current_trainable_flags(self) -> tuple[bool, ...]:
         return tuple(p.requires_grad for p in self.module.parameters())
 
-    def _scan_parameters(self) -> tuple[bool, ...]:
-        """The ``requires_grad`` flags, after refusing a gradient that itself requires grad (one pass)."""
+    def _current_layout(self) -> tuple[tuple[torch.dtype, torch.device], ...]:
+        return tuple((p.dtype, p.device) for p in self.module.parameters())
+
+    def _scan_parameters(self) -> tuple[tuple[bool, ...], tuple[tuple[torch.dtype, torch.device], ...]]:
+        """``requires_grad`` flags and (dtype, device) of the parameters, after refusing a gradient that itself
+        requires grad (one pass)."""
         flags = []
+        layout = []
         for p in self.module.parameters():
             grad = p.grad
             if grad is not None and grad.requires_grad:
@@ -228,10 +236,12 @@ class ShardedDataParallel(nn.Module):
                     "first, e.g. model.zero_grad(set_to_none=True), or detach it."
                 )
             flags.append(p.requires_grad)
-        return tuple(flags)
+            layout.append((p.dtype, p.device))
+        return tuple(flags), tuple(layout)
 
     def _plan(self, owner_of: Mapping[torch.Tensor, int]) -> None:
         """Hook the trainable parameters held by the optimizers, in reverse registration order."""
+        self._layout = self._current_layout()
         planned: list[torch.Tensor] = []
         orphans: list[str] = []
         for name, p in self.module.named_parameters():
@@ -266,7 +276,8 @@ class ShardedDataParallel(nn.Module):
                 "ShardedDataParallel: forward called while the previous backward pass is still reducing (did it "
                 "raise?). Gradients are inconsistent across ranks; restart from a checkpoint."
             )
-        if self._scan_parameters() != self._trainable_flags:
+        flags, layout = self._scan_parameters()
+        if flags != self._trainable_flags:
             if self.sync_policy.warn_on_trainable_params_changed:
                 warnings.warn(
                     "ShardedDataParallel: parameters' requires_grad changed since the last forward"
@@ -276,7 +287,9 @@ class ShardedDataParallel(nn.Module):
             if self.sync_policy.auto_refresh_trainable:
                 self.refresh_trainable()
             else:
-                self._trainable_flags = self._current_trainable_flags()
+                self._trainable_flags = flags
+        elif layout != self._layout:  # model cast or moved (sdp.to(...), model.half()): the plan depends on both
+            self._plan(_owner_map(self.sharded_optimizers))
         if self.sync_policy.broadcast_buffers:
             self.sync_buffers()
         self._reducer.sync_enabled = not self._no_sync

@@ -14,6 +14,9 @@ Lifecycle of one synchronised backward pass (a *round*):
    per parameter, the ranks that contributed a gradient. After waiting for everything, owners write the
    averaged gradient into ``.grad``, or leave ``.grad`` None for a parameter no rank produced a gradient for
    (what torch DDP does with ``find_unused_parameters=True``); non-owners are left with ``.grad = None``.
+
+Under ``no_sync`` the hooks only record that local gradients are pending; :meth:`GradReducer.reduce_now` then
+runs steps 2-3 by hand over whatever the parameters hold (fairscale's ``ShardedDataParallel.reduce()``).
 """
 
 from __future__ import annotations
