@@ -30,6 +30,7 @@ from shardkit.distributed.groups import GroupLike
 from shardkit.nn.fsdp import _collectives
 from shardkit.nn.fsdp.comm_context import CommContext, join
 from shardkit.nn.fsdp.flat_param import FlatParamMeta
+from shardkit.nn.fsdp.placeholder import ShardedParamPlaceholder
 from shardkit.nn.fsdp.reduce import PendingReduce, start_reduce
 
 
@@ -71,6 +72,10 @@ class FlatParamHandle:
         self.grad_accum: Optional[torch.Tensor] = None
         #: Called once this flat parameter's full gradient of a backward pass is complete.
         self.on_grad_ready: Callable[[FlatParamHandle], None] = lambda handle: None
+        #: What the parameter attributes hold between steps (one per entry of ``meta.params``), made for the
+        #: ``(device, dtype)`` key beside them and remade when the shard moves.
+        self._placeholders: list[ShardedParamPlaceholder] = []
+        self._placeholder_key: Optional[tuple[torch.device, torch.dtype]] = None
 
     # ------------------------------------------------------------------ gather / free
     def _new_full(self, full: torch.Tensor) -> torch.Tensor:
@@ -164,9 +169,30 @@ class FlatParamHandle:
             setattr(module, attr, views[info.primary])
 
     def drop_views(self) -> None:
-        """Remove the view attributes, so stale parameters cannot be read after the memory is freed."""
+        """Replace the view attributes by placeholders, so stale parameters cannot be read after the memory is
+        freed while ``print(model)`` and ``module.weight.shape`` keep working."""
+        placeholders = self._current_placeholders()
+        for (module, attr), placeholder in zip(self.locations, placeholders):
+            module.__dict__[attr] = placeholder
+        for (module, attr), info in zip(self.alias_locations, self.meta.shared):
+            module.__dict__[attr] = placeholders[info.primary]
+
+    def clear_attrs(self) -> None:
+        """Remove the attributes altogether (before registering real parameters under their names)."""
         for module, attr in self.locations + self.alias_locations:
             module.__dict__.pop(attr, None)
+
+    def _current_placeholders(self) -> list[ShardedParamPlaceholder]:
+        device = self.shard.device if self.follow_shard_device else self.compute_device
+        key = (device, self.shard.dtype)
+        if key != self._placeholder_key:
+            unit = self.label.rpartition(".flat_param_")[0] or self.label
+            self._placeholders = [
+                ShardedParamPlaceholder(info.shape, key[1], device, info.requires_grad, info.fqn, unit)
+                for info in self.meta.params
+            ]
+            self._placeholder_key = key
+        return self._placeholders
 
     # ------------------------------------------------------------------ gradients
     def _grad_accumulated(self, full: torch.Tensor) -> None:

@@ -228,6 +228,7 @@ class ParamGroup:
             loc.module._parameters.pop(loc.attr, None)
         for handle in handles:
             owner.register_parameter(handle.name, handle.shard)
+            handle.drop_views()  # placeholders under the original names until the first forward
         built = cls(owner, handles, group, world_size, policies)
         built._originals = {id(p): weakref.ref(p) for _, p in owners}
         return built
@@ -347,6 +348,7 @@ class ParamGroup:
             _collectives.all_gather_params(full, shard.to(full.device), self.group, handle.label)
             params = [nn.Parameter(v, requires_grad=handle.shard.requires_grad) for v in handle.meta.views(full)]
             self.owner._parameters.pop(handle.name)
+            handle.clear_attrs()  # an attribute in the instance dict would hide the registered parameter
             for (module, attr), param in zip(handle.locations, params):
                 module.register_parameter(attr, param)
             for (module, attr), info in zip(handle.alias_locations, handle.meta.shared):
@@ -367,5 +369,6 @@ class ParamGroup:
                     handle.shard.data.copy_(handle.meta.local_shard(full))
             for module, attr in handle.locations + handle.alias_locations:
                 module._parameters.pop(attr, None)
+            handle.drop_views()
             self.owner.register_parameter(handle.name, handle.shard)
         self._summoned = None
