@@ -82,6 +82,12 @@ def _active_checks() -> Optional[_CheckState]:
     return state
 
 
+def active_check_timeout_s() -> Optional[float]:
+    """The timeout of the active collective checks (:func:`check_collectives` or the environment), else None."""
+    state = _active_checks()
+    return state.timeout_s if state is not None else None
+
+
 def _store() -> Optional[dist.Store]:
     if not dist.is_available() or not dist.is_initialized():
         return None

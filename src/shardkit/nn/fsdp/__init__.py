@@ -17,6 +17,7 @@ parameters of extra memory)::
 
 from shardkit.nn.fsdp.api import FullyShardedDataParallel
 from shardkit.nn.fsdp.flat_param import FlatParamMeta, ParamInfo, ShardSlice, SharedParamInfo
+from shardkit.nn.fsdp.forward_methods import register_fsdp_forward_method
 from shardkit.nn.fsdp.helpers import auto_wrap_bn, get_fsdp_instances, no_pre_load_state_dict_hook
 from shardkit.nn.fsdp.policies import BackwardPrefetch, CPUOffload, ProcessGroupName
 from shardkit.nn.fsdp.runtime import TrainingState
@@ -37,4 +38,5 @@ __all__ = [
     "auto_wrap_bn",
     "get_fsdp_instances",
     "no_pre_load_state_dict_hook",
+    "register_fsdp_forward_method",
 ]

@@ -15,6 +15,8 @@ its native collectives.
 
 from __future__ import annotations
 
+import contextlib
+from datetime import timedelta
 from typing import Any, Optional
 
 import torch
@@ -103,6 +105,18 @@ def all_gather_objects(obj: Any, group: GroupLike) -> list[Any]:
     return out
 
 
+def group_timeout(group: Optional[GroupLike] = None) -> timedelta:
+    """How long a collective of ``group`` (default: the world) waits before it fails: the timeout the group was
+    created with (torch's default when it cannot be read)."""
+    pg = group if group is not None else dist.group.WORLD
+    for device in ("cpu", "cuda"):  # a group may run on either, or both
+        with contextlib.suppress(Exception):
+            timeout = pg._get_backend(torch.device(device)).options._timeout  # type: ignore[union-attr]
+            if isinstance(timeout, timedelta):
+                return timeout
+    return dist.default_pg_timeout
+
+
 def needs_channel(group: GroupLike) -> bool:
     """True for a real process group of more than one rank (the only kind that gets a reduce channel)."""
     return not is_dummy(group) and group_size(group) > 1
@@ -136,6 +150,9 @@ def create_reduce_channels(groups: list[GroupLike]) -> dict[int, GroupLike]:
                 if tuple(entry) not in ordered:
                     ordered.append(tuple(entry))
     created: dict[tuple[tuple[int, ...], str], Any] = {}
+    # new_group's default timeout is torch's (30 min on gloo), not the world's: a reduction stuck behind a
+    # desynchronised rank must fail as soon as the world's collectives do.
+    timeout = group_timeout()
     for ranks, backend in ordered:
-        created[(ranks, backend)] = dist.new_group(list(ranks), backend=backend)
+        created[(ranks, backend)] = dist.new_group(list(ranks), backend=backend, timeout=timeout)
     return {key: created[entry] for key, entry in zip(distinct, mine)}

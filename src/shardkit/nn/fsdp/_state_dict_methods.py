@@ -11,6 +11,8 @@ from typing import Any, Optional
 
 import torch
 
+from shardkit.nn.fsdp.collective_calls import every_rank_calls
+
 
 def _state_dict_module() -> Any:
     return importlib.import_module("shardkit.nn.fsdp.state_dict")
@@ -19,13 +21,18 @@ def _state_dict_module() -> Any:
 class StateDictMethods:
     """Full, local, DCP-sharded and optimizer state dicts (mixed into the wrapper before ``nn.Module``)."""
 
+    #: The wrapper's process group (set by its constructor); every rank of it must call the collective methods.
+    process_group: Any
+
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         """Full, unflattened state dict with the unwrapped model's keys (see :mod:`shardkit.nn.fsdp.state_dict`)."""
+        every_rank_calls(self.process_group, "state_dict()")
         sd = _state_dict_module()
         return sd.state_dict(self, *args, **kwargs)
 
     def load_state_dict(self, state_dict: Any, *args: Any, **kwargs: Any) -> Any:
         """Load a full state dict (as returned by :meth:`state_dict` or by the unwrapped model)."""
+        every_rank_calls(self.process_group, "load_state_dict()")
         sd = _state_dict_module()
         return sd.load_state_dict(self, state_dict, *args, **kwargs)
 
@@ -65,6 +72,7 @@ class StateDictMethods:
 
         ``recipient_rank`` (default 0) is the one keyword used; fairscale's other keywords are ignored, as there.
         """
+        every_rank_calls(self.process_group, "gather_full_optim_state_dict()")
         sd = _state_dict_module()
         return sd.gather_full_optim_state_dict(self, optim, recipient_rank=ignored.get("recipient_rank", 0))
 
@@ -82,12 +90,14 @@ class StateDictMethods:
 
             torch.distributed.checkpoint.save({"model": model.sharded_state_dict()}, checkpoint_id=path)
         """
+        every_rank_calls(self.process_group, "sharded_state_dict()")
         sd = _state_dict_module()
         return sd.sharded_state_dict(self)
 
     def load_sharded_state_dict(self, state_dict: Any, strict: bool = True) -> Any:
         """Load what ``torch.distributed.checkpoint.load`` filled in from :meth:`sharded_state_dict`, at any
         world size."""
+        every_rank_calls(self.process_group, "load_sharded_state_dict()")
         sd = _state_dict_module()
         return sd.load_sharded_state_dict(self, state_dict, strict=strict)
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from typing import Any, Optional, Union
 
 import torch
@@ -14,14 +15,16 @@ from shardkit.nn.fsdp import grad_norm, ties
 from shardkit.nn.fsdp._fairscale_methods import FairscaleMethods, make_fp16_to_fp32_caster, plan_reduce_channels
 from shardkit.nn.fsdp._names import clean_members, clean_named_modules
 from shardkit.nn.fsdp._state_dict_methods import StateDictMethods
+from shardkit.nn.fsdp.collective_calls import every_rank_calls
 from shardkit.nn.fsdp.comm_context import CommContext
 from shardkit.nn.fsdp.flat_param import FlatParamMeta
+from shardkit.nn.fsdp.forward_methods import ForwardMethods
 from shardkit.nn.fsdp.param_group import ParamGroup
 from shardkit.nn.fsdp.policies import BackwardPrefetch, CPUOffload, ProcessGroupName, policies_from_args
-from shardkit.nn.fsdp.runtime import TrainingState, Unit, make_input_caster
+from shardkit.nn.fsdp.runtime import TrainingState, Unit, eager, make_input_caster
 
 
-class FullyShardedDataParallel(FairscaleMethods, StateDictMethods, nn.Module):
+class FullyShardedDataParallel(FairscaleMethods, StateDictMethods, ForwardMethods, nn.Module):
     """Shard a module's parameters, gradients and optimizer state across a process group (ZeRO-3).
 
     Each rank keeps ``1/world_size`` of every parameter as a flat FP32 shard; ``model.parameters()`` yields only
@@ -89,8 +92,14 @@ class FullyShardedDataParallel(FairscaleMethods, StateDictMethods, nn.Module):
             gathered ahead of its use.
 
     Notes:
-        - Original parameters exist as attributes of their submodules only during forward/backward and inside
-          :meth:`summon_full_params`; between steps ``model.module.fc.weight`` raises ``AttributeError``.
+        - Original parameters hold values only during forward/backward and inside :meth:`summon_full_params`;
+          between steps ``model.module.fc.weight`` is a placeholder with the right shape, dtype and device and
+          no memory (``print(model)`` works; arithmetic on it raises, pointing to ``summon_full_params``).
+        - Methods other than forward that run the model (``generate()``): :meth:`register_forward_method`.
+        - ``torch.compile(model)`` compiles the compute between the units' hooks, which run eagerly (a graph
+          break at each unit); ``fullgraph=True`` is refused.
+        - ``state_dict()``, ``load_state_dict()``, ``summon_full_params()`` and the optimizer-state methods must
+          be called on every rank; a call on some ranks only raises (see :mod:`shardkit.nn.fsdp.collective_calls`).
         - A parameter unused in a step gets a zero gradient when it shares a flat parameter with used ones;
           a unit that does not run at all keeps its gradient (None). Every rank must run the same units, or the
           reductions of the ranks no longer line up.
@@ -230,19 +239,32 @@ class FullyShardedDataParallel(FairscaleMethods, StateDictMethods, nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._forward_with(self.module, args, kwargs)
+
+    def _forward_with(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run ``fn`` (the wrapped module or one of its registered methods) as this unit's forward."""
         self._lazy_init()
-        args, kwargs = self._unit.pre_forward(args, kwargs)
-        try:
-            output = self.module(*args, **kwargs)
-        except BaseException:
-            # e.g. a user error, or activation checkpointing stopping a recomputation early on purpose
-            self._unit.forward_failed()
-            raise
+        if self._unit.forward_inside_summon():
+            return fn(*args, **kwargs)  # the summoned full parameters are in place: nothing to gather or free
+        compiling = torch.compiler.is_compiling()
+        args, kwargs = self._unit.pre_forward(args, kwargs, not compiling)  # guarded unless compiling
+        if compiling:
+            # No try block under torch.compile: dynamo cannot resume after a graph break inside one, and nested
+            # units break the graph at their (eager) hooks. A forward that raises is undone at the next one.
+            output = fn(*args, **kwargs)
+        else:
+            try:
+                output = fn(*args, **kwargs)
+            except BaseException:
+                # e.g. a user error, or activation checkpointing stopping a recomputation early on purpose
+                self._unit.forward_failed()
+                raise
         output = self._unit.post_forward(output)
         if self._policies.mixed_precision.clear_autocast_cache:
             torch.clear_autocast_cache()
         return output
 
+    @eager
     def _lazy_init(self) -> None:
         """At the first forward of the outermost instance: mark it root, mark nested instances non-root."""
         unit = self._unit
@@ -309,6 +331,8 @@ class FullyShardedDataParallel(FairscaleMethods, StateDictMethods, nn.Module):
             module = self.__dict__.get("_modules", {}).get("module")
             if module is None:
                 raise
+            if name in self.__dict__.get("_forward_methods", ()):
+                return functools.partial(self.call_forward_method, name)
             return getattr(module, name)
 
     def __getitem__(self, key: int) -> Any:
@@ -346,6 +370,8 @@ class FullyShardedDataParallel(FairscaleMethods, StateDictMethods, nn.Module):
                 "summon_full_params(volatile=True, writeback=True) contradict each other: volatile=True means no "
                 "writeback; pass only one of them"
             )
+        if self._unit.state != TrainingState.SUMMON_FULL_PARAMS:
+            every_rank_calls(self.process_group, "summon_full_params()")
         targets = [m for m in self.modules() if isinstance(m, FullyShardedDataParallel)] if recurse else [self]
         entered: list[FullyShardedDataParallel] = []
         try:

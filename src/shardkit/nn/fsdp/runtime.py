@@ -26,6 +26,18 @@ from shardkit.nn.fsdp.param_group import ParamGroup
 from shardkit.nn.fsdp.policies import BackwardPrefetch, FSDPPolicies
 from shardkit.nn.fsdp.prefetch import Schedule
 
+#: Why the lifecycle hooks run eagerly under ``torch.compile`` (shown by ``fullgraph=True``'s error).
+EAGER_REASON = (
+    "FullyShardedDataParallel runs its gather/free hooks eagerly (they resize storages and issue collectives); "
+    "compile with fullgraph=False (the module's compute between the hooks is compiled), or compile the blocks "
+    "inside before wrapping them: FSDP(torch.compile(block))"
+)
+
+
+def eager(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Keep ``fn`` out of dynamo's graphs: it runs as plain Python under ``torch.compile`` (a graph break)."""
+    return torch.compiler.disable(fn, reason=EAGER_REASON)
+
 
 class TrainingState(enum.Enum):
     """Where a wrapped unit is in the training step."""
@@ -53,7 +65,10 @@ _TRANSITIONS: dict[str, tuple[frozenset[TrainingState], Optional[TrainingState]]
 
 _HINTS = {
     _S.FORWARD: "it is still inside its forward (a module reached through itself, or backward called inside forward)",
-    _S.SUMMON_FULL_PARAMS: "it is inside summon_full_params(); run forward/backward outside that context",
+    _S.SUMMON_FULL_PARAMS: (
+        "it is inside summon_full_params(); run training forward/backward outside that context (a forward "
+        "without gradients, e.g. under torch.no_grad() or generate(), may run inside it)"
+    ),
     _S.BACKWARD_PRE: "it is inside backward; call this after loss.backward() has returned",
     _S.BACKWARD_POST: "it is inside backward; call this after loss.backward() has returned",
     _S.IDLE: "it is idle",
@@ -86,6 +101,8 @@ class Unit:
         self._grads_done = 0
         #: Forwards whose inputs still wait for their gradient (frozen parameters are needed until then).
         self._inputs_pending = 0
+        #: Inside a forward that nobody undoes if it raises (see :meth:`pre_forward`).
+        self._unguarded = False
         for handle in group.handles:
             handle.on_grad_ready = self._on_grad_ready
 
@@ -123,9 +140,22 @@ class Unit:
             )
 
     # ------------------------------------------------------------------ forward
-    def pre_forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    def forward_inside_summon(self) -> bool:
+        """True when a forward runs on the summoned full parameters as they are: inside summon_full_params()
+        with gradients off (inference, ``generate()``). With gradients on, :meth:`pre_forward` refuses: the
+        gradients of summoned parameters would never reach the shards."""
+        return self.state == TrainingState.SUMMON_FULL_PARAMS and not torch.is_grad_enabled()
+
+    @eager
+    def pre_forward(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], guarded: bool = True
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Gather this unit's parameters and expose them. ``guarded=False``: the caller cannot undo a failing
+        forward (no try block under torch.compile), so the root's next forward does."""
         if self.is_root and self._callback_queued and not _in_backward():
             self._abandon_backward()
+        if self.is_root and self._unguarded and self.state == TrainingState.FORWARD and not _in_backward():
+            self._abandon_forward()
         if self.state in _IN_BACKWARD and not _in_backward():
             raise RuntimeError(
                 f"FullyShardedDataParallel unit '{self.name}' is in state {self.state.name} outside backward: a "
@@ -134,6 +164,7 @@ class Unit:
         self.group.check_shards(self.name)
         recomputing = self.state in _IN_BACKWARD  # activation checkpointing runs forward again inside backward
         self.transition("pre_forward")
+        self._unguarded = not guarded
         args, kwargs = self.cast_inputs((args, kwargs))
         schedule = self.tree_schedule
         with record_function(f"shardkit::fsdp:pre_forward:{self.name}"):
@@ -153,9 +184,11 @@ class Unit:
             args, kwargs = self._hook_inputs((args, kwargs))
         return args, kwargs
 
+    @eager
     def post_forward(self, output: Any) -> Any:
         resumed_in_backward = self._resume_state[-1] in _IN_BACKWARD
         self.transition("post_forward")
+        self._unguarded = False
         if resumed_in_backward:
             return output  # recomputation during backward: the backward hooks own gathering and freeing
         schedule = self.tree_schedule
@@ -169,6 +202,7 @@ class Unit:
             schedule.release_unused()  # forward is over: drop prefetches no unit used
         return output
 
+    @eager
     def forward_failed(self) -> None:
         """The wrapped forward raised: return to the previous state; free the parameters unless in backward."""
         resumed_in_backward = self._resume_state[-1] in _IN_BACKWARD
@@ -264,6 +298,16 @@ class Unit:
         if not root._callback_queued:
             root._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(root.finish_backward)
+
+    def _abandon_forward(self) -> None:
+        """A forward run without a guard (under torch.compile) raised: free what it gathered, return to IDLE."""
+        self.schedule.release_unused()
+        for unit in self.units or [self]:
+            unit.group.reshard()
+            unit.state = TrainingState.IDLE
+            unit._resume_state.clear()
+            unit._unguarded = False
+            unit._inputs_pending = 0
 
     def _abandon_backward(self) -> None:
         """A backward pass raised before its end callback ran: drop its leftovers so training can go on."""
