@@ -3,8 +3,9 @@
 - :mod:`~shardkit.nn.sharded_ddp.api` - :class:`ShardedDataParallel`, the public wrapper.
 - :mod:`~shardkit.nn.sharded_ddp.plan` - which gradients travel together (pure, rank-independent).
 - :mod:`~shardkit.nn.sharded_ddp.reducer` - gradient hooks, asynchronous reduces, end-of-backward flush.
-- :mod:`~shardkit.nn.sharded_ddp.startup` - same-model check and rank-0 synchronisation at construction.
-- :mod:`~shardkit.nn.sharded_ddp.comm` - coalesced broadcasts and object gathering.
+- :mod:`~shardkit.nn.sharded_ddp.startup` - rank-0 synchronisation at construction (after the shared same-model
+  check of :mod:`shardkit.distributed.model_check`).
+- :mod:`~shardkit.nn.sharded_ddp.comm` - coalesced broadcasts.
 - :mod:`~shardkit.nn.sharded_ddp.state_dict` - checkpoint keys without the wrapper's ``module.`` level.
 """
 

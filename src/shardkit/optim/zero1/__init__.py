@@ -6,6 +6,7 @@
 - :mod:`.clip` clips gradients by the global norm computed from the shards.
 - :mod:`.state_dict` converts between sharded state and plain ``torch.optim`` state dicts.
 - :mod:`.comm` holds the object collectives used for the rare bookkeeping exchanges.
+- :mod:`.consistency` refuses, at construction, ranks that hold different parameters.
 """
 
 from shardkit.optim.zero1.optimizer import OSS
