@@ -31,8 +31,10 @@ class ShardedParamPlaceholder(torch.Tensor):
             model.module.weight + 1          # the real, full parameter
     """
 
-    _fqn: str
-    _unit: str
+    #: The parameter's name relative to the wrapped module, e.g. ``"fc.weight"``.
+    fqn: str
+    #: The unit that shards it, for messages.
+    unit_name: str
 
     @staticmethod
     def __new__(
@@ -41,8 +43,8 @@ class ShardedParamPlaceholder(torch.Tensor):
         placeholder = torch.Tensor._make_wrapper_subclass(
             cls, shape, dtype=dtype, device=device, requires_grad=requires_grad
         )
-        placeholder._fqn = fqn
-        placeholder._unit = unit
+        placeholder.fqn = fqn
+        placeholder.unit_name = unit
         return placeholder
 
     # Metadata (shape, dtype, device, numel, dim) is answered without dispatch; every operator ends up here.
@@ -59,24 +61,24 @@ class ShardedParamPlaceholder(torch.Tensor):
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         return (
-            f"ShardedParamPlaceholder('{self._fqn}', shape={tuple(self.shape)}, dtype={self.dtype}, "
+            f"ShardedParamPlaceholder('{self.fqn}', shape={tuple(self.shape)}, dtype={self.dtype}, "
             f"device={self.device}: sharded by FullyShardedDataParallel; values only inside forward or "
             "summon_full_params())"
         )
 
+    def _described_by(self) -> tuple[torch.Size, torch.dtype, torch.device, bool, str, str]:
+        return self.shape, self.dtype, self.device, self.requires_grad, self.fqn, self.unit_name
+
     def __deepcopy__(self, memo: dict[int, Any]) -> ShardedParamPlaceholder:
-        return ShardedParamPlaceholder(self.shape, self.dtype, self.device, self.requires_grad, self._fqn, self._unit)
+        return ShardedParamPlaceholder(*self._described_by())
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        return (
-            ShardedParamPlaceholder,
-            (self.shape, self.dtype, self.device, self.requires_grad, self._fqn, self._unit),
-        )
+        return ShardedParamPlaceholder, self._described_by()
 
 
 def sharded_error(placeholder: Optional[ShardedParamPlaceholder], operation: str) -> str:
     """The message for an operation on a placeholder: which parameter, and the ways to its values."""
-    name = f"'{placeholder._fqn}' of unit '{placeholder._unit}'" if placeholder is not None else "a parameter"
+    name = f"'{placeholder.fqn}' of unit '{placeholder.unit_name}'" if placeholder is not None else "a parameter"
     return (
         f"{operation} on parameter {name}, which is sharded by FullyShardedDataParallel: between steps the "
         "attribute is a placeholder that only knows its shape, dtype and device (the full values are freed). "
