@@ -4,12 +4,12 @@ from shardkit.distributed.collectives import CommMeter, comm_delay, count_comm_b
 from shardkit.distributed.dummy import DummyProcessGroup
 from shardkit.distributed.groups import (
     GroupLike,
-    broadcast_object,
     global_rank,
     group_rank,
     group_size,
     is_dummy,
     resolve_group,
+    torch_group,
 )
 from shardkit.distributed.health import (
     CollectiveMismatchError,
@@ -18,6 +18,7 @@ from shardkit.distributed.health import (
     install_failure_reporter,
     report_failure,
 )
+from shardkit.distributed.objects import all_gather_objects, broadcast_object, gather_objects
 
 __all__ = [
     "CollectiveMismatchError",
@@ -25,10 +26,12 @@ __all__ = [
     "DummyProcessGroup",
     "GroupLike",
     "RankFailedError",
+    "all_gather_objects",
     "broadcast_object",
     "check_collectives",
     "comm_delay",
     "count_comm_bytes",
+    "gather_objects",
     "global_rank",
     "group_rank",
     "group_size",
@@ -36,4 +39,5 @@ __all__ = [
     "is_dummy",
     "report_failure",
     "resolve_group",
+    "torch_group",
 ]

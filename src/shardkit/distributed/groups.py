@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 import torch.distributed as dist
 
@@ -74,11 +74,16 @@ def global_rank(group: Optional[GroupLike], rank_in_group: int) -> int:
     return dist.get_global_rank(group, rank_in_group)
 
 
-def broadcast_object(obj: Any, src_in_group: int = 0, group: Optional[GroupLike] = None) -> Any:
-    """Broadcast a picklable object from member ``src_in_group`` of ``group``; returns it on every rank."""
-    group = resolve_group(group)
-    if isinstance(group, DummyProcessGroup) or group_size(group) == 1:
-        return obj
-    holder = [obj]
-    dist.broadcast_object_list(holder, src=global_rank(group, src_in_group), group=group)
-    return holder[0]
+def torch_group(group: Optional[GroupLike], who: str = "shardkit") -> dist.ProcessGroup:
+    """``group`` (the world when None) as the ``torch.distributed.ProcessGroup`` torch's collectives take.
+
+    Callers reach torch only for real groups (a ``DummyProcessGroup`` has nothing to communicate with), so a
+    dummy here is a bug in the caller and raises rather than reaching the backend.
+    """
+    group = resolve_group(group, who)
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            f"{who}: a {type(group).__name__} cannot run torch.distributed collectives; this code path needs a real "
+            "process group (one of world size 1 runs without communicating)"
+        )
+    return group

@@ -13,13 +13,12 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
-import torch.distributed as dist
 from torch import nn
-from torch.profiler import record_function
 
-from shardkit.distributed.groups import GroupLike, group_size, is_dummy
+from shardkit.distributed.groups import GroupLike
+from shardkit.distributed.objects import all_gather_objects
 
 
 class TensorSignature(NamedTuple):
@@ -65,17 +64,6 @@ def describe_mismatch(
             f"{len(other)} on rank {other_rank})"
         )
     return None
-
-
-def all_gather_objects(obj: Any, group: GroupLike, label: str) -> list[Any]:
-    """Every member's picklable ``obj``, in group-rank order, on every member (labelled for profiles)."""
-    if is_dummy(group) or group_size(group) == 1:
-        return [obj]
-    assert isinstance(group, dist.ProcessGroup)
-    gathered: list[Any] = [None] * group_size(group)
-    with record_function(f"shardkit::all_gather_object:{label}"):
-        dist.all_gather_object(gathered, obj, group=group)
-    return gathered
 
 
 def check_same_model(

@@ -13,7 +13,7 @@ from torch import nn
 from torch.profiler import record_function
 
 from shardkit.distributed import collectives
-from shardkit.distributed.groups import broadcast_object as _broadcast_object
+from shardkit.distributed.objects import broadcast_object as _broadcast_object
 
 
 def is_initialized() -> bool:

@@ -11,7 +11,8 @@ from typing import Any, Optional
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from shardkit.distributed.groups import GroupLike, broadcast_object, global_rank, group_rank, group_size
+from shardkit.distributed.groups import GroupLike, global_rank, group_rank, group_size
+from shardkit.distributed.objects import broadcast_object
 
 
 def broadcast_obj(obj: Any, src_in_group: int, group: GroupLike, label: str) -> Any:

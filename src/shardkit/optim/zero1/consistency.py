@@ -17,7 +17,8 @@ from collections.abc import Sequence
 from typing import Any, Optional
 
 from shardkit.distributed.groups import GroupLike, group_size, is_dummy
-from shardkit.distributed.model_check import TensorSignature, all_gather_objects, describe_mismatch
+from shardkit.distributed.model_check import TensorSignature, describe_mismatch
+from shardkit.distributed.objects import all_gather_objects
 
 
 def params_signature(param_groups: Sequence[dict[str, Any]]) -> list[TensorSignature]:
