@@ -384,7 +384,7 @@ class FullyShardedDataParallel(FairscaleMethods, StateDictMethods, ForwardMethod
             yield
         finally:
             for fsdp in reversed(entered):
-                if fsdp._unit.group._summoned is not None:
+                if fsdp._unit.group.is_summoned():
                     fsdp._unit.group.unsummon(writeback)
                 fsdp._unit.transition("unsummon")
 

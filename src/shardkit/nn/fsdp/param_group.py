@@ -159,6 +159,7 @@ class ParamGroup:
         group: GroupLike,
         world_size: int,
         policies: FSDPPolicies,
+        originals: Sequence[nn.Parameter] = (),
     ) -> None:
         self.owner = owner
         self.handles = handles
@@ -167,7 +168,7 @@ class ParamGroup:
         self.policies = policies
         self._summoned: Optional[list[tuple[torch.Tensor, list[nn.Parameter]]]] = None
         #: The original parameters this unit replaced by shards (weakly held), to catch ties across units.
-        self._originals: dict[int, weakref.ref[nn.Parameter]] = {}
+        self._originals: dict[int, weakref.ref[nn.Parameter]] = {id(p): weakref.ref(p) for p in originals}
 
     def sharded_original(self, param: nn.Parameter) -> bool:
         """True if ``param`` is one of the original parameters this unit flattened and sharded."""
@@ -229,9 +230,7 @@ class ParamGroup:
         for handle in handles:
             owner.register_parameter(handle.name, handle.shard)
             handle.drop_views()  # placeholders under the original names until the first forward
-        built = cls(owner, handles, group, world_size, policies)
-        built._originals = {id(p): weakref.ref(p) for _, p in owners}
-        return built
+        return cls(owner, handles, group, world_size, policies, [p for _, p in owners])
 
     # ------------------------------------------------------------------ forward / backward
     def unshard(self, ctx: CommContext) -> None:
@@ -355,6 +354,10 @@ class ParamGroup:
                 module._parameters[attr] = params[info.primary]
             summoned.append((full, params))
         self._summoned = summoned
+
+    def is_summoned(self) -> bool:
+        """True between :meth:`summon` and :meth:`unsummon`."""
+        return self._summoned is not None
 
     def unsummon(self, writeback: bool) -> None:
         """Undo :meth:`summon`; with ``writeback`` copy this rank's part of the (edited) values into the shard."""

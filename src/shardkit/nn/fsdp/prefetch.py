@@ -1,4 +1,4 @@
-"""The root's schedule: the order units ran in, the gathers issued ahead of use, the reductions in flight.
+"""The root's schedule: the order units ran in and the gathers issued ahead of use.
 
 Execution order is recorded every forward: *pre-forward* order (which unit starts next) drives forward
 prefetch, which therefore begins at the second step; the reverse of *post-forward* order is the order
@@ -10,27 +10,34 @@ backward visits units (the root's head first, then the last block, ...), which d
 A prefetch issues the next unit's all-gather early and only that; at most ``limit`` units are gathered ahead of
 their use at once (the rate limit), so prefetching raises peak memory by at most that many units' full
 parameters. Decisions depend only on the recorded order, which every rank shares, so every rank issues the
-same collectives in the same order.
+same collectives in the same order. The reductions in flight are queued in
+:class:`~shardkit.nn.fsdp.reduce.ReduceQueue`, beside the code that starts them.
 
-Reductions: each new reduce-scatter is started first, then every older one is finished, so at most one full
-gradient waits on the network while the next unit computes; one that completed earlier is finished (and its
-full gradient freed) as soon as the next hook notices.
+The schedule knows units only through :class:`Prefetchable` (their parameter group and a way to start their
+gather), so it imports nothing from the runtime that drives it.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from typing import TYPE_CHECKING, Optional
+from typing import Generic, Optional, Protocol, TypeVar
 
-import torch
-
-from shardkit.nn.fsdp.reduce import PendingReduce
-
-if TYPE_CHECKING:
-    from shardkit.nn.fsdp.runtime import Unit
+from shardkit.nn.fsdp.param_group import ParamGroup
 
 
-class Schedule:
+class Prefetchable(Protocol):
+    """What the schedule needs of a unit (:class:`~shardkit.nn.fsdp.runtime.Unit` provides it)."""
+
+    @property
+    def group(self) -> ParamGroup: ...
+
+    def prefetch_unshard(self) -> None:
+        """Start gathering the unit's parameters ahead of its use."""
+
+
+Unit = TypeVar("Unit", bound=Prefetchable)
+
+
+class Schedule(Generic[Unit]):
     """Owned by the root unit; shared by every unit of its tree."""
 
     def __init__(self, limit: int = 1) -> None:
@@ -45,8 +52,6 @@ class Schedule:
         #: This forward's backward successor of each unit (backward prefetch), built on first use.
         self._backward_next: Optional[dict[int, Unit]] = None
         self.prefetched: list[Unit] = []
-        self._reduces: deque[PendingReduce] = deque()
-        self._needs_sync: Optional[torch.device] = None
 
     # ------------------------------------------------------------------ execution order
     def begin_forward(self) -> None:
@@ -98,35 +103,3 @@ class Schedule:
         for unit in self.prefetched:
             unit.group.reshard()
         self.prefetched.clear()
-
-    # ------------------------------------------------------------------ reductions
-    def add_reduce(self, pending: Optional[PendingReduce]) -> None:
-        """Queue a started reduction, then finish every older one (one stays in flight behind the newest)."""
-        if pending is None:
-            return
-        self._reduces.append(pending)
-        while len(self._reduces) > 1:
-            self._finish(self._reduces.popleft())
-
-    def poll_reduces(self) -> None:
-        """Finish the reductions that already completed, oldest first, without waiting: their full gradients
-        are freed now instead of at the next unit's post-backward."""
-        while self._reduces and self._reduces[0].done():
-            self._finish(self._reduces.popleft())
-
-    def finish_reduces(self) -> None:
-        """Finish every reduction in flight; synchronise pending copies to pinned CPU memory."""
-        while self._reduces:
-            self._finish(self._reduces.popleft())
-        if self._needs_sync is not None:
-            torch.cuda.current_stream(self._needs_sync).synchronize()
-            self._needs_sync = None
-
-    def _finish(self, pending: PendingReduce) -> None:
-        if pending.finish():
-            self._needs_sync = pending.grad_shard.device
-
-    def abandon(self) -> None:
-        """Drop everything in flight after a failed backward (the collectives keep their tensors alive)."""
-        self._reduces.clear()
-        self.release_unused()

@@ -1,8 +1,11 @@
 """Gradient reduction of one flat parameter: start the reduce-scatter, and later fold its result into ``.grad``.
 
 :func:`start_reduce` issues the reduce-scatter on the tree's reduce channel (on CUDA, on the reduce stream)
-and returns a :class:`PendingReduce`. The runtime keeps at most one of them in flight behind the newest, so
-the full gradient it holds is freed one unit later instead of at the end of backward.
+and returns a :class:`PendingReduce`. The root's :class:`ReduceQueue` keeps at most one of them in flight behind
+the newest, so the full gradient it holds is freed one unit later instead of at the end of backward: each new
+reduce-scatter is started first, then every older one is finished, so at most one full gradient waits on the
+network while the next unit computes; one that completed earlier is finished (and its full gradient freed) as
+soon as the next hook notices.
 
 Averaging: in FP32 the *shard* of the sum is divided by the world size after the reduction, which touches
 ``1/world_size`` of the elements; in 16-bit the full gradient is divided first, so the sum cannot overflow.
@@ -10,6 +13,7 @@ Averaging: in FP32 the *shard* of the sum is divided by the world size after the
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Optional
 
 import torch
@@ -111,3 +115,41 @@ def start_reduce(
         memory.tag(grad, memory.Category.GRADIENTS)
         work = _collectives.reduce_scatter_grads(grad_shard, grad, ctx.reduce_channel(group), label)
     return PendingReduce(shard, grad_shard, work, grad, stream, after)
+
+
+class ReduceQueue:
+    """The reductions in flight of one unit tree, oldest first (owned by the root unit)."""
+
+    def __init__(self) -> None:
+        self._pending: deque[PendingReduce] = deque()
+        self._needs_sync: Optional[torch.device] = None
+
+    def add(self, pending: Optional[PendingReduce]) -> None:
+        """Queue a started reduction, then finish every older one (one stays in flight behind the newest)."""
+        if pending is None:
+            return
+        self._pending.append(pending)
+        while len(self._pending) > 1:
+            self._finish(self._pending.popleft())
+
+    def poll(self) -> None:
+        """Finish the reductions that already completed, oldest first, without waiting: their full gradients
+        are freed now instead of at the next unit's post-backward."""
+        while self._pending and self._pending[0].done():
+            self._finish(self._pending.popleft())
+
+    def finish_all(self) -> None:
+        """Finish every reduction in flight; synchronise pending copies to pinned CPU memory."""
+        while self._pending:
+            self._finish(self._pending.popleft())
+        if self._needs_sync is not None:
+            torch.cuda.current_stream(self._needs_sync).synchronize()
+            self._needs_sync = None
+
+    def _finish(self, pending: PendingReduce) -> None:
+        if pending.finish():
+            self._needs_sync = pending.grad_shard.device
+
+    def abandon(self) -> None:
+        """Drop everything in flight after a failed backward (the collectives keep their tensors alive)."""
+        self._pending.clear()

@@ -8,7 +8,8 @@ computed (``BACKWARD_PRE`` also starts the next unit's gather there); ``post_bac
 parameter when autograd has accumulated its full gradient, starts its reduce-scatter and frees the full copy
 (``BACKWARD_POST`` prefetches once the unit's last gradient is out). The root queues ``finish_backward`` with
 autograd's engine; it waits for the last reductions, frees whatever is still gathered and returns every unit
-to IDLE. The root's :class:`~shardkit.nn.fsdp.prefetch.Schedule` records the order and rate-limits prefetches.
+to IDLE. The root's :class:`~shardkit.nn.fsdp.prefetch.Schedule` records the order and rate-limits prefetches;
+its :class:`~shardkit.nn.fsdp.reduce.ReduceQueue` holds the reductions in flight.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from shardkit.nn.fsdp.handle import FlatParamHandle
 from shardkit.nn.fsdp.param_group import ParamGroup
 from shardkit.nn.fsdp.policies import BackwardPrefetch, FSDPPolicies
 from shardkit.nn.fsdp.prefetch import Schedule
+from shardkit.nn.fsdp.reduce import ReduceQueue
 
 #: Why the lifecycle hooks run eagerly under ``torch.compile`` (shown by ``fullgraph=True``'s error).
 EAGER_REASON = (
@@ -61,6 +63,8 @@ _TRANSITIONS: dict[str, tuple[frozenset[TrainingState], Optional[TrainingState]]
     "finish_backward": (frozenset({_S.IDLE}) | _IN_BACKWARD, _S.IDLE),
     "summon": (frozenset({_S.IDLE}), _S.SUMMON_FULL_PARAMS),
     "unsummon": (frozenset({_S.SUMMON_FULL_PARAMS}), _S.IDLE),
+    # a forward or backward that raised without being undone (see Unit.abandon): whatever the state, start over.
+    "abandon": (frozenset(_S), _S.IDLE),
 }
 
 _HINTS = {
@@ -94,8 +98,9 @@ class Unit:
         self.sync_grads = True
         self._callback_queued = False
         self.cast_inputs: Callable[[Any], Any] = lambda x: x
-        #: Root only: execution order, prefetches and reductions in flight; channels and streams.
-        self.schedule = Schedule()
+        #: Root only: execution order and prefetches; reductions in flight; channels and streams.
+        self.schedule: Schedule[Unit] = Schedule()
+        self.reduces = ReduceQueue()
         self.comm = CommContext()
         #: Gradients of this unit's trainable flat parameters already out in this backward.
         self._grads_done = 0
@@ -110,6 +115,11 @@ class Unit:
     def tree_schedule(self) -> Schedule:
         """The schedule of this unit's tree (the root's)."""
         return (self.root or self).schedule
+
+    @property
+    def tree_reduces(self) -> ReduceQueue:
+        """The reductions in flight of this unit's tree (the root's queue)."""
+        return (self.root or self).reduces
 
     @property
     def ctx(self) -> CommContext:
@@ -129,6 +139,9 @@ class Unit:
             self.state = TrainingState.FORWARD
         elif event == "post_forward":
             self.state = self._resume_state.pop()
+        elif event == "abandon":
+            self._resume_state.clear()
+            self.state = _S.IDLE
         elif target is not None:
             self.state = target
 
@@ -248,7 +261,7 @@ class Unit:
         self.transition("pre_backward")
         schedule = self.tree_schedule
         with record_function(f"shardkit::fsdp:pre_backward:{self.name}"), torch.enable_grad():
-            schedule.poll_reduces()
+            self.tree_reduces.poll()
             self.group.unshard(self.ctx)
             schedule.consume(self)
             if self.policies.prefetch.backward == BackwardPrefetch.BACKWARD_PRE:
@@ -264,7 +277,6 @@ class Unit:
         """One flat parameter's full gradient is complete: start its reduce-scatter and free the full copy."""
         self._queue_finish_backward()
         self.transition("post_backward")
-        schedule = self.tree_schedule
         with record_function(f"shardkit::fsdp:post_backward:{self.name}"):
             pending = self.group.post_backward(handle, self.sync_grads, self.ctx)
             self._grads_done += 1
@@ -272,7 +284,7 @@ class Unit:
                 self._maybe_free_frozen()
                 if self.policies.prefetch.backward == BackwardPrefetch.BACKWARD_POST:
                     self._prefetch_backward()
-            schedule.add_reduce(pending)
+            self.tree_reduces.add(pending)
 
     def _prefetch_backward(self) -> None:
         # Only a unit backward has not reached yet: the root comes first in backward order but its last
@@ -294,30 +306,42 @@ class Unit:
             self.group.reshard_frozen()
 
     def _queue_finish_backward(self) -> None:
-        root = self.root or self
-        if not root._callback_queued:
-            root._callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(root.finish_backward)
+        (self.root or self).queue_finish_backward()
+
+    def queue_finish_backward(self) -> None:
+        """Root only: have autograd's engine call :meth:`finish_backward` at the end of this backward (once)."""
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
 
     def _abandon_forward(self) -> None:
         """A forward run without a guard (under torch.compile) raised: free what it gathered, return to IDLE."""
         self.schedule.release_unused()
         for unit in self.units or [self]:
-            unit.group.reshard()
-            unit.state = TrainingState.IDLE
-            unit._resume_state.clear()
-            unit._unguarded = False
-            unit._inputs_pending = 0
+            unit.abandon(in_backward=False)
 
     def _abandon_backward(self) -> None:
         """A backward pass raised before its end callback ran: drop its leftovers so training can go on."""
         self._callback_queued = False
-        self.schedule.abandon()
+        self.reduces.abandon()
+        self.schedule.release_unused()
         for unit in self.units or [self]:
-            unit.group.abandon_backward()
-            unit.state = TrainingState.IDLE
-            unit._resume_state.clear()
-            unit._grads_done = unit._inputs_pending = 0
+            unit.abandon(in_backward=True)
+
+    def abandon(self, in_backward: bool) -> None:
+        """Drop what a failed forward (``in_backward=False``) or backward left on this unit; back to IDLE."""
+        if in_backward:
+            self.group.abandon_backward()
+            self._grads_done = 0
+        else:
+            self.group.reshard()
+            self._unguarded = False
+        self.transition("abandon")
+        self._inputs_pending = 0
+
+    def reset_backward_counts(self) -> None:
+        """Forget this backward's gradient and input counts (the root's end-of-backward callback calls it)."""
+        self._grads_done = self._inputs_pending = 0
 
     def finish_backward(self) -> None:
         """Root only, at the end of backward: wait for reductions, free full copies, return every unit to IDLE."""
@@ -331,9 +355,9 @@ class Unit:
                     continue
                 unit.transition("finish_backward")
                 for pending in unit.group.finish_backward(unit.sync_grads, self.comm):
-                    schedule.add_reduce(pending)
-                unit._grads_done = unit._inputs_pending = 0
-            schedule.finish_reduces()
+                    self.reduces.add(pending)
+                unit.reset_backward_counts()
+            self.reduces.finish_all()
             schedule.release_unused()
         if stuck:
             names = ", ".join(f"'{u.name}' ({u.state.name}: {_HINTS[u.state]})" for u in stuck)
