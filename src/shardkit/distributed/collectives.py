@@ -10,12 +10,8 @@ makes every collective the identity, so wrapped models also run without ``init_p
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
-from collections import defaultdict
 from collections.abc import Iterator, Sequence
-from contextvars import ContextVar
-from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
@@ -30,68 +26,18 @@ from shardkit.distributed.groups import (
     group_size,
     reduce_scatter_flat,
     resolve_group,
+    torch_group,
 )
 from shardkit.distributed.health import explain_failure, verify_matching
-
-
-@dataclass
-class CommMeter:
-    """Counts what collectives move while it is active (see :func:`count_comm_bytes`).
-
-    ``payload_bytes`` is the size of the buffers handed to collectives; ``wire_bytes`` estimates the bytes the
-    whole group puts on the wire divided by the number of ranks (what one rank sends, on average):
-    ``2(n-1)/n`` of the buffer for a ring all-reduce, ``(n-1)/n`` of the full buffer for all-gather,
-    reduce-scatter, reduce and broadcast (each non-root rank's data crosses the wire once), the whole buffer
-    for point-to-point sends.
-    """
-
-    payload_bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    wire_bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-
-    def record(self, op: str, nbytes: int, wire: float) -> None:
-        self.payload_bytes[op] += nbytes
-        self.wire_bytes[op] += int(wire)
-        self.calls[op] += 1
-
-    @property
-    def total_wire_bytes(self) -> int:
-        return sum(self.wire_bytes.values())
-
-    @property
-    def total_payload_bytes(self) -> int:
-        return sum(self.payload_bytes.values())
-
-    def reset(self) -> None:
-        self.payload_bytes.clear()
-        self.wire_bytes.clear()
-        self.calls.clear()
-
-
-@dataclass
-class _LinkModel:
-    """A simulated slow link: fixed latency per collective plus bytes / bandwidth, one transfer at a time."""
-
-    latency_s: float
-    bytes_per_s: Optional[float]
-    busy_until: float = 0.0
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def finish_time(self, nbytes: float) -> float:
-        cost = self.latency_s + (nbytes / self.bytes_per_s if self.bytes_per_s else 0.0)
-        with self.lock:
-            start = max(time.perf_counter(), self.busy_until)
-            self.busy_until = start + cost
-            return self.busy_until
-
-
-_METER: ContextVar[Optional[CommMeter]] = ContextVar("shardkit_comm_meter", default=None)
-_LINK: ContextVar[Optional[_LinkModel]] = ContextVar("shardkit_comm_link", default=None)
+from shardkit.distributed.instrumentation import INSTRUMENTATION, CommMeter, LinkModel
 
 
 @contextlib.contextmanager
 def count_comm_bytes(meter: Optional[CommMeter] = None) -> Iterator[CommMeter]:
     """Count the bytes of every shardkit collective issued inside the block.
+
+    The meter is registered process-wide when the block opens, so collectives issued on other threads while it
+    is open (autograd's backward hooks on CUDA run on device threads) are counted too.
 
     Example::
 
@@ -99,12 +45,8 @@ def count_comm_bytes(meter: Optional[CommMeter] = None) -> Iterator[CommMeter]:
             train_step()
         print(meter.total_wire_bytes)
     """
-    meter = meter if meter is not None else CommMeter()
-    token = _METER.set(meter)
-    try:
-        yield meter
-    finally:
-        _METER.reset(token)
+    with INSTRUMENTATION.meters.opened(meter if meter is not None else CommMeter()) as active:
+        yield active
 
 
 @contextlib.contextmanager
@@ -113,15 +55,11 @@ def comm_delay(latency_s: float = 0.0, bytes_per_s: Optional[float] = None) -> I
 
     Each collective completes no earlier than ``latency_s + wire_bytes / bytes_per_s`` after the link is
     free. Asynchronous collectives keep running in the background, so the delay overlaps with computation
-    exactly as a real slow link would; only ``wait()`` blocks.
+    exactly as a real slow link would; only ``wait()`` blocks. Like :func:`count_comm_bytes`, the link applies
+    to collectives issued on any thread while the block is open.
     """
-    if latency_s < 0 or (bytes_per_s is not None and bytes_per_s <= 0):
-        raise ValueError("comm_delay needs latency_s >= 0 and bytes_per_s > 0 (or None for no bandwidth cap)")
-    token = _LINK.set(_LinkModel(latency_s, bytes_per_s))
-    try:
+    with INSTRUMENTATION.links.opened(LinkModel(latency_s, bytes_per_s)):
         yield
-    finally:
-        _LINK.reset(token)
 
 
 class Handle:
@@ -170,10 +108,10 @@ def custom_collective(
     send/recv rings) so they still show up in profiles, byte counts and :func:`comm_delay`.
     """
     verify_matching(group, op, label, tensor)
-    meter = _METER.get()
+    meter = INSTRUMENTATION.meters.current()
     if meter is not None:
         meter.record(op, _nbytes(tensor), wire_bytes)
-    link = _LINK.get()
+    link = INSTRUMENTATION.links.current()
     ready_at = link.finish_time(wire_bytes) if link is not None else 0.0
     name = f"shardkit::{op}:{label}" if label else f"shardkit::{op}"
     with record_function(name):
@@ -187,7 +125,7 @@ def custom_collective(
     return handle
 
 
-def _peers(group: Optional[GroupLike]) -> Optional[GroupLike]:
+def _peers(group: Optional[GroupLike]) -> Optional[dist.ProcessGroup]:
     """The resolved group, or None when it has a single member (every collective is then the identity)."""
     group = resolve_group(group)
     if isinstance(group, DummyProcessGroup):
@@ -197,7 +135,8 @@ def _peers(group: Optional[GroupLike]) -> Optional[GroupLike]:
                 "or initialise torch.distributed."
             )
         return None
-    return group if group_size(group) > 1 else None
+    peers = torch_group(group)
+    return peers if group_size(peers) > 1 else None
 
 
 def _share(group: GroupLike) -> float:
@@ -248,11 +187,11 @@ def broadcast(
 
     def run() -> Any:
         if not by_sends:
-            return dist.broadcast(tensor, src=root, group=peers, async_op=True)  # type: ignore[arg-type]
+            return dist.broadcast(tensor, src=root, group=peers, async_op=True)
         if dist.get_rank() == root:
             others = [global_rank(peers, r) for r in range(group_size(peers)) if r != src_in_group]
-            return Works([dist.isend(tensor, dst=peer, group=peers) for peer in others])  # type: ignore[arg-type]
-        return Works([dist.irecv(tensor, src=root, group=peers)])  # type: ignore[arg-type]
+            return Works([dist.isend(tensor, dst=peer, group=peers) for peer in others])
+        return Works([dist.irecv(tensor, src=root, group=peers)])
 
     return custom_collective("broadcast", label, tensor, peers, _share(peers) * _nbytes(tensor), async_op, run)
 
@@ -307,16 +246,16 @@ def reduce(
 
     def run() -> Any:
         if not by_sends:
-            return dist.reduce(tensor, dst=root, op=op, group=peers, async_op=True)  # type: ignore[arg-type]
+            return dist.reduce(tensor, dst=root, op=op, group=peers, async_op=True)
         if dist.get_rank() != root:
-            return Works([dist.isend(tensor, dst=root, group=peers)])  # type: ignore[arg-type]
+            return Works([dist.isend(tensor, dst=root, group=peers)])
         members = [global_rank(peers, r) for r in range(group_size(peers))]
         if len(members) == 2:  # a + b == b + a exactly: add the one arrival to our own values
             arrived = torch.empty_like(tensor)
             other = members[1 - dst_in_group]
-            return Works([dist.irecv(arrived, src=other, group=peers)], lambda: tensor.add_(arrived))  # type: ignore[arg-type]
+            return Works([dist.irecv(arrived, src=other, group=peers)], lambda: tensor.add_(arrived))
         rows = torch.empty((len(members), *tensor.shape), dtype=tensor.dtype, device=tensor.device)
-        works = [dist.irecv(rows[i], src=peer, group=peers) for i, peer in enumerate(members) if peer != root]  # type: ignore[arg-type]
+        works = [dist.irecv(rows[i], src=peer, group=peers) for i, peer in enumerate(members) if peer != root]
 
         def total() -> None:
             rows[dst_in_group].copy_(tensor)
@@ -370,19 +309,19 @@ def send(tensor: torch.Tensor, dst: int, group: Optional[GroupLike] = None, labe
     A receive matches the earliest send from its source with the same ``tag``: a strategy whose receives may be
     open while other traffic flows between the same ranks gives its messages a tag of their own.
     """
-    group = resolve_group(group)
+    peers = torch_group(group)
     return custom_collective(
-        "send", label, tensor, group, _nbytes(tensor), True,
-        lambda: dist.isend(tensor, dst=dst, group=group, tag=tag),  # type: ignore[arg-type]
+        "send", label, tensor, peers, _nbytes(tensor), True,
+        lambda: dist.isend(tensor, dst=dst, group=peers, tag=tag),
     )  # fmt: skip
 
 
 def recv(tensor: torch.Tensor, src: int, group: Optional[GroupLike] = None, label: str = "", tag: int = 0) -> Handle:
     """Asynchronously receive into ``tensor`` from global rank ``src`` (a send with the same ``tag``)."""
-    group = resolve_group(group)
+    peers = torch_group(group)
     return custom_collective(
-        "recv", label, tensor, group, 0, True,
-        lambda: dist.irecv(tensor, src=src, group=group, tag=tag),  # type: ignore[arg-type]
+        "recv", label, tensor, peers, 0, True,
+        lambda: dist.irecv(tensor, src=src, group=peers, tag=tag),
     )  # fmt: skip
 
 

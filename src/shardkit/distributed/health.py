@@ -16,12 +16,9 @@ Two tools, both built into shardkit's labelled collectives:
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 import zlib
 from collections.abc import Iterator
-from contextvars import ContextVar
-from dataclasses import dataclass, field
 from datetime import timedelta
 from types import TracebackType
 from typing import Any, Optional
@@ -30,9 +27,10 @@ import torch
 import torch.distributed as dist
 
 from shardkit.distributed.groups import all_gather_flat
+from shardkit.distributed.instrumentation import INSTRUMENTATION, CheckState
+from shardkit.distributed.objects import all_gather_objects
 
 _PREFIX = "shardkit/health"
-_CHECKS_FROM_ENV = os.environ.get("SHARDKIT_CHECK_COLLECTIVES", "0") not in ("", "0", "false", "False")
 
 
 class CollectiveMismatchError(RuntimeError):
@@ -43,23 +41,12 @@ class RankFailedError(RuntimeError):
     """A collective failed because another rank raised or died; the message names it."""
 
 
-@dataclass
-class _CheckState:
-    timeout_s: float
-    sequence: dict[int, int] = field(default_factory=dict)
-
-    def next_seq(self, group: Any) -> int:
-        key = id(group)
-        self.sequence[key] = self.sequence.get(key, 0) + 1
-        return self.sequence[key]
-
-
-_CHECKS: ContextVar[Optional[_CheckState]] = ContextVar("shardkit_collective_checks", default=None)
-
-
 @contextlib.contextmanager
 def check_collectives(timeout_s: float = 60.0) -> Iterator[None]:
     """Verify that every rank issues the same shardkit collectives, in the same order, inside the block.
+
+    The check applies to collectives issued on any thread while the block is open (on CUDA, backward hooks run
+    on autograd's device threads).
 
     Example::
 
@@ -67,24 +54,13 @@ def check_collectives(timeout_s: float = 60.0) -> Iterator[None]:
             loss = model(batch).sum()
             loss.backward()     # a rank that skips or reorders a collective raises on every rank
     """
-    token = _CHECKS.set(_CheckState(timeout_s))
-    try:
+    with INSTRUMENTATION.checks.opened(CheckState(timeout_s)):
         yield
-    finally:
-        _CHECKS.reset(token)
-
-
-def _active_checks() -> Optional[_CheckState]:
-    state = _CHECKS.get()
-    if state is None and _CHECKS_FROM_ENV:
-        state = _CheckState(float(os.environ.get("SHARDKIT_CHECK_TIMEOUT", "60")))
-        _CHECKS.set(state)
-    return state
 
 
 def active_check_timeout_s() -> Optional[float]:
     """The timeout of the active collective checks (:func:`check_collectives` or the environment), else None."""
-    state = _active_checks()
+    state = INSTRUMENTATION.active_checks()
     return state.timeout_s if state is not None else None
 
 
@@ -154,7 +130,7 @@ def explain_failure(error: BaseException, what: str) -> RuntimeError:
     failures = failed_ranks()
     for rank, message in sorted(failures.items()):
         lines.append(f"  rank {rank} failed first: {message}")
-    if _CHECKS.get() is not None:
+    if INSTRUMENTATION.active_checks() is not None:
         for rank, last in sorted(_last_collectives().items()):
             lines.append(f"  rank {rank} last entered: {last}")
     if failures:
@@ -171,7 +147,7 @@ _OPS = ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "se
 
 def verify_matching(group: Any, op: str, label: str, tensor: torch.Tensor) -> None:
     """In debug mode, check that every rank of ``group`` is about to issue the same collective."""
-    state = _active_checks()
+    state = INSTRUMENTATION.active_checks()
     if state is None or op in ("send", "recv"):
         return
     seq = state.next_seq(group)
@@ -196,8 +172,7 @@ def verify_matching(group: Any, op: str, label: str, tensor: torch.Tensor) -> No
     rows = everyone.view(n, -1)
     if bool((rows == mine).all()):
         return
-    descriptions: list[Any] = [None] * n
-    dist.all_gather_object(descriptions, desc, group=group)
+    descriptions = all_gather_objects(desc, group, f"check.{label or '-'}")
     detail = "\n".join(f"  rank {r} (in group) issued {d}" for r, d in enumerate(descriptions))
     first = next(r for r in range(n) if descriptions[r] != descriptions[0])
     raise CollectiveMismatchError(
