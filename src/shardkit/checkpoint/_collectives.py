@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from shardkit.checkpoint import errors
+from shardkit.distributed.objects import all_gather_objects, broadcast_object
 
 T = TypeVar("T")
 
@@ -42,7 +43,7 @@ def rank_and_size() -> tuple[int, int]:
 def barrier(label: str) -> None:
     """Wait for every rank."""
     if _active():
-        with torch.profiler.record_function(f"checkpoint:{label}"):
+        with torch.profiler.record_function(f"shardkit::barrier:checkpoint.{label}"):
             dist.barrier()
 
 
@@ -50,20 +51,14 @@ def broadcast_from_zero(obj: Any, label: str) -> Any:
     """Rank 0's ``obj`` on every rank."""
     if not _active():
         return obj
-    holder = [obj]
-    with torch.profiler.record_function(f"checkpoint:{label}"):
-        dist.broadcast_object_list(holder, src=0)
-    return holder[0]
+    return broadcast_object(obj, 0, None, label=f"checkpoint.{label}")
 
 
 def all_gather(obj: Any, label: str) -> list[Any]:
     """Every rank's ``obj``, in rank order."""
     if not _active():
         return [obj]
-    gathered: list[Any] = [None] * dist.get_world_size()
-    with torch.profiler.record_function(f"checkpoint:{label}"):
-        dist.all_gather_object(gathered, obj)
-    return gathered
+    return all_gather_objects(obj, None, f"checkpoint.{label}")
 
 
 def agreed(fn: Callable[[], T], label: str) -> T:

@@ -35,8 +35,7 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     """``obj`` from global rank ``src`` on every rank."""
     if not is_initialized():
         return obj
-    with record_function("shardkit::broadcast_object:lightning.broadcast"):
-        return _broadcast_object(obj, src, dist.group.WORLD)
+    return _broadcast_object(obj, src, None, label="lightning.broadcast")
 
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN, "product": dist.ReduceOp.PRODUCT}

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
+from shardkit.distributed.buckets import REDUCE_BUCKET_BYTES
 from shardkit.distributed.groups import GroupLike, global_rank, group_rank, group_size
 from shardkit.distributed.model_check import check_same_model
 from shardkit.nn.sharded_ddp import state_dict as sd_keys
@@ -158,7 +159,7 @@ class ShardedDataParallel(nn.Module):
         process_group: Optional[GroupLike] = None,
         broadcast_buffers: bool = True,
         sync_models_at_startup: bool = True,
-        reduce_buffer_size: int = 2**23,
+        reduce_buffer_size: int = REDUCE_BUCKET_BYTES,
         auto_refresh_trainable: bool = True,
         reduce_fp16: bool = False,
         warn_on_trainable_params_changed: bool = True,
@@ -208,7 +209,7 @@ class ShardedDataParallel(nn.Module):
 
     @property
     def _chunk_bytes(self) -> int:
-        return self.reduce_policy.bucket_bytes or 2**23
+        return self.reduce_policy.bucket_bytes or REDUCE_BUCKET_BYTES
 
     @property
     def reduce_stats(self) -> Optional[RoundStats]:

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from shardkit.distributed.buckets import REDUCE_BUCKET_BYTES
+
 
 @dataclass(frozen=True)
 class ReducePolicy:
@@ -21,7 +23,7 @@ class ReducePolicy:
         reduce_fp16: send fp32 gradients as fp16 (half the bytes, about three decimal digits of precision).
     """
 
-    bucket_bytes: int = 2**23
+    bucket_bytes: int = REDUCE_BUCKET_BYTES
     reduce_fp16: bool = False
 
     def __post_init__(self) -> None:

@@ -20,12 +20,10 @@ from typing import Optional
 import torch
 
 from shardkit.distributed import collectives
+from shardkit.distributed.buckets import BROADCAST_BUCKET_BYTES
 from shardkit.distributed.groups import GroupLike, global_rank, group_size
 from shardkit.optim.zero1.partition import Partition
 from shardkit.utils.tensors import runs_by_kind
-
-#: Upper bound on one flat bucket; bigger buckets mean fewer messages, smaller ones an earlier first message.
-DEFAULT_BUCKET_BYTES = 2**24
 
 _COMPRESSIBLE = (torch.float32, torch.float64)
 
@@ -99,7 +97,7 @@ def _flatten(owner: int, params: list[torch.Tensor], wire_dtype: torch.dtype) ->
 
 
 def build_buckets(
-    partition: Partition, broadcast_fp16: bool, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    partition: Partition, broadcast_fp16: bool, bucket_bytes: int = BROADCAST_BUCKET_BYTES
 ) -> list[ParamBucket]:
     """Flat buckets for the trainable parameters of ``partition``, in the same order on every rank.
 

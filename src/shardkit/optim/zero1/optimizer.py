@@ -9,10 +9,11 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch.optim import Optimizer
 
+from shardkit.distributed.buckets import BROADCAST_BUCKET_BYTES
 from shardkit.distributed.groups import GroupLike, global_rank, group_rank, group_size, resolve_group
+from shardkit.distributed.objects import all_gather_objects, gather_objects
 from shardkit.optim.zero1.broadcast import ParamBucket, ParamExchange, buckets_intact, build_buckets
 from shardkit.optim.zero1.clip import sharded_clip_grad_norm
-from shardkit.optim.zero1.comm import gather_obj
 from shardkit.optim.zero1.consistency import check_same_params
 from shardkit.optim.zero1.partition import Partition
 from shardkit.optim.zero1.state_dict import (
@@ -98,7 +99,7 @@ class OSS(Optimizer):
     """
 
     #: Largest flat buffer used to broadcast parameters after a step.
-    broadcast_bucket_bytes: int = 2**24
+    broadcast_bucket_bytes: int = BROADCAST_BUCKET_BYTES
 
     def __init__(
         self,
@@ -293,7 +294,11 @@ class OSS(Optimizer):
         if not -1 <= recipient_rank < self.world_size:
             raise ValueError(f"recipient_rank must be in [-1, {self.world_size}), got {recipient_rank}")
         self._sync_param_groups()
-        shards = gather_obj(shard_state(self.optim, self._partition), recipient_rank, self.group, "oss.consolidate")
+        own = shard_state(self.optim, self._partition)
+        if recipient_rank == -1:
+            shards: Optional[list[Any]] = all_gather_objects(own, self.group, "oss.consolidate")
+        else:
+            shards = gather_objects(own, recipient_rank, self.group, "oss.consolidate")
         if shards is None:
             self._consolidated = None
             return

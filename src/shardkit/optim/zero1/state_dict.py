@@ -14,7 +14,7 @@ import torch
 from torch.optim import Optimizer
 
 from shardkit.distributed.groups import GroupLike
-from shardkit.optim.zero1.comm import broadcast_obj
+from shardkit.distributed.objects import broadcast_object
 from shardkit.optim.zero1.partition import Partition
 from shardkit.utils.tensors import to_cpu
 
@@ -113,7 +113,7 @@ def exchange_moved_state(
             payload = {
                 new_index[p]: to_cpu(optim.state[p]) for p in moved if old.owner[p] == rank and optim.state.get(p)
             }
-        received = broadcast_obj(payload, src, group, label="oss.migrate_state")
+        received = broadcast_object(payload, src, group, label="oss.migrate_state")
         for position, state in received.items():
             if new.owner[new.params[position]] == rank:
                 kept[position] = state
