@@ -1,30 +1,36 @@
-"""``FullyShardedDataParallel``: the public ZeRO-3 wrapper (fairscale's arguments, shardkit's internals)."""
+"""``FullyShardedDataParallel``: the public ZeRO-3 wrapper (fairscale's arguments, shardkit's internals).
+
+What a unit *is* (its run-time state, settings and names) lives in the base class,
+:class:`~shardkit.nn.fsdp.unit_module.UnitModule`; this class adds what it *does*: construction, forward, full
+parameters, gradient sync and clipping, and the state dicts (built by :mod:`shardkit.nn.fsdp.state_dict` on the
+base class, so that layer never imports this one).
+"""
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Optional, Union
 
 import torch
 from torch import nn
+from torch.nn.modules.module import _IncompatibleKeys
 
 from shardkit.distributed.groups import GroupLike, group_rank, group_size, resolve_group
 from shardkit.nn.fsdp import grad_norm, ties
-from shardkit.nn.fsdp._fairscale_methods import FairscaleMethods, make_fp16_to_fp32_caster, plan_reduce_channels
-from shardkit.nn.fsdp._names import clean_members, clean_named_modules
-from shardkit.nn.fsdp._state_dict_methods import StateDictMethods
+from shardkit.nn.fsdp import state_dict as sd
 from shardkit.nn.fsdp.collective_calls import every_rank_calls
 from shardkit.nn.fsdp.comm_context import CommContext
-from shardkit.nn.fsdp.flat_param import FlatParamMeta
-from shardkit.nn.fsdp.forward_methods import ForwardMethods
+from shardkit.nn.fsdp.forward_methods import check_forward_method
 from shardkit.nn.fsdp.param_group import ParamGroup
 from shardkit.nn.fsdp.policies import BackwardPrefetch, CPUOffload, ProcessGroupName, policies_from_args
-from shardkit.nn.fsdp.runtime import TrainingState, Unit, eager, make_input_caster
+from shardkit.nn.fsdp.reduce_channels import plan_reduce_channels, resolve_reduce_group
+from shardkit.nn.fsdp.runtime import TrainingState, Unit, eager, make_fp16_to_fp32_caster, make_input_caster
+from shardkit.nn.fsdp.unit_module import UnitModule, walk_modules
 
 
-class FullyShardedDataParallel(FairscaleMethods, StateDictMethods, ForwardMethods, nn.Module):
+class FullyShardedDataParallel(UnitModule):
     """Shard a module's parameters, gradients and optimizer state across a process group (ZeRO-3).
 
     Each rank keeps ``1/world_size`` of every parameter as a flat FP32 shard; ``model.parameters()`` yields only
@@ -182,13 +188,12 @@ class FullyShardedDataParallel(FairscaleMethods, StateDictMethods, ForwardMethod
             allow_reset_parameters=allow_reset_parameters,
         )
         group = resolve_group(process_group, "FullyShardedDataParallel")
-        policies = self._check_reduce_group(policies, group)
+        policies = resolve_reduce_group(policies, group)
         self.process_group = group
         self.rank = group_rank(group)
         self.world_size = group_size(group)
-        self._policies = policies
         label = type(module).__name__
-        nested = [_unit_of(m).group for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
+        nested = [m.fsdp_unit.group for m in module.modules() if isinstance(m, UnitModule)]
         # May raise; nothing has been changed yet.
         tied = ties.check_unclaimed(module, _is_unit)  # refuses a parameter another unit already shards
         param_group = ParamGroup.build(
@@ -205,37 +210,6 @@ class FullyShardedDataParallel(FairscaleMethods, StateDictMethods, ForwardMethod
             self._unit.cast_inputs = make_fp16_to_fp32_caster()
         #: Original dtypes of floating-point buffers cast for mixed precision (clean name -> dtype), root only.
         self.buffer_original_dtypes: dict[str, torch.dtype] = {}
-
-    # ------------------------------------------------------------------ state (settings: FairscaleMethods)
-    @property
-    def training_state(self) -> TrainingState:
-        return self._unit.state
-
-    @property
-    def is_root(self) -> Optional[bool]:
-        """True for the outermost instance once a forward has run (None before)."""
-        return self._unit.is_root
-
-    # ------------------------------------------------------------------ flat-parameter metadata
-    @property
-    def flat_params(self) -> list[nn.Parameter]:
-        """This unit's shards, in order (each registered on this instance as ``flat_param_<i>``)."""
-        return [h.shard for h in self._unit.group.handles]
-
-    @property
-    def flat_param_names(self) -> list[str]:
-        """Attribute names of :attr:`flat_params` on this instance."""
-        return [h.name for h in self._unit.group.handles]
-
-    @property
-    def flat_param_metas(self) -> list[FlatParamMeta]:
-        """Layout of each flat parameter: original names (relative to ``.module``), shapes, offsets, padding
-        and this rank's shard range. See :mod:`shardkit.nn.fsdp.flat_param`."""
-        return [h.meta for h in self._unit.group.handles]
-
-    def unsharded_bytes(self) -> int:
-        """Bytes this unit currently holds in full (gathered) parameter copies; 0 when fully resharded."""
-        return self._unit.group.unsharded_bytes()
 
     # ------------------------------------------------------------------ forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -271,17 +245,15 @@ class FullyShardedDataParallel(FairscaleMethods, StateDictMethods, ForwardMethod
         if unit.is_root is not None:
             return
         # Checked before anything changes: units sharing a process group must agree on its reduce channel.
-        channel_plan = plan_reduce_channels(
-            [(p, m) for p, m in clean_named_modules(self, _is_unit) if isinstance(m, FullyShardedDataParallel)]
-        )
+        tree = [(path, m) for path, _, m in walk_modules(self) if isinstance(m, UnitModule)]
+        root_name = f"<root {type(self.module).__name__}>"
+        channel_plan = plan_reduce_channels([(path or root_name, m.fsdp_unit) for path, m in tree])
         unit.is_root, unit.root, unit.units = True, None, []
-        unit.name = f"<root {type(self.module).__name__}>"
-        for path, module in clean_named_modules(self, _is_unit):
-            if isinstance(module, FullyShardedDataParallel):
-                if module is not self:
-                    module._unit.is_root, module._unit.root, module._unit.units = False, unit, []
-                    module._unit.name = path
-                unit.units.append(module._unit)
+        unit.name = root_name
+        for path, module in tree:
+            if module is not self:
+                module.fsdp_unit.join_tree(unit, path)
+            unit.units.append(module.fsdp_unit)
         # Every rank runs the root's first forward at the same point: the one moment to create process groups.
         unit.comm = CommContext(channel_plan())
         self._cast_buffers()
@@ -290,39 +262,18 @@ class FullyShardedDataParallel(FairscaleMethods, StateDictMethods, ForwardMethod
         # A buffer takes the buffer dtype of the innermost unit holding it (None: left as it is), so a
         # full-precision unit inside a mixed-precision root (auto_wrap_bn's BatchNorms) keeps FP32 statistics.
         dtype_of: dict[int, Optional[torch.dtype]] = {}
-        for _, unit in clean_named_modules(self, _is_unit):
-            if isinstance(unit, FullyShardedDataParallel):
+        tree = [(path, m) for path, _, m in walk_modules(self)]
+        for _, unit in tree:
+            if isinstance(unit, UnitModule):
                 dtype_of.update((id(m), unit.buffer_dtype) for m in unit.module.modules())
-        for path, module in clean_named_modules(self, _is_unit):
+        for path, module in tree:
             dtype = dtype_of.get(id(module))
             for name, buf in module._buffers.items():
                 if dtype is not None and buf is not None and buf.is_floating_point() and buf.dtype != dtype:
                     self.buffer_original_dtypes[f"{path}.{name}" if path else name] = buf.dtype
                     module._buffers[name] = buf.to(dtype)
 
-    # ------------------------------------------------------------------ names
-    def named_parameters(
-        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
-    ) -> Iterator[tuple[str, nn.Parameter]]:
-        """Parameters named as in the unwrapped model: wrapper levels do not add a ``module.`` segment.
-
-        Outside :meth:`summon_full_params` these are the shards (``<unit path>.flat_param_<i>``); inside it, the
-        original parameters with their original names.
-        """
-        if not recurse:
-            yield from super().named_parameters(prefix, recurse, remove_duplicate)
-            return
-        yield from clean_members(self, _is_unit, "_parameters", prefix, remove_duplicate)
-
-    def named_buffers(
-        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Buffers named as in the unwrapped model (see :meth:`named_parameters`)."""
-        if not recurse:
-            yield from super().named_buffers(prefix, recurse, remove_duplicate)
-            return
-        yield from clean_members(self, _is_unit, "_buffers", prefix, remove_duplicate)
-
+    # ------------------------------------------------------------------ attributes of the wrapped module
     def __getattr__(self, name: str) -> Any:
         """Fall back to the wrapped module's attributes (``fsdp.get_input`` reaches ``fsdp.module.get_input``)."""
         try:
@@ -334,17 +285,6 @@ class FullyShardedDataParallel(FairscaleMethods, StateDictMethods, ForwardMethod
             if name in self.__dict__.get("_forward_methods", ()):
                 return functools.partial(self.call_forward_method, name)
             return getattr(module, name)
-
-    def __getitem__(self, key: int) -> Any:
-        """Index the wrapped module (when it is a container such as ``nn.Sequential``)."""
-        return self.module.__getitem__(key)  # type: ignore[operator]
-
-    def extra_repr(self) -> str:
-        text = (
-            f"world_size={self.world_size}, flatten_parameters={self.flatten_parameters}, "
-            f"reshard_after_forward={self.reshard_after_forward}, mixed_precision={self.mixed_precision}"
-        )
-        return text + self._verbose_repr() if self._policies.verbose else text
 
     # ------------------------------------------------------------------ full parameters
     @contextlib.contextmanager
@@ -372,21 +312,21 @@ class FullyShardedDataParallel(FairscaleMethods, StateDictMethods, ForwardMethod
             )
         if self._unit.state != TrainingState.SUMMON_FULL_PARAMS:
             every_rank_calls(self.process_group, "summon_full_params()")
-        targets = [m for m in self.modules() if isinstance(m, FullyShardedDataParallel)] if recurse else [self]
-        entered: list[FullyShardedDataParallel] = []
+        targets = [m.fsdp_unit for m in self.modules() if isinstance(m, UnitModule)] if recurse else [self._unit]
+        entered = []
         try:
-            for fsdp in targets:
-                if fsdp._unit.state == TrainingState.SUMMON_FULL_PARAMS:
+            for unit in targets:
+                if unit.state == TrainingState.SUMMON_FULL_PARAMS:
                     continue  # already summoned by an enclosing call
-                fsdp._unit.transition("summon")
-                entered.append(fsdp)
-                fsdp._unit.group.summon()
+                unit.transition("summon")
+                entered.append(unit)
+                unit.group.summon()
             yield
         finally:
-            for fsdp in reversed(entered):
-                if fsdp._unit.group.is_summoned():
-                    fsdp._unit.group.unsummon(writeback)
-                fsdp._unit.transition("unsummon")
+            for unit in reversed(entered):
+                if unit.group.is_summoned():
+                    unit.group.unsummon(writeback)
+                unit.transition("unsummon")
 
     def apply(self, fn: Any) -> FullyShardedDataParallel:
         """``nn.Module.apply`` with full parameters, written back to the shards (e.g. custom initialisation)."""
@@ -403,7 +343,7 @@ class FullyShardedDataParallel(FairscaleMethods, StateDictMethods, ForwardMethod
         Costs memory: every unit keeps an *unsharded* gradient (master dtype) until the next backward outside
         the block reduce-scatters the sum, so peak memory grows by the full model's gradient size, as in DDP.
         """
-        units = [m._unit for m in self.modules() if isinstance(m, FullyShardedDataParallel)]
+        units = [m.fsdp_unit for m in self.modules() if isinstance(m, UnitModule)]
         previous = [u.sync_grads for u in units]
         for u in units:
             u.sync_grads = False
@@ -428,11 +368,136 @@ class FullyShardedDataParallel(FairscaleMethods, StateDictMethods, ForwardMethod
         self._unit.assert_state(TrainingState.IDLE)
         return grad_norm.clip_grad_norm_(self._unit.units, max_norm, norm_type)
 
+    def reset_parameters(self) -> None:
+        """Re-initialise the wrapped module (``module.reset_parameters()`` on its full parameters, written back
+        to the shards). Only with ``allow_reset_parameters=True``: re-initialising after sharding gives
+        different values than before wrapping (random streams differ), so fairscale makes it opt-in too."""
+        if not self._policies.allow_reset_parameters:
+            raise RuntimeError(
+                "reset_parameters() after FullyShardedDataParallel wrapping is not allowed: initialise the module "
+                "before wrapping, or pass allow_reset_parameters=True"
+            )
+        with self.summon_full_params(recurse=True):
+            module: Any = self.module  # any module class may define reset_parameters
+            module.reset_parameters()
 
-def _unit_of(module: FullyShardedDataParallel) -> Unit:
-    unit: Unit = module._unit
-    return unit
+    # ------------------------------------------------------------------ other entry points (generate())
+    def register_forward_method(self, method_name: str) -> None:
+        """Make ``self.<method_name>(...)`` run the wrapped module's method with this unit's forward logic.
+
+        For entry points that call the module's ``forward`` from inside (Hugging Face's ``generate()``): the
+        unit's parameters are gathered for the whole call and freed after it; nested units gather and free
+        theirs at each of their forwards. Inside :meth:`summon_full_params` the method runs on the summoned
+        parameters, without gradients. The wrapped module is not modified (see
+        :mod:`shardkit.nn.fsdp.forward_methods`). Example::
+
+            model.register_forward_method("generate")
+            tokens = model.generate(input_ids, max_new_tokens=8)
+        """
+        check_forward_method(self, method_name)
+        registered = self.__dict__.get("_forward_methods", frozenset())
+        self.__dict__["_forward_methods"] = registered | {method_name}
+
+    def call_forward_method(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
+        """Run ``self.module.<method_name>(*args, **kwargs)`` as this unit's forward (what ``self.<method_name>``
+        does once registered)."""
+        method = getattr(self.module, method_name)
+        if self._unit.state == TrainingState.SUMMON_FULL_PARAMS:
+            with torch.no_grad():  # inference on the summoned parameters: their gradients would be lost
+                return method(*args, **kwargs)
+        return self._forward_with(method, args, kwargs)
+
+    # ------------------------------------------------------------------ state dicts (shardkit.nn.fsdp.state_dict)
+    def state_dict(  # type: ignore[override]
+        self,
+        *args: Any,
+        destination: Optional[dict[str, Any]] = None,
+        prefix: str = "",
+        keep_vars: bool = False,
+        **kwargs: Any,
+    ) -> dict[str, Any]:
+        """Full, unflattened state dict with the unwrapped model's keys (see :mod:`shardkit.nn.fsdp.state_dict`).
+
+        Takes ``nn.Module.state_dict``'s keywords (fairscale's signature is ``(*args, **kwargs)``); call on
+        every rank.
+        """
+        _no_more("state_dict", kwargs)
+        every_rank_calls(self.process_group, "state_dict()")
+        return sd.state_dict(self, *args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> _IncompatibleKeys:
+        """Load a full state dict (as returned by :meth:`state_dict` or by the unwrapped model)."""
+        every_rank_calls(self.process_group, "load_state_dict()")
+        return sd.load_state_dict(self, state_dict, strict, assign)
+
+    def local_state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """This rank's shards and buffers, for saving and loading at the same world size. fairscale's signature
+        forwards its arguments to ``nn.Module.state_dict``; shardkit's local state dict takes none."""
+        if args:
+            raise TypeError("local_state_dict() takes no positional arguments")
+        _no_more("local_state_dict", kwargs)
+        return sd.local_state_dict(self)
+
+    def load_local_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> _IncompatibleKeys:
+        """Load what :meth:`local_state_dict` returned on this rank."""
+        return sd.load_local_state_dict(self, state_dict, strict)
+
+    def local_metadata_dict(self) -> dict[str, Any]:
+        """How this rank's :meth:`local_state_dict` maps onto the full model, for :meth:`consolidate_shard_weights`."""
+        return sd.local_metadata_dict(self)
+
+    @staticmethod
+    def consolidate_shard_weights(
+        shard_weights: list[dict[str, torch.Tensor]],
+        shard_metadata: list[dict[str, Any]],
+        with_module_buffers: bool = True,
+        strict: bool = True,
+    ) -> dict[str, torch.Tensor]:
+        """The full state dict from every rank's :meth:`local_state_dict` and :meth:`local_metadata_dict`, offline
+        (no processes, no model; see :mod:`shardkit.nn.fsdp.state_dict.consolidate`)."""
+        return sd.consolidate_shard_weights(shard_weights, shard_metadata, with_module_buffers, strict)
+
+    def gather_full_optim_state_dict(self, optim: torch.optim.Optimizer, **ignored: Any) -> Optional[dict[str, Any]]:
+        """The optimizer state for the full, unflattened model (see :mod:`shardkit.nn.fsdp.state_dict`).
+
+        ``recipient_rank`` (default 0) is the one keyword used; fairscale's other keywords are ignored, as there.
+        """
+        every_rank_calls(self.process_group, "gather_full_optim_state_dict()")
+        return sd.gather_full_optim_state_dict(self, optim, recipient_rank=ignored.get("recipient_rank", 0))
+
+    def get_shard_from_optim_state_dict(
+        self, full_optim_state_dict: dict[str, Any], optim: Optional[torch.optim.Optimizer] = None
+    ) -> dict[str, Any]:
+        """This rank's part of a full optimizer state dict, ready for ``optim.load_state_dict``."""
+        return sd.get_shard_from_optim_state_dict(self, full_optim_state_dict, optim=optim)
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """Per original parameter a row-sharded DTensor, for ``torch.distributed.checkpoint.save``.
+
+        Example::
+
+            torch.distributed.checkpoint.save({"model": model.sharded_state_dict()}, checkpoint_id=path)
+        """
+        every_rank_calls(self.process_group, "sharded_state_dict()")
+        return sd.sharded_state_dict(self)
+
+    def load_sharded_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> _IncompatibleKeys:
+        """Load what ``torch.distributed.checkpoint.load`` filled in from :meth:`sharded_state_dict`, at any
+        world size."""
+        every_rank_calls(self.process_group, "load_sharded_state_dict()")
+        return sd.load_sharded_state_dict(self, state_dict, strict=strict)
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        # Reached only when an *unwrapped* parent's load_state_dict recurses into this unit (auto_wrap case).
+        sd.load_from_state_dict_hook(self, state_dict, prefix, *args)
+
+
+def _no_more(method: str, kwargs: dict[str, Any]) -> None:
+    if kwargs:
+        raise TypeError(f"{method}() got unexpected keyword arguments {sorted(kwargs)}")
 
 
 def _is_unit(module: nn.Module) -> bool:
-    return isinstance(module, FullyShardedDataParallel)
+    return isinstance(module, UnitModule)

@@ -8,17 +8,15 @@ gathered and the first read of one (``wte.weight``) hits its placeholder. Regist
 
 Nothing is patched on the user's module: the wrapper answers ``fsdp_model.<name>`` itself (from
 ``FullyShardedDataParallel.__getattr__``), so the module keeps its own method and a copy of the wrapper
-(``copy.deepcopy``) keeps the registration.
+(``copy.deepcopy``) keeps the registration. The methods themselves are
+``FullyShardedDataParallel.register_forward_method`` and ``call_forward_method``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
-import torch
 from torch import nn
-
-from shardkit.nn.fsdp.runtime import TrainingState, Unit
 
 
 def check_forward_method(wrapper: nn.Module, method_name: str) -> None:
@@ -37,40 +35,6 @@ def check_forward_method(wrapper: nn.Module, method_name: str) -> None:
         raise AttributeError(
             f"the wrapped {type(module).__name__} has no method '{method_name}' to register as a forward method"
         )
-
-
-class ForwardMethods:
-    """Registered forward methods of :class:`~shardkit.nn.fsdp.FullyShardedDataParallel` (mixed in before
-    ``nn.Module``)."""
-
-    module: nn.Module
-    _unit: Unit
-    _forward_with: Callable[[Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any]
-
-    def register_forward_method(self, method_name: str) -> None:
-        """Make ``self.<method_name>(...)`` run the wrapped module's method with this unit's forward logic.
-
-        For entry points that call the module's ``forward`` from inside (Hugging Face's ``generate()``): the
-        unit's parameters are gathered for the whole call and freed after it; nested units gather and free
-        theirs at each of their forwards. Inside :meth:`summon_full_params` the method runs on the summoned
-        parameters, without gradients. The wrapped module is not modified. Example::
-
-            model.register_forward_method("generate")
-            tokens = model.generate(input_ids, max_new_tokens=8)
-        """
-        assert isinstance(self, nn.Module)
-        check_forward_method(self, method_name)
-        registered = self.__dict__.get("_forward_methods", frozenset())
-        self.__dict__["_forward_methods"] = registered | {method_name}
-
-    def call_forward_method(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
-        """Run ``self.module.<method_name>(*args, **kwargs)`` as this unit's forward (what ``self.<method_name>``
-        does once registered)."""
-        method = getattr(self.module, method_name)
-        if self._unit.state == TrainingState.SUMMON_FULL_PARAMS:
-            with torch.no_grad():  # inference on the summoned parameters: their gradients would be lost
-                return method(*args, **kwargs)
-        return self._forward_with(method, args, kwargs)
 
 
 def register_fsdp_forward_method(module: Any, method_name: str) -> None:

@@ -14,6 +14,7 @@ its :class:`~shardkit.nn.fsdp.reduce.ReduceQueue` holds the reductions in flight
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from typing import Any, Callable, Optional
 
@@ -111,8 +112,12 @@ class Unit:
         for handle in group.handles:
             handle.on_grad_ready = self._on_grad_ready
 
+    def join_tree(self, root: Unit, name: str) -> None:
+        """Become a nested unit of ``root``'s tree under ``name`` (its path from the root), at the root's lazy init."""
+        self.is_root, self.root, self.units, self.name = False, root, [], name
+
     @property
-    def tree_schedule(self) -> Schedule:
+    def tree_schedule(self) -> Schedule[Unit]:
         """The schedule of this unit's tree (the root's)."""
         return (self.root or self).schedule
 
@@ -144,6 +149,27 @@ class Unit:
             self.state = _S.IDLE
         elif target is not None:
             self.state = target
+
+    # ------------------------------------------------------------------ settings that change between steps
+    def divide_factors(self) -> tuple[float, float]:
+        """What gradients are divided by before and after their reduction (``gradient_predivide_factor``)."""
+        world_size = self.group.world_size
+        chosen = self.policies.reduce.divide_factors(world_size)
+        if chosen is not None:
+            return chosen
+        # shardkit's own choice (shardkit.nn.fsdp.reduce): 16-bit sums are divided first, FP32 ones after.
+        mp = self.policies.mixed_precision
+        dtypes = {mp.reduce_dtype or h.compute_dtype for h in self.group.handles}
+        if dtypes - {torch.float32}:
+            return float(world_size), 1.0
+        return 1.0, float(world_size)
+
+    def set_divide_factors(self, pre: float, post: float) -> None:
+        """Divide gradients by ``pre`` before the reduction and ``post`` after it from now on (between steps)."""
+        reduce = dataclasses.replace(self.policies.reduce, predivide_factor=pre, postdivide_factor=post)
+        # The frozen policies are replaced whole; the parameter group reads the same object.
+        self.policies = dataclasses.replace(self.policies, reduce=reduce)
+        self.group.policies = self.policies
 
     def assert_state(self, *states: TrainingState) -> None:
         if self.state not in states:
@@ -391,6 +417,17 @@ def make_input_caster(dtype: torch.dtype) -> Callable[[Any], Any]:
     def cast(tensor: Any) -> Any:
         if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and tensor.dtype != dtype:
             return tensor.to(dtype)
+        return tensor
+
+    return lambda tree: tree_map(cast, tree)
+
+
+def make_fp16_to_fp32_caster() -> Callable[[Any], Any]:
+    """``force_input_to_fp32``: cast float16 tensors in a nested structure to float32 (differentiably)."""
+
+    def cast(tensor: Any) -> Any:
+        if isinstance(tensor, torch.Tensor) and tensor.dtype == torch.float16:
+            return tensor.float()
         return tensor
 
     return lambda tree: tree_map(cast, tree)

@@ -17,10 +17,9 @@ from torch import nn
 
 from shardkit.distributed import collectives as c
 from shardkit.distributed.groups import GroupLike, is_dummy
-from shardkit.nn.checkpoint.wrapper import adds_no_name
-from shardkit.nn.fsdp.api import FullyShardedDataParallel as FSDP
 from shardkit.nn.fsdp.handle import FlatParamHandle
 from shardkit.nn.fsdp.runtime import TrainingState
+from shardkit.nn.fsdp.unit_module import UnitModule, walk_modules
 
 
 @dataclass(frozen=True)
@@ -47,27 +46,23 @@ def join(prefix: str, name: str) -> str:
 
 def walk(module: nn.Module, path: str = "") -> Iterator[tuple[str, nn.Module]]:
     """Pre-order modules with unwrapped names; like ``nn.Module.state_dict`` a shared module appears once per path."""
-    yield path, module
-    for name, child in module._modules.items():
-        if child is None:
-            continue
-        transparent = (isinstance(module, FSDP) and name == "module") or adds_no_name(module, name)
-        yield from walk(child, path if transparent else join(path, name))
+    for clean, _, m in walk_modules(module, path, once=False):
+        yield clean, m
 
 
-def units(fsdp: FSDP) -> list[FSDP]:
-    seen: dict[int, FSDP] = {}
+def units(fsdp: UnitModule) -> list[UnitModule]:
+    seen: dict[int, UnitModule] = {}
     for _, m in walk(fsdp):
-        if isinstance(m, FSDP):
+        if isinstance(m, UnitModule):
             seen.setdefault(id(m), m)
     return list(seen.values())
 
 
-def layout(fsdp: FSDP) -> tuple[list[ParamEntry], list[BufferEntry], dict[str, dict[str, int]]]:
+def layout(fsdp: UnitModule) -> tuple[list[ParamEntry], list[BufferEntry], dict[str, dict[str, int]]]:
     """Parameter and persistent-buffer entries in ``state_dict`` order, and each module's version metadata."""
     located: dict[int, list[tuple[str, FlatParamHandle, GroupLike, int, bool]]] = {}
     for unit in units(fsdp):
-        for h in unit._unit.group.handles:
+        for h in unit.fsdp_unit.group.handles:
             for i, (module, attr) in enumerate(h.locations):
                 located.setdefault(id(module), []).append((attr, h, unit.process_group, i, False))
             for (module, attr), info in zip(h.alias_locations, h.meta.shared):
@@ -76,7 +71,7 @@ def layout(fsdp: FSDP) -> tuple[list[ParamEntry], list[BufferEntry], dict[str, d
     buffers: list[BufferEntry] = []
     versions: dict[str, dict[str, int]] = {}
     for path, module in walk(fsdp):
-        if isinstance(module, FSDP):
+        if isinstance(module, UnitModule):
             continue
         versions[path] = {"version": getattr(module, "_version", 1)}
         for attr, h, group, i, alias in located.get(id(module), []):
@@ -87,22 +82,22 @@ def layout(fsdp: FSDP) -> tuple[list[ParamEntry], list[BufferEntry], dict[str, d
     return params, buffers, versions
 
 
-def check_idle(fsdp: FSDP, what: str) -> None:
+def check_idle(fsdp: UnitModule, what: str) -> None:
     for unit in units(fsdp):
         if unit.training_state != TrainingState.IDLE:
             raise RuntimeError(
-                f"{what} was called while unit '{unit._unit.name}' is in state {unit.training_state.name}; call it "
+                f"{what} was called while unit '{unit.fsdp_unit.name}' is in state {unit.training_state.name}; call it "
                 "between training steps, outside forward, backward and summon_full_params()"
             )
 
 
-def buffer_dtypes(fsdp: FSDP) -> dict[str, torch.dtype]:
+def buffer_dtypes(fsdp: UnitModule) -> dict[str, torch.dtype]:
     """Original dtypes of buffers that mixed precision cast, keyed relative to ``fsdp``."""
-    root_unit = fsdp._unit.root
+    root_unit = fsdp.fsdp_unit.root
     if root_unit is None:
         return dict(fsdp.buffer_original_dtypes)
     root = root_unit.group.owner
-    assert isinstance(root, FSDP)
+    assert isinstance(root, UnitModule)
     prefix = next((p for p, m in walk(root) if m is fsdp), "")
     cut = len(prefix) + 1 if prefix else 0
     return {k[cut:]: v for k, v in root.buffer_original_dtypes.items() if not prefix or k.startswith(prefix + ".")}
@@ -122,12 +117,12 @@ def gather_flat(handle: FlatParamHandle, group: GroupLike, shard: torch.Tensor, 
     return full
 
 
-def agree(fsdp: FSDP, error: Optional[str]) -> None:
+def agree(fsdp: UnitModule, error: Optional[str]) -> None:
     """Raise on every rank of ``fsdp``'s group if any rank found ``error``, before anything is written."""
     group = fsdp.process_group
     if not is_dummy(group) and fsdp.world_size > 1:
         # The flag must live where the group's backend communicates (CUDA for NCCL): any unit's compute device.
-        devices = [h.compute_device for unit in units(fsdp) for h in unit._unit.group.handles]
+        devices = [h.compute_device for unit in units(fsdp) for h in unit.fsdp_unit.group.handles]
         flag = torch.tensor([1.0 if error else 0.0], device=devices[0] if devices else "cpu")
         c.all_reduce(flag, op=dist.ReduceOp.MAX, group=group, label="fsdp:state_dict:validate")
         if flag.item() > 0 and not error:
@@ -181,18 +176,18 @@ def write_shards(entries: list[ParamEntry], value_of: Mapping[str, torch.Tensor]
                     shard[s.shard_start : s.shard_start + len(piece)].copy_(piece)
 
 
-def reshard_all(fsdp: FSDP) -> None:
+def reshard_all(fsdp: UnitModule) -> None:
     # Full copies kept from a forward without backward would be stale after a load.
     for unit in units(fsdp):
-        unit._unit.group.reshard()
+        unit.fsdp_unit.group.reshard()
 
 
-def flat_entries(fsdp: FSDP) -> list[tuple[str, FlatParamHandle, FSDP]]:
-    out: list[tuple[str, FlatParamHandle, FSDP]] = []
+def flat_entries(fsdp: UnitModule) -> list[tuple[str, FlatParamHandle, UnitModule]]:
+    out: list[tuple[str, FlatParamHandle, UnitModule]] = []
     seen: set[int] = set()
     for path, unit in walk(fsdp):
-        if not isinstance(unit, FSDP) or id(unit) in seen:
+        if not isinstance(unit, UnitModule) or id(unit) in seen:
             continue
         seen.add(id(unit))
-        out.extend((join(path, h.name), h, unit) for h in unit._unit.group.handles)
+        out.extend((join(path, h.name), h, unit) for h in unit.fsdp_unit.group.handles)
     return out

@@ -20,13 +20,13 @@ from typing import Any
 
 import torch
 
-from shardkit.nn.fsdp.api import FullyShardedDataParallel as FSDP
 from shardkit.nn.fsdp.state_dict._layout import check_idle, flat_entries, layout, walk
+from shardkit.nn.fsdp.unit_module import UnitModule
 
 FORMAT = "shardkit.fsdp.local_metadata/1"
 
 
-def local_metadata_dict(fsdp: FSDP) -> dict[str, Any]:
+def local_metadata_dict(fsdp: UnitModule) -> dict[str, Any]:
     """How this rank's :func:`local_state_dict` maps onto the full model: per flat parameter its key, the original
     names, shapes and numels in flat order, the tied names, and which chunk of which group this rank holds.
 
@@ -39,7 +39,7 @@ def local_metadata_dict(fsdp: FSDP) -> dict[str, Any]:
     for e in params:
         if e.alias:
             aliases.setdefault(id(e.handle), []).append([e.key, name_of[(id(e.handle), e.index)]])
-    paths = {id(m): path for path, m in walk(fsdp) if isinstance(m, FSDP)}
+    paths = {id(m): path for path, m in walk(fsdp) if isinstance(m, UnitModule)}
     by_unit: dict[int, dict[str, Any]] = {}
     for key, h, unit in flat_entries(fsdp):
         entry = by_unit.setdefault(

@@ -12,8 +12,6 @@ from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
 from shardkit.distributed.groups import is_dummy
-from shardkit.nn.checkpoint.wrapper import adds_no_name
-from shardkit.nn.fsdp.api import FullyShardedDataParallel as FSDP
 from shardkit.nn.fsdp.state_dict._layout import (
     agree,
     buffer_dtypes,
@@ -29,12 +27,17 @@ from shardkit.nn.fsdp.state_dict._layout import (
     validation_error,
     write_shards,
 )
+from shardkit.nn.fsdp.unit_module import UnitModule, walk_modules
 
 _LOCAL_META_KEY = "shardkit.fsdp.local"
 
 
 def state_dict(
-    fsdp: FSDP, *args: Any, destination: Optional[dict[str, Any]] = None, prefix: str = "", keep_vars: bool = False
+    fsdp: UnitModule,
+    *args: Any,
+    destination: Optional[dict[str, Any]] = None,
+    prefix: str = "",
+    keep_vars: bool = False,
 ) -> dict[str, Any]:
     """Full, unflattened state dict: exactly the unwrapped model's keys, FP32 parameters, buffers in their
     original dtypes, on ``state_dict_device`` (default: the parameters' device). Call on every rank.
@@ -52,7 +55,7 @@ def state_dict(
     keep = not fsdp.state_dict_on_rank_0_only or _global_rank(fsdp) == 0
     full_values: dict[tuple[int, int], torch.Tensor] = {}
     for unit in units(fsdp):
-        for h in unit._unit.group.handles:
+        for h in unit.fsdp_unit.group.handles:
             full = gather_flat(h, unit.process_group, h.shard, "state_dict")
             if not keep:
                 continue
@@ -81,7 +84,7 @@ def state_dict(
     return out
 
 
-def _global_rank(fsdp: FSDP) -> int:
+def _global_rank(fsdp: UnitModule) -> int:
     """fairscale's "rank 0" for ``state_dict_on_rank_0_only``: the global rank (the group's rank without
     ``torch.distributed``, e.g. under a ``DummyProcessGroup``)."""
     if dist.is_available() and dist.is_initialized() and not is_dummy(fsdp.process_group):
@@ -89,7 +92,9 @@ def _global_rank(fsdp: FSDP) -> int:
     return fsdp.rank
 
 
-def load_state_dict(fsdp: FSDP, full_state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+def load_state_dict(
+    fsdp: UnitModule, full_state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+) -> _IncompatibleKeys:
     """Load a full state dict (from :func:`state_dict` or the unwrapped model) into the shards and buffers.
 
     Every rank passes the same full dict. Missing or unexpected keys (with ``strict``) and wrong shapes raise a
@@ -116,7 +121,7 @@ def load_state_dict(fsdp: FSDP, full_state_dict: Mapping[str, Any], strict: bool
 
 
 def load_from_state_dict_hook(
-    fsdp: FSDP,
+    fsdp: UnitModule,
     state_dict: dict[str, Any],
     prefix: str,
     local_metadata: Any,
@@ -135,11 +140,11 @@ def load_from_state_dict_hook(
     another unit names its keys by the path torch visits (``body.module.0.weight`` for ``body.0.weight``).
     """
     check_idle(fsdp, "load_state_dict()")
-    own = {id(h) for h in fsdp._unit.group.handles}
+    own = {id(h) for h in fsdp.fsdp_unit.group.handles}
     params = [e for e in layout(fsdp)[0] if id(e.handle) in own]
     refile: dict[str, str] = {}  # clean key -> the key torch's recursion will look up, both relative to prefix
     for real, clean, module in _walk_real(fsdp):
-        if isinstance(module, FSDP):
+        if isinstance(module, UnitModule):
             nested_params, nested_buffers, _ = layout(module)
             for key in [e.key for e in nested_params] + [b.key for b in nested_buffers]:
                 refile[join(clean, key)] = join(real, key)
@@ -161,31 +166,22 @@ def load_from_state_dict_hook(
             error_msgs.append(f"'{prefix + e.key}' has shape {got}, the model needs {tuple(shape)}")
         else:
             values[e.key] = value
-    fsdp._unit.group.reshard()
+    fsdp.fsdp_unit.group.reshard()
     write_shards(params, values)
     for clean, real in refile.items():
         if prefix + clean in state_dict:
             state_dict[prefix + real] = state_dict[prefix + clean]
 
 
-def _walk_real(fsdp: FSDP) -> Iterator[tuple[str, str, nn.Module]]:
+def _walk_real(fsdp: UnitModule) -> Iterator[tuple[str, str, nn.Module]]:
     """``(real path, clean path, module)`` below ``fsdp``, not descending into nested units (they re-file their own)."""
-
-    def visit(module: nn.Module, real: str, clean: str) -> Iterator[tuple[str, str, nn.Module]]:
-        for name, child in module._modules.items():
-            if child is None:
-                continue
-            transparent = (isinstance(module, FSDP) and name == "module") or adds_no_name(module, name)
-            child_real, child_clean = join(real, name), clean if transparent else join(clean, name)
-            yield child_real, child_clean, child
-            if not isinstance(child, FSDP):
-                yield from visit(child, child_real, child_clean)
-
-    yield from visit(fsdp, "", "")
+    for clean, real, module in walk_modules(fsdp, once=False, into_units=False):
+        if module is not fsdp:
+            yield real, clean, module
 
 
 # ---------------------------------------------------------------------------------------------- local
-def local_state_dict(fsdp: FSDP) -> dict[str, Any]:
+def local_state_dict(fsdp: UnitModule) -> dict[str, Any]:
     """This rank's flat shards (``<unit path>.flat_param_<i>``, padding included) and buffers; no communication.
 
     Only loads back at the same world size and wrapping (:func:`load_local_state_dict` checks both, from the
@@ -205,7 +201,7 @@ def local_state_dict(fsdp: FSDP) -> dict[str, Any]:
     return out
 
 
-def load_local_state_dict(fsdp: FSDP, local_state: Mapping[str, Any], strict: bool = True) -> Any:
+def load_local_state_dict(fsdp: UnitModule, local_state: Mapping[str, Any], strict: bool = True) -> _IncompatibleKeys:
     """Load what :func:`local_state_dict` returned on this rank, at the same world size and wrapping."""
     check_idle(fsdp, "load_local_state_dict()")
     _, buffers, _ = layout(fsdp)

@@ -7,16 +7,16 @@ from typing import Any, Optional
 
 import torch
 
-from shardkit.nn.fsdp.api import FullyShardedDataParallel as FSDP
 from shardkit.nn.fsdp.handle import FlatParamHandle
 from shardkit.nn.fsdp.state_dict._layout import ParamEntry, check_idle, flat_entries, gather_flat, layout
+from shardkit.nn.fsdp.unit_module import UnitModule
 
 
 def _is_sharded_state(value: Any, shard: torch.Tensor) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == shard.shape
 
 
-def _optim_handles(fsdp: FSDP, optim: torch.optim.Optimizer) -> dict[int, int]:
+def _optim_handles(fsdp: UnitModule, optim: torch.optim.Optimizer) -> dict[int, int]:
     """id(shard) -> index of the optimizer's param group holding it; raises on foreign parameters."""
     shards = {id(h.shard) for _, h, _ in flat_entries(fsdp)}
     where = {}
@@ -32,7 +32,7 @@ def _optim_handles(fsdp: FSDP, optim: torch.optim.Optimizer) -> dict[int, int]:
 
 
 def gather_full_optim_state_dict(
-    fsdp: FSDP, optim: torch.optim.Optimizer, recipient_rank: int = 0
+    fsdp: UnitModule, optim: torch.optim.Optimizer, recipient_rank: int = 0
 ) -> Optional[dict[str, Any]]:
     """The optimizer state of the whole model, unflattened per original parameter, on ``recipient_rank``.
 
@@ -93,7 +93,7 @@ def gather_full_optim_state_dict(
     return {"state": state_out, "param_groups": groups, "uncollected_local_ids": uncollected_ids}
 
 
-def _full_osd_by_name(fsdp: FSDP, full_osd: Mapping[str, Any]) -> dict[str, tuple[int, dict[str, Any]]]:
+def _full_osd_by_name(fsdp: UnitModule, full_osd: Mapping[str, Any]) -> dict[str, tuple[int, dict[str, Any]]]:
     """name -> (param group index, state) of a full optimizer state dict, using ``param_names`` when present."""
     owners = [e.key for e in layout(fsdp)[0] if not e.alias]
     groups = full_osd["param_groups"]
@@ -122,7 +122,7 @@ def _full_osd_by_name(fsdp: FSDP, full_osd: Mapping[str, Any]) -> dict[str, tupl
 
 
 def get_shard_from_optim_state_dict(
-    fsdp: FSDP, full_osd: Mapping[str, Any], optim: Optional[torch.optim.Optimizer] = None
+    fsdp: UnitModule, full_osd: Mapping[str, Any], optim: Optional[torch.optim.Optimizer] = None
 ) -> dict[str, Any]:
     """This rank's part of a full optimizer state dict, for ``optim.load_state_dict`` on the wrapped model.
 

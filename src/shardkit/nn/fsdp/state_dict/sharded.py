@@ -10,7 +10,6 @@ import torch
 from torch.nn.modules.module import _IncompatibleKeys
 
 from shardkit.distributed.groups import GroupLike, is_dummy
-from shardkit.nn.fsdp.api import FullyShardedDataParallel as FSDP
 from shardkit.nn.fsdp.state_dict._layout import (
     agree,
     buffer_dtypes,
@@ -25,6 +24,7 @@ from shardkit.nn.fsdp.state_dict._layout import (
     walk,
     write_shards,
 )
+from shardkit.nn.fsdp.unit_module import UnitModule
 
 
 def _row_chunk(full: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
@@ -43,8 +43,8 @@ def _mesh(group: GroupLike, device: torch.device, cache: dict[int, Any]) -> Any:
     return cache[id(group)]
 
 
-def _check_one_sharding_group(fsdp: FSDP) -> None:
-    sizes = {path or "<root>": m.world_size for path, m in walk(fsdp) if isinstance(m, FSDP)}
+def _check_one_sharding_group(fsdp: UnitModule) -> None:
+    sizes = {path or "<root>": m.world_size for path, m in walk(fsdp) if isinstance(m, UnitModule)}
     odd = sorted(path for path, size in sizes.items() if size != fsdp.world_size)
     if odd:
         raise NotImplementedError(
@@ -54,7 +54,7 @@ def _check_one_sharding_group(fsdp: FSDP) -> None:
         )
 
 
-def sharded_state_dict(fsdp: FSDP) -> dict[str, Any]:
+def sharded_state_dict(fsdp: UnitModule) -> dict[str, Any]:
     """Per original parameter a ``DTensor`` (``Shard(0)`` over the unit's group) for torch.distributed.checkpoint.
 
     Keys are the unwrapped model's; buffers are plain tensors (DCP saves them once). Save with
@@ -72,7 +72,7 @@ def sharded_state_dict(fsdp: FSDP) -> dict[str, Any]:
     values: dict[tuple[int, int], Any] = {}
     for unit in units(fsdp):
         group = unit.process_group
-        for h in unit._unit.group.handles:
+        for h in unit.fsdp_unit.group.handles:
             full = gather_flat(h, group, h.shard, "sharded_state_dict")
             for i, info in enumerate(h.meta.params):
                 piece = full[info.offset : info.offset + info.numel].view(info.shape)
@@ -96,7 +96,7 @@ def sharded_state_dict(fsdp: FSDP) -> dict[str, Any]:
     return out
 
 
-def load_sharded_state_dict(fsdp: FSDP, sharded: Mapping[str, Any], strict: bool = True) -> Any:
+def load_sharded_state_dict(fsdp: UnitModule, sharded: Mapping[str, Any], strict: bool = True) -> _IncompatibleKeys:
     """Load a dict shaped like :func:`sharded_state_dict` (filled by ``dcp.load``, any saving world size).
 
     Plain full tensors are accepted in place of DTensors. Validation and the all-or-nothing guarantee are those of

@@ -1,0 +1,332 @@
+"""The module face of one wrapped unit: what a :class:`~shardkit.nn.fsdp.FullyShardedDataParallel` instance *is*
+and reports, for the layers that build on it without depending on the public class.
+
+:class:`UnitModule` is the type the state dicts (:mod:`shardkit.nn.fsdp.state_dict`), the checkpoint adapter and
+the tools walk and read: its run-time state through one accessor (:attr:`UnitModule.fsdp_unit`, the
+:class:`~shardkit.nn.fsdp.runtime.Unit` with its parameter group), the settings under fairscale's attribute names,
+and names as the unwrapped model spells them (:func:`walk_modules`, the one walker that knows which wrapper levels
+add no path segment). What a unit *does* (forward, summon, state dicts, optimizer state) is the public class's, in
+:mod:`shardkit.nn.fsdp.api`, which imports the state-dict layer; this module imports neither, so the layers form no
+cycle. torch's FSDP2 splits its ``FSDPModule`` the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, Optional, Union
+
+import torch
+from torch import nn
+
+from shardkit.distributed.groups import GroupLike
+from shardkit.nn.checkpoint.wrapper import adds_no_name
+from shardkit.nn.fsdp.flat_param import FlatParamMeta
+from shardkit.nn.fsdp.policies import BackwardPrefetch, CPUOffload, FSDPPolicies, ProcessGroupName
+from shardkit.nn.fsdp.runtime import TrainingState, Unit
+
+
+def walk_modules(
+    root: nn.Module, prefix: str = "", *, once: bool = True, into_units: bool = True
+) -> Iterator[tuple[str, str, nn.Module]]:
+    """Pre-order ``(clean path, real path, module)`` from ``root`` (itself first, at ``prefix``).
+
+    The clean path is the unwrapped model's: the child ``module`` of a :class:`UnitModule` and the module inside a
+    :class:`~shardkit.nn.checkpoint.CheckpointWrapper` add no segment. ``once``: a module reached along several
+    paths appears once (as ``named_modules`` does); otherwise once per path (as ``nn.Module.state_dict`` does).
+    ``into_units=False``: a nested unit is yielded but not entered.
+    """
+    seen: set[int] = set()
+
+    def visit(module: nn.Module, clean: str, real: str) -> Iterator[tuple[str, str, nn.Module]]:
+        if once:
+            if id(module) in seen:
+                return
+            seen.add(id(module))
+        yield clean, real, module
+        if not into_units and module is not root and isinstance(module, UnitModule):
+            return
+        for name, child in module._modules.items():
+            if child is None:
+                continue
+            transparent = (isinstance(module, UnitModule) and name == "module") or adds_no_name(module, name)
+            yield from visit(child, clean if transparent else _join(clean, name), _join(real, name))
+
+    yield from visit(root, prefix, prefix)
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _clean_members(root: nn.Module, kind: str, prefix: str, remove_duplicate: bool) -> Iterator[tuple[str, Any]]:
+    """``(name, tensor)`` for ``kind`` = ``"_parameters"`` or ``"_buffers"`` under clean names."""
+    seen: set[int] = set()
+    for path, _, module in walk_modules(root, prefix):
+        for name, value in getattr(module, kind).items():
+            if value is None or (remove_duplicate and id(value) in seen):
+                continue
+            seen.add(id(value))
+            yield _join(path, name), value
+
+
+class UnitModule(nn.Module):
+    """Base of :class:`~shardkit.nn.fsdp.FullyShardedDataParallel`: one wrapped unit's state and settings.
+
+    Not constructed on its own; the subclass's constructor sets the attributes declared here.
+    """
+
+    #: The wrapped module.
+    module: nn.Module
+    #: The group this unit is sharded over, this rank's index in it and its size.
+    process_group: GroupLike
+    rank: int
+    world_size: int
+    #: Original dtypes of floating-point buffers cast for mixed precision (clean name -> dtype), root only.
+    buffer_original_dtypes: dict[str, torch.dtype]
+    _unit: Unit
+
+    # ------------------------------------------------------------------ run-time state
+    @property
+    def fsdp_unit(self) -> Unit:
+        """This unit's run-time state: its :class:`~shardkit.nn.fsdp.param_group.ParamGroup` (``.group``, whose
+        ``handles`` are the flat parameters), its :class:`TrainingState`, its name and, on the root, the tree's
+        units and schedule. The one way layers outside the class reach the unit."""
+        return self._unit
+
+    @property
+    def _policies(self) -> FSDPPolicies:
+        return self._unit.policies
+
+    @property
+    def training_state(self) -> TrainingState:
+        return self._unit.state
+
+    @property
+    def is_root(self) -> Optional[bool]:
+        """True for the outermost instance once a forward has run (None before)."""
+        return self._unit.is_root
+
+    @property
+    def flat_params(self) -> list[nn.Parameter]:
+        """This unit's shards, in order (each registered on this instance as ``flat_param_<i>``)."""
+        return [h.shard for h in self._unit.group.handles]
+
+    @property
+    def flat_param_names(self) -> list[str]:
+        """Attribute names of :attr:`flat_params` on this instance."""
+        return [h.name for h in self._unit.group.handles]
+
+    @property
+    def flat_param_metas(self) -> list[FlatParamMeta]:
+        """Layout of each flat parameter: original names (relative to ``.module``), shapes, offsets, padding
+        and this rank's shard range. See :mod:`shardkit.nn.fsdp.flat_param`."""
+        return [h.meta for h in self._unit.group.handles]
+
+    def unsharded_bytes(self) -> int:
+        """Bytes this unit currently holds in full (gathered) parameter copies; 0 when fully resharded."""
+        return self._unit.group.unsharded_bytes()
+
+    def assert_state(self, state: Union[TrainingState, list[TrainingState]]) -> None:
+        """Raise an error naming this unit unless it is in ``state`` (or one of the states listed)."""
+        states = state if isinstance(state, list) else [state]
+        self._unit.assert_state(*states)
+
+    def non_shared_params(self) -> list[nn.Parameter]:
+        """This unit's own parameter shards (nested units' are not included)."""
+        return [h.shard for h in self._unit.group.handles]
+
+    @property
+    def params_with_grad(self) -> list[nn.Parameter]:
+        """Parameter shards of this unit and the units below it that have a gradient."""
+        return [p for p in self.parameters() if p.grad is not None]
+
+    def append_shared_param(self, p: nn.Parameter) -> None:
+        """Not supported: fairscale's experimental way to share one parameter between two units."""
+        raise NotImplementedError(
+            "append_shared_param is not supported: shardkit stores a tied parameter once, in the unit that holds "
+            "every module using it; wrap the modules sharing the parameter in one FullyShardedDataParallel unit"
+        )
+
+    # ------------------------------------------------------------------ settings, as fairscale names them
+    @property
+    def mixed_precision(self) -> bool:
+        return self._policies.mixed_precision.enabled
+
+    @property
+    def compute_dtype(self) -> Optional[torch.dtype]:
+        return self._policies.mixed_precision.param_dtype
+
+    @property
+    def buffer_dtype(self) -> Optional[torch.dtype]:
+        return self._policies.mixed_precision.buffer_dtype
+
+    @property
+    def fp32_reduce_scatter(self) -> bool:
+        return self._policies.mixed_precision.reduce_dtype == torch.float32
+
+    @property
+    def flatten_parameters(self) -> bool:
+        return self._policies.sharding.flatten_parameters
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        return self._policies.sharding.reshard_after_forward
+
+    @property
+    def move_params_to_cpu(self) -> bool:
+        return self._policies.offload.offload_params
+
+    @property
+    def cpu_offload(self) -> CPUOffload:
+        return CPUOffload(offload_params=self._policies.offload.offload_params)
+
+    @property
+    def backward_prefetch(self) -> Optional[BackwardPrefetch]:
+        return self._policies.prefetch.backward
+
+    @property
+    def forward_prefetch(self) -> bool:
+        return self._policies.prefetch.forward
+
+    @property
+    def state_dict_device(self) -> Optional[torch.device]:
+        return self._policies.state_dict.device
+
+    @property
+    def process_group_reduce_scatter(self) -> GroupLike:
+        """The process group this unit's gradients are reduce-scattered on (before the root's first forward
+        creates the separate channel, the parameter group, which holds the same ranks)."""
+        choice = self._policies.reduce.group
+        if isinstance(choice, ProcessGroupName):
+            return self._unit.ctx.reduce_channel(self._unit.group.group)
+        group: GroupLike = choice
+        return group
+
+    @property
+    def disable_reshard_on_root(self) -> bool:
+        return self._policies.sharding.disable_reshard_on_root
+
+    @property
+    def move_grads_to_cpu(self) -> bool:
+        """Gradient shards live where the parameter shards do (CPU under offload)."""
+        return self._policies.offload.offload_params
+
+    @property
+    def bucket_cap_mb(self) -> float:
+        return self._policies.bucket_cap_mb
+
+    @property
+    def compute_device(self) -> Optional[torch.device]:
+        """Where full parameters are gathered and forward/backward run (None for a unit without parameters and
+        no ``compute_device`` argument)."""
+        handles = self._unit.group.handles
+        device = self._policies.offload.compute_device
+        return device if device is not None or not handles else handles[0].compute_device
+
+    @property
+    def no_broadcast_optim_state(self) -> bool:
+        """Set by the argument, or (as fairscale does) for a nested unit alone in its group under a bigger root:
+        its state is already complete on each rank."""
+        root = self._unit.root
+        alone = self.world_size == 1 and root is not None and root.group.world_size > 1
+        return self._policies.state_dict.no_broadcast_optim_state or alone
+
+    @property
+    def state_dict_on_rank_0_only(self) -> bool:
+        return self._policies.state_dict.rank0_only
+
+    @property
+    def clear_autocast_cache(self) -> bool:
+        return self._policies.mixed_precision.clear_autocast_cache
+
+    @property
+    def force_input_to_fp32(self) -> bool:
+        return self._policies.mixed_precision.force_input_to_fp32
+
+    @property
+    def verbose(self) -> bool:
+        return self._policies.verbose
+
+    @property
+    def allow_reset_parameters(self) -> bool:
+        return self._policies.allow_reset_parameters
+
+    @property
+    def gradient_predivide_factor(self) -> float:
+        """What gradients are divided by before the reduction (see :meth:`set_gradient_divide_factors`)."""
+        return self._unit.divide_factors()[0]
+
+    @property
+    def gradient_postdivide_factor(self) -> float:
+        """What the reduced gradient shards are divided by."""
+        return self._unit.divide_factors()[1]
+
+    def set_gradient_divide_factors(self, pre: float, post: float, recursive: bool) -> None:
+        """Divide gradients by ``pre`` before the reduction and by ``post`` after it (fairscale's API).
+
+        ``pre * post == world_size`` keeps the average; any other pair scales every gradient by
+        ``world_size / (pre * post)``. With ``recursive`` every nested unit gets the same factors. Only between
+        steps.
+        """
+        if not (pre > 0 and post > 0):
+            raise ValueError(f"set_gradient_divide_factors: factors must be > 0, got pre={pre}, post={post}")
+        targets = [m.fsdp_unit for m in self.modules() if isinstance(m, UnitModule)] if recursive else [self._unit]
+        for unit in targets:
+            unit.assert_state(TrainingState.IDLE)
+        for unit in targets:
+            unit.set_divide_factors(float(pre), float(post))
+
+    # ------------------------------------------------------------------ names
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        """Parameters named as in the unwrapped model: wrapper levels do not add a ``module.`` segment.
+
+        Outside ``summon_full_params`` these are the shards (``<unit path>.flat_param_<i>``); inside it, the
+        original parameters with their original names.
+        """
+        if not recurse:
+            yield from super().named_parameters(prefix, recurse, remove_duplicate)
+            return
+        yield from _clean_members(self, "_parameters", prefix, remove_duplicate)
+
+    def named_buffers(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Buffers named as in the unwrapped model (see :meth:`named_parameters`)."""
+        if not recurse:
+            yield from super().named_buffers(prefix, recurse, remove_duplicate)
+            return
+        yield from _clean_members(self, "_buffers", prefix, remove_duplicate)
+
+    def __getitem__(self, key: int) -> Any:
+        """Index the wrapped module (when it is a container such as ``nn.Sequential``)."""
+        return self.module.__getitem__(key)  # type: ignore[operator]
+
+    # ------------------------------------------------------------------ repr
+    def extra_repr(self) -> str:
+        text = (
+            f"world_size={self.world_size}, flatten_parameters={self.flatten_parameters}, "
+            f"reshard_after_forward={self.reshard_after_forward}, mixed_precision={self.mixed_precision}"
+        )
+        return text + self._verbose_repr() if self._policies.verbose else text
+
+    def _verbose_repr(self) -> str:
+        p = self._policies
+        return (
+            f", rank={self.rank}, is_root={self._unit.is_root}, compute_dtype={p.mixed_precision.param_dtype}, "
+            f"buffer_dtype={p.mixed_precision.buffer_dtype}, reduce_dtype={p.mixed_precision.reduce_dtype}, "
+            f"compute_device={self.compute_device}, move_params_to_cpu={p.offload.offload_params}, "
+            f"disable_reshard_on_root={p.sharding.disable_reshard_on_root}, "
+            f"process_group_reduce_scatter={choice_name(p.reduce.group)}, "
+            f"gradient_divide_factors={self._unit.divide_factors()}, bucket_cap_mb={p.bucket_cap_mb}, "
+            f"clear_autocast_cache={p.mixed_precision.clear_autocast_cache}, "
+            f"force_input_to_fp32={p.mixed_precision.force_input_to_fp32}, "
+            f"backward_prefetch={p.prefetch.backward}, forward_prefetch={p.prefetch.forward}, "
+            f"state_dict_on_rank_0_only={p.state_dict.rank0_only}"
+        )
+
+
+def choice_name(choice: Any) -> str:
+    """How a ``process_group_reduce_scatter`` choice reads in messages and the verbose repr."""
+    return f"ProcessGroupName.{choice.name}" if isinstance(choice, ProcessGroupName) else type(choice).__name__
