@@ -78,10 +78,32 @@ class GradScaler(_DeviceInferringScaler):
     ) -> None:
         super().__init__(init_scale, growth_factor, backoff_factor, growth_interval, enabled, device)
 
+    @torch.no_grad()
     def _unscale_grads_(
         self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool
     ) -> dict[torch.device, torch.Tensor]:
-        return super()._unscale_grads_(optimizer, inv_scale, found_inf, True)
+        # torch's version refuses fp16 gradients unless told otherwise, and its switch is reachable only through
+        # the base class's private method; unscaling is done here instead, with public operations: each
+        # gradient is checked for inf/NaN (before scaling, as torch does) and multiplied by the inverse scale.
+        # The result is what torch's returns: one "found inf" flag per device that holds gradients.
+        found_per_device: dict[torch.device, torch.Tensor] = {}
+        inv_per_device: dict[torch.device, torch.Tensor] = {}
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                grad = param.grad
+                if grad is None:
+                    continue
+                if grad.is_sparse:
+                    grad = param.grad = grad.coalesce()
+                device = grad.device
+                if device not in found_per_device:
+                    found_per_device[device] = found_inf.to(device, copy=True)
+                    inv_per_device[device] = inv_scale.to(device)
+                values = grad.values() if grad.is_sparse else grad
+                nonfinite = torch.logical_not(torch.isfinite(values).all()).to(torch.float32)
+                torch.maximum(found_per_device[device], nonfinite, out=found_per_device[device])
+                grad.mul_(inv_per_device[device])
+        return found_per_device
 
 
 class ShardedGradScaler(_DeviceInferringScaler):
