@@ -266,22 +266,50 @@ def reduce(
     return custom_collective("reduce", label, tensor, peers, _share(peers) * _nbytes(tensor), async_op, run)
 
 
+def _members(peers: dist.ProcessGroup) -> tuple[list[int], int]:
+    """Global ranks of ``peers`` and this rank's index among them."""
+    ranks = dist.get_process_group_ranks(peers)
+    return ranks, ranks.index(dist.get_rank())
+
+
+def _post(recvs: list[tuple[torch.Tensor, int]], sends: list[tuple[torch.Tensor, int]], peers: Any) -> list[Any]:
+    """Post every receive, then every send (``(buffer, global peer rank)`` pairs); the works, not yet waited on."""
+    works = [dist.irecv(buf, src=peer, group=peers) for buf, peer in recvs]
+    works += [dist.isend(buf, dst=peer, group=peers) for buf, peer in sends]
+    return works
+
+
 def all_gather_into_tensor(
     output: torch.Tensor,
     shard: torch.Tensor,
     group: Optional[GroupLike] = None,
     async_op: bool = False,
     label: str = "",
+    by_sends: bool = False,
 ) -> Handle:
-    """Gather equal-sized ``shard`` of every rank into ``output`` (rank order, concatenated)."""
+    """Gather equal-sized ``shard`` of every rank into ``output`` (rank order, concatenated).
+
+    ``by_sends=True`` replaces the backend's gather with a direct exchange: every rank posts one receive per
+    peer and sends each peer its shard. That moves the bytes a ring would, ``(n-1)/n`` of the output per rank;
+    on gloo with CPU tensors it took about half the time of gloo's ``all_gather_into_tensor`` for the bench LM's
+    12 MiB flat parameters (gloo implements the collective through generic, copying paths).
+    """
     peers = _peers(group)
     if peers is None:
         output.copy_(shard.reshape(output.shape))
         return Handle()
-    return custom_collective(
-        "all_gather", label, output, peers, _share(peers) * _nbytes(output), async_op,
-        lambda: all_gather_flat(output, shard, group=peers, async_op=True),
-    )  # fmt: skip
+
+    def run() -> Any:
+        if not by_sends:
+            return all_gather_flat(output, shard, group=peers, async_op=True)
+        ranks, me = _members(peers)
+        chunks = output.view(len(ranks), -1)
+        others = [(j, peer) for j, peer in enumerate(ranks) if j != me]
+        works = _post([(chunks[j], peer) for j, peer in others], [(shard, peer) for _, peer in others], peers)
+        chunks[me].copy_(shard.reshape(-1))
+        return Works(works)
+
+    return custom_collective("all_gather", label, output, peers, _share(peers) * _nbytes(output), async_op, run)
 
 
 def reduce_scatter_tensor(
@@ -291,16 +319,42 @@ def reduce_scatter_tensor(
     group: Optional[GroupLike] = None,
     async_op: bool = False,
     label: str = "",
+    by_sends: bool = False,
 ) -> Handle:
-    """Reduce ``full`` over ``group`` and leave chunk ``rank`` of the result in ``output``."""
+    """Reduce ``full`` over ``group`` and leave chunk ``rank`` of the result in ``output``.
+
+    ``by_sends=True`` (sums only) replaces the backend's reduce-scatter with a direct exchange: every rank sends
+    each peer that peer's chunk and sums what arrived in rank order (the same result on every run). The same
+    bytes as a ring; on gloo with CPU tensors two to three times faster than gloo's ``reduce_scatter_tensor``
+    for the bench LM's 12 MiB flat gradients.
+    """
     peers = _peers(group)
     if peers is None:
         output.copy_(full.reshape(output.shape))
         return Handle()
-    return custom_collective(
-        "reduce_scatter", label, full, peers, _share(peers) * _nbytes(full), async_op,
-        lambda: reduce_scatter_flat(output, full, op=op, group=peers, async_op=True),
-    )  # fmt: skip
+    if by_sends and op != dist.ReduceOp.SUM:
+        raise ValueError(f"reduce_scatter_tensor(by_sends=True) only sums, got op={op}")
+
+    def run() -> Any:
+        if not by_sends:
+            return reduce_scatter_flat(output, full, op=op, group=peers, async_op=True)
+        ranks, me = _members(peers)
+        n = len(ranks)
+        chunks, flat_out = full.view(n, -1), output.view(-1)
+        others = [(j, peer) for j, peer in enumerate(ranks) if j != me]
+        sends = [(chunks[j], peer) for j, peer in others]
+        if n == 2:  # receive straight into the result, then add our own chunk (a + b == b + a exactly)
+            return Works(_post([(flat_out, others[0][1])], sends, peers), lambda: flat_out.add_(chunks[me]))
+        rows = torch.empty(n, flat_out.numel(), dtype=output.dtype, device=output.device)
+        works = _post([(rows[j], peer) for j, peer in others], sends, peers)
+
+        def total() -> None:  # summed in rank order, the same on every run
+            rows[me].copy_(chunks[me])
+            torch.sum(rows, dim=0, out=flat_out)
+
+        return Works(works, total)
+
+    return custom_collective("reduce_scatter", label, full, peers, _share(peers) * _nbytes(full), async_op, run)
 
 
 def send(tensor: torch.Tensor, dst: int, group: Optional[GroupLike] = None, label: str = "", tag: int = 0) -> Handle:

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from shardkit.distributed.groups import GroupLike
+from shardkit.distributed.objects import all_gather_objects
 from shardkit.nn.fsdp import _collectives
 from shardkit.nn.fsdp.comm_context import CommContext
 from shardkit.nn.fsdp.flat_param import ParamLocation, build_meta
@@ -84,7 +85,7 @@ def check_same_across_ranks(owners: Owners, aliases: Aliases, group: GroupLike, 
     mine = [(_fqn(loc), tuple(p.shape), str(p.dtype)) for loc, p in owners] + [
         (_fqn(loc), (), "") for loc, _ in aliases
     ]
-    everyone = _collectives.all_gather_objects(mine, group)
+    everyone = all_gather_objects(mine, group, "fsdp:param_check")
     for other_rank, theirs in enumerate(everyone):
         if theirs == mine:
             continue
