@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from shardkit.distributed import DummyProcessGroup, GroupLike
+from shardkit.distributed import GroupLike, all_gather_objects
 from shardkit.modelparallel import state as smp_state
 from shardkit.utils.tensors import to_cpu
 
@@ -42,19 +41,12 @@ def is_partial(state_dict: Mapping[str, Any]) -> bool:
     return bool(state_dict.get(PARTIAL_KEY, False))
 
 
-def all_gather_objects(obj: Any, group: GroupLike) -> list[Any]:
-    """Every member's ``obj``, in group-rank order (just ``[obj]`` in a single process)."""
-    if isinstance(group, DummyProcessGroup):
-        return [obj]
-    size = dist.get_world_size(group)
-    if size == 1:
-        return [obj]
-    gathered: list[Any] = [None] * size
-    dist.all_gather_object(gathered, obj, group=group)
-    return gathered
+def gather_partials(partial: Mapping[str, Any], mp_group: GroupLike, label: str) -> list[dict[str, Any]]:
+    """Every stage's partial state dict (moved to the CPU first), in stage order (collective over the replica)."""
+    return all_gather_objects(to_cpu(dict(partial)), mp_group, label)
 
 
-def merge_model_partials(partials: list[Mapping[str, Any]], key_order: list[str]) -> OrderedDict[str, Any]:
+def merge_model_partials(partials: Sequence[Mapping[str, Any]], key_order: list[str]) -> OrderedDict[str, Any]:
     """One full model state dict from every stage's partial one (lowest stage wins for shared keys)."""
     merged: OrderedDict[str, Any] = OrderedDict()
     missing = []
@@ -70,7 +62,7 @@ def merge_model_partials(partials: list[Mapping[str, Any]], key_order: list[str]
     return merged
 
 
-def merge_optimizer_partials(partials: list[Mapping[str, Any]]) -> dict[str, Any]:
+def merge_optimizer_partials(partials: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """One full optimizer state dict (torch format) from every stage's partial one."""
     state: dict[int, Any] = {}
     for partial in partials:

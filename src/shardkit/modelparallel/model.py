@@ -20,11 +20,11 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from shardkit.distributed import broadcast_object
-from shardkit.distributed import collectives as C
 from shardkit.distributed.model_check import check_same_model
 from shardkit.modelparallel import checkpoint as ckpt
 from shardkit.modelparallel import state as smp_state
 from shardkit.modelparallel.auto_partition import Placement
+from shardkit.modelparallel.execution import StageExecution
 from shardkit.modelparallel.grad_sync import GradientSync
 from shardkit.modelparallel.model_views import LocalViewsMixin
 from shardkit.modelparallel.partitioner import check_plan, plan_partition
@@ -153,8 +153,8 @@ class DistributedModel(LocalViewsMixin, nn.Module):  # type: ignore[misc]  # sta
         self._smp = state
         self._plan: Optional[PipelinePlan] = None
         self._placement: Optional[Placement] = None
-        self._runtime: Optional[StageRuntime] = None
-        self._sync: Optional[GradientSync] = None
+        self._execution: Optional[StageExecution] = None
+        self._run: Optional[StepRun] = None
         self._held: set[str] = set()
         self._key_map: dict[str, str] = {}
         self._device = torch.device("cpu")
@@ -162,11 +162,33 @@ class DistributedModel(LocalViewsMixin, nn.Module):  # type: ignore[misc]  # sta
         self._pending_state: Optional[dict[str, Any]] = None
         self._joining = False
         state.model = self
+        state.on_reset.append(self._release)
 
     # ---- calls inside @smp.step ---------------------------------------------------------------------------
 
+    @property
+    def stage_execution(self) -> Optional[StageExecution]:
+        """This rank's stage as the pipeline schedule runs it (None before the first step partitions)."""
+        return self._execution
+
+    @property
+    def running_step(self) -> Optional[StepRun]:
+        """The ``@smp.step`` call in progress on this model, else None."""
+        return self._run
+
+    @contextlib.contextmanager
+    def running(self, run: StepRun) -> Iterator[None]:
+        """Scope of one ``@smp.step`` call: ``model(...)`` and ``model.backward`` inside it belong to ``run``."""
+        if self._run is not None:
+            raise RuntimeError("an @smp.step function was called inside another @smp.step call")
+        self._run = run
+        try:
+            yield
+        finally:
+            self._run = None
+
     def _active_run(self, what: str) -> StepRun:
-        run = self._smp.step
+        run = self._run
         if run is None or run.current is None:
             raise RuntimeError(
                 f"cannot {what} outside an @smp.step function: smp runs the forward and backward once per "
@@ -179,13 +201,13 @@ class DistributedModel(LocalViewsMixin, nn.Module):  # type: ignore[misc]  # sta
         run = self._active_run("call the DistributedModel")
         record = run.current
         assert record is not None
-        if self._runtime is None:
+        if self._execution is None:
             first = next(iter(self.module.parameters()), None)
             args, kwargs = to_device((args, kwargs), first.device if first is not None else torch.device("cpu"))
             self._partition(args, kwargs)
-        assert self._runtime is not None
+        assert self._execution is not None
         args, kwargs = to_device((args, kwargs), self._device)
-        with self._runtime.invocation(record, (args, kwargs), first_microbatch=record.index == 0):
+        with self._execution.runtime.invocation(record, (args, kwargs), first_microbatch=record.index == 0):
             return self.module(*args, **kwargs)
 
     def backward(
@@ -299,7 +321,7 @@ class DistributedModel(LocalViewsMixin, nn.Module):  # type: ignore[misc]  # sta
         params = {n: t for n, t in named.items() if isinstance(t, nn.Parameter)}
         local_params = [p for n, p in params.items() if n in self._held]
         copies = copy_groups(plan, params, state)
-        self._sync = GradientSync(
+        sync = GradientSync(
             local_params,
             state.dp_group,
             topo.dp_size,
@@ -310,12 +332,24 @@ class DistributedModel(LocalViewsMixin, nn.Module):  # type: ignore[misc]  # sta
             self._device,
             self.options.gradient_as_bucket_view,
         )
-        self._plan, self._placement, self._runtime = plan, placement, runtime
+        self._plan, self._placement = plan, placement
+        self._execution = StageExecution(
+            runtime,
+            sync,
+            pipeline=state.config.pipeline,
+            num_stages=topo.mp_size,
+            mp_group=state.mp_group,
+            dp_group=state.dp_group,
+            average_grads=self.options.average_grads_across_microbatches,
+            broadcast_buffers=state.config.ddp and topo.dp_size > 1 and self.options.broadcast_buffers,
+            buffers=lambda: (buf for _, buf in self.local_named_buffers()),
+            joining=self._joining,
+        )
         if self._pending_state is not None:
             pending, self._pending_state = self._pending_state, None
             self._load_held(pending, strict=True)
         if state.optimizer is not None:
-            state.optimizer._apply_pending()
+            state.optimizer.load_pending_state()
         for hook in list(self._hooks.values()):
             hook(self, state.optimizer)
 
@@ -327,57 +361,10 @@ class DistributedModel(LocalViewsMixin, nn.Module):  # type: ignore[misc]  # sta
         self._hooks[handle.id] = hook
         return handle
 
-    def _smp_detach(self) -> None:
-        """Undo the runtime's changes to the wrapped modules (``smp.reset``)."""
-        if self._runtime is not None:
-            self._runtime.uninstall()
-        if self._sync is not None:
-            self._sync.close()
-
-    # ---- hooks for StepRun --------------------------------------------------------------------------------
-
-    def _runtime_or_fail(self) -> StageRuntime:
-        if self._runtime is None:
-            raise RuntimeError("the @smp.step function never called the DistributedModel, so it was not partitioned")
-        return self._runtime
-
-    def _before_step(self) -> None:
-        if self._joining and self._sync is not None:
-            self._sync.joining = True
-            self._sync.join_flag(1)  # tells replicas that ran out of data: one more step
-        self._broadcast_buffers()
-
-    def _broadcast_buffers(self) -> None:
-        state = self._smp
-        if self.partitioned and state.config.ddp and state.topology.dp_size > 1 and self.options.broadcast_buffers:
-            for _, buf in self.local_named_buffers():
-                C.broadcast(buf.data, 0, group=state.dp_group, label="smp_ddp_buffers")
-
-    def _link(self) -> StageLink:
-        return self._runtime_or_fail().link
-
-    def _pipeline_kind(self) -> str:
-        return self._smp.config.pipeline
-
-    def _stage(self) -> int:
-        return self._smp.topology.mp_rank
-
-    def _num_stages(self) -> int:
-        return self._smp.topology.mp_size
-
-    def _output_stage(self) -> int:
-        return self._runtime_or_fail().plan.output_stage
-
-    def _mp_group(self) -> Any:
-        return self._smp.mp_group
-
-    def _before_last_backward(self) -> None:
-        if self._sync is not None:
-            self._sync.arm()
-
-    def _after_backward(self, had_backward: bool) -> None:
-        if self._sync is not None:
-            self._sync.finish(had_backward)
+    def _release(self) -> None:
+        """Undo the partition's changes to the wrapped modules (run by ``smp.reset``)."""
+        if self._execution is not None:
+            self._execution.close()
 
     @contextlib.contextmanager
     def join(self) -> Iterator[None]:
@@ -400,19 +387,22 @@ class DistributedModel(LocalViewsMixin, nn.Module):  # type: ignore[misc]  # sta
         if state.topology.dp_size == 1:
             yield
             return
-        self._joining = True
-        if self._sync is not None:
-            self._sync.joining = True
+        self._set_joining(True)
         try:
             yield
-            sync = self._sync
-            if sync is None:
+            execution = self._execution
+            if execution is None:
                 raise RuntimeError("join(): this replica ran no step, so the model was never partitioned")
+            sync = execution.sync
             while sync.join_flag(0) > 0:  # another replica is still training: mirror its step
-                self._broadcast_buffers()
+                execution.broadcast_buffers()
                 if sync.join_flag(0) > 0:
                     sync.shadow_reduction()
         finally:
-            self._joining = False
-            if self._sync is not None:
-                self._sync.joining = False
+            self._set_joining(False)
+
+    def _set_joining(self, joining: bool) -> None:
+        self._joining = joining
+        if self._execution is not None:
+            self._execution.joining = joining
+            self._execution.sync.joining = joining

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from shardkit.modelparallel import checkpoint as ckpt
+from shardkit.modelparallel.execution import StageExecution
 from shardkit.modelparallel.plan import PipelinePlan
-from shardkit.modelparallel.runtime import StageRuntime
 from shardkit.modelparallel.state import SMPState
 
 
@@ -25,7 +25,7 @@ class LocalViewsMixin:
     module: nn.Module
     _smp: SMPState
     _plan: Optional[PipelinePlan]
-    _runtime: Optional[StageRuntime]
+    _execution: Optional[StageExecution]
     _held: set[str]
     _key_map: dict[str, str]
     _device: torch.device
@@ -33,7 +33,7 @@ class LocalViewsMixin:
     @property
     def partitioned(self) -> bool:
         """True once the first step has partitioned the model."""
-        return self._runtime is not None
+        return self._execution is not None
 
     def local_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """(name, parameter) for the parameters this stage holds (all of them before the partition)."""
@@ -110,7 +110,7 @@ class LocalViewsMixin:
         """
         if not self.partitioned:
             return self.module.state_dict(*args, **kwargs)
-        partials = ckpt.all_gather_objects(ckpt.to_cpu(self.local_state_dict()), self._smp.mp_group)
+        partials = ckpt.gather_partials(self.local_state_dict(), self._smp.mp_group, "smp_model_state_dict")
         return ckpt.merge_model_partials(partials, list(self._key_map))
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
@@ -119,7 +119,7 @@ class LocalViewsMixin:
         Before the partition the model loads it whole; after it, each stage copies what it holds.
         """
         if ckpt.is_partial(state_dict):
-            partials = ckpt.all_gather_objects(ckpt.to_cpu(dict(state_dict)), self._smp.mp_group)
+            partials = ckpt.gather_partials(state_dict, self._smp.mp_group, "smp_model_load_state_dict")
             keys = [k for p in partials for k in p if k != ckpt.PARTIAL_KEY]
             full: dict[str, Any] = dict(ckpt.merge_model_partials(partials, list(dict.fromkeys(keys))))
         else:
@@ -152,7 +152,7 @@ class LocalViewsMixin:
                     tensor.data = full[key].detach().clone().cpu()
             self._held = set(self._key_map.values())
             self._device = torch.device("cpu")
-            if self._runtime is not None:
-                self._runtime.device = self._device
+            if self._execution is not None:
+                self._execution.runtime.device = self._device
         self.module.cpu()
         return self

@@ -95,13 +95,13 @@ class DistributedOptimizer:
 
     def state_dict(self) -> dict[str, Any]:
         """State of every stage's parameters, gathered (collective over the replica's stages)."""
-        partials = ckpt.all_gather_objects(ckpt.to_cpu(self.local_state_dict()), self._smp.mp_group)
+        partials = ckpt.gather_partials(self.local_state_dict(), self._smp.mp_group, "smp_optimizer_state_dict")
         return ckpt.merge_optimizer_partials(partials)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a full or partial (gathered first: collective) state dict; waits for the partition if needed."""
         if ckpt.is_partial(state_dict):
-            partials = ckpt.all_gather_objects(ckpt.to_cpu(dict(state_dict)), self._smp.mp_group)
+            partials = ckpt.gather_partials(state_dict, self._smp.mp_group, "smp_optimizer_load_state_dict")
             full = ckpt.merge_optimizer_partials(partials)
         else:
             full = {"state": state_dict["state"], "param_groups": state_dict["param_groups"]}
@@ -111,7 +111,8 @@ class DistributedOptimizer:
             return
         self._load(full)
 
-    def _apply_pending(self) -> None:
+    def load_pending_state(self) -> None:
+        """Load a state dict given before the model was partitioned (the model calls it right after)."""
         if self._pending is not None:
             pending, self._pending = self._pending, None
             self._load(pending)

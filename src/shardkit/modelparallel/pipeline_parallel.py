@@ -18,16 +18,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from shardkit.modelparallel.execution import StageExecution
 from shardkit.modelparallel.pp_communications import broadcast_tensors
 from shardkit.modelparallel.runtime import MicrobatchRecord
-
-if TYPE_CHECKING:
-    from shardkit.modelparallel.model import DistributedModel
 
 
 class Action(NamedTuple):
@@ -88,14 +86,25 @@ class StepStats:
 
 
 class StepRun:
-    """One call of an ``@smp.step`` function: its micro-batches, run in this stage's schedule order."""
+    """One call of an ``@smp.step`` function: its micro-batches, run in this stage's schedule order.
+
+    ``execution`` returns this rank's :class:`~shardkit.modelparallel.execution.StageExecution`, or None
+    before the partition: the first step's first forward builds it (the model partitions itself then), so
+    the schedule asks again after that forward. ``current`` is the micro-batch whose forward is running.
+    """
 
     def __init__(
-        self, model: DistributedModel, microbatches: int, forward: Callable[[int], Any], detach_outputs: bool = True
+        self,
+        execution: Callable[[], Optional[StageExecution]],
+        microbatches: int,
+        forward: Callable[[int], Any],
+        detach_outputs: bool = True,
     ) -> None:
-        self.model = model
         self.microbatches = microbatches
         self.detach_outputs = detach_outputs
+        self.stats = StepStats()
+        """Timing of this step, filled in by :meth:`run`."""
+        self._execution = execution
         self._forward_fn = forward
         self.records = [MicrobatchRecord(k) for k in range(microbatches)]
         self.current: Optional[MicrobatchRecord] = None
@@ -103,13 +112,14 @@ class StepRun:
     def run(self) -> list[Any]:
         """Run every action; returns the step function's result per micro-batch (real on every stage)."""
         start = time.perf_counter()
-        model = self.model
-        model._before_step()
-        if model.partitioned:
-            model._link().reset_stats()
+        before = self._execution()
+        if before is not None:
+            before.begin_step()
         self._forward(0)  # the first forward partitions the model on the first step
-        link = model._link()
-        actions = schedule_for(model._pipeline_kind(), model._stage(), model._num_stages(), self.microbatches)
+        execution = self._execution()
+        if execution is None:
+            raise RuntimeError("the @smp.step function never called the DistributedModel, so it was not partitioned")
+        actions = schedule_for(execution.pipeline, execution.stage, execution.num_stages, self.microbatches)
         assert actions[0] == Action("F", 0)
         last_backward = max((i for i, a in enumerate(actions) if a.kind == "B"), default=-1)
         for i, action in enumerate(actions[1:], start=1):
@@ -117,12 +127,12 @@ class StepRun:
                 self._forward(action.microbatch)
             else:
                 if i == last_backward:
-                    model._before_last_backward()
-                self._backward(action.microbatch)
-        link.wait_sends()
-        model._after_backward(any(r.backward_requested for r in self.records))
-        outputs = self._share_outputs([r.outputs for r in self.records])
-        model.last_step_stats = StepStats(time.perf_counter() - start, link.wait_s, link.sent_bytes)
+                    execution.before_last_backward()
+                self._backward(execution, action.microbatch)
+        execution.finish_step(any(r.backward_requested for r in self.records))
+        outputs = self._share_outputs(execution, [r.outputs for r in self.records])
+        link = execution.link
+        self.stats = StepStats(time.perf_counter() - start, link.wait_s, link.sent_bytes)
         return outputs
 
     def _forward(self, microbatch: int) -> None:
@@ -133,23 +143,20 @@ class StepRun:
         finally:
             self.current = None
 
-    def _backward(self, microbatch: int) -> None:
+    def _backward(self, execution: StageExecution, microbatch: int) -> None:
         record = self.records[microbatch]
-        if not record.backward_requested:
-            return
-        scale = 1.0 / self.microbatches if self.model.options.average_grads_across_microbatches else 1.0
-        self.model._runtime_or_fail().backward(record, scale)
+        if record.backward_requested:
+            execution.backward(record, self.microbatches)
 
-    def _share_outputs(self, outputs: list[Any]) -> list[Any]:
+    def _share_outputs(self, execution: StageExecution, outputs: list[Any]) -> list[Any]:
         """Replace every returned tensor by the output stage's value: only there is the loss real."""
-        model = self.model
         leaves, spec = tree_flatten(outputs)
         leaves = [x.detach() if self.detach_outputs and isinstance(x, torch.Tensor) else x for x in leaves]
-        if model._num_stages() == 1:
+        if execution.num_stages == 1:
             return tree_unflatten(leaves, spec)
         index = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
         shared = broadcast_tensors(
-            [leaves[i] for i in index], model._output_stage(), model._mp_group(), label="step_outputs"
+            [leaves[i] for i in index], execution.output_stage, execution.mp_group, label="step_outputs"
         )
         for i, tensor in zip(index, shared):
             leaves[i] = tensor

@@ -9,16 +9,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from shardkit.distributed import GroupLike
+from shardkit.distributed import GroupLike, all_gather_objects
 from shardkit.distributed import collectives as C
-from shardkit.modelparallel.checkpoint import all_gather_objects
 
 
 def check_same_inputs(inputs: Any, mp_group: GroupLike) -> None:
     """The stages of a replica must see the same batch (each runs glue code on it): checked once, cheaply."""
     leaves = [x for x in tree_leaves(inputs) if isinstance(x, torch.Tensor)]
     digest = [(tuple(x.shape), str(x.dtype), float(x.detach().double().sum())) for x in leaves]
-    gathered = all_gather_objects(digest, mp_group)
+    gathered = all_gather_objects(digest, mp_group, "smp_same_inputs")
     if any(d != gathered[0] for d in gathered):
         differing = [s for s, d in enumerate(gathered) if d != gathered[0]]
         raise ValueError(

@@ -1,29 +1,31 @@
 """The one object holding a process's smp state, ``smp.init`` that builds it, and the rank helpers reading it.
 
 Everything smp knows about the job (config, topology, process groups, the single :class:`DistributedModel`)
-lives in one :class:`SMPState` held by a ``ContextVar``; :func:`reset` drops it (tests build several jobs in
-one process).
+lives in one :class:`SMPState`, held by the process-wide :class:`ProcessState` (plain attributes behind a lock,
+not a ``ContextVar``: ``smp.rank()`` must answer in every thread, including autograd's device threads and a
+data loader's workers); :func:`reset` drops it (tests build several jobs in one process).
 """
 
 from __future__ import annotations
 
 import os
-from contextvars import ContextVar
+import threading
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-from shardkit.distributed import DummyProcessGroup, GroupLike
+from shardkit.distributed import DummyProcessGroup, GroupLike, all_gather_objects
+from shardkit.distributed.groups import torch_group
 from shardkit.modelparallel.config import ConfigLike, ModelParallelConfig, config_differences, resolve_config
 from shardkit.modelparallel.topology import Topology
 
 
 @dataclass
 class SMPState:
-    """Config, topology and process groups of this process, plus the model and step currently in flight."""
+    """Config, topology and process groups of this process, plus its model and optimizer."""
 
     config: ModelParallelConfig
     topology: Topology
@@ -39,8 +41,8 @@ class SMPState:
     """The one ``DistributedModel`` of this process."""
     optimizer: Optional[Any] = None
     """The ``DistributedOptimizer`` wrapping the model's optimizer, if any."""
-    step: Optional[Any] = None
-    """The ``@smp.step`` call in progress (a ``pipeline_parallel.StepRun``), else None."""
+    on_reset: list[Callable[[], None]] = field(default_factory=list)
+    """Undo actions run by :func:`reset` (the model gives its wrapped modules back), last registered first."""
 
     @property
     def distributed(self) -> bool:
@@ -48,12 +50,45 @@ class SMPState:
         return not isinstance(self.world_group, DummyProcessGroup)
 
 
-_STATE: ContextVar[Optional[SMPState]] = ContextVar("shardkit_smp_state", default=None)
+class ProcessState:
+    """The one holder of this process's :class:`SMPState`, visible from every thread.
+
+    smp's state is process-wide by definition (one job, one model per process), so it is an ordinary
+    attribute: any thread reads what :func:`init` set. The lock only orders ``init``/``reset`` against each
+    other; reading is a plain attribute load.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._state: Optional[SMPState] = None
+
+    def get(self) -> Optional[SMPState]:
+        """The state, or None before :func:`init` / after :func:`reset`."""
+        return self._state
+
+    def install(self, state: SMPState) -> None:
+        """Make ``state`` this process's smp state (an error if one is already installed)."""
+        with self._lock:
+            if self._state is not None:
+                raise RuntimeError(
+                    "smp.init() was already called in this process; call it once at the start of the script"
+                )
+            self._state = state
+
+    def take(self) -> Optional[SMPState]:
+        """Remove and return the state (None when there was none)."""
+        with self._lock:
+            state, self._state = self._state, None
+            return state
+
+
+PROCESS = ProcessState()
+"""This process's smp state holder."""
 
 
 def current() -> SMPState:
     """The state built by :func:`init`; a clear error when ``smp.init()`` was not called."""
-    state = _STATE.get()
+    state = PROCESS.get()
     if state is None:
         raise RuntimeError("smp is not initialised: call smp.init() (or smp.init(config)) at the start of the script")
     return state
@@ -61,7 +96,7 @@ def current() -> SMPState:
 
 def is_initialized() -> bool:
     """True once :func:`init` has run in this process (and :func:`reset` has not)."""
-    return _STATE.get() is not None
+    return PROCESS.get() is not None
 
 
 def init(config: ConfigLike = None) -> None:
@@ -90,7 +125,7 @@ def init(config: ConfigLike = None) -> None:
             )
         dummy = DummyProcessGroup(0, 1)
         topo = Topology(1, 0, 1, cfg.placement_strategy)
-        _STATE.set(SMPState(cfg, topo, dummy, dummy, dummy, dummy, 0, 1))
+        PROCESS.install(SMPState(cfg, topo, dummy, dummy, dummy, dummy, 0, 1))
         return
     world_size, rank = dist.get_world_size(), dist.get_rank()
     _check_same_config(cfg, world_size)
@@ -111,7 +146,7 @@ def init(config: ConfigLike = None) -> None:
     assert world is not None
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     local_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    _STATE.set(SMPState(cfg, topo, world, mp_group, dp_group, p2p_group, local_rank, local_size, owned))
+    PROCESS.install(SMPState(cfg, topo, world, mp_group, dp_group, p2p_group, local_rank, local_size, owned))
 
 
 def _create_groups(topo: Topology) -> tuple[Any, Any, Any, list[Any]]:
@@ -137,15 +172,14 @@ def _create_groups(topo: Topology) -> tuple[Any, Any, Any, list[Any]]:
 
 def reset() -> None:
     """Forget this process's smp state and destroy the groups smp created (for tests; the world group stays)."""
-    state = _STATE.get()
+    state = PROCESS.take()
     if state is None:
         return
-    if state.model is not None:
-        state.model._smp_detach()
+    for undo in reversed(state.on_reset):
+        undo()
     for group in state.owned_groups:
         if dist.is_initialized():
             dist.destroy_process_group(group)
-    _STATE.set(None)
 
 
 def _ensure_process_group() -> None:
@@ -161,8 +195,9 @@ def _ensure_process_group() -> None:
 def _check_same_config(cfg: ModelParallelConfig, world_size: int) -> None:
     if world_size == 1:
         return
-    gathered: list[Any] = [None] * world_size
-    dist.all_gather_object(gathered, cfg.to_dict())
+    world = dist.group.WORLD
+    assert world is not None
+    gathered = all_gather_objects(cfg.to_dict(), world, "smp_init_config")
     diffs = config_differences(gathered)
     if diffs:
         raise ValueError(
@@ -254,4 +289,4 @@ def barrier() -> None:
     """Wait until every process reaches this point."""
     state = current()
     if state.distributed:
-        dist.barrier(group=state.world_group)  # type: ignore[arg-type]
+        dist.barrier(group=torch_group(state.world_group, "smp.barrier"))

@@ -145,7 +145,7 @@ def step(
                 raise RuntimeError(
                     f"@smp.step function {fn.__name__!r} was called before smp.DistributedModel(...) was created"
                 )
-            if state.step is not None:
+            if model.running_step is not None:
                 raise RuntimeError(f"@smp.step function {fn.__name__!r} was called inside another @smp.step call")
             bound = signature.bind(*args, **kwargs)
             num_mb = state.config.microbatches
@@ -154,12 +154,10 @@ def step(
             def forward(mb: int) -> Any:
                 return fn(*per_mb[mb].args, **per_mb[mb].kwargs)
 
-            run = StepRun(model, num_mb, forward, detach_outputs)
-            state.step = run
-            try:
+            run = StepRun(lambda: model.stage_execution, num_mb, forward, detach_outputs)
+            with model.running(run):
                 outputs = run.run()
-            finally:
-                state.step = None
+            model.last_step_stats = run.stats
             return _gather(outputs)
 
         return wrapper

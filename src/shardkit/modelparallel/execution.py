@@ -1,0 +1,108 @@
+"""One stage's share of a partitioned model, as the pipeline schedule drives it.
+
+:class:`StageExecution` is built when the partition plan is applied (the first ``@smp.step``) and handed to
+every later step's schedule (:class:`~shardkit.modelparallel.pipeline_parallel.StepRun`). It bundles what
+running the stage takes: the forward dispatch (:class:`~shardkit.modelparallel.runtime.StageRuntime`), the
+link to the other stages, the gradient reduction across replicas and the buffer broadcast, so the schedule
+needs no model class and the model exposes no internals to it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Callable
+
+import torch
+
+from shardkit.distributed import GroupLike
+from shardkit.distributed import collectives as C
+from shardkit.modelparallel.grad_sync import GradientSync
+from shardkit.modelparallel.pp_communications import StageLink
+from shardkit.modelparallel.runtime import MicrobatchRecord, StageRuntime
+
+
+class StageExecution:
+    """This rank's stage of the partitioned model: what a step's schedule calls, in schedule order.
+
+    ``pipeline`` is the configured schedule (``"simple"``/``"interleaved"``), ``mp_group`` joins the replica's
+    stages (step outputs are broadcast from the output stage over it), ``average_grads`` divides each
+    micro-batch's loss gradient by the number of micro-batches, and ``buffers`` lists the buffers this stage
+    holds, broadcast from the first replica before every step when ``broadcast_buffers`` is set.
+    """
+
+    def __init__(
+        self,
+        runtime: StageRuntime,
+        sync: GradientSync,
+        *,
+        pipeline: str,
+        num_stages: int,
+        mp_group: GroupLike,
+        dp_group: GroupLike,
+        average_grads: bool,
+        broadcast_buffers: bool,
+        buffers: Callable[[], Iterable[torch.Tensor]],
+        joining: bool = False,
+    ) -> None:
+        self.runtime = runtime
+        self.sync = sync
+        """Gradient reduction across replicas (and across stages holding tied copies)."""
+        self.pipeline = pipeline
+        self.num_stages = num_stages
+        self.mp_group = mp_group
+        self.average_grads = average_grads
+        self.joining = joining
+        """True inside ``DistributedModel.join()``: each step first tells the other replicas it still trains."""
+        self._dp_group = dp_group
+        self._broadcast_buffers = broadcast_buffers
+        self._buffers = buffers
+
+    @property
+    def stage(self) -> int:
+        """This rank's pipeline stage."""
+        return self.runtime.stage
+
+    @property
+    def output_stage(self) -> int:
+        """The stage where the model's outputs (and so the loss) are real."""
+        return self.runtime.plan.output_stage
+
+    @property
+    def link(self) -> StageLink:
+        """Point-to-point sends and receives between this replica's stages (and their statistics)."""
+        return self.runtime.link
+
+    # ---- the step's life cycle, in the order the schedule calls it ------------------------------------------
+
+    def begin_step(self) -> None:
+        """Before a step's first forward: the join handshake (inside ``join()``) and the buffer broadcast."""
+        if self.joining:
+            self.sync.joining = True
+            self.sync.join_flag(1)  # tells replicas that ran out of data: one more step
+        self.broadcast_buffers()
+        self.link.reset_stats()
+
+    def broadcast_buffers(self) -> None:
+        """Every replica takes the first replica's buffers (``broadcast_buffers=True`` with several replicas)."""
+        if self._broadcast_buffers:
+            for buf in self._buffers():
+                C.broadcast(buf.data, 0, group=self._dp_group, label="smp_ddp_buffers")
+
+    def before_last_backward(self) -> None:
+        """Arm the gradient reduction: the next backward is this step's last one on this stage."""
+        self.sync.arm()
+
+    def backward(self, record: MicrobatchRecord, microbatches: int) -> None:
+        """Backward of one micro-batch on this stage (the loss gradient scaled per ``average_grads``)."""
+        scale = 1.0 / microbatches if self.average_grads else 1.0
+        self.runtime.backward(record, scale)
+
+    def finish_step(self, had_backward: bool) -> None:
+        """After the last backward: wait for sends, then complete the gradient reduction."""
+        self.link.wait_sends()
+        self.sync.finish(had_backward)
+
+    def close(self) -> None:
+        """Give the wrapped modules back and stop the gradient reduction (``smp.reset``)."""
+        self.runtime.uninstall()
+        self.sync.close()
