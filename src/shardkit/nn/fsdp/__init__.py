@@ -1,13 +1,18 @@
 """ZeRO-3 fully sharded data parallel.
 
-Layers, outermost first: :mod:`~shardkit.nn.fsdp.api` (the public class, arguments → policies),
+Layers, outermost first: :mod:`~shardkit.nn.fsdp.api` (the public class, arguments → policies; what a unit
+does: forward, summon, state dicts), :mod:`~shardkit.nn.fsdp.state_dict` (full, local, DCP-sharded and optimizer
+state, built on the next layer), :mod:`~shardkit.nn.fsdp.unit_module` (what a unit is: its run-time state through
+``fsdp_unit``, fairscale's settings, clean names and the one module walker),
 :mod:`~shardkit.nn.fsdp.runtime` (lifecycle hooks and the :class:`TrainingState` machine),
+:mod:`~shardkit.nn.fsdp.prefetch` (the root's schedule: recorded order, rate-limited prefetch),
 :mod:`~shardkit.nn.fsdp.param_group` (one unit: shard, gather, free, reduce),
 :mod:`~shardkit.nn.fsdp.handle` (one flat parameter at run time), :mod:`~shardkit.nn.fsdp.flat_param`
-(the layout metadata), :mod:`~shardkit.nn.fsdp.reduce` (gradient reduction in flight),
-:mod:`~shardkit.nn.fsdp.prefetch` (the root's schedule: recorded order, rate-limited prefetch, reductions in
-flight), :mod:`~shardkit.nn.fsdp.comm_context` (reduce channels, CUDA side streams) and
-:mod:`~shardkit.nn.fsdp._collectives`.
+(the layout metadata), :mod:`~shardkit.nn.fsdp.reduce` (gradient reduction in flight and its queue),
+:mod:`~shardkit.nn.fsdp.reduce_channels` and :mod:`~shardkit.nn.fsdp.comm_context` (reduce channels, CUDA side
+streams) and :mod:`~shardkit.nn.fsdp._collectives` (over :mod:`shardkit.distributed.collectives`). The layout
+types (:class:`~shardkit.nn.fsdp.flat_param.FlatParamMeta` and its parts) are internals, read through
+``FullyShardedDataParallel.flat_param_metas``.
 
 Fast settings (prefetch one unit ahead in both directions; ``BACKWARD_PRE`` costs at most one unit's full
 parameters of extra memory)::
@@ -16,7 +21,6 @@ parameters of extra memory)::
 """
 
 from shardkit.nn.fsdp.api import FullyShardedDataParallel
-from shardkit.nn.fsdp.flat_param import FlatParamMeta, ParamInfo, ShardSlice, SharedParamInfo
 from shardkit.nn.fsdp.forward_methods import register_fsdp_forward_method
 from shardkit.nn.fsdp.helpers import auto_wrap_bn, get_fsdp_instances, no_pre_load_state_dict_hook
 from shardkit.nn.fsdp.policies import BackwardPrefetch, CPUOffload, ProcessGroupName
@@ -28,12 +32,8 @@ __all__ = [
     "FSDP",
     "BackwardPrefetch",
     "CPUOffload",
-    "FlatParamMeta",
     "FullyShardedDataParallel",
-    "ParamInfo",
     "ProcessGroupName",
-    "ShardSlice",
-    "SharedParamInfo",
     "TrainingState",
     "auto_wrap_bn",
     "get_fsdp_instances",

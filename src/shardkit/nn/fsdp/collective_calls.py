@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from shardkit.distributed.groups import GroupLike, group_size, is_dummy
+from shardkit.distributed.groups import GroupLike, group_size, is_dummy, torch_group
 from shardkit.distributed.health import active_check_timeout_s, report_failure
 from shardkit.nn.fsdp._collectives import group_timeout
 
@@ -66,7 +66,7 @@ def every_rank_calls(group: GroupLike, what: str) -> None:
     store = _store()
     if store is None:
         return
-    ranks = dist.get_process_group_ranks(group)  # type: ignore[arg-type]
+    ranks = dist.get_process_group_ranks(torch_group(group, what))
     me = dist.get_rank()
     base = f"{_PREFIX}/{'-'.join(map(str, ranks))}"
     number = store.add(f"{base}/count/{me}", 1)

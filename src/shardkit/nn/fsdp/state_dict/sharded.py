@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch.nn.modules.module import _IncompatibleKeys
 
-from shardkit.distributed.groups import GroupLike, is_dummy
+from shardkit.distributed.groups import GroupLike, is_dummy, torch_group
 from shardkit.nn.fsdp.state_dict._layout import (
     agree,
     buffer_dtypes,
@@ -39,7 +39,7 @@ def _mesh(group: GroupLike, device: torch.device, cache: dict[int, Any]) -> Any:
     from torch.distributed.device_mesh import DeviceMesh
 
     if id(group) not in cache:
-        cache[id(group)] = DeviceMesh.from_group(group, device.type)  # type: ignore[arg-type]
+        cache[id(group)] = DeviceMesh.from_group(torch_group(group, "sharded_state_dict"), device.type)
     return cache[id(group)]
 
 
