@@ -136,7 +136,11 @@ class ShardkitParallelStrategy(ParallelStrategy):
         if self._start_method == "popen":
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)  # type: ignore[arg-type]
+            self._launcher = self._spawning_launcher()
+
+    def _spawning_launcher(self) -> _MultiProcessingLauncher:
+        """The launcher that starts the worker processes (spawn, fork or forkserver); subclasses may replace it."""
+        return _MultiProcessingLauncher(self, start_method=self._start_method)  # type: ignore[arg-type]
 
     @override
     def setup_environment(self) -> None:

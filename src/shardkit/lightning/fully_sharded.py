@@ -198,10 +198,8 @@ class DDPFullyShardedStrategy(ShardkitParallelStrategy):
 
     # ----------------------------------------------------------------- processes
     @override
-    def _configure_launcher(self) -> None:
-        super()._configure_launcher()
-        if self._start_method != "popen":
-            self._launcher = FullStateMultiProcessingLauncher(self, start_method=self._start_method)  # type: ignore[arg-type]
+    def _spawning_launcher(self) -> FullStateMultiProcessingLauncher:
+        return FullStateMultiProcessingLauncher(self, start_method=self._start_method)  # type: ignore[arg-type]
 
     @override
     def teardown(self) -> None:

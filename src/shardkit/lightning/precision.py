@@ -37,7 +37,7 @@ class _ShardedClipping:
     module_norm_clipper: Optional[NormClipper] = None
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
-        inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        inner = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
         clip = getattr(inner, "clip_grad_norm", None)
         if callable(clip):
             clip(float(clip_val))

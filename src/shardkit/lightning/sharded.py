@@ -83,7 +83,7 @@ class DDPShardedStrategy(ShardkitParallelStrategy):
         from shardkit.optim import OSS
 
         if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer._optimizer
+            optimizer = optimizer.optimizer
         if isinstance(optimizer, OSS):
             return optimizer
         if optimizer.state:

@@ -209,6 +209,8 @@ class SlowMoDistributedDataParallel(nn.Module):
             for p in self._params:
                 if p.requires_grad:
                     p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        self._register_state_dict_hook(self._add_push_sum_state)
+        self._register_load_state_dict_pre_hook(self._take_push_sum_state)
         self.register_load_state_dict_post_hook(self._after_load)
 
     # ----------------------------------------------------------------- lifecycle hooks
@@ -340,13 +342,23 @@ class SlowMoDistributedDataParallel(nn.Module):
                         p.copy_(master.view_as(p))
         return self
 
-    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
-        super()._save_to_state_dict(destination, prefix, keep_vars)
-        if self._push_sum is not None:
-            for key, value in self._push_sum.state().items():
-                destination[prefix + key] = value
+    def _add_push_sum_state(
+        self, _module: nn.Module, destination: dict[str, Any], prefix: str, local_metadata: Any
+    ) -> None:
+        """State-dict hook: the push-sum weight and form, placed where buffers of this module would be.
 
-    def _load_from_state_dict(
+        The hook runs after the children have saved, so the wrapped module's entries are moved behind the new
+        ones: ``state_dict()`` keeps the order it would have if the two were buffers of the wrapper.
+        """
+        if self._push_sum is None:
+            return
+        children = [k for k in destination if k.startswith(prefix) and "." in k[len(prefix) :]]
+        for key, value in self._push_sum.state().items():
+            destination[prefix + key] = value
+        for key in children:
+            destination[key] = destination.pop(key)
+
+    def _take_push_sum_state(
         self,
         state_dict: dict[str, Any],
         prefix: str,
@@ -356,15 +368,13 @@ class SlowMoDistributedDataParallel(nn.Module):
         unexpected_keys: list[str],
         error_msgs: list[str],
     ) -> None:
+        """Load-state-dict pre hook: take the push-sum entries out before the parameters load."""
         weight = state_dict.pop(prefix + "ps_weight", None)
         is_numerator = state_dict.pop(prefix + "is_sgp_ps_numerator", True)
         if self._push_sum is not None:
             if self._gossiper is not None:
                 self._gossiper.close()  # rounds in flight belong to the parameters being replaced
             self._push_sum.load(1.0 if weight is None else weight, is_numerator)
-        super()._load_from_state_dict(
-            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
-        )
 
     def _after_load(self, _module: nn.Module, _incompatible_keys: Any) -> None:
         # The slow-momentum anchor x0 must be the loaded point, not the one the wrapper was built with.
