@@ -303,8 +303,11 @@ class DistributedModel(LocalViewsMixin, nn.Module):  # type: ignore[misc]  # sta
         state = self._smp
         topo = state.topology
         stage = topo.mp_rank
+        device = self._execution_device()
+        runtime = StageRuntime(plan, stage, StageLink(state.p2p_group, topo, state.mp_group), device)
+        runtime.install(self.module)  # first: it refuses a module it cannot route before anything changes
         self._key_map = ckpt.state_key_map(self.module)
-        self._device = self._execution_device()
+        self._device = device
         named = canonical_tensors(self.module)
         self._held = {name for name, stages in plan.holders.items() if stage in stages}
         with torch.no_grad():
@@ -315,9 +318,6 @@ class DistributedModel(LocalViewsMixin, nn.Module):  # type: ignore[misc]  # sta
                 else:  # released: its stage owns it
                     tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
                     tensor.grad = None
-        link = StageLink(state.p2p_group, topo, state.mp_group)
-        runtime = StageRuntime(plan, stage, link, self._device)
-        runtime.install(self.module)
         params = {n: t for n, t in named.items() if isinstance(t, nn.Parameter)}
         local_params = [p for n, p in params.items() if n in self._held]
         copies = copy_groups(plan, params, state)

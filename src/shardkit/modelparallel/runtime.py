@@ -1,9 +1,13 @@
 """This rank's part of every model forward: owned unit calls compute and send, the others receive or fake.
 
-The wrapped model's forward runs on every stage. Each unit module's ``forward`` is replaced (on the instance,
-restored by :meth:`StageRuntime.uninstall`) by a dispatcher, because a module hook cannot skip a call: on the
-unit's stage it runs the real forward and sends the outputs other stages need; elsewhere it returns the real
-outputs when this stage needs them (received from the owner) and zero placeholders otherwise. What each stage
+The wrapped model's forward runs on every stage. Each unit module is routed through a dispatcher, because a
+module hook cannot skip a call: on the unit's stage it runs the real forward and sends the outputs other stages
+need; elsewhere it returns the real outputs when this stage needs them (received from the owner) and zero
+placeholders otherwise. The routing is a subclass, as FSDP2's ``fully_shard`` does it: the unit's class becomes
+a subclass of its own class (same name, ``isinstance`` holds, hooks and ``state_dict`` unchanged) whose
+``forward`` dispatches to the original; nothing is assigned on the instance, so ``torch.compile``,
+introspection and other libraries' instance-level wrappers see an ordinary method. :meth:`StageRuntime.uninstall`
+gives each module its class back. What each stage
 sent and received is recorded per micro-batch, for the backward pass.
 
 Placeholder and receive shapes come from the plan, per input signature. A signature not seen before is
@@ -56,6 +60,19 @@ def _needs_grad(dtype: torch.dtype) -> bool:
     return torch.is_grad_enabled() and (dtype.is_floating_point or dtype.is_complex)
 
 
+def _dispatching_class(cls: type[nn.Module], runtime: StageRuntime, unit: str) -> type[nn.Module]:
+    """A subclass of ``cls`` (same name) whose ``forward`` goes through ``runtime`` as unit ``unit``."""
+    original_forward = cls.forward
+
+    @functools.wraps(original_forward)
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return runtime.dispatch(unit, functools.partial(original_forward, self), args, kwargs)
+
+    return type(
+        cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__, "__qualname__": cls.__qualname__}
+    )
+
+
 class StageRuntime:
     """Runs one stage of a partitioned model inside each ``@smp.step`` micro-batch."""
 
@@ -66,23 +83,30 @@ class StageRuntime:
         self.device = device
         self._shapes: dict[tuple[Any, ...], Shapes] = {plan.signature: plan.shapes}
         self._active: Optional[_Invocation] = None
-        self._installed: list[nn.Module] = []
+        self._installed: list[tuple[nn.Module, type[nn.Module]]] = []
         self._placeholders: dict[tuple[tuple[int, ...], torch.dtype, torch.device], torch.Tensor] = {}
 
     # ---- installation -------------------------------------------------------------------------------------
 
     def install(self, root: nn.Module) -> None:
-        """Route every unit module's calls through this runtime."""
-        for name in self.plan.units:
-            module = root.get_submodule(name)
-            original = module.forward
-            module.forward = functools.partial(self._dispatch, name, original)
-            self._installed.append(module)
+        """Route every unit module's calls through this runtime (see the module docstring)."""
+        modules = [(name, root.get_submodule(name)) for name in self.plan.units]
+        for name, module in modules:  # checked first: nothing changes when one cannot be routed
+            if "forward" in vars(module):
+                raise ValueError(
+                    f"module {name!r} has a forward assigned on the instance (another library patched it); smp "
+                    "routes a module's calls through its class, which an instance-level forward would bypass: "
+                    "create the smp.DistributedModel before applying that patch, or remove it"
+                )
+        for name, module in modules:
+            original_cls = type(module)
+            module.__class__ = _dispatching_class(original_cls, self, name)
+            self._installed.append((module, original_cls))
 
     def uninstall(self) -> None:
-        """Give every unit module its own forward back."""
-        for module in self._installed:
-            module.__dict__.pop("forward", None)
+        """Give every unit module its own class back."""
+        for module, original_cls in reversed(self._installed):  # last routed first: nested routes unwind
+            module.__class__ = original_cls
         self._installed = []
 
     # ---- one model forward --------------------------------------------------------------------------------
@@ -111,7 +135,8 @@ class StageRuntime:
         finally:
             self._active = None
 
-    def _dispatch(self, name: str, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    def dispatch(self, name: str, original: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+        """One call of unit ``name``: ``original`` (its real forward) runs only on the unit's own stage."""
         inv = self._active
         if inv is None:
             raise RuntimeError(
