@@ -1,8 +1,9 @@
 """Settings of a :class:`FullyShardedDataParallel` unit, grouped in small frozen policies.
 
 The public constructor keeps fairscale's flat argument list so users migrate by changing an import;
-:func:`policies_from_args` validates those arguments once and turns them into the dataclasses below. The
-runtime only ever reads these policies.
+:func:`policies_from_args` validates those arguments once (errors name the argument) and turns them into the
+dataclasses below, which check their own invariants in ``__post_init__`` (so no invalid policy can be built,
+also not by ``dataclasses.replace``). The runtime only ever reads these policies.
 """
 
 from __future__ import annotations
@@ -71,6 +72,10 @@ class ShardingPolicy:
     #: starts right away); False frees them too, for a root whose backward comes much later.
     disable_reshard_on_root: bool = True
 
+    def __post_init__(self) -> None:
+        for name in ("reshard_after_forward", "flatten_parameters", "disable_reshard_on_root"):
+            _check_bool(f"ShardingPolicy.{name}", getattr(self, name))
+
 
 @dataclass(frozen=True)
 class MixedPrecisionPolicy:
@@ -87,6 +92,22 @@ class MixedPrecisionPolicy:
     #: Call ``torch.clear_autocast_cache()`` after the unit's forward (autocast's cache of cast weights).
     clear_autocast_cache: bool = False
 
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "reduce_dtype", "buffer_dtype"):
+            _check_dtype(f"MixedPrecisionPolicy.{name}", getattr(self, name))
+        _check_bool("MixedPrecisionPolicy.force_input_to_fp32", self.force_input_to_fp32)
+        _check_bool("MixedPrecisionPolicy.clear_autocast_cache", self.clear_autocast_cache)
+        if self.reduce_dtype is not None and not self.enabled:
+            raise ValueError(
+                f"MixedPrecisionPolicy(reduce_dtype={self.reduce_dtype}) needs a 16-bit param_dtype: without mixed "
+                "precision gradients are reduced in their own dtype; leave reduce_dtype None"
+            )
+        if self.force_input_to_fp32 and self.enabled:
+            raise ValueError(
+                "MixedPrecisionPolicy(force_input_to_fp32=True) applies to full precision only: under mixed "
+                f"precision inputs are cast to param_dtype ({self.param_dtype}); leave it False"
+            )
+
     @property
     def enabled(self) -> bool:
         """True when computation runs in a lower precision than the FP32 master shards."""
@@ -102,13 +123,24 @@ class OffloadPolicy:
     #: Device forward and backward run on (None: the device the parameters are on at wrap time).
     compute_device: Optional[torch.device] = None
 
+    def __post_init__(self) -> None:
+        _check_bool("OffloadPolicy.offload_params", self.offload_params)
+        _check_device("OffloadPolicy.compute_device", self.compute_device)
+
 
 @dataclass(frozen=True)
 class PrefetchPolicy:
     """Prefetch hints; they change when communication is issued, never the results."""
 
+    #: When backward starts gathering the next unit (None: each unit gathers when it starts).
     backward: Optional[BackwardPrefetch] = None
+    #: From the second step on, a unit's forward starts gathering the next unit (previous forward's order).
     forward: bool = False
+
+    def __post_init__(self) -> None:
+        if self.backward is not None and not isinstance(self.backward, BackwardPrefetch):
+            raise TypeError(f"backward_prefetch must be a BackwardPrefetch or None, got {self.backward!r}")
+        _check_bool("PrefetchPolicy.forward", self.forward)
 
 
 @dataclass(frozen=True)
@@ -124,6 +156,18 @@ class ReducePolicy:
     #: predivide_factor``). Only ``set_gradient_divide_factors`` sets a pair that is not the average.
     postdivide_factor: Optional[float] = None
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.group, ProcessGroupName) and not _is_group(self.group):
+            raise TypeError(
+                f"ReducePolicy.group must be a ProcessGroupName or a process group, got {type(self.group).__name__}"
+            )
+        for name in ("predivide_factor", "postdivide_factor"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+                raise ValueError(f"ReducePolicy.{name} must be a number > 0 (or None), got {value!r}")
+        if self.postdivide_factor is not None and self.predivide_factor is None:
+            raise ValueError("ReducePolicy.postdivide_factor needs predivide_factor: the two are set together")
+
     def divide_factors(self, world_size: int) -> Optional[tuple[float, float]]:
         """``(before, after)`` the reduction, or None to let shardkit choose (the result is the average)."""
         if self.predivide_factor is None:
@@ -136,22 +180,34 @@ class ReducePolicy:
 class StateDictPolicy:
     """Where full state dicts are materialised (None: the compute device), and by whom."""
 
+    #: Device full state dicts are materialised on (None: where the parameters are).
     device: Optional[torch.device] = None
     #: Only global rank 0 keeps the full state dict; every rank still takes part in the gathers.
     rank0_only: bool = False
     #: ``gather_full_optim_state_dict`` skips this unit's optimizer state (the recipient's own state is used).
     no_broadcast_optim_state: bool = False
 
+    def __post_init__(self) -> None:
+        _check_device("StateDictPolicy.device", self.device)
+        _check_bool("StateDictPolicy.rank0_only", self.rank0_only)
+        _check_bool("StateDictPolicy.no_broadcast_optim_state", self.no_broadcast_optim_state)
+
 
 @dataclass(frozen=True)
 class FSDPPolicies:
     """Every setting of one wrapped unit."""
 
+    #: How parameters are split and when full copies are freed.
     sharding: ShardingPolicy = field(default_factory=ShardingPolicy)
+    #: Compute, reduce and buffer dtypes.
     mixed_precision: MixedPrecisionPolicy = field(default_factory=MixedPrecisionPolicy)
+    #: Where shards live and computation runs.
     offload: OffloadPolicy = field(default_factory=OffloadPolicy)
+    #: Prefetch hints.
     prefetch: PrefetchPolicy = field(default_factory=PrefetchPolicy)
+    #: Where and by whom full state dicts are materialised.
     state_dict: StateDictPolicy = field(default_factory=StateDictPolicy)
+    #: Reduce-scatter group and averaging factors.
     reduce: ReducePolicy = field(default_factory=ReducePolicy)
     #: Reserved for bucketing reduce-scatters across units (accepted for fairscale compatibility; <= 0: none).
     bucket_cap_mb: float = 25.0
@@ -159,6 +215,42 @@ class FSDPPolicies:
     verbose: bool = False
     #: ``reset_parameters()`` re-initialises the wrapped module (with its full parameters) instead of raising.
     allow_reset_parameters: bool = False
+
+    def __post_init__(self) -> None:
+        kinds = {
+            "sharding": ShardingPolicy,
+            "mixed_precision": MixedPrecisionPolicy,
+            "offload": OffloadPolicy,
+            "prefetch": PrefetchPolicy,
+            "state_dict": StateDictPolicy,
+            "reduce": ReducePolicy,
+        }
+        for name, kind in kinds.items():
+            if not isinstance(getattr(self, name), kind):
+                raise TypeError(f"FSDPPolicies.{name} must be a {kind.__name__}, got {getattr(self, name)!r}")
+        if isinstance(self.bucket_cap_mb, bool) or not isinstance(self.bucket_cap_mb, (int, float)):
+            raise TypeError(
+                f"bucket_cap_mb must be a number of megabytes (<= 0: no bucketing), got {self.bucket_cap_mb!r}"
+            )
+        _check_bool("FSDPPolicies.verbose", self.verbose)
+        _check_bool("FSDPPolicies.allow_reset_parameters", self.allow_reset_parameters)
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+
+
+def _check_device(name: str, device: Any) -> None:
+    if device is not None and not isinstance(device, torch.device):
+        raise TypeError(f"{name} must be a torch.device or None, got {device!r}")
+
+
+def _is_group(value: Any) -> bool:
+    """A torch process group, or anything that answers rank() and size() (a DummyProcessGroup)."""
+    return isinstance(value, torch.distributed.ProcessGroup) or (
+        callable(getattr(value, "rank", None)) and callable(getattr(value, "size", None))
+    )
 
 
 def _check_dtype(name: str, dtype: Optional[torch.dtype]) -> None:
@@ -225,9 +317,7 @@ def reduce_group_choice(value: Any) -> Any:
             raise ValueError(f"process_group_reduce_scatter={value!r} is not one of {names}") from None
     if value is None:
         return ProcessGroupName.default  # fairscale's dummy set-ups pass None: reduce on the parameter group
-    if isinstance(value, torch.distributed.ProcessGroup) or (
-        callable(getattr(value, "rank", None)) and callable(getattr(value, "size", None))
-    ):
+    if _is_group(value):
         return value
     raise TypeError(
         f"process_group_reduce_scatter must be a ProcessGroupName or a process group, got {type(value).__name__}"
