@@ -118,7 +118,7 @@ class GradReducer:
         for p in params:
             previous = getattr(p, _REDUCER_ATTR, None)
             prior = previous() if previous is not None else None
-            if prior is not None and prior is not self and p in prior._slot_of:
+            if prior is not None and prior is not self and prior.reduces(p):
                 prior.remove_hooks()
                 warnings.warn(
                     "ShardedDataParallel: this model was already wrapped by another ShardedDataParallel; the earlier "
@@ -126,6 +126,10 @@ class GradReducer:
                     stacklevel=5,
                 )
             setattr(p, _REDUCER_ATTR, weakref.ref(self))
+
+    def reduces(self, param: torch.Tensor) -> bool:
+        """True when ``param``'s gradient is hooked and reduced by this reducer."""
+        return param in self._slot_of
 
     def remove_hooks(self) -> None:
         """Detach every gradient hook (the model then trains without any reduction)."""
