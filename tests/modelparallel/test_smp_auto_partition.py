@@ -10,6 +10,7 @@ from torch import nn
 
 import shardkit.modelparallel as smp
 from shardkit.modelparallel.auto_partition import balanced_cut
+from shardkit.modelparallel.partitioner import plan_partition
 from shardkit.testing.models import LMConfig, TransformerLM
 
 
@@ -17,7 +18,7 @@ def test_bench_lm_two_stages_are_balanced_and_printable() -> None:
     with torch.device("meta"):  # shapes and FLOPs only: no memory, no compute
         model = TransformerLM(LMConfig.bench())
     tokens = torch.zeros(1, LMConfig.bench().seq_len, dtype=torch.long, device="meta")
-    plan, placement = smp.plan_partition(model, (tokens,), partitions=2)
+    plan, placement = plan_partition(model, (tokens,), partitions=2)
     costs = placement.stage_costs
     assert (max(costs) - min(costs)) / max(costs) <= 0.15, placement
     assert placement.modules_on(0)[:2] == ["embed", "blocks.0"] and placement.modules_on(1)[-2:] == ["ln_f", "head"]
@@ -47,18 +48,18 @@ class HugeBlock(nn.Module):
 
 def test_one_huge_layer_with_sublayers_is_split_across_stages() -> None:
     model = nn.Sequential(nn.Linear(32, 32), HugeBlock(), nn.Linear(32, 32))
-    plan, placement = smp.plan_partition(model, (torch.randn(4, 32),), partitions=2, memory_weight=0.5)
+    plan, placement = plan_partition(model, (torch.randn(4, 32),), partitions=2, memory_weight=0.5)
     stages = {placement.stage_of(n) for n, _ in placement.modules if n.startswith("1.")}
     assert stages == {0, 1}, placement  # the huge block was opened and its layers spread over both stages
     assert placement.imbalance < 0.2, placement
-    whole = smp.plan_partition(model, (torch.randn(4, 32),), partitions=1)[1].stage_costs[0]
+    whole = plan_partition(model, (torch.randn(4, 32),), partitions=1)[1].stage_costs[0]
     assert max(placement.stage_costs) < 0.6 * whole  # unopened, the block alone would cost ~0.9 of it
     assert plan.monotone
 
 
 def test_one_huge_leaf_layer_gets_a_stage_of_its_own() -> None:
     model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 1024), nn.Linear(1024, 16))
-    _, placement = smp.plan_partition(model, (torch.randn(4, 16),), partitions=3, memory_weight=0.0)
+    _, placement = plan_partition(model, (torch.randn(4, 16),), partitions=3, memory_weight=0.0)
     assert all(placement.modules_on(s) for s in range(3)), placement
     assert len(placement.modules_on(placement.stage_of("2"))) == 1, placement  # the huge layer sits alone
 
@@ -100,6 +101,6 @@ def test_manual_partition_marks_modules_created_inside() -> None:
             return x
 
     model = Model()
-    plan, _ = smp.plan_partition(model, (torch.randn(2, 4),), partitions=3, auto_partition=False)
+    plan, _ = plan_partition(model, (torch.randn(2, 4),), partitions=3, auto_partition=False)
     assert plan.units == {"child0": 1, "child1": 2, "child2": 1, "child3": 0, "stack": 1}
     assert not plan.monotone  # child3 (stage 0) consumes child2's output (stage 1)

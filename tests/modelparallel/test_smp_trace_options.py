@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import shardkit.modelparallel as smp
+from shardkit.modelparallel.partitioner import plan_partition
 from shardkit.modelparallel.trace import trace_costs
 from shardkit.testing import run_distributed
 
@@ -61,8 +62,8 @@ def test_measured_memory_is_what_backward_keeps() -> None:
 
 def test_measured_memory_changes_the_partition() -> None:
     x = torch.randn(32, 16)
-    _, guessed = smp.plan_partition(_model(), (x,), partitions=2, memory_weight=1.0)
-    _, measured = smp.plan_partition(_model(), (x,), partitions=2, memory_weight=1.0, measure_memory=True)
+    _, guessed = plan_partition(_model(), (x,), partitions=2, memory_weight=1.0)
+    _, measured = plan_partition(_model(), (x,), partitions=2, memory_weight=1.0, measure_memory=True)
     assert not guessed.memory_measured and measured.memory_measured
     assert guessed.modules_on(0) == ["0"]  # the estimate thinks Scratch alone is most of the memory
     assert measured.modules_on(0) == ["0", "1"]  # it is not: one Keep joins it and the stages even out
@@ -72,7 +73,7 @@ def test_measured_memory_changes_the_partition() -> None:
 
 def test_trace_device_cpu_traces_on_the_cpu() -> None:
     model = _model()
-    _, placement = smp.plan_partition(model, (torch.randn(4, 16),), partitions=1, trace_device="cpu")
+    _, placement = plan_partition(model, (torch.randn(4, 16),), partitions=1, trace_device="cpu")
     assert placement.traced_on == "cpu" and set(model[1].devices) == {"cpu"}
 
 
@@ -81,7 +82,7 @@ def test_trace_device_moves_the_trace_and_leaves_the_model() -> None:
     for home, trace in (("cuda", "cpu"), ("cpu", "cuda")):
         model = _model().to(home)
         params = list(model.parameters())
-        _, placement = smp.plan_partition(
+        _, placement = plan_partition(
             model, (torch.randn(4, 16, device=home),), partitions=2, trace_device=trace, measure_memory=True
         )
         assert placement.traced_on.startswith(trace)

@@ -39,7 +39,6 @@ from shardkit.modelparallel.config import ModelParallelConfig
 from shardkit.modelparallel.model import DistributedModel
 from shardkit.modelparallel.optimizer import DistributedOptimizer
 from shardkit.modelparallel.partition import partition
-from shardkit.modelparallel.partitioner import plan_partition
 from shardkit.modelparallel.state import (
     barrier,
     dp_rank,
@@ -88,7 +87,6 @@ __all__ = [
     "nn",
     "optimizers",
     "partition",
-    "plan_partition",
     "pp_rank",
     "pp_size",
     "rank",
