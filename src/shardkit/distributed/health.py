@@ -64,7 +64,12 @@ def active_check_timeout_s() -> Optional[float]:
     return state.timeout_s if state is not None else None
 
 
-def _store() -> Optional[dist.Store]:
+def default_store() -> Optional[dist.Store]:
+    """The key-value store the default process group rendezvoused through, or None without one.
+
+    shardkit keeps small out-of-band records there (failed ranks, where each rank last was) that must be
+    readable while collectives hang. torch exposes the store only privately; this is the one place that asks.
+    """
     if not dist.is_available() or not dist.is_initialized():
         return None
     try:
@@ -75,7 +80,7 @@ def _store() -> Optional[dist.Store]:
 
 def report_failure(error: BaseException) -> None:
     """Record in the process group's store that this rank failed with ``error`` (best effort, never raises)."""
-    store = _store()
+    store = default_store()
     if store is None:
         return
     with contextlib.suppress(Exception):
@@ -102,7 +107,7 @@ def _read(store: dist.Store, key: str) -> Optional[str]:
 
 def failed_ranks() -> dict[int, str]:
     """Ranks that reported a failure through :func:`report_failure`, with their error."""
-    store = _store()
+    store = default_store()
     if store is None:
         return {}
     found = {}
@@ -114,7 +119,7 @@ def failed_ranks() -> dict[int, str]:
 
 
 def _last_collectives() -> dict[int, str]:
-    store = _store()
+    store = default_store()
     if store is None:
         return {}
     found = {}
@@ -152,7 +157,7 @@ def verify_matching(group: Any, op: str, label: str, tensor: torch.Tensor) -> No
         return
     seq = state.next_seq(group)
     desc = f"#{seq} {op}:{label or '-'} numel={tensor.numel()} dtype={tensor.dtype}"
-    store = _store()
+    store = default_store()
     if store is not None:
         with contextlib.suppress(Exception):
             store.set(f"{_PREFIX}/last/{dist.get_rank()}", desc)

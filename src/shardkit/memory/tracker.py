@@ -37,10 +37,15 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _get_current_dispatch_mode_stack,
+    is_in_torch_dispatch_mode,
+)
 from torch.utils._pytree import tree_flatten
 
 from shardkit.memory._book import Category, MemorySnapshot, StorageBook
+from shardkit.utils.autograd import backward_running
 
 _PATCH_MARK = "_shardkit_memory_tracker"
 
@@ -182,7 +187,7 @@ class MemoryTracker(TorchDispatchMode):
     def _category_now(self) -> Category:
         if self._in_optimizer:
             return Category.OPTIMIZER_STATE
-        if torch._C._current_graph_task_id() != -1:
+        if backward_running():
             return Category.TEMPORARIES
         if self._stack:
             return Category.ACTIVATIONS
@@ -282,7 +287,7 @@ def tag(tensor: torch.Tensor, category: Category) -> None:
         full = torch.empty(numel)
         tag(full, Category.PARAMETERS)     # gathered parameters, not an activation
     """
-    if not torch._C._len_torch_dispatch_stack():
+    if not is_in_torch_dispatch_mode():
         return
     for mode in _get_current_dispatch_mode_stack():
         if isinstance(mode, MemoryTracker):

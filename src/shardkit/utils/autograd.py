@@ -1,0 +1,17 @@
+"""Questions about autograd's engine that torch answers only through its private bindings, asked in one place."""
+
+from __future__ import annotations
+
+import torch
+
+
+def backward_running() -> bool:
+    """True while autograd's engine is running a backward pass on this thread (hooks, recomputation).
+
+    torch has no public call for this; its own FSDP2 and module tracker read the current graph task id the same
+    way, so every shardkit caller goes through this one function.
+    """
+    return bool(torch._C._current_graph_task_id() != -1)
+
+
+__all__ = ["backward_running"]
