@@ -17,24 +17,17 @@ call, on calls that already move the whole model; never on the training step.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any
 
 import torch.distributed as dist
 
 from shardkit.distributed.groups import GroupLike, group_size, is_dummy, torch_group
-from shardkit.distributed.health import active_check_timeout_s, report_failure
+from shardkit.distributed.health import active_check_timeout_s, default_store, report_failure
 from shardkit.nn.fsdp._collectives import group_timeout
 
 _PREFIX = "shardkit/fsdp/calls"
-
-
-def _store() -> Optional[Any]:
-    with contextlib.suppress(Exception):
-        return dist.distributed_c10d._get_default_store()
-    return None
 
 
 def _wait_timeout(group: GroupLike) -> timedelta:
@@ -63,7 +56,7 @@ def every_rank_calls(group: GroupLike, what: str) -> None:
     """
     if is_dummy(group) or group_size(group) == 1 or not dist.is_initialized():
         return
-    store = _store()
+    store = default_store()
     if store is None:
         return
     ranks = dist.get_process_group_ranks(torch_group(group, what))

@@ -28,6 +28,7 @@ from shardkit.nn.fsdp.param_group import ParamGroup
 from shardkit.nn.fsdp.policies import BackwardPrefetch, FSDPPolicies
 from shardkit.nn.fsdp.prefetch import Schedule
 from shardkit.nn.fsdp.reduce import ReduceQueue
+from shardkit.utils.autograd import backward_running
 
 #: Why the lifecycle hooks run eagerly under ``torch.compile`` (shown by ``fullgraph=True``'s error).
 EAGER_REASON = (
@@ -406,9 +407,8 @@ class _InputsGradReady(torch.autograd.Function):
         return (None, *grads)
 
 
-def _in_backward() -> bool:
-    """True while autograd's engine is running a backward pass on this thread."""
-    return bool(torch._C._current_graph_task_id() != -1)
+#: True while autograd's engine is running a backward pass on this thread.
+_in_backward = backward_running
 
 
 def make_input_caster(dtype: torch.dtype) -> Callable[[Any], Any]:
