@@ -23,13 +23,18 @@ Example::
         optimizer.step()
 
 Pieces: :mod:`~.config` and :mod:`~.topology` (settings, rank arithmetic), :mod:`~.state` (``init``, rank
-helpers, the one state object), :mod:`~.model` and :mod:`~.model_views` (``DistributedModel``), :mod:`~.step`
-(``step``, ``StepOutput``), :mod:`~.partition` (``smp.partition``), :mod:`~.trace`, :mod:`~.auto_partition`
-and :mod:`~.partitioner` (deciding the placement), :mod:`~.plan` and :mod:`~.runtime` (how a partitioned
-forward runs on every stage), :mod:`~.pipeline_parallel` (schedules) beside :mod:`~.pp_communications`
-(send/recv), :mod:`~.grad_sync` and :mod:`~.stage_groups` (gradient reduction), :mod:`~.startup`,
-:mod:`~.optimizer`, :mod:`~.checkpoint`, :mod:`~.amp`; ``smp.nn`` (``FusedLayerNorm``) and ``smp.optimizers``
-(``FusedNovoGrad``, ``FusedLamb``), the Apex replacements smp ships, in plain torch.
+helpers, the one process-wide state object), :mod:`~.model` (``DistributedModel``: the public wrapper) over
+:mod:`~.holding` (what a stage holds: local views, state dicts) and :mod:`~.build` (the partition: decide the
+plan, build the stage), :mod:`~.step` (``step``, ``StepOutput``), :mod:`~.partition` (``smp.partition``),
+:mod:`~.trace`, :mod:`~.auto_partition` and :mod:`~.partitioner` (deciding the placement), :mod:`~.plan` and
+:mod:`~.runtime` (how a partitioned forward runs on every stage), :mod:`~.execution` (the stage-execution
+object the schedule drives), :mod:`~.pipeline_parallel` (schedules; it imports no model class) beside
+:mod:`~.pp_communications` (send/recv), :mod:`~.grad_sync` and :mod:`~.stage_groups` (gradient reduction),
+:mod:`~.startup`, :mod:`~.optimizer`, :mod:`~.checkpoint`, :mod:`~.amp`; ``smp.nn`` (``FusedLayerNorm``) and
+``smp.optimizers`` (``FusedNovoGrad``, ``FusedLamb``), the Apex replacements smp ships, in plain torch.
+
+Layering, bottom up: config/topology -> state -> plan/runtime/pp_communications -> execution ->
+pipeline_parallel -> holding/build -> model -> step; no module imports one above it.
 """
 
 from shardkit.modelparallel import amp, nn, optimizers

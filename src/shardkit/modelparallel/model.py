@@ -8,67 +8,26 @@ each stage keeps what it holds and releases the rest) -> every later forward run
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections import OrderedDict
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Callable, Optional, Union
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from shardkit.distributed import broadcast_object
-from shardkit.distributed.model_check import check_same_model
-from shardkit.modelparallel import checkpoint as ckpt
 from shardkit.modelparallel import state as smp_state
 from shardkit.modelparallel.auto_partition import Placement
+from shardkit.modelparallel.build import ModelOptions, build_stage, decide_plan
 from shardkit.modelparallel.execution import StageExecution
-from shardkit.modelparallel.grad_sync import GradientSync
-from shardkit.modelparallel.model_views import LocalViewsMixin
-from shardkit.modelparallel.partitioner import check_plan, plan_partition
+from shardkit.modelparallel.holding import StageHolding
 from shardkit.modelparallel.pipeline_parallel import StepRun, StepStats
-from shardkit.modelparallel.plan import PipelinePlan
-from shardkit.modelparallel.pp_communications import StageLink
-from shardkit.modelparallel.runtime import StageRuntime
-from shardkit.modelparallel.stage_groups import copy_groups
-from shardkit.modelparallel.startup import (
-    broadcast_initial_state,
-    canonical_tensors,
-    check_same_inputs,
-)
 from shardkit.modelparallel.trace import to_device
 
-
-@dataclass(frozen=True)
-class ModelOptions:
-    """The ``DistributedModel`` arguments, validated (see the class docstring)."""
-
-    trace_device: str = "gpu"
-    trace_execution_times: bool = False
-    overlapping_allreduce: bool = True
-    backward_passes_per_step: int = 1
-    average_grads_across_microbatches: bool = True
-    bucket_cap_mb: float = 25
-    trace_memory_usage: bool = False
-    broadcast_buffers: bool = True
-    gradient_as_bucket_view: bool = False
-
-    def __post_init__(self) -> None:
-        if self.trace_device not in ("cpu", "gpu"):
-            raise ValueError(f"trace_device must be 'cpu' or 'gpu', got {self.trace_device!r}")
-        if self.trace_execution_times and self.trace_device == "cpu":
-            raise ValueError("trace_execution_times=True needs trace_device='gpu' (CPU timings mislead the partition)")
-        if isinstance(self.backward_passes_per_step, bool) or not isinstance(self.backward_passes_per_step, int):
-            raise TypeError(f"backward_passes_per_step must be an int, got {self.backward_passes_per_step!r}")
-        if self.backward_passes_per_step < 1:
-            raise ValueError(f"backward_passes_per_step must be >= 1, got {self.backward_passes_per_step}")
-        if not self.bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb}")
+__all__ = ["DistributedModel", "ModelOptions"]
 
 
-class DistributedModel(LocalViewsMixin, nn.Module):  # type: ignore[misc]  # state_dict is smp-aware
+class DistributedModel(nn.Module):
     """Split ``module`` into pipeline stages (and replicate it with ``ddp=True``); one per process.
 
     Call it and its :meth:`backward` only inside an ``@smp.step`` function. The partition happens on the first
@@ -151,15 +110,11 @@ class DistributedModel(LocalViewsMixin, nn.Module):  # type: ignore[misc]  # sta
         self.last_step_stats = StepStats()
         """Timing of the last step on this rank (step time, time blocked on receives, bytes sent)."""
         self._smp = state
-        self._plan: Optional[PipelinePlan] = None
+        self._holding = StageHolding(module, state.mp_group)
         self._placement: Optional[Placement] = None
         self._execution: Optional[StageExecution] = None
         self._run: Optional[StepRun] = None
-        self._held: set[str] = set()
-        self._key_map: dict[str, str] = {}
-        self._device = torch.device("cpu")
         self._hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
-        self._pending_state: Optional[dict[str, Any]] = None
         self._joining = False
         state.model = self
         state.on_reset.append(self._release)
@@ -206,7 +161,7 @@ class DistributedModel(LocalViewsMixin, nn.Module):  # type: ignore[misc]  # sta
             args, kwargs = to_device((args, kwargs), first.device if first is not None else torch.device("cpu"))
             self._partition(args, kwargs)
         assert self._execution is not None
-        args, kwargs = to_device((args, kwargs), self._device)
+        args, kwargs = to_device((args, kwargs), self._holding.device)
         with self._execution.runtime.invocation(record, (args, kwargs), first_microbatch=record.index == 0):
             return self.module(*args, **kwargs)
 
@@ -249,105 +204,9 @@ class DistributedModel(LocalViewsMixin, nn.Module):  # type: ignore[misc]  # sta
 
     def _partition(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         state = self._smp
-        cfg, topo = state.config, state.topology
-        if state.distributed and topo.world_size > 1:
-            check_same_model(self.module, state.world_group, "smp.DistributedModel")  # before the broadcast
-            check_same_inputs((args, kwargs), state.mp_group)
-            broadcast_initial_state(self.module, state.world_group, self._execution_device())
-        payload: tuple[Any, Any, Optional[str]] = (None, None, None)
-        if topo.rank == 0:
-            try:
-                plan, placement = plan_partition(
-                    self.module,
-                    args,
-                    kwargs,
-                    partitions=cfg.partitions,
-                    auto_partition=cfg.auto_partition,
-                    default_partition=cfg.default_partition,
-                    memory_weight=cfg.effective_memory_weight,
-                    measure_time=self.options.trace_execution_times,
-                    measure_memory=self.options.trace_memory_usage,
-                    trace_device=self._trace_device(),
-                )
-                check_plan(plan)
-                payload = (plan, placement, None)
-            except Exception as exc:
-                if not (state.distributed and topo.world_size > 1):
-                    raise
-                payload = (None, None, f"{type(exc).__name__}: {exc}")
-                broadcast_object(payload, 0, state.world_group)
-                raise
-        if state.distributed and topo.world_size > 1:
-            with warnings.catch_warnings():  # unpickling the outputs' tree specs warns about a torch deprecation
-                warnings.simplefilter("ignore", FutureWarning)
-                payload = broadcast_object(payload, 0, state.world_group)
-        plan, placement, error = payload
-        if error is not None:
-            raise RuntimeError(f"smp could not partition the model (error on rank 0): {error}")
-        self._apply_plan(plan, placement)
-
-    def _trace_device(self) -> torch.device:
-        """``trace_device`` resolved: the CPU, or for ``"gpu"`` the device this rank computes on."""
-        if self.options.trace_device == "cpu":
-            return torch.device("cpu")
-        return self._execution_device()  # a CPU-only run (gloo, parameters on the CPU) traces on the CPU
-
-    def _execution_device(self) -> torch.device:
-        state = self._smp
-        if state.distributed and dist.get_backend() == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
-        first = next(iter(self.module.parameters()), None)
-        return first.device if first is not None else torch.device("cpu")
-
-    def _apply_plan(self, plan: PipelinePlan, placement: Placement) -> None:
-        state = self._smp
-        topo = state.topology
-        stage = topo.mp_rank
-        device = self._execution_device()
-        runtime = StageRuntime(plan, stage, StageLink(state.p2p_group, topo, state.mp_group), device)
-        runtime.install(self.module)  # first: it refuses a module it cannot route before anything changes
-        self._key_map = ckpt.state_key_map(self.module)
-        self._device = device
-        named = canonical_tensors(self.module)
-        self._held = {name for name, stages in plan.holders.items() if stage in stages}
-        with torch.no_grad():
-            for name, tensor in named.items():
-                if name in self._held:
-                    if tensor.device != self._device:
-                        tensor.data = tensor.data.to(self._device)
-                else:  # released: its stage owns it
-                    tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
-                    tensor.grad = None
-        params = {n: t for n, t in named.items() if isinstance(t, nn.Parameter)}
-        local_params = [p for n, p in params.items() if n in self._held]
-        copies = copy_groups(plan, params, state)
-        sync = GradientSync(
-            local_params,
-            state.dp_group,
-            topo.dp_size,
-            copies,
-            self.options.bucket_cap_mb,
-            self.options.overlapping_allreduce,
-            self.options.backward_passes_per_step,
-            self._device,
-            self.options.gradient_as_bucket_view,
-        )
-        self._plan, self._placement = plan, placement
-        self._execution = StageExecution(
-            runtime,
-            sync,
-            pipeline=state.config.pipeline,
-            num_stages=topo.mp_size,
-            mp_group=state.mp_group,
-            dp_group=state.dp_group,
-            average_grads=self.options.average_grads_across_microbatches,
-            broadcast_buffers=state.config.ddp and topo.dp_size > 1 and self.options.broadcast_buffers,
-            buffers=lambda: (buf for _, buf in self.local_named_buffers()),
-            joining=self._joining,
-        )
-        if self._pending_state is not None:
-            pending, self._pending_state = self._pending_state, None
-            self._load_held(pending, strict=True)
+        plan, placement = decide_plan(self.module, args, kwargs, state, self.options)
+        self._execution = build_stage(self._holding, plan, state, self.options, self._joining)
+        self._placement = placement
         if state.optimizer is not None:
             state.optimizer.load_pending_state()
         for hook in list(self._hooks.values()):
@@ -406,3 +265,75 @@ class DistributedModel(LocalViewsMixin, nn.Module):  # type: ignore[misc]  # sta
         if self._execution is not None:
             self._execution.joining = joining
             self._execution.sync.joining = joining
+
+    # ---- what this stage holds (see holding.py) -------------------------------------------------------------
+
+    @property
+    def partitioned(self) -> bool:
+        """True once the first step has partitioned the model."""
+        return self._execution is not None
+
+    @property
+    def execution_device(self) -> torch.device:
+        """The device this stage computes on (where its held parameters live after the partition)."""
+        return self._holding.device
+
+    def local_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """(name, parameter) for the parameters this stage holds (all of them before the partition)."""
+        return self._holding.local_named_parameters()
+
+    def local_parameters(self) -> Iterator[nn.Parameter]:
+        """The parameters this stage holds."""
+        return (param for _, param in self._holding.local_named_parameters())
+
+    def local_named_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, buffer) for the buffers this stage holds."""
+        return self._holding.local_named_buffers()
+
+    def local_buffers(self) -> Iterator[torch.Tensor]:
+        """The buffers this stage holds."""
+        return (buf for _, buf in self._holding.local_named_buffers())
+
+    def local_named_modules(self) -> Iterator[tuple[str, nn.Module]]:
+        """(name, module) for the modules that run on this stage (all before the partition)."""
+        return self._holding.local_named_modules()
+
+    def local_modules(self) -> Iterator[nn.Module]:
+        """The modules that run on this stage."""
+        return (module for _, module in self._holding.local_named_modules())
+
+    def first_holder_mask(self, params: Sequence[torch.Tensor]) -> list[bool]:
+        """For each parameter, whether this stage is the lowest one holding it.
+
+        Summing a per-parameter quantity (a squared gradient norm) over the stages only where this is True
+        counts every parameter once, tied and replicated copies included. A tensor that is not one of the
+        model's parameters counts here. Before the partition every parameter counts.
+        """
+        return self._holding.first_holder_mask(params)
+
+    def local_state_dict(self) -> dict[str, Any]:
+        """This stage's parameters and buffers by their module names, marked ``_smp_is_partial``."""
+        return self._holding.local_state_dict()
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]  # gathered over stages
+        """The whole model's state dict (keys of the unwrapped module), gathered from every stage.
+
+        Collective over the replica's stages: call it on every rank of the mp group.
+        """
+        if not self._holding.partitioned:
+            return self.module.state_dict(*args, **kwargs)
+        return self._holding.full_state_dict()
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """Load a full or partial state dict (partial ones are first gathered from every stage: collective).
+
+        Before the partition the model loads it whole; after it, each stage copies what it holds.
+        """
+        return self._holding.load_state_dict(state_dict, strict)
+
+    def cpu(self) -> Any:
+        """Gather every stage's parameters and buffers so this rank holds the whole model, on the CPU."""
+        self._holding.gather_to_cpu()
+        if self._execution is not None:
+            self._execution.runtime.device = self._holding.device
+        return self

@@ -1,0 +1,160 @@
+"""The partition, in two ordered steps: decide the plan (rank 0, shared with every rank), then build the stage.
+
+:func:`decide_plan` checks that every rank holds the same model and inputs, broadcasts rank 0's weights, has
+rank 0 trace and plan, and hands the plan to every rank (an error on rank 0 is raised on every rank).
+:func:`build_stage` applies it on this rank and returns the
+:class:`~shardkit.modelparallel.execution.StageExecution` the pipeline schedule runs from then on.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardkit.distributed import broadcast_object
+from shardkit.distributed.model_check import check_same_model
+from shardkit.modelparallel.auto_partition import Placement
+from shardkit.modelparallel.execution import StageExecution
+from shardkit.modelparallel.grad_sync import GradientSync
+from shardkit.modelparallel.holding import StageHolding
+from shardkit.modelparallel.partitioner import check_plan, plan_partition
+from shardkit.modelparallel.plan import PipelinePlan
+from shardkit.modelparallel.pp_communications import StageLink
+from shardkit.modelparallel.runtime import StageRuntime
+from shardkit.modelparallel.stage_groups import copy_groups
+from shardkit.modelparallel.startup import broadcast_initial_state, check_same_inputs
+from shardkit.modelparallel.state import SMPState
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """The ``DistributedModel`` arguments, validated at construction (see that class's docstring)."""
+
+    trace_device: str = "gpu"
+    """``"cpu"`` or ``"gpu"``: where rank 0 runs the tracing forward that decides the partition."""
+    trace_execution_times: bool = False
+    """Balance stages by measured module times (needs ``trace_device="gpu"``)."""
+    overlapping_allreduce: bool = True
+    """Start each gradient bucket's all-reduce during the last backward instead of after it."""
+    backward_passes_per_step: int = 1
+    """Steps whose gradients accumulate before the replicas' all-reduce."""
+    average_grads_across_microbatches: bool = True
+    """Divide each micro-batch's loss gradient by the number of micro-batches."""
+    bucket_cap_mb: float = 25
+    """Size of one gradient all-reduce bucket, in MiB."""
+    trace_memory_usage: bool = False
+    """Measure each module's memory for the partition (one more traced forward) instead of estimating it."""
+    broadcast_buffers: bool = True
+    """Every replica takes the first replica's buffers before each step (``ddp=True``)."""
+    gradient_as_bucket_view: bool = False
+    """Gradients are views into the all-reduce buckets (no second copy)."""
+
+    def __post_init__(self) -> None:
+        if self.trace_device not in ("cpu", "gpu"):
+            raise ValueError(f"trace_device must be 'cpu' or 'gpu', got {self.trace_device!r}")
+        if self.trace_execution_times and self.trace_device == "cpu":
+            raise ValueError("trace_execution_times=True needs trace_device='gpu' (CPU timings mislead the partition)")
+        if isinstance(self.backward_passes_per_step, bool) or not isinstance(self.backward_passes_per_step, int):
+            raise TypeError(f"backward_passes_per_step must be an int, got {self.backward_passes_per_step!r}")
+        if self.backward_passes_per_step < 1:
+            raise ValueError(f"backward_passes_per_step must be >= 1, got {self.backward_passes_per_step}")
+        if not self.bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb}")
+
+
+def execution_device(state: SMPState, module: nn.Module) -> torch.device:
+    """The device this rank computes on: its CUDA device under NCCL, else where the parameters are."""
+    if state.distributed and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    first = next(iter(module.parameters()), None)
+    return first.device if first is not None else torch.device("cpu")
+
+
+def decide_plan(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], state: SMPState, options: ModelOptions
+) -> tuple[PipelinePlan, Placement]:
+    """Rank 0's partition plan for ``module`` called with ``(args, kwargs)``, on every rank (collective)."""
+    cfg, topo = state.config, state.topology
+    device = execution_device(state, module)
+    if state.distributed and topo.world_size > 1:
+        check_same_model(module, state.world_group, "smp.DistributedModel")  # before the broadcast
+        check_same_inputs((args, kwargs), state.mp_group)
+        broadcast_initial_state(module, state.world_group, device)
+    payload: tuple[Any, Any, Optional[str]] = (None, None, None)
+    if topo.rank == 0:
+        try:
+            plan, placement = plan_partition(
+                module,
+                args,
+                kwargs,
+                partitions=cfg.partitions,
+                auto_partition=cfg.auto_partition,
+                default_partition=cfg.default_partition,
+                memory_weight=cfg.effective_memory_weight,
+                measure_time=options.trace_execution_times,
+                measure_memory=options.trace_memory_usage,
+                # "gpu" traces where this rank computes: a CPU-only run (gloo, CPU parameters) on the CPU
+                trace_device=torch.device("cpu") if options.trace_device == "cpu" else device,
+            )
+            check_plan(plan)
+            payload = (plan, placement, None)
+        except Exception as exc:
+            if not (state.distributed and topo.world_size > 1):
+                raise
+            payload = (None, None, f"{type(exc).__name__}: {exc}")
+            broadcast_object(payload, 0, state.world_group, "smp_partition_plan")
+            raise
+    if state.distributed and topo.world_size > 1:
+        with warnings.catch_warnings():  # unpickling the outputs' tree specs warns about a torch deprecation
+            warnings.simplefilter("ignore", FutureWarning)
+            payload = broadcast_object(payload, 0, state.world_group, "smp_partition_plan")
+    plan, placement, error = payload
+    if error is not None:
+        raise RuntimeError(f"smp could not partition the model (error on rank 0): {error}")
+    return plan, placement
+
+
+def build_stage(
+    holding: StageHolding, plan: PipelinePlan, state: SMPState, options: ModelOptions, joining: bool
+) -> StageExecution:
+    """Apply ``plan`` on this rank: route the units, keep this stage's tensors, set up gradient reduction.
+
+    Collective over the world (the groups for tied parameters are created on every rank).
+    """
+    topo = state.topology
+    stage = topo.mp_rank
+    device = execution_device(state, holding.module)
+    runtime = StageRuntime(plan, stage, StageLink(state.p2p_group, topo, state.mp_group), device)
+    runtime.install(holding.module)  # first: it refuses a module it cannot route before anything changes
+    named = holding.take(plan, stage, device)
+    params = {n: t for n, t in named.items() if isinstance(t, nn.Parameter)}
+    local_params = [p for n, p in params.items() if holding.holds(n)]
+    copies = copy_groups(plan, params, state)
+    sync = GradientSync(
+        local_params,
+        state.dp_group,
+        topo.dp_size,
+        copies,
+        options.bucket_cap_mb,
+        options.overlapping_allreduce,
+        options.backward_passes_per_step,
+        device,
+        options.gradient_as_bucket_view,
+    )
+    return StageExecution(
+        runtime,
+        sync,
+        pipeline=state.config.pipeline,
+        num_stages=topo.mp_size,
+        mp_group=state.mp_group,
+        dp_group=state.dp_group,
+        average_grads=options.average_grads_across_microbatches,
+        broadcast_buffers=state.config.ddp and topo.dp_size > 1 and options.broadcast_buffers,
+        buffers=lambda: (buf for _, buf in holding.local_named_buffers()),
+        joining=joining,
+    )
