@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from shardkit.distributed import DummyProcessGroup
 from shardkit.optim import OSS
-from shardkit.optim.zero1 import Partition
+from shardkit.optim.zero1.partition import Partition
 from shardkit.testing import run_distributed
 from shardkit.testing.models import loss_for
 

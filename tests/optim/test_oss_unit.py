@@ -12,7 +12,7 @@ from torch import nn
 from shardkit.distributed import DummyProcessGroup
 from shardkit.optim import OSS
 from shardkit.optim.oss import OSS as OSSFromCompatPath
-from shardkit.optim.zero1 import Partition, assign_owners
+from shardkit.optim.zero1.partition import Partition, assign_owners
 
 SOLO = DummyProcessGroup(rank=0, size=1)
 

@@ -17,10 +17,10 @@ from shardkit.nn.slowmo import (
     RingGraph,
     SlowMoBaseAlgorithm,
     UniformMixing,
-    plan_step,
 )
 from shardkit.nn.slowmo.config import configs_from_arguments
 from shardkit.nn.slowmo.layout import ProcessLayout
+from shardkit.nn.slowmo.schedule import plan_step
 from shardkit.nn.slowmo.topology import resolve_topology
 
 BUILTIN_GRAPHS = [

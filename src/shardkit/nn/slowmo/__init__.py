@@ -40,7 +40,6 @@ from shardkit.nn.slowmo.graphs import (
 from shardkit.nn.slowmo.helpers import CudaEventRecorder, communicate
 from shardkit.nn.slowmo.mixing import MixingManager, MixingShares, UniformMixing
 from shardkit.nn.slowmo.push_sum import ParamForm
-from shardkit.nn.slowmo.schedule import StepPlan, plan_step
 
 __all__ = [
     "CudaEventRecorder",
@@ -63,9 +62,7 @@ __all__ = [
     "SlowMoConfig",
     "SlowMoDistributedDataParallel",
     "SlowMomentumConfig",
-    "StepPlan",
     "UniformMixing",
     "WrapperConfig",
     "communicate",
-    "plan_step",
 ]

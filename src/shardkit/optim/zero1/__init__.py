@@ -5,11 +5,9 @@
 - :mod:`.broadcast` sends updated parameters from owners to every rank in flat buckets.
 - :mod:`.clip` clips gradients by the global norm computed from the shards.
 - :mod:`.state_dict` converts between sharded state and plain ``torch.optim`` state dicts.
-- :mod:`.comm` holds the object collectives used for the rare bookkeeping exchanges.
 - :mod:`.consistency` refuses, at construction, ranks that hold different parameters.
 """
 
 from shardkit.optim.zero1.optimizer import OSS
-from shardkit.optim.zero1.partition import Partition, assign_owners
 
-__all__ = ["OSS", "Partition", "assign_owners"]
+__all__ = ["OSS"]
