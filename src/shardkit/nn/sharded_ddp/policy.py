@@ -15,15 +15,12 @@ from shardkit.distributed.buckets import REDUCE_BUCKET_BYTES
 
 @dataclass(frozen=True)
 class ReducePolicy:
-    """How gradients travel to their owners.
+    """How gradients travel to their owners."""
 
-    Attributes:
-        bucket_bytes: upper bound of one flat buffer that packs several gradients bound for the same owner rank
-            into one reduce (``reduce_buffer_size``). 0 reduces every gradient on its own.
-        reduce_fp16: send fp32 gradients as fp16 (half the bytes, about three decimal digits of precision).
-    """
-
+    #: Upper bound of one flat buffer that packs several gradients bound for the same owner rank into one reduce
+    #: (``reduce_buffer_size``). 0 reduces every gradient on its own.
     bucket_bytes: int = REDUCE_BUCKET_BYTES
+    #: Send fp32 gradients as fp16 (half the bytes, about three decimal digits of precision).
     reduce_fp16: bool = False
 
     def __post_init__(self) -> None:
@@ -32,6 +29,7 @@ class ReducePolicy:
                 f"reduce_buffer_size must be a non-negative number of bytes, got {self.bucket_bytes!r}; "
                 "use 0 to reduce every gradient on its own"
             )
+        _check_flag("reduce_fp16", self.reduce_fp16)
 
     @property
     def small_bytes(self) -> int:
@@ -51,18 +49,31 @@ class ReducePolicy:
 
 @dataclass(frozen=True)
 class SyncPolicy:
-    """What is kept identical across ranks besides gradients.
+    """What is kept identical across ranks besides gradients."""
 
-    Attributes:
-        broadcast_buffers: copy rank 0's buffers (for example BatchNorm statistics) to every rank at the start
-            of each forward, as torch DDP does.
-        sync_models_at_startup: copy rank 0's parameters and buffers to every rank at construction.
-        auto_refresh_trainable: look for ``requires_grad`` changes at every forward and re-plan the reduction
-            when one is found (costs one pass over the parameters per forward).
-        warn_on_trainable_params_changed: warn when a forward finds that ``requires_grad`` changed.
-    """
-
+    #: Copy rank 0's buffers (for example BatchNorm statistics) to every rank at the start of each forward, as
+    #: torch DDP does.
     broadcast_buffers: bool = True
+    #: Copy rank 0's parameters and buffers to every rank at construction.
     sync_models_at_startup: bool = True
+    #: Look for ``requires_grad`` changes at every forward and re-plan the reduction when one is found (costs one
+    #: pass over the parameters per forward).
     auto_refresh_trainable: bool = True
+    #: Warn when a forward finds that ``requires_grad`` changed.
     warn_on_trainable_params_changed: bool = True
+
+    def __post_init__(self) -> None:
+        for name in (
+            "broadcast_buffers",
+            "sync_models_at_startup",
+            "auto_refresh_trainable",
+            "warn_on_trainable_params_changed",
+        ):
+            _check_flag(name, getattr(self, name))
+
+
+def _check_flag(name: str, value: object) -> None:
+    # fairscale's flags are plain truth values; 0 and 1 keep working, anything else is most likely a misplaced
+    # positional argument.
+    if not isinstance(value, (bool, int)):
+        raise TypeError(f"ShardedDataParallel's {name} must be True or False, got {value!r}")

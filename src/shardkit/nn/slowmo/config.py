@@ -2,7 +2,8 @@
 
 :class:`~shardkit.nn.slowmo.api.SlowMoDistributedDataParallel` keeps fairscale's 28-argument constructor so users
 migrate by changing an import; :func:`configs_from_arguments` turns those arguments into the dataclasses below at
-once, checking them, and the components only ever see the dataclasses.
+once, and the components only ever see the dataclasses. Each dataclass checks its own fields in ``__post_init__``
+(errors name the constructor argument), so no invalid config can be built, also not by ``dataclasses.replace``.
 """
 
 from __future__ import annotations
@@ -59,6 +60,15 @@ class SlowMomentumConfig:
     #: Ranks holding a shard (already capped at the world size).
     num_shards: int = 32
 
+    def __post_init__(self) -> None:
+        _positive_int("slowmo_frequency", self.frequency)
+        _positive_int("slowmo_num_shards", self.num_shards)
+        if not self.lr > 0:
+            raise ValueError(f"slowmo_lr must be > 0, got {self.lr!r}")
+        if not self.momentum >= 0:
+            raise ValueError(f"slowmo_momentum must be >= 0, got {self.momentum!r}")
+        _check_bool("slowmo_memory_efficient", self.memory_efficient)
+
     @property
     def enabled(self) -> bool:
         """False when ``lr == 1`` and ``momentum == 0``: the outer step would only average, which is skipped."""
@@ -71,6 +81,9 @@ class LocalSGDConfig:
 
     #: Steps between averages.
     frequency: int = 3
+
+    def __post_init__(self) -> None:
+        _positive_int("localsgd_frequency", self.frequency)
 
 
 @dataclass(frozen=True)
@@ -91,6 +104,16 @@ class GossipConfig:
     #: (With slow momentum on, every slow-momentum step already uses the exact average.)
     average_params_on_slowmo: bool = False
 
+    def __post_init__(self) -> None:
+        _positive_int("synch_freq", self.synch_freq, minimum=0)
+        for name, value in (
+            ("push_sum", self.push_sum),
+            ("overlap", self.overlap),
+            ("use_streams", self.use_streams),
+            ("slowmo_sgp_average_params", self.average_params_on_slowmo),
+        ):
+            _check_bool(name, value)
+
     @property
     def sync_every(self) -> int:
         """Steps between waits for the rounds in flight (1 for ``synch_freq`` 0 or 1)."""
@@ -101,6 +124,7 @@ class GossipConfig:
 class WrapperConfig:
     """What the wrapper itself does around the components."""
 
+    #: LocalSGD or SGP between nodes.
     base_algorithm: SlowMoBaseAlgorithm = SlowMoBaseAlgorithm.LOCALSGD
     #: Broadcast module buffers from global rank 0 before every forward.
     broadcast_buffers: bool = True
@@ -111,21 +135,62 @@ class WrapperConfig:
     #: Time every phase of ``perform_slowmo`` and log the timings.
     profile_mode: bool = False
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.base_algorithm, SlowMoBaseAlgorithm):
+            raise TypeError(
+                f"WrapperConfig.base_algorithm must be a SlowMoBaseAlgorithm, got {self.base_algorithm!r} "
+                "(SlowMoBaseAlgorithm.parse accepts the string spellings)"
+            )
+        if self.comm_device is not None and not isinstance(self.comm_device, torch.device):
+            raise TypeError(f"comm_device must be a torch.device or None, got {self.comm_device!r}")
+        for name, value in (
+            ("broadcast_buffers", self.broadcast_buffers),
+            ("verbose", self.verbose),
+            ("profile_mode", self.profile_mode),
+        ):
+            _check_bool(name, value)
+
 
 @dataclass(frozen=True)
 class SlowMoConfig:
     """All settings of one wrapper."""
 
+    #: What the wrapper does around the components.
     wrapper: WrapperConfig
+    #: The outer step.
     slow_momentum: SlowMomentumConfig
+    #: Exact averaging between nodes (LocalSGD).
     local_sgd: LocalSGDConfig
+    #: Gossip between nodes (SGP).
     gossip: GossipConfig
+
+    def __post_init__(self) -> None:
+        for name, value, kind in (
+            ("wrapper", self.wrapper, WrapperConfig),
+            ("slow_momentum", self.slow_momentum, SlowMomentumConfig),
+            ("local_sgd", self.local_sgd, LocalSGDConfig),
+            ("gossip", self.gossip, GossipConfig),
+        ):
+            if not isinstance(value, kind):
+                raise TypeError(f"SlowMoConfig.{name} must be a {kind.__name__}, got {type(value).__name__}")
 
 
 def _positive_int(name: str, value: int, minimum: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
     return value
+
+
+def _check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+
+
+def _number(name: str, value: float) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number, got {value!r}") from None
 
 
 def configs_from_arguments(
@@ -148,22 +213,17 @@ def configs_from_arguments(
     profile_mode: bool,
     comm_device: Optional[Union[torch.device, str]],
 ) -> SlowMoConfig:
-    """Check the constructor's arguments and group them into frozen configs (raises before anything is built)."""
+    """Group the constructor's arguments into frozen configs, which check them (raises before anything is built)."""
     algorithm = SlowMoBaseAlgorithm.parse(slowmo_base_algorithm)
-    _positive_int("slowmo_frequency", slowmo_frequency)
-    _positive_int("localsgd_frequency", localsgd_frequency)
-    _positive_int("slowmo_num_shards", slowmo_num_shards)
-    _positive_int("synch_freq", synch_freq, minimum=0)
-    if not slowmo_lr > 0:
-        raise ValueError(f"slowmo_lr must be > 0, got {slowmo_lr!r}")
-    if not slowmo_momentum >= 0:
-        raise ValueError(f"slowmo_momentum must be >= 0, got {slowmo_momentum!r}")
+    local_sgd = LocalSGDConfig(frequency=localsgd_frequency)
+    # Checked before it is capped at the world size, so the error shows the value that was passed.
+    num_shards = min(world_size, _positive_int("slowmo_num_shards", slowmo_num_shards))
     slow = SlowMomentumConfig(
-        momentum=float(slowmo_momentum),
-        lr=float(slowmo_lr),
+        momentum=_number("slowmo_momentum", slowmo_momentum),
+        lr=_number("slowmo_lr", slowmo_lr),
         frequency=slowmo_frequency,
         memory_efficient=bool(slowmo_memory_efficient),
-        num_shards=min(world_size, slowmo_num_shards),
+        num_shards=num_shards,
     )
     if algorithm is SlowMoBaseAlgorithm.LOCALSGD and slow.enabled and slowmo_frequency % localsgd_frequency != 0:
         warnings.warn(
@@ -178,7 +238,7 @@ def configs_from_arguments(
     return SlowMoConfig(
         wrapper=WrapperConfig(algorithm, bool(broadcast_buffers), device, bool(verbose), bool(profile_mode)),
         slow_momentum=slow,
-        local_sgd=LocalSGDConfig(frequency=localsgd_frequency),
+        local_sgd=local_sgd,
         gossip=GossipConfig(
             push_sum=bool(push_sum),
             overlap=bool(overlap),
