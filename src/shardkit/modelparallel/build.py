@@ -9,7 +9,6 @@ rank 0 trace and plan, and hands the plan to every rank (an error on rank 0 is r
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -19,6 +18,7 @@ from torch import nn
 from shardkit.distributed import broadcast_object
 from shardkit.distributed.model_check import check_same_model
 from shardkit.modelparallel.auto_partition import Placement
+from shardkit.modelparallel.config import ModelOptions
 from shardkit.modelparallel.execution import StageExecution
 from shardkit.modelparallel.grad_sync import GradientSync
 from shardkit.modelparallel.holding import StageHolding
@@ -29,42 +29,6 @@ from shardkit.modelparallel.runtime import StageRuntime
 from shardkit.modelparallel.stage_groups import copy_groups
 from shardkit.modelparallel.startup import broadcast_initial_state, check_same_inputs
 from shardkit.modelparallel.state import SMPState
-
-
-@dataclass(frozen=True)
-class ModelOptions:
-    """The ``DistributedModel`` arguments, validated at construction (see that class's docstring)."""
-
-    trace_device: str = "gpu"
-    """``"cpu"`` or ``"gpu"``: where rank 0 runs the tracing forward that decides the partition."""
-    trace_execution_times: bool = False
-    """Balance stages by measured module times (needs ``trace_device="gpu"``)."""
-    overlapping_allreduce: bool = True
-    """Start each gradient bucket's all-reduce during the last backward instead of after it."""
-    backward_passes_per_step: int = 1
-    """Steps whose gradients accumulate before the replicas' all-reduce."""
-    average_grads_across_microbatches: bool = True
-    """Divide each micro-batch's loss gradient by the number of micro-batches."""
-    bucket_cap_mb: float = 25
-    """Size of one gradient all-reduce bucket, in MiB."""
-    trace_memory_usage: bool = False
-    """Measure each module's memory for the partition (one more traced forward) instead of estimating it."""
-    broadcast_buffers: bool = True
-    """Every replica takes the first replica's buffers before each step (``ddp=True``)."""
-    gradient_as_bucket_view: bool = False
-    """Gradients are views into the all-reduce buckets (no second copy)."""
-
-    def __post_init__(self) -> None:
-        if self.trace_device not in ("cpu", "gpu"):
-            raise ValueError(f"trace_device must be 'cpu' or 'gpu', got {self.trace_device!r}")
-        if self.trace_execution_times and self.trace_device == "cpu":
-            raise ValueError("trace_execution_times=True needs trace_device='gpu' (CPU timings mislead the partition)")
-        if isinstance(self.backward_passes_per_step, bool) or not isinstance(self.backward_passes_per_step, int):
-            raise TypeError(f"backward_passes_per_step must be an int, got {self.backward_passes_per_step!r}")
-        if self.backward_passes_per_step < 1:
-            raise ValueError(f"backward_passes_per_step must be >= 1, got {self.backward_passes_per_step}")
-        if not self.bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb}")
 
 
 def execution_device(state: SMPState, module: nn.Module) -> torch.device:

@@ -1,4 +1,4 @@
-"""The smp configuration: the documented keys, translated at once into one frozen, validated dataclass."""
+"""The smp settings: the config keys and the ``DistributedModel`` arguments, each as a frozen, validated dataclass."""
 
 from __future__ import annotations
 
@@ -96,6 +96,42 @@ class ModelParallelConfig:
     def to_dict(self) -> dict[str, Any]:
         """The fields as a plain dict (what ranks compare at ``smp.init``)."""
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """The ``DistributedModel`` arguments, validated at construction (see that class's docstring)."""
+
+    trace_device: str = "gpu"
+    """``"cpu"`` or ``"gpu"``: where rank 0 runs the tracing forward that decides the partition."""
+    trace_execution_times: bool = False
+    """Balance stages by measured module times (needs ``trace_device="gpu"``)."""
+    overlapping_allreduce: bool = True
+    """Start each gradient bucket's all-reduce during the last backward instead of after it."""
+    backward_passes_per_step: int = 1
+    """Steps whose gradients accumulate before the replicas' all-reduce."""
+    average_grads_across_microbatches: bool = True
+    """Divide each micro-batch's loss gradient by the number of micro-batches."""
+    bucket_cap_mb: float = 25
+    """Size of one gradient all-reduce bucket, in MiB."""
+    trace_memory_usage: bool = False
+    """Measure each module's memory for the partition (one more traced forward) instead of estimating it."""
+    broadcast_buffers: bool = True
+    """Every replica takes the first replica's buffers before each step (``ddp=True``)."""
+    gradient_as_bucket_view: bool = False
+    """Gradients are views into the all-reduce buckets (no second copy)."""
+
+    def __post_init__(self) -> None:
+        if self.trace_device not in ("cpu", "gpu"):
+            raise ValueError(f"trace_device must be 'cpu' or 'gpu', got {self.trace_device!r}")
+        if self.trace_execution_times and self.trace_device == "cpu":
+            raise ValueError("trace_execution_times=True needs trace_device='gpu' (CPU timings mislead the partition)")
+        if isinstance(self.backward_passes_per_step, bool) or not isinstance(self.backward_passes_per_step, int):
+            raise TypeError(f"backward_passes_per_step must be an int, got {self.backward_passes_per_step!r}")
+        if self.backward_passes_per_step < 1:
+            raise ValueError(f"backward_passes_per_step must be >= 1, got {self.backward_passes_per_step}")
+        if not self.bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb}")
 
 
 ConfigLike = Union[ModelParallelConfig, Mapping[str, Any], None]

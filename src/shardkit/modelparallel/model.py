@@ -18,13 +18,14 @@ from torch.utils.hooks import RemovableHandle
 
 from shardkit.modelparallel import state as smp_state
 from shardkit.modelparallel.auto_partition import Placement
-from shardkit.modelparallel.build import ModelOptions, build_stage, decide_plan
+from shardkit.modelparallel.build import build_stage, decide_plan
+from shardkit.modelparallel.config import ModelOptions
 from shardkit.modelparallel.execution import StageExecution
 from shardkit.modelparallel.holding import StageHolding
 from shardkit.modelparallel.pipeline_parallel import StepRun, StepStats
 from shardkit.modelparallel.trace import to_device
 
-__all__ = ["DistributedModel", "ModelOptions"]
+__all__ = ["DistributedModel"]
 
 
 class DistributedModel(nn.Module):
