@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Optional, Union
+from typing import Any, Callable, Literal, Optional, Union, cast
 
 from torch import nn
 
@@ -25,25 +25,37 @@ _STRATEGY_OWNED = ("module", "compute_device")
 
 @dataclass(frozen=True)
 class FullyShardedConfig:
-    """What the fully sharded strategy does to the LightningModule.
+    """What the fully sharded strategy does to the LightningModule (checked in ``__post_init__``)."""
 
-    Attributes:
-        fsdp_arguments: ``(name, value)`` arguments for every :class:`~shardkit.nn.FullyShardedDataParallel` unit
-            the strategy builds (a tuple, so the config stays immutable and picklable for spawned workers);
-            precision settings are added at setup from the Trainer's precision.
-        auto_wrap_policy: ``policy(module, recurse, nonwrapped_numel) -> bool`` that cuts the model into units,
-            or None to wrap only the root (plus what ``configure_model`` wrapped by hand).
-        checkpoint_on: predicate choosing the modules whose activations are recomputed, or None.
-        checkpoint_offload: keep the checkpointed modules' saved inputs in host memory.
-        state_dict_type: ``"full"`` checkpoints (one file, any world size) or ``"sharded"`` (a folder written
-            by ``torch.distributed.checkpoint``, one shard per rank, same world size to resume).
-    """
-
+    #: ``(name, value)`` arguments for every :class:`~shardkit.nn.FullyShardedDataParallel` unit the strategy
+    #: builds (a tuple, so the config stays immutable and picklable for spawned workers); precision settings are
+    #: added at setup from the Trainer's precision.
     fsdp_arguments: tuple[tuple[str, Any], ...] = ()
+    #: ``policy(module, recurse, nonwrapped_numel) -> bool`` that cuts the model into units, or None to wrap only
+    #: the root (plus what ``configure_model`` wrapped by hand).
     auto_wrap_policy: Optional[Callable[..., bool]] = None
+    #: Predicate choosing the modules whose activations are recomputed, or None.
     checkpoint_on: Optional[Callable[[nn.Module], bool]] = None
+    #: Keep the checkpointed modules' saved inputs in host memory.
     checkpoint_offload: bool = False
+    #: ``"full"`` checkpoints (one file, any world size) or ``"sharded"`` (a folder written by
+    #: ``torch.distributed.checkpoint``, one shard per rank, same world size to resume).
     state_dict_type: StateDictType = "full"
+
+    def __post_init__(self) -> None:
+        names = [entry[0] if isinstance(entry, tuple) and len(entry) == 2 else None for entry in self.fsdp_arguments]
+        if not isinstance(self.fsdp_arguments, tuple) or not all(isinstance(n, str) for n in names):
+            raise TypeError("FullyShardedConfig.fsdp_arguments must be a tuple of (name, value) pairs")
+        owned = [k for k in _STRATEGY_OWNED if k in names]
+        if owned:
+            raise ValueError(f"{owned} are set by the strategy from the Trainer's devices; do not pass them")
+        if self.state_dict_type not in ("full", "sharded"):
+            raise ValueError(f"state_dict_type must be 'full' or 'sharded', got {self.state_dict_type!r}")
+        for name, value in (("auto_wrap_policy", self.auto_wrap_policy), ("checkpoint_on", self.checkpoint_on)):
+            if value is not None and not callable(value):
+                raise TypeError(f"FullyShardedConfig.{name} must be callable or None, got {value!r}")
+        if not isinstance(self.checkpoint_offload, bool):
+            raise TypeError(f"activation_checkpointing_offload must be True or False, got {self.checkpoint_offload!r}")
 
     @property
     def fsdp_kwargs(self) -> dict[str, Any]:
@@ -62,12 +74,7 @@ def build_config(
     state_dict_type: str,
     fsdp_kwargs: Mapping[str, Any],
 ) -> FullyShardedConfig:
-    """Validate the strategy's arguments and translate them; raises ValueError/TypeError saying what to change."""
-    owned = [k for k in _STRATEGY_OWNED if k in fsdp_kwargs]
-    if owned:
-        raise ValueError(f"{owned} are set by the strategy from the Trainer's devices; do not pass them")
-    if state_dict_type not in ("full", "sharded"):
-        raise ValueError(f"state_dict_type must be 'full' or 'sharded', got {state_dict_type!r}")
+    """Translate the strategy's arguments (the config checks them); raises ValueError/TypeError saying what to do."""
     kwargs = dict(fsdp_kwargs)
     offload = _offload_kwargs(cpu_offload)
     kwargs.update(offload)
@@ -75,8 +82,8 @@ def build_config(
         fsdp_arguments=tuple(kwargs.items()),
         auto_wrap_policy=_wrap_policy(auto_wrap_policy, min_num_params, transformer_layer_cls),
         checkpoint_on=None if activation_checkpointing is None else module_matcher(activation_checkpointing),
-        checkpoint_offload=activation_checkpointing_offload,
-        state_dict_type=state_dict_type,  # type: ignore[arg-type]
+        checkpoint_offload=bool(activation_checkpointing_offload),
+        state_dict_type=cast(StateDictType, state_dict_type),
     )
 
 
