@@ -35,14 +35,14 @@ class CommMeter:
     for point-to-point sends. Recording is thread-safe: collectives issued from autograd's threads count too.
     """
 
+    #: Bytes of the buffers handed to collectives, per op name.
     payload_bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    """Bytes of the buffers handed to collectives, per op name."""
+    #: Estimated bytes this rank sends, per op name.
     wire_bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    """Estimated bytes this rank sends, per op name."""
+    #: Number of collectives issued, per op name.
     calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    """Number of collectives issued, per op name."""
+    #: Guards the counters against collectives recorded from several threads at once.
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-    """Guards the counters against collectives recorded from several threads at once."""
 
     def record(self, op: str, nbytes: int, wire: float) -> None:
         """Count one collective ``op`` of ``nbytes`` payload bytes and ``wire`` estimated bytes sent."""
@@ -75,14 +75,14 @@ class CommMeter:
 class LinkModel:
     """A simulated slow link: fixed latency per collective plus bytes / bandwidth, one transfer at a time."""
 
+    #: Fixed cost of every collective, in seconds.
     latency_s: float
-    """Fixed cost of every collective, in seconds."""
+    #: Bandwidth in bytes per second, or None for no bandwidth cap.
     bytes_per_s: Optional[float]
-    """Bandwidth in bytes per second, or None for no bandwidth cap."""
+    #: ``time.perf_counter()`` at which the last scheduled transfer finishes.
     busy_until: float = 0.0
-    """``time.perf_counter()`` at which the last scheduled transfer finishes."""
+    #: Guards ``busy_until`` against transfers scheduled from several threads at once.
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-    """Guards ``busy_until`` against transfers scheduled from several threads at once."""
 
     def __post_init__(self) -> None:
         if self.latency_s < 0 or (self.bytes_per_s is not None and self.bytes_per_s <= 0):
@@ -101,12 +101,12 @@ class LinkModel:
 class CheckState:
     """The state of one :func:`~shardkit.distributed.check_collectives` scope: its timeout and sequence numbers."""
 
+    #: Seconds each rank waits for the others' fingerprint before reporting where every rank is.
     timeout_s: float
-    """Seconds each rank waits for the others' fingerprint before reporting where every rank is."""
+    #: Collectives checked so far, per process group (keyed by the group's ``id``).
     sequence: dict[int, int] = field(default_factory=dict)
-    """Collectives checked so far, per process group (keyed by the group's ``id``)."""
+    #: Guards ``sequence`` against collectives checked from several threads at once.
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-    """Guards ``sequence`` against collectives checked from several threads at once."""
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
@@ -168,12 +168,12 @@ class Instrumentation:
     """
 
     def __init__(self) -> None:
+        #: Open :func:`count_comm_bytes` scopes.
         self.meters: ScopeStack[CommMeter] = ScopeStack()
-        """Open :func:`count_comm_bytes` scopes."""
+        #: Open :func:`comm_delay` scopes.
         self.links: ScopeStack[LinkModel] = ScopeStack()
-        """Open :func:`comm_delay` scopes."""
+        #: Open :func:`check_collectives` scopes.
         self.checks: ScopeStack[CheckState] = ScopeStack()
-        """Open :func:`check_collectives` scopes."""
         self._checks_from_env = _env_flag("SHARDKIT_CHECK_COLLECTIVES")  # read once: collectives are hot paths
         self._env_lock = threading.Lock()
         self._env_checks: Optional[CheckState] = None
@@ -189,7 +189,7 @@ class Instrumentation:
             return self._env_checks
 
 
+#: The process's one :class:`Instrumentation`.
 INSTRUMENTATION = Instrumentation()
-"""The process's one :class:`Instrumentation`."""
 
 __all__ = ["INSTRUMENTATION", "CheckState", "CommMeter", "Instrumentation", "LinkModel", "ScopeStack"]
