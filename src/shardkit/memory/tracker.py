@@ -169,7 +169,7 @@ class MemoryTracker(TorchDispatchMode):
             return True
         return tensor.device.type == device.type and (device.index is None or tensor.device.index == device.index)
 
-    def _label(self, tensors: Iterable[torch.Tensor], category: Category) -> None:
+    def _label(self, tensors: Iterable[Optional[torch.Tensor]], category: Category) -> None:
         for tensor in tensors:
             if isinstance(tensor, torch.Tensor) and self._wanted(tensor):
                 storage = _storage(tensor)
@@ -214,8 +214,8 @@ class MemoryTracker(TorchDispatchMode):
 
     # ------------------------------------------------------------------ hooks
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
-        self._label(module._parameters.values(), Category.PARAMETERS)  # type: ignore[arg-type]
-        self._label(module._buffers.values(), Category.PARAMETERS)  # type: ignore[arg-type]
+        self._label(module._parameters.values(), Category.PARAMETERS)
+        self._label(module._buffers.values(), Category.PARAMETERS)
         self._label((v for v in vars(module).values() if isinstance(v, torch.Tensor)), Category.PARAMETERS)
         current = self._book.current
         self._stack.append((module, current, [current]))

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardkit.distributed import DummyProcessGroup, GroupLike, is_dummy, resolve_group
+from shardkit.distributed import DummyProcessGroup, GroupLike, is_dummy, resolve_group, torch_group
 from shardkit.distributed.model_check import check_same_model
 from shardkit.nn.slowmo.collectives import broadcast_from_rank0, node_average, node_broadcast
 from shardkit.nn.slowmo.config import SlowMoBaseAlgorithm, SlowMoConfig, configs_from_arguments
@@ -48,7 +48,7 @@ def _global_group(global_group: Optional[GroupLike], process_world_size: Optiona
 
 def _default_comm_device(group: GroupLike, param_device: torch.device) -> torch.device:
     # gloo moves CPU tensors only for point-to-point work: stage through the CPU whatever the parameters' device.
-    if not is_dummy(group) and dist.get_backend(group) == "gloo":  # type: ignore[arg-type]
+    if not is_dummy(group) and dist.get_backend(torch_group(group, "SlowMoDistributedDataParallel")) == "gloo":
         return torch.device("cpu")
     return param_device
 

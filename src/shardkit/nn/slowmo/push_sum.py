@@ -9,6 +9,7 @@ between the forward pass and the end of the backward pass (:attr:`ParamForm.DEBI
 from __future__ import annotations
 
 import enum
+import numbers
 from collections.abc import Sequence
 
 import torch
@@ -68,7 +69,12 @@ class PushSumState:
 
     def load(self, ps_weight: object, is_numerator: object) -> None:
         """Adopt a saved weight and form; the loaded parameters are taken to be in that form."""
-        weight = float(ps_weight.reshape(-1)[0]) if isinstance(ps_weight, torch.Tensor) else float(ps_weight)  # type: ignore[arg-type]
+        if isinstance(ps_weight, torch.Tensor):
+            weight = float(ps_weight.reshape(-1)[0])
+        elif isinstance(ps_weight, numbers.Real):
+            weight = float(ps_weight)
+        else:
+            raise TypeError(f"state_dict holds push-sum weight {ps_weight!r}; expected a tensor or a number")
         if not weight > 0:
             raise ValueError(f"state_dict holds push-sum weight {weight}; a weight must be > 0")
         self.weight = weight

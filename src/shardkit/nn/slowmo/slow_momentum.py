@@ -97,7 +97,8 @@ class SlowMomentum:
             assert self.shard_start is not None
             shard.div_(self.layout.world_size)
             self._update(shard, segments, self.shard_start)
-            shard.copy_(self.anchor)  # type: ignore[arg-type]
+            assert self.anchor is not None  # a shard exists exactly when this rank holds an anchor
+            shard.copy_(self.anchor)
         gather_from_shards(padded, shard, self.num_shards, group, self.layout.world_size)
         flat.copy_from(padded)
 
