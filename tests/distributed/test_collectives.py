@@ -125,3 +125,17 @@ def test_broadcast_and_reduce_by_sends(world_size: int) -> None:
         assert res["summed"] == expected
         assert res["calls"] == {"broadcast": n, "reduce": 1}  # counted as the collectives they replace
         assert res["wire"] == n * int((n - 1) / n * 20) + int((n - 1) / n * 16)
+
+
+def _late_rank_barrier(rank: int, world_size: int) -> float:
+    if rank == 1:
+        time.sleep(0.3)
+    start = time.perf_counter()
+    C.barrier(label="late")
+    return time.perf_counter() - start
+
+
+def test_barrier_waits_for_every_rank() -> None:
+    elapsed = run_distributed(_late_rank_barrier, 2)
+    assert elapsed[0] > 0.2 and elapsed[1] < 0.2, elapsed
+    C.barrier(DummyProcessGroup(rank=0, size=1))  # nothing to wait for in a group of one

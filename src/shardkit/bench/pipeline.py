@@ -34,6 +34,7 @@ from torch import nn
 from shardkit.bench.report import format_table, ratio, write_json
 from shardkit.bench.runner import quiet_torch_deprecations
 from shardkit.demo.task import MarkovTask
+from shardkit.distributed import collectives
 from shardkit.launch import launch_local
 from shardkit.testing.models import LMConfig, TransformerLM
 
@@ -145,7 +146,7 @@ class _TorchPipeline:
         else:
             self.schedule.step()
         if self.tied is not None and self.tied.grad is not None:  # embedding and output projection are one weight
-            dist.all_reduce(self.tied.grad, group=self.tied_group)
+            collectives.all_reduce(self.tied.grad, group=self.tied_group, label="bench.tied_grad")
         self.optimizer.step()
         return float(torch.stack(losses).mean()) if losses else float("nan")
 
@@ -233,7 +234,7 @@ def _worker(settings: PipelineSettings, names: list[str]) -> dict[str, Any]:
         tokens, targets = task.batch(settings.global_batch, settings.lm.seq_len, gen)
         shift = step % len(names)
         for name in names[shift:] + names[:shift]:
-            dist.barrier(group=bench_group)
+            collectives.barrier(bench_group, "bench.step_start")
             start = time.perf_counter()
             loss = lives[name].step(tokens, targets)
             elapsed = time.perf_counter() - start

@@ -25,7 +25,7 @@ from torch import nn
 
 from shardkit.bench.memory import MemoryBreakdown, training_memory
 from shardkit.bench.strategies import OptimizerSpec, Strategy
-from shardkit.distributed import CommMeter, count_comm_bytes
+from shardkit.distributed import CommMeter, collectives, count_comm_bytes
 from shardkit.testing.models import TransformerLM
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -134,7 +134,8 @@ class LiveStrategy:
         try:
             device = next(model.parameters()).device
             tokens, targets = tokens.to(device), targets.to(device)
-            dist.barrier(group=self.group)  # start together, so the time is this step's and not a straggler's
+            # Start together, so the time is this step's and not a straggler's.
+            collectives.barrier(self.group, "bench.step_start")
             with count_comm_bytes(self._meter if timed else CommMeter()):
                 start = time.perf_counter()
                 loss = self.loss_fn(model(tokens), targets)
@@ -171,7 +172,7 @@ class LiveStrategy:
 def agree_on_failures(lives: Sequence[LiveStrategy]) -> None:
     """Fail, on every rank, each strategy that failed on any rank (one small all-reduce on the world group)."""
     flags = torch.tensor([0 if live.ok else 1 for live in lives], dtype=torch.int32)
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    collectives.all_reduce(flags, op=dist.ReduceOp.MAX, label="bench.agree_on_failures")
     for live, flag in zip(lives, flags.tolist()):
         if flag and live.ok:
             live.fail(RuntimeError("failed on another rank"))

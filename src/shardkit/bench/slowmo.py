@@ -193,10 +193,10 @@ def _slow_network_run(s: SlowMoBenchSettings, task: MarkovTask, rank: int) -> di
         with comm_delay(s.latency_s, s.bytes_per_s):
             for step in range(s.slow_warmup + s.slow_steps):
                 if step == s.slow_warmup:
-                    dist.barrier(group=trainer.group)
+                    C.barrier(trainer.group, "bench.slow_network")
                     start = time.perf_counter()
                 trainer.step(*_batch(task, s, rank, step), s.demo.lr_at(step))
-            dist.barrier(group=trainer.group)
+            C.barrier(trainer.group, "bench.slow_network")
         times[name] = (time.perf_counter() - start) / s.slow_steps
         if progress is not None:
             progress.update(1)

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional, TypeVar
 
-import torch
 import torch.distributed as dist
 
 from shardkit.checkpoint import errors
+from shardkit.distributed import collectives
 from shardkit.distributed.objects import all_gather_objects, broadcast_object
 
 T = TypeVar("T")
@@ -43,8 +43,7 @@ def rank_and_size() -> tuple[int, int]:
 def barrier(label: str) -> None:
     """Wait for every rank."""
     if _active():
-        with torch.profiler.record_function(f"shardkit::barrier:checkpoint.{label}"):
-            dist.barrier()
+        collectives.barrier(label=f"checkpoint.{label}")
 
 
 def broadcast_from_zero(obj: Any, label: str) -> Any:

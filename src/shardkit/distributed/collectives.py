@@ -383,3 +383,24 @@ def wait_all(handles: Sequence[Handle]) -> None:
     """Wait for every handle in order."""
     for handle in handles:
         handle.wait()
+
+
+def barrier(group: Optional[GroupLike] = None, label: str = "", device: Optional[torch.device] = None) -> None:
+    """Block until every member of ``group`` (the world when None) arrives; nothing to wait for in a group of one.
+
+    Labelled like every other collective (``shardkit::barrier:<label>``). On NCCL the barrier runs on ``device``
+    when it names a CUDA device (NCCL otherwise guesses one from the rank).
+    """
+    peers = _peers(group)
+    if peers is None:
+        return
+    name = f"shardkit::barrier:{label}" if label else "shardkit::barrier"
+    with record_function(name):
+        try:
+            index = device.index if device is not None and device.type == "cuda" else None
+            if index is not None and dist.get_backend(peers) == "nccl":
+                dist.barrier(group=peers, device_ids=[index])
+            else:
+                dist.barrier(group=peers)
+        except Exception as err:
+            raise explain_failure(err, name) from err

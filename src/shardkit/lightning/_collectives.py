@@ -10,7 +10,6 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.profiler import record_function
 
 from shardkit.distributed import collectives
 from shardkit.distributed.objects import broadcast_object as _broadcast_object
@@ -24,11 +23,7 @@ def barrier(device: torch.device, name: Optional[str] = None) -> None:
     """Block until every rank arrives; NCCL needs the device to run the barrier on."""
     if not is_initialized():
         return
-    with record_function(f"shardkit::barrier:lightning.{name or 'barrier'}"):
-        if dist.get_backend() == "nccl" and device.index is not None:
-            dist.barrier(device_ids=[device.index])
-        else:
-            dist.barrier()
+    collectives.barrier(label=f"lightning.{name or 'barrier'}", device=device)
 
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:

@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
+from shardkit.distributed import collectives
+
 if TYPE_CHECKING:
     from shardkit.nn.fsdp import FullyShardedDataParallel
 
@@ -148,7 +150,7 @@ def save_sharded(root: FullyShardedDataParallel, checkpoint: dict[str, Any], pat
     dcp.save(tensors, checkpoint_id=str(path))
     if is_global_zero:
         torch.save({**checkpoint, _PARAM_GROUPS: param_groups}, path / META_FILE)
-    dist.barrier()
+    collectives.barrier(label="lightning.save_sharded")
 
 
 def load_sharded(root: FullyShardedDataParallel, path: Any, weights_only: Optional[bool]) -> dict[str, Any]:
