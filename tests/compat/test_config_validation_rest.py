@@ -7,10 +7,16 @@ from typing import Any, Callable
 
 import pytest
 
+from shardkit.bench.fsdp import FsdpSettings
+from shardkit.bench.pipeline import PipelineSettings
+from shardkit.bench.slowmo import SlowMoBenchSettings
+from shardkit.bench.zero import ZeroSettings
+from shardkit.demo.train import DemoSettings
 from shardkit.lightning.config import FullyShardedConfig
 from shardkit.nn.sharded_ddp import ReducePolicy, SyncPolicy
 from shardkit.nn.slowmo import GossipConfig, LocalSGDConfig, SlowMomentumConfig, WrapperConfig
 from shardkit.nn.slowmo.config import SlowMoConfig
+from shardkit.testing.models import LMConfig
 
 #: Values of the wrong type, typed Any so the cases read like the mistakes users make.
 NONE: Any = None
@@ -43,6 +49,13 @@ CASES: list[tuple[Callable[[], Any], type[Exception], str]] = [
     (lambda: FullyShardedConfig(fsdp_arguments=(("compute_device", "cpu"),)), ValueError, "compute_device"),
     (lambda: FullyShardedConfig(auto_wrap_policy=ONE), TypeError, "auto_wrap_policy"),
     (lambda: FullyShardedConfig(checkpoint_offload=ONE), TypeError, "offload"),
+    (lambda: LMConfig(d_model=30, n_heads=4), ValueError, "divisible by n_heads"),
+    (lambda: LMConfig(dropout=1.0), ValueError, "dropout"),
+    (lambda: DemoSettings(strategies=(), steps=0), ValueError, "DemoSettings.steps"),
+    (lambda: dataclasses.replace(ZeroSettings(strategies=()), warmup=-1), ValueError, "ZeroSettings.warmup"),
+    (lambda: FsdpSettings(delay_bytes_per_s=0.0), ValueError, "delay_bytes_per_s"),
+    (lambda: PipelineSettings(microbatches=0), ValueError, "microbatches"),
+    (lambda: SlowMoBenchSettings(latency_s=-0.1), ValueError, "latency_s"),
 ]
 
 
@@ -55,6 +68,10 @@ def test_invalid_settings_cannot_be_built(build: Callable[[], Any], error: type[
 def test_defaults_are_valid() -> None:
     for cls in (SlowMomentumConfig, LocalSGDConfig, GossipConfig, WrapperConfig, ReducePolicy, SyncPolicy):
         cls()
+    for settings in (LMConfig, LMConfig.bench, LMConfig.demo, FsdpSettings, PipelineSettings, SlowMoBenchSettings):
+        settings()
+    DemoSettings(strategies=())
+    ZeroSettings(strategies=())
     SlowMoConfig(WrapperConfig(), SlowMomentumConfig(), LocalSGDConfig(), GossipConfig())
     FullyShardedConfig(fsdp_arguments=(("mixed_precision", True),), checkpoint_on=lambda m: True)
     assert SyncPolicy(broadcast_buffers=ONE).broadcast_buffers == 1  # fairscale's truth values keep working

@@ -40,6 +40,7 @@ from shardkit.distributed import comm_delay
 from shardkit.launch import launch_local
 from shardkit.memory import Category, MemoryTracker
 from shardkit.testing.models import Block, LMConfig, TransformerLM
+from shardkit.utils.checks import at_least, positive
 
 DEFAULT_STRATEGIES = ("ddp", "fsdp", "fsdp_no_reshard", "torch_fsdp2", "torch_fsdp1")
 QUICK_LM = LMConfig(vocab_size=64, d_model=32, n_heads=4, n_layers=2, seq_len=16)
@@ -62,6 +63,15 @@ class FsdpSettings:
     delay_steps: int = 6  #: timed steps of the slow-network part (0: skip it)
     delay_latency_s: float = 0.005  #: per collective
     delay_bytes_per_s: float = 200e6  #: simulated bandwidth of the slow link
+
+    def __post_init__(self) -> None:
+        at_least(self, "batch_size", self.batch_size, 1)
+        at_least(self, "steps", self.steps, 1)
+        at_least(self, "warmup", self.warmup, 0)
+        at_least(self, "delay_steps", self.delay_steps, 0)
+        at_least(self, "delay_latency_s", self.delay_latency_s, 0)
+        for name in ("lr", "timeout_s", "delay_bytes_per_s"):
+            positive(self, name, getattr(self, name))
 
 
 @dataclass(frozen=True)
@@ -339,12 +349,15 @@ def run(argv: list[str]) -> None:
     settings = FsdpSettings(strategies=tuple(s.name for s in available), memory=not args.no_memory)
     if args.quick:
         settings = replace(settings, lm=QUICK_LM, batch_size=2, steps=2, warmup=1, delay_steps=2, timeout_s=60.0)
-    if args.steps is not None:
-        settings = replace(settings, steps=args.steps)
-    if args.warmup is not None:
-        settings = replace(settings, warmup=args.warmup)
-    if args.delay_steps is not None:
-        settings = replace(settings, delay_steps=args.delay_steps)
+    try:
+        if args.steps is not None:
+            settings = replace(settings, steps=args.steps)
+        if args.warmup is not None:
+            settings = replace(settings, warmup=args.warmup)
+        if args.delay_steps is not None:
+            settings = replace(settings, delay_steps=args.delay_steps)
+    except ValueError as exc:
+        raise SystemExit(f"fsdp suite: {exc} (set by --steps, --warmup or --delay-steps)") from None
     if not available:
         raise SystemExit("fsdp suite: no strategy available:\n" + "\n".join(unavailable_lines(missing, {})))
     results = run_suite(settings, args.world_size)

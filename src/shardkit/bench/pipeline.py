@@ -37,6 +37,7 @@ from shardkit.demo.task import MarkovTask
 from shardkit.distributed import collectives
 from shardkit.launch import launch_local
 from shardkit.testing.models import LMConfig, TransformerLM
+from shardkit.utils.checks import at_least, positive
 
 QUICK_LM = LMConfig(vocab_size=64, d_model=32, n_heads=4, n_layers=2, seq_len=16)
 
@@ -55,6 +56,12 @@ class PipelineSettings:
     seed: int = 0
     smp_pipeline: str = "interleaved"
     smp_optimize: str = "speed"  #: auto-partition balancing compute (memory_weight 0.2)
+
+    def __post_init__(self) -> None:
+        for name in ("stages", "batch_per_rank", "microbatches", "steps"):
+            at_least(self, name, getattr(self, name), 1)
+        at_least(self, "warmup", self.warmup, 0)
+        positive(self, "lr", self.lr)
 
     @property
     def global_batch(self) -> int:
@@ -352,19 +359,22 @@ def run(argv: list[str]) -> None:
     parser.add_argument("--quick", action="store_true", help="tiny model and few steps (seconds), for tests")
     parser.add_argument("--json", default=None, metavar="PATH")
     args = parser.parse_args(argv)
-    settings = PipelineSettings(
-        stages=args.world_size,
-        microbatches=args.microbatches,
-        smp_pipeline=args.smp_pipeline,
-        smp_optimize=args.smp_optimize,
-    )
-    if args.quick:
-        settings = replace(settings, lm=QUICK_LM, steps=2, warmup=1)
-    settings = replace(
-        settings,
-        steps=args.steps if args.steps is not None else settings.steps,
-        warmup=args.warmup if args.warmup is not None else settings.warmup,
-    )
+    try:
+        settings = PipelineSettings(
+            stages=args.world_size,
+            microbatches=args.microbatches,
+            smp_pipeline=args.smp_pipeline,
+            smp_optimize=args.smp_optimize,
+        )
+        if args.quick:
+            settings = replace(settings, lm=QUICK_LM, steps=2, warmup=1)
+        settings = replace(
+            settings,
+            steps=args.steps if args.steps is not None else settings.steps,
+            warmup=args.warmup if args.warmup is not None else settings.warmup,
+        )
+    except ValueError as exc:
+        parser.error(f"{exc} (set by --world-size, --microbatches, --steps or --warmup)")
     if settings.stages < 2 or settings.lm.n_layers < settings.stages:
         parser.error(f"--world-size must be between 2 and the number of blocks ({settings.lm.n_layers})")
     if settings.global_batch % settings.microbatches:

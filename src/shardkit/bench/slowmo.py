@@ -37,6 +37,7 @@ from shardkit.distributed import collectives as C
 from shardkit.launch import launch_local
 from shardkit.nn.slowmo import SlowMoBaseAlgorithm, SlowMoDistributedDataParallel
 from shardkit.testing.models import LMConfig, TransformerLM
+from shardkit.utils.checks import at_least, positive
 
 STRATEGIES = ("ddp", "localsgd", "slowmo_localsgd", "sgp")
 
@@ -55,6 +56,14 @@ class SlowMoBenchSettings:
     slow_warmup: int = 3
     latency_s: float = 0.02  #: injected per-collective latency of the slow network
     bytes_per_s: float = 25e6  #: injected bandwidth of the slow network
+
+    def __post_init__(self) -> None:
+        for name in ("localsgd_frequency", "slowmo_frequency", "eval_batches", "slow_steps"):
+            at_least(self, name, getattr(self, name), 1)
+        at_least(self, "slow_warmup", self.slow_warmup, 0)
+        at_least(self, "slowmo_momentum", self.slowmo_momentum, 0)
+        at_least(self, "latency_s", self.latency_s, 0)
+        positive(self, "bytes_per_s", self.bytes_per_s)
 
     @property
     def lm(self) -> LMConfig:

@@ -36,6 +36,7 @@ from shardkit.bench.runner import (
 from shardkit.demo.task import MarkovTask
 from shardkit.launch import launch_local
 from shardkit.testing.models import LMConfig, TransformerLM
+from shardkit.utils.checks import at_least, positive
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,13 @@ class ZeroSettings:
     lr: float = 1e-3  #: AdamW learning rate (constant)
     seed: int = 0
     timeout_s: float = 300.0  #: a collective stuck this long fails its strategy
+
+    def __post_init__(self) -> None:
+        at_least(self, "batch_size", self.batch_size, 1)
+        at_least(self, "steps", self.steps, 1)
+        at_least(self, "warmup", self.warmup, 0)
+        positive(self, "lr", self.lr)
+        positive(self, "timeout_s", self.timeout_s)
 
 
 QUICK_LM = LMConfig(vocab_size=64, d_model=32, n_heads=4, n_layers=2, seq_len=16)
@@ -255,12 +263,13 @@ def run(argv: list[str]) -> None:
     settings = ZeroSettings(strategies=tuple(s.name for s in available))
     if args.quick:
         settings = replace(settings, lm=QUICK_LM, batch_size=2, steps=3, warmup=1, timeout_s=60.0)
-    if args.steps is not None:
-        settings = replace(settings, steps=args.steps)
-    if args.warmup is not None:
-        settings = replace(settings, warmup=args.warmup)
-    if settings.steps < 1 or settings.warmup < 0:
-        raise SystemExit("--steps must be at least 1 and --warmup at least 0")
+    try:
+        if args.steps is not None:
+            settings = replace(settings, steps=args.steps)
+        if args.warmup is not None:
+            settings = replace(settings, warmup=args.warmup)
+    except ValueError:
+        raise SystemExit("--steps must be at least 1 and --warmup at least 0") from None
     if not available:
         print("zero suite: no strategy available:\n" + "\n".join(unavailable_lines(missing, {})))
         return

@@ -35,6 +35,7 @@ from shardkit.bench.runner import (
 from shardkit.demo.task import MarkovTask, uniform_loss
 from shardkit.launch import launch_local
 from shardkit.testing.models import LMConfig, TransformerLM
+from shardkit.utils.checks import at_least, positive
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,16 @@ class DemoSettings:
     eval_window: int = 30  #: the final loss is the mean over this many last steps
     untimed_steps: int = 5  #: first steps left out of the step time (allocation, lazy initialisation)
     timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "steps", "branching", "eval_window"):
+            at_least(self, name, getattr(self, name), 1)
+        for name in ("warmup_steps", "untimed_steps"):
+            at_least(self, name, getattr(self, name), 0)
+        positive(self, "lr", self.lr)
+        positive(self, "timeout_s", self.timeout_s)
+        if not 0.0 <= self.final_lr_fraction <= 1.0:
+            raise ValueError(f"DemoSettings.final_lr_fraction must be in [0, 1], got {self.final_lr_fraction!r}")
 
     def lr_at(self, step: int) -> float:
         """Learning rate of ``step`` (0-based): linear warm-up, then cosine decay."""

@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardkit.utils.checks import at_least
+
 ModuleFn = Callable[[nn.Module], nn.Module]
 
 
@@ -41,6 +43,14 @@ class LMConfig:
     seq_len: int = 16
     dropout: float = 0.0
     tie_weights: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "d_model", "n_heads", "n_layers", "seq_len"):
+            at_least(self, name, getattr(self, name), 1)
+        if self.d_model % self.n_heads:
+            raise ValueError(f"LMConfig.d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"LMConfig.dropout must be in [0, 1), got {self.dropout!r}")
 
     @classmethod
     def bench(cls) -> LMConfig:
