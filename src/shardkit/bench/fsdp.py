@@ -53,16 +53,24 @@ class FsdpSettings:
 
     strategies: tuple[str, ...] = DEFAULT_STRATEGIES
     lm: LMConfig = field(default_factory=LMConfig.bench)
-    batch_size: int = 4  #: sequences per rank per step
-    steps: int = 12  #: timed steps (speed part)
-    warmup: int = 3  #: untimed steps first
-    lr: float = 1e-3  #: AdamW learning rate
+    #: Sequences per rank per step.
+    batch_size: int = 4
+    #: Timed steps (speed part)
+    steps: int = 12
+    #: Untimed steps first.
+    warmup: int = 3
+    #: AdamW learning rate.
+    lr: float = 1e-3
     seed: int = 0
     timeout_s: float = 300.0
-    memory: bool = True  #: run the memory part
-    delay_steps: int = 6  #: timed steps of the slow-network part (0: skip it)
-    delay_latency_s: float = 0.005  #: per collective
-    delay_bytes_per_s: float = 200e6  #: simulated bandwidth of the slow link
+    #: Run the memory part.
+    memory: bool = True
+    #: Timed steps of the slow-network part (0: skip it)
+    delay_steps: int = 6
+    #: Per collective.
+    delay_latency_s: float = 0.005
+    #: Simulated bandwidth of the slow link.
+    delay_bytes_per_s: float = 200e6
 
     def __post_init__(self) -> None:
         at_least(self, "batch_size", self.batch_size, 1)
@@ -79,8 +87,10 @@ class MemoryResult:
     """One strategy's tracked memory on one rank."""
 
     name: str
-    steady: dict[str, int]  #: category -> bytes after optimizer.step()
-    peak: int  #: highest total over a training step
+    #: Category -> bytes after optimizer.step()
+    steady: dict[str, int]
+    #: Highest total over a training step.
+    peak: int
     peak_by_category: dict[str, int]
     error: Optional[str] = None
 

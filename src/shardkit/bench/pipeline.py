@@ -48,14 +48,16 @@ class PipelineSettings:
 
     lm: LMConfig = field(default_factory=LMConfig.bench)
     stages: int = 2
-    batch_per_rank: int = 4  #: as the data-parallel suite: the global batch is batch_per_rank * stages
+    #: As the data-parallel suite: the global batch is batch_per_rank * stages.
+    batch_per_rank: int = 4
     microbatches: int = 8
     steps: int = 8
     warmup: int = 2
     lr: float = 1e-3
     seed: int = 0
     smp_pipeline: str = "interleaved"
-    smp_optimize: str = "speed"  #: auto-partition balancing compute (memory_weight 0.2)
+    #: Auto-partition balancing compute (memory_weight 0.2)
+    smp_optimize: str = "speed"
 
     def __post_init__(self) -> None:
         for name in ("stages", "batch_per_rank", "microbatches", "steps"):

@@ -48,14 +48,20 @@ class SlowMoBenchSettings:
 
     strategies: tuple[str, ...] = STRATEGIES
     demo: DemoSettings = field(default_factory=lambda: DemoSettings(strategies=(), steps=240))
-    localsgd_frequency: int = 3  #: LocalSGD averaging period (both LocalSGD strategies)
-    slowmo_frequency: int = 12  #: slow-momentum period of slowmo_localsgd
+    #: LocalSGD averaging period (both LocalSGD strategies)
+    localsgd_frequency: int = 3
+    #: Slow-momentum period of slowmo_localsgd.
+    slowmo_frequency: int = 12
     slowmo_momentum: float = 0.5
-    eval_batches: int = 8  #: held-out batches for the final loss (the same on every rank and strategy)
-    slow_steps: int = 24  #: timed steps per strategy on the slow network
+    #: Held-out batches for the final loss (the same on every rank and strategy)
+    eval_batches: int = 8
+    #: Timed steps per strategy on the slow network.
+    slow_steps: int = 24
     slow_warmup: int = 3
-    latency_s: float = 0.02  #: injected per-collective latency of the slow network
-    bytes_per_s: float = 25e6  #: injected bandwidth of the slow network
+    #: Injected per-collective latency of the slow network.
+    latency_s: float = 0.02
+    #: Injected bandwidth of the slow network.
+    bytes_per_s: float = 25e6
 
     def __post_init__(self) -> None:
         for name in ("localsgd_frequency", "slowmo_frequency", "eval_batches", "slow_steps"):

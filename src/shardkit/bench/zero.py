@@ -45,12 +45,17 @@ class ZeroSettings:
 
     strategies: tuple[str, ...]
     lm: LMConfig = field(default_factory=LMConfig.bench)
-    batch_size: int = 4  #: sequences per rank per step
-    steps: int = 12  #: timed steps
-    warmup: int = 3  #: untimed steps first (allocations, lazy initialisation)
-    lr: float = 1e-3  #: AdamW learning rate (constant)
+    #: Sequences per rank per step.
+    batch_size: int = 4
+    #: Timed steps.
+    steps: int = 12
+    #: Untimed steps first (allocations, lazy initialisation)
+    warmup: int = 3
+    #: AdamW learning rate (constant)
+    lr: float = 1e-3
     seed: int = 0
-    timeout_s: float = 300.0  #: a collective stuck this long fails its strategy
+    #: A collective stuck this long fails its strategy.
+    timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         at_least(self, "batch_size", self.batch_size, 1)

@@ -69,28 +69,26 @@ class CheckpointMeta:
 
 @dataclass(frozen=True)
 class CheckpointInfo:
-    """What :func:`~shardkit.checkpoint.load_checkpoint` restored, besides the model and optimizer.
+    """What :func:`~shardkit.checkpoint.load_checkpoint` restored, besides the model and optimizer."""
 
-    Attributes:
-        path: the checkpoint directory that was loaded.
-        step: the training step given to ``save_checkpoint``.
-        data_position: this rank's ``data_position`` when the world size is unchanged, else rank 0's.
-        world_size: the world size the checkpoint was saved at.
-        strategy: the strategy that saved it (``"plain"``, ``"ddp"``, ``"oss"``, ``"oss_sdp"``, ``"fsdp"``,
-            ``"smp"``, ``"slowmo"``).
-        extra: the ``extra`` object given to ``save_checkpoint``.
-        rng_restored: whether this rank's random generators were restored (only at the saving world size).
-        shardkit_version, torch_version: the versions that wrote it.
-    """
-
+    #: The checkpoint directory that was loaded.
     path: Path
+    #: The training step given to ``save_checkpoint``.
     step: int
+    #: This rank's ``data_position`` when the world size is unchanged, else rank 0's.
     data_position: Any
+    #: The world size the checkpoint was saved at.
     world_size: int
+    #: The strategy that saved it (``"plain"``, ``"ddp"``, ``"oss"``, ``"oss_sdp"``, ``"fsdp"``, ``"smp"``,
+    #: ``"slowmo"``).
     strategy: str
+    #: The ``extra`` object given to ``save_checkpoint``.
     extra: Any
+    #: Whether this rank's random generators were restored (only at the saving world size).
     rng_restored: bool
+    #: The shardkit version that wrote it.
     shardkit_version: str
+    #: The torch version that wrote it.
     torch_version: str
 
 

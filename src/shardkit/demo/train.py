@@ -44,16 +44,22 @@ class DemoSettings:
 
     strategies: tuple[str, ...]
     lm: LMConfig = field(default_factory=LMConfig.demo)
-    batch_size: int = 16  #: sequences per rank per step
+    #: Sequences per rank per step.
+    batch_size: int = 16
     steps: int = 300
-    lr: float = 6e-3  #: peak AdamW learning rate
-    warmup_steps: int = 20  #: linear warm-up, then cosine decay to ``final_lr_fraction`` of the peak
+    #: Peak AdamW learning rate.
+    lr: float = 6e-3
+    #: Linear warm-up, then cosine decay to ``final_lr_fraction`` of the peak.
+    warmup_steps: int = 20
     final_lr_fraction: float = 0.1
-    branching: int = 4  #: successors per token in the Markov chain
+    #: Successors per token in the Markov chain.
+    branching: int = 4
     task_seed: int = 0
     seed: int = 0
-    eval_window: int = 30  #: the final loss is the mean over this many last steps
-    untimed_steps: int = 5  #: first steps left out of the step time (allocation, lazy initialisation)
+    #: The final loss is the mean over this many last steps.
+    eval_window: int = 30
+    #: First steps left out of the step time (allocation, lazy initialisation)
+    untimed_steps: int = 5
     timeout_s: float = 120.0
 
     def __post_init__(self) -> None:

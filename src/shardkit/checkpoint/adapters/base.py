@@ -33,16 +33,13 @@ class PendingLoad:
 
 
 class Adapter(abc.ABC):
-    """Saves and loads the model and optimizer state of one strategy.
+    """Saves and loads the model and optimizer state of one strategy."""
 
-    Attributes:
-        strategy: name recorded in the checkpoint.
-        layout: how the state is stored; a checkpoint loads into any strategy with the same layout.
-        resizable: whether a checkpoint loads at another world size.
-    """
-
+    #: Name recorded in the checkpoint.
     strategy: str = ""
+    #: How the state is stored; a checkpoint loads into any strategy with the same layout.
     layout: str = ""
+    #: Whether a checkpoint loads at another world size.
     resizable: bool = True
 
     def __init__(self, model: nn.Module, optimizer: Optional[Any]) -> None:
