@@ -25,17 +25,17 @@ class Placement:
     """
 
     partitions: int
+    #: (module name, stage) in execution order.
     modules: tuple[tuple[str, int], ...]
-    """(module name, stage) in execution order."""
     stage_costs: tuple[float, ...]
     stage_compute: tuple[float, ...]
     stage_memory_bytes: tuple[int, ...]
     memory_weight: float
     automatic: bool
+    #: The device the trace ran on (smp's ``trace_device``, resolved).
     traced_on: str = "cpu"
-    """The device the trace ran on (smp's ``trace_device``, resolved)."""
+    #: True when activation memory was measured (``trace_memory_usage``) rather than estimated.
     memory_measured: bool = False
-    """True when activation memory was measured (``trace_memory_usage``) rather than estimated."""
 
     def stage_of(self, name: str) -> int:
         """The stage of a placed module."""

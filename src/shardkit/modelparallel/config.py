@@ -25,25 +25,25 @@ class ModelParallelConfig:
         cfg = ModelParallelConfig.from_dict({"partitions": 2, "microbatches": 4, "pipeline": "simple"})
     """
 
+    #: Pipeline degree: the number of stages the model is split into (``pipeline_parallel_degree`` also works).
     partitions: int = 1
-    """Pipeline degree: the number of stages the model is split into (``pipeline_parallel_degree`` also works)."""
+    #: Micro-batches per step; the batch size must be divisible by it. 1 means no pipelining.
     microbatches: int = 1
-    """Micro-batches per step; the batch size must be divisible by it. 1 means no pipelining."""
+    #: ``"interleaved"``: 1F1B, each backward as early as possible; ``"simple"``: all forwards, then all backwards.
     pipeline: str = "interleaved"
-    """``"interleaved"``: 1F1B, each backward as early as possible; ``"simple"``: all forwards, then all backwards."""
+    #: Trace the model on the first step and balance stages automatically; ``smp.partition`` contexts are ignored.
     auto_partition: bool = True
-    """Trace the model on the first step and balance stages automatically; ``smp.partition`` contexts are ignored."""
+    #: With manual partitioning, the stage of modules created outside every ``smp.partition`` context.
     default_partition: int = 0
-    """With manual partitioning, the stage of modules created outside every ``smp.partition`` context."""
+    #: ``"speed"`` or ``"memory"``: only sets the default of ``memory_weight``.
     optimize: str = "memory"
-    """``"speed"`` or ``"memory"``: only sets the default of ``memory_weight``."""
+    #: Weight of memory balance versus compute balance in auto-partitioning, in [0, 1]. Default 0.2 for speed, 0.8 for
+    #: memory.
     memory_weight: Optional[float] = None
-    """Weight of memory balance versus compute balance in auto-partitioning, in [0, 1]. Default 0.2 for speed,
-    0.8 for memory."""
+    #: Data parallelism across model replicas (required when the world is larger than ``partitions``).
     ddp: bool = False
-    """Data parallelism across model replicas (required when the world is larger than ``partitions``)."""
+    #: ``"cluster"``: one replica's stages on neighbouring ranks; ``"spread"``: as far apart as possible.
     placement_strategy: str = "cluster"
-    """``"cluster"``: one replica's stages on neighbouring ranks; ``"spread"``: as far apart as possible."""
 
     def __post_init__(self) -> None:
         _check_int("partitions", self.partitions, 1)
@@ -102,24 +102,24 @@ class ModelParallelConfig:
 class ModelOptions:
     """The ``DistributedModel`` arguments, validated at construction (see that class's docstring)."""
 
+    #: ``"cpu"`` or ``"gpu"``: where rank 0 runs the tracing forward that decides the partition.
     trace_device: str = "gpu"
-    """``"cpu"`` or ``"gpu"``: where rank 0 runs the tracing forward that decides the partition."""
+    #: Balance stages by measured module times (needs ``trace_device="gpu"``).
     trace_execution_times: bool = False
-    """Balance stages by measured module times (needs ``trace_device="gpu"``)."""
+    #: Start each gradient bucket's all-reduce during the last backward instead of after it.
     overlapping_allreduce: bool = True
-    """Start each gradient bucket's all-reduce during the last backward instead of after it."""
+    #: Steps whose gradients accumulate before the replicas' all-reduce.
     backward_passes_per_step: int = 1
-    """Steps whose gradients accumulate before the replicas' all-reduce."""
+    #: Divide each micro-batch's loss gradient by the number of micro-batches.
     average_grads_across_microbatches: bool = True
-    """Divide each micro-batch's loss gradient by the number of micro-batches."""
+    #: Size of one gradient all-reduce bucket, in MiB.
     bucket_cap_mb: float = 25
-    """Size of one gradient all-reduce bucket, in MiB."""
+    #: Measure each module's memory for the partition (one more traced forward) instead of estimating it.
     trace_memory_usage: bool = False
-    """Measure each module's memory for the partition (one more traced forward) instead of estimating it."""
+    #: Every replica takes the first replica's buffers before each step (``ddp=True``).
     broadcast_buffers: bool = True
-    """Every replica takes the first replica's buffers before each step (``ddp=True``)."""
+    #: Gradients are views into the all-reduce buckets (no second copy).
     gradient_as_bucket_view: bool = False
-    """Gradients are views into the all-reduce buckets (no second copy)."""
 
     def __post_init__(self) -> None:
         if self.trace_device not in ("cpu", "gpu"):

@@ -73,10 +73,11 @@ def schedule_for(pipeline: str, stage: int, num_stages: int, microbatches: int) 
 class StepStats:
     """Timing of the last ``@smp.step`` on this rank."""
 
+    #: Wall time of the whole step (forwards, backwards, gradient reduction).
     step_s: float = 0.0
-    """Wall time of the whole step (forwards, backwards, gradient reduction)."""
+    #: Time blocked on receiving activations or gradients: the bubble this stage saw.
     wait_s: float = 0.0
-    """Time blocked on receiving activations or gradients: the bubble this stage saw."""
+    #: Bytes this stage sent to the other stages (activations and gradients).
     sent_bytes: int = 0
 
     @property

@@ -43,11 +43,11 @@ class UnitCall:
     unit: str
     stage: int
     treespec: TreeSpec
+    #: Per output leaf: the traced value of a non-tensor leaf (tensor leaves hold None).
     constants: tuple[Any, ...]
-    """Per output leaf: the traced value of a non-tensor leaf (tensor leaves hold None)."""
     is_tensor: tuple[bool, ...]
+    #: Per output leaf: the other stages that receive it, ascending.
     consumers: tuple[tuple[int, ...], ...]
-    """Per output leaf: the other stages that receive it, ascending."""
 
 
 @dataclass(frozen=True)
@@ -55,21 +55,21 @@ class PipelinePlan:
     """Everything every rank needs to run its part of the model; computed once, on rank 0, and broadcast."""
 
     mp_size: int
+    #: Unit module name -> stage.
     units: dict[str, int]
-    """Unit module name -> stage."""
     calls: tuple[UnitCall, ...]
+    #: The stage where the model's outputs are real (the loss is computed and backward starts there).
     output_stage: int
-    """The stage where the model's outputs are real (the loss is computed and backward starts there)."""
+    #: Parameters and buffers every stage holds: direct state of opened modules, and unit parameters that opened
+    #: modules' code uses directly.
     replicated: frozenset[str]
-    """Parameters and buffers every stage holds: direct state of opened modules, and unit parameters that
-    opened modules' code uses directly."""
+    #: Parameter/buffer name -> stages holding it (several for shared or replicated ones).
     holders: dict[str, tuple[int, ...]]
-    """Parameter/buffer name -> stages holding it (several for shared or replicated ones)."""
+    #: True when activations only flow to higher stages (needed for the 1F1B schedule).
     monotone: bool
-    """True when activations only flow to higher stages (needed for the 1F1B schedule)."""
     signature: tuple[Any, ...]
+    #: Per call, per output leaf: the traced tensor spec (None for non-tensor leaves).
     shapes: tuple[tuple[Optional[LeafSpec], ...], ...]
-    """Per call, per output leaf: the traced tensor spec (None for non-tensor leaves)."""
 
     def stage_edges(self) -> set[tuple[int, int]]:
         """(producer stage, consumer stage) pairs that carry activations."""

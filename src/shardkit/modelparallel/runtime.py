@@ -38,12 +38,12 @@ class MicrobatchRecord:
     """What one micro-batch left on this stage for its backward pass."""
 
     index: int
+    #: (output this stage computed, stage it went to), expecting that stage's gradient back.
     sent: list[tuple[torch.Tensor, int]] = field(default_factory=list)
-    """(output this stage computed, stage it went to), expecting that stage's gradient back."""
+    #: (output received as a leaf, stage that computed it), owing it the leaf's gradient.
     received: list[tuple[torch.Tensor, int]] = field(default_factory=list)
-    """(output received as a leaf, stage that computed it), owing it the leaf's gradient."""
+    #: ``model.backward(tensors, grads)`` requests made by the step function.
     backward: list[tuple[list[torch.Tensor], list[Optional[torch.Tensor]]]] = field(default_factory=list)
-    """``model.backward(tensors, grads)`` requests made by the step function."""
     backward_requested: bool = False
     outputs: Any = None
 

@@ -35,14 +35,14 @@ class SMPState:
     p2p_group: GroupLike
     local_rank: int
     local_size: int
+    #: Groups smp created (destroyed by :func:`reset`).
     owned_groups: list[Any] = field(default_factory=list)
-    """Groups smp created (destroyed by :func:`reset`)."""
+    #: The one ``DistributedModel`` of this process.
     model: Optional[Any] = None
-    """The one ``DistributedModel`` of this process."""
+    #: The ``DistributedOptimizer`` wrapping the model's optimizer, if any.
     optimizer: Optional[Any] = None
-    """The ``DistributedOptimizer`` wrapping the model's optimizer, if any."""
+    #: Undo actions run by :func:`reset` (the model gives its wrapped modules back), last registered first.
     on_reset: list[Callable[[], None]] = field(default_factory=list)
-    """Undo actions run by :func:`reset` (the model gives its wrapped modules back), last registered first."""
 
     @property
     def distributed(self) -> bool:
