@@ -108,10 +108,10 @@ def custom_collective(
     send/recv rings) so they still show up in profiles, byte counts and :func:`comm_delay`.
     """
     verify_matching(group, op, label, tensor)
-    meter = INSTRUMENTATION.meters.current()
+    meter = INSTRUMENTATION.meters.top
     if meter is not None:
         meter.record(op, _nbytes(tensor), wire_bytes)
-    link = INSTRUMENTATION.links.current()
+    link = INSTRUMENTATION.links.top
     ready_at = link.finish_time(wire_bytes) if link is not None else 0.0
     name = f"shardkit::{op}:{label}" if label else f"shardkit::{op}"
     with record_function(name):
@@ -135,8 +135,8 @@ def _peers(group: Optional[GroupLike]) -> Optional[dist.ProcessGroup]:
                 "or initialise torch.distributed."
             )
         return None
-    peers = torch_group(group)
-    return peers if group_size(peers) > 1 else None
+    peers = group if isinstance(group, dist.ProcessGroup) else torch_group(group)  # the latter raises clearly
+    return peers if dist.get_world_size(peers) > 1 else None
 
 
 def _share(group: GroupLike) -> float:

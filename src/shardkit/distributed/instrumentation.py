@@ -123,24 +123,27 @@ class CheckState:
 class ScopeStack(Generic[T]):
     """The open scopes of one kind, innermost last; readable from any thread without locking.
 
-    Opening and closing replace an immutable tuple under a lock, so a reader sees either the old or the new
-    tuple and never a half-updated list; that keeps the read on every collective as cheap as a ``ContextVar``.
+    Opening and closing replace an immutable tuple (and the innermost entry, :attr:`top`) under a lock, so a
+    reader sees either the old or the new state and never a half-updated list; reading :attr:`top` on every
+    collective costs one attribute lookup.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._open: tuple[T, ...] = ()
+        #: The innermost open scope's value, or None when none is open.
+        self.top: Optional[T] = None
 
     def current(self) -> Optional[T]:
-        """The innermost open scope's value, or None when none is open."""
-        entries = self._open
-        return entries[-1] if entries else None
+        """The innermost open scope's value, or None when none is open (the same as :attr:`top`)."""
+        return self.top
 
     @contextlib.contextmanager
     def opened(self, value: T) -> Iterator[T]:
         """Make ``value`` the innermost active one of its kind while the block runs, for every thread."""
         with self._lock:
             self._open = (*self._open, value)
+            self.top = value
         try:
             yield value
         finally:
@@ -153,6 +156,7 @@ class ScopeStack(Generic[T]):
                         del entries[i]
                         break
                 self._open = tuple(entries)
+                self.top = entries[-1] if entries else None
 
 
 def _env_flag(name: str) -> bool:
@@ -174,19 +178,15 @@ class Instrumentation:
         self.links: ScopeStack[LinkModel] = ScopeStack()
         #: Open :func:`check_collectives` scopes.
         self.checks: ScopeStack[CheckState] = ScopeStack()
-        self._checks_from_env = _env_flag("SHARDKIT_CHECK_COLLECTIVES")  # read once: collectives are hot paths
-        self._env_lock = threading.Lock()
-        self._env_checks: Optional[CheckState] = None
+        # Read once, here: every collective asks for the active checks.
+        timeout_s = float(os.environ.get("SHARDKIT_CHECK_TIMEOUT", "60"))
+        #: The process-wide checks ``SHARDKIT_CHECK_COLLECTIVES=1`` asks for, else None.
+        self.env_checks = CheckState(timeout_s) if _env_flag("SHARDKIT_CHECK_COLLECTIVES") else None
 
     def active_checks(self) -> Optional[CheckState]:
         """The innermost open check scope, else the process-wide one the environment asks for, else None."""
-        state = self.checks.current()
-        if state is not None or not self._checks_from_env:
-            return state
-        with self._env_lock:
-            if self._env_checks is None:
-                self._env_checks = CheckState(float(os.environ.get("SHARDKIT_CHECK_TIMEOUT", "60")))
-            return self._env_checks
+        state = self.checks.top
+        return state if state is not None else self.env_checks
 
 
 #: The process's one :class:`Instrumentation`.
