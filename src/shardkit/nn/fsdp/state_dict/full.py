@@ -67,7 +67,7 @@ def state_dict(
         return out
     metadata = getattr(out, "_metadata", None)
     if metadata is None and destination is None:
-        metadata = out._metadata = OrderedDict()  # type: ignore[attr-defined]
+        metadata = _attach_metadata(out, OrderedDict())
     if metadata is not None:
         for path, version in versions.items():
             metadata[join(prefix.rstrip("."), path) if prefix else path] = version
@@ -197,7 +197,7 @@ def local_state_dict(fsdp: UnitModule) -> dict[str, Any]:
     dtypes = buffer_dtypes(fsdp)
     for b in buffers:
         out[b.key] = buffer_value(b, dtypes, None)
-    out._metadata = OrderedDict({_LOCAL_META_KEY: saved_layout})  # type: ignore[attr-defined]
+    _attach_metadata(out, OrderedDict({_LOCAL_META_KEY: saved_layout}))
     return out
 
 
@@ -232,3 +232,9 @@ def load_local_state_dict(fsdp: UnitModule, local_state: Mapping[str, Any], stri
             if b.key in local_state:
                 b.module._buffers[b.attr].copy_(local_state[b.key])  # type: ignore[union-attr]
     return _IncompatibleKeys(missing, unexpected)
+
+
+def _attach_metadata(out: dict[str, Any], metadata: dict[str, Any]) -> dict[str, Any]:
+    """Give ``out`` the ``_metadata`` attribute torch's state dicts carry (per-module versions and layouts)."""
+    out._metadata = metadata  # type: ignore[attr-defined]
+    return metadata
