@@ -9,6 +9,19 @@ from typing import Any
 
 import torch
 
+# torch's multi-tensor ("foreach") kernels, the ones torch.optim's own fast paths use: one launch per batch of
+# tensors instead of one per tensor. torch exposes them only under underscore names, so they are named here once
+# and the optimizers call these.
+foreach_add_ = torch._foreach_add_
+foreach_addcmul_ = torch._foreach_addcmul_
+foreach_copy_ = torch._foreach_copy_
+foreach_div = torch._foreach_div
+foreach_div_ = torch._foreach_div_
+foreach_mul = torch._foreach_mul
+foreach_mul_ = torch._foreach_mul_
+foreach_norm = torch._foreach_norm
+foreach_sqrt_ = torch._foreach_sqrt_
+
 #: Low-precision parameters are updated in fp32 (as Apex's kernels do) and written back.
 _UPCAST = (torch.float16, torch.bfloat16)
 
@@ -52,7 +65,7 @@ def fp32_math(dtype: torch.dtype, *lists: list[torch.Tensor]) -> Iterator[list[l
     work = [[t.detach().float() for t in tensors] for tensors in lists]
     yield work
     for tensors, updated in zip(lists, work):
-        torch._foreach_copy_([t.detach() for t in tensors], updated)
+        foreach_copy_([t.detach() for t in tensors], updated)
 
 
 def as_fp32(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -66,7 +79,7 @@ def advance_steps(states: Sequence[dict[str, Any]], device: torch.device) -> tor
         if "step" not in state:
             state["step"] = torch.zeros((), dtype=torch.float32, device=device)
     steps = [state["step"] for state in states]
-    torch._foreach_add_(steps, 1.0)
+    foreach_add_(steps, 1.0)
     return torch.stack(steps).to(device=device, dtype=torch.float32)
 
 

@@ -125,7 +125,7 @@ class FusedLamb(torch.optim.Optimizer):
     def _clip_divisor(self, batches: list[F.Batch]) -> torch.Tensor:
         """``c`` of the class docstring: what every gradient is divided by (1 when no clipping is needed)."""
         params = [p for batch in batches for p in batch.params]
-        squares = [torch.stack(torch._foreach_norm(F.as_fp32(batch.grads))).float() ** 2 for batch in batches]
+        squares = [torch.stack(F.foreach_norm(F.as_fp32(batch.grads))).float() ** 2 for batch in batches]
         device = params[0].device if params else self._any_device()
         local = torch.cat([s.to(device) for s in squares]) if squares else torch.zeros(0, device=device)
         global_norm = torch.sqrt(self._sum_of_squares(params, local))
@@ -159,25 +159,25 @@ class FusedLamb(torch.optim.Optimizer):
         exp_avgs = [state["exp_avg"] for state in batch.states]
         exp_avg_sqs = [state["exp_avg_sq"] for state in batch.states]
         with F.fp32_math(dtype, batch.params, exp_avgs, exp_avg_sqs) as (params, m, v):
-            scaled = torch._foreach_div(F.as_fp32(batch.grads), clip)
+            scaled = F.foreach_div(F.as_fp32(batch.grads), clip)
             if decay != 0 and not self.adam_w_mode:
-                torch._foreach_add_(scaled, params, alpha=decay)
-            torch._foreach_mul_(m, beta1)
-            torch._foreach_add_(m, scaled, alpha=beta3)
-            torch._foreach_mul_(v, beta2)
-            torch._foreach_addcmul_(v, scaled, scaled, value=1.0 - beta2)
-            denom = torch._foreach_div(v, list(correction2.unbind(0)))
-            torch._foreach_sqrt_(denom)
-            torch._foreach_add_(denom, eps)
-            update = torch._foreach_div(m, denom)
-            torch._foreach_div_(update, list(correction1.unbind(0)))
+                F.foreach_add_(scaled, params, alpha=decay)
+            F.foreach_mul_(m, beta1)
+            F.foreach_add_(m, scaled, alpha=beta3)
+            F.foreach_mul_(v, beta2)
+            F.foreach_addcmul_(v, scaled, scaled, value=1.0 - beta2)
+            denom = F.foreach_div(v, list(correction2.unbind(0)))
+            F.foreach_sqrt_(denom)
+            F.foreach_add_(denom, eps)
+            update = F.foreach_div(m, denom)
+            F.foreach_div_(update, list(correction1.unbind(0)))
             if decay != 0 and self.adam_w_mode:
-                torch._foreach_add_(update, params, alpha=decay)
+                F.foreach_add_(update, params, alpha=decay)
             ratio = torch.full_like(steps, lr)
             if self.use_nvlamb or decay != 0:
-                w_norm = torch.stack(torch._foreach_norm(params)).float()
-                u_norm = torch.stack(torch._foreach_norm(update)).float()
+                w_norm = torch.stack(F.foreach_norm(params)).float()
+                u_norm = torch.stack(F.foreach_norm(update)).float()
                 trusted = (w_norm > 0) & (u_norm > 0)
                 ratio = torch.where(trusted, lr * w_norm / torch.where(trusted, u_norm, 1.0), ratio)
-            torch._foreach_mul_(update, list((-ratio).unbind(0)))
-            torch._foreach_add_(params, update)
+            F.foreach_mul_(update, list((-ratio).unbind(0)))
+            F.foreach_add_(params, update)

@@ -109,7 +109,7 @@ class FusedNovoGrad(torch.optim.Optimizer):
         lr, eps, decay = group["lr"], group["eps"], group["weight_decay"]
         beta3 = 1.0 - beta1 if group["grad_averaging"] else 1.0
         grads = F.as_fp32(batch.grads)
-        norms = torch.stack(torch._foreach_norm(grads, 2.0 if group["norm_type"] == 2 else float("inf"))).float()
+        norms = torch.stack(F.foreach_norm(grads, 2.0 if group["norm_type"] == 2 else float("inf"))).float()
         for i, (p, state) in enumerate(zip(batch.params, batch.states)):
             if "exp_avg" not in state:
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
@@ -121,7 +121,7 @@ class FusedNovoGrad(torch.optim.Optimizer):
             averaged = torch.sqrt(beta2 * averaged * averaged + (1.0 - beta2) * norms * norms)
         else:
             averaged = beta2 * averaged + (1.0 - beta2) * norms
-        torch._foreach_copy_([state["exp_avg_sq"] for state in batch.states], list(averaged.unbind(0)))
+        F.foreach_copy_([state["exp_avg_sq"] for state in batch.states], list(averaged.unbind(0)))
         if group["bias_correction"]:
             correction1 = 1.0 - torch.pow(beta1, steps)
             correction2 = torch.sqrt(1.0 - torch.pow(beta2, steps))
@@ -131,16 +131,16 @@ class FusedNovoGrad(torch.optim.Optimizer):
         moments = [state["exp_avg"] for state in batch.states]
         with F.fp32_math(dtype, batch.params, moments) as (params, exp_avgs):
             if self.reg_inside_moment:  # the paper: normalise and decay inside the moment
-                scaled = torch._foreach_div(grads, list(denom.unbind(0)))
+                scaled = F.foreach_div(grads, list(denom.unbind(0)))
                 if decay != 0:
-                    torch._foreach_add_(scaled, params, alpha=decay)
-                torch._foreach_mul_(exp_avgs, beta1)
-                torch._foreach_add_(exp_avgs, scaled, alpha=beta3)
+                    F.foreach_add_(scaled, params, alpha=decay)
+                F.foreach_mul_(exp_avgs, beta1)
+                F.foreach_add_(exp_avgs, scaled, alpha=beta3)
                 step_size = -lr / correction1
             else:  # decoupled: the moment averages raw gradients; decay joins the update
-                torch._foreach_mul_(exp_avgs, beta1)
-                torch._foreach_add_(exp_avgs, grads, alpha=beta3)
+                F.foreach_mul_(exp_avgs, beta1)
+                F.foreach_add_(exp_avgs, grads, alpha=beta3)
                 if decay != 0:
-                    torch._foreach_mul_(params, 1.0 - lr * decay)
+                    F.foreach_mul_(params, 1.0 - lr * decay)
                 step_size = -lr / (correction1 * denom)
-            torch._foreach_add_(params, torch._foreach_mul(exp_avgs, list(step_size.unbind(0))))
+            F.foreach_add_(params, F.foreach_mul(exp_avgs, list(step_size.unbind(0))))
