@@ -3,8 +3,9 @@
 A strategy that broadcasts rank 0's parameters or averages flat buffers assumes every rank holds the same
 tensors in the same order. When they do not, the broadcast writes rank 0's values into the wrong tensors (or a
 collective of different sizes hangs or aborts in the backend), and training goes on wrong or dies far from the
-cause. :func:`check_same_model` compares the ranks' parameter and buffer signatures with one all-gather of small
-Python objects and raises the same ``ValueError`` on every rank, naming the first difference and the ranks.
+cause. :func:`check_same_model` compares the ranks' parameter and buffer signatures (one all-gather of a short
+digest, a second of the signatures only when they differ) and raises the same ``ValueError`` on every rank, naming
+the first difference and the ranks.
 
 Example::
 
@@ -13,6 +14,7 @@ Example::
 
 from __future__ import annotations
 
+import hashlib
 from typing import NamedTuple, Optional
 
 from torch import nn
@@ -101,22 +103,56 @@ def check_same_model(
         check_same_model(module, group, "MyWrapper", local_error=error)  # raises everywhere, or nowhere
     """
     signature = model_signature(module, buffers) if isinstance(module, nn.Module) else []
-    mine = (signature, None if local_error is None else _error_text(local_error))
-    everyone = all_gather_objects(mine, group, f"{who}.model_check")
+    check_same_signatures(
+        signature,
+        group,
+        who,
+        local_error,
+        what="models",
+        advice=(
+            "Build the same model on every rank (same parameter and buffer names, shapes, dtypes and "
+            "requires_grad) before wrapping it; rank-specific parts need their own process group."
+        ),
+    )
+
+
+def check_same_signatures(
+    signature: list[TensorSignature],
+    group: GroupLike,
+    who: str,
+    local_error: Optional[Exception],
+    *,
+    what: str,
+    advice: str,
+) -> None:
+    """The agreement :func:`check_same_model` runs, for any list of signatures (OSS passes its param groups').
+
+    In the common case it costs one all-gather of a short digest per rank (with each rank's argument-check error,
+    if any); only when the digests differ do the ranks exchange their full signatures, in a second all-gather
+    that every rank enters because all saw the same digests, to name the first difference. Raises on every
+    rank, or on none: this rank re-raises ``local_error``, the others quote it; a mismatch raises
+    ``"{who}: the ranks hold different {what}: <difference>. {advice} Nothing was broadcast or changed."``.
+    """
+    mine = (_digest(signature), None if local_error is None else _error_text(local_error))
+    everyone = all_gather_objects(mine, group, f"{who}.signature_check")
     if local_error is not None:
         raise local_error
     for rank, (_, error) in enumerate(everyone):
         if error is not None:
             raise ValueError(f"{who}: rank {rank} refused its arguments ({error}). Nothing was broadcast or changed.")
-    signatures = [signature for signature, _ in everyone]
-    for rank, signature in enumerate(signatures[1:], start=1):
-        problem = describe_mismatch(signatures[0], signature, 0, rank)
+    if all(digest == everyone[0][0] for digest, _ in everyone):
+        return
+    signatures = all_gather_objects(signature, group, f"{who}.signature_check_detail")
+    for rank, other in enumerate(signatures[1:], start=1):
+        problem = describe_mismatch(signatures[0], other, 0, rank)
         if problem is not None:
             raise ValueError(
-                f"{who}: the ranks hold different models: {problem}. Build the same model on every rank (same "
-                "parameter and buffer names, shapes, dtypes and requires_grad) before wrapping it; rank-specific "
-                "parts need their own process group. Nothing was broadcast or changed."
+                f"{who}: the ranks hold different {what}: {problem}. {advice} Nothing was broadcast or changed."
             )
+
+
+def _digest(signature: list[TensorSignature]) -> str:
+    return hashlib.sha256(repr(signature).encode()).hexdigest()
 
 
 def _error_text(error: Exception) -> str:

@@ -5,20 +5,17 @@ without communicating. If ranks built different models, their partitions disagre
 the others lay out differently, so a step writes one rank's values into another's wrong tensors, or a transfer
 of mismatched sizes hangs. :func:`check_same_params` catches that at construction.
 
-In the common case it costs one all-gather of a short digest per rank. Only when the digests differ do the ranks
-exchange their full signatures (a second all-gather, entered by every rank since all saw the same digests) to
-name the first difference.
+The agreement itself is :func:`shardkit.distributed.model_check.check_same_signatures`, the one every wrapper's
+same-model check runs: one all-gather of a short digest per rank, a second exchange only when they differ.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from typing import Any, Optional
 
-from shardkit.distributed.groups import GroupLike, group_size, is_dummy
-from shardkit.distributed.model_check import TensorSignature, describe_mismatch
-from shardkit.distributed.objects import all_gather_objects
+from shardkit.distributed.groups import GroupLike
+from shardkit.distributed.model_check import TensorSignature, check_same_signatures
 
 
 def params_signature(param_groups: Sequence[dict[str, Any]]) -> list[TensorSignature]:
@@ -28,10 +25,6 @@ def params_signature(param_groups: Sequence[dict[str, Any]]) -> list[TensorSigna
         for g, group in enumerate(param_groups)
         for i, p in enumerate(group["params"])
     ]
-
-
-def _digest(signature: list[TensorSignature]) -> str:
-    return hashlib.sha256(repr(signature).encode()).hexdigest()
 
 
 def check_same_params(
@@ -49,27 +42,16 @@ def check_same_params(
 
         check_same_params(optimizer.param_groups, group, "OSS")  # on every rank, before the first broadcast
     """
-    if is_dummy(group) or group_size(group) == 1:
-        if local_error is not None:
-            raise local_error
-        return
     signature = params_signature(param_groups) if local_error is None else []
-    error_text = None if local_error is None else f"{type(local_error).__name__}: {local_error}"
-    everyone = all_gather_objects((_digest(signature), error_text), group, f"{who}.param_check")
-    if local_error is not None:
-        raise local_error
-    for rank, (_, error) in enumerate(everyone):
-        if error is not None:
-            raise ValueError(f"{who}: rank {rank} refused its arguments ({error}). Nothing was broadcast or changed.")
-    if all(digest == everyone[0][0] for digest, _ in everyone):
-        return
-    signatures = all_gather_objects(signature, group, f"{who}.param_check_detail")
-    for rank, other in enumerate(signatures[1:], start=1):
-        problem = describe_mismatch(signatures[0], other, 0, rank)
-        if problem is not None:
-            raise ValueError(
-                f"{who}: the ranks hold different parameters: {problem}. Every rank must pass the same parameters "
-                "(same param groups, and in each the same number of tensors with the same shapes, dtypes and "
-                "requires_grad, in the same order): build the same model on every rank; rank-specific parts need "
-                "their own process group. Nothing was broadcast or changed."
-            )
+    check_same_signatures(
+        signature,
+        group,
+        who,
+        local_error,
+        what="parameters",
+        advice=(
+            "Every rank must pass the same parameters (same param groups, and in each the same number of tensors "
+            "with the same shapes, dtypes and requires_grad, in the same order): build the same model on every "
+            "rank; rank-specific parts need their own process group."
+        ),
+    )
