@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[dev,lightning,examples]"
+	$(PY) -m pip install -q -e ".[dev,lightning,examples,plan]"
 	touch $(STAMP)
 
 install: $(STAMP)

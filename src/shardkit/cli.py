@@ -1,4 +1,5 @@
-"""The ``shardkit`` command: ``shardkit demo`` (the main job) and ``shardkit bench`` (side-by-side benchmarks).
+"""The ``shardkit`` command: ``demo`` (the main job), ``bench`` (side-by-side benchmarks), ``checkpoint``
+(inspect, export and import checkpoints) and ``plan`` (memory and traffic of every strategy before a run).
 
 Examples::
 
@@ -6,13 +7,22 @@ Examples::
     shardkit bench                     # every benchmark suite
     shardkit bench zero --steps 20     # one suite, more steps
     shardkit bench zero --strategies ddp,oss_sdp --json out.json   # suite options are passed through
+    shardkit checkpoint inspect runs/exp1/step_00000100
+    shardkit plan --help
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from typing import Optional
+from typing import Callable, Optional
+
+#: Sub-commands with their own argument parsers: name -> (module, one-line help). Their ``main(argv) -> int``
+#: gets every argument after the sub-command's name.
+DELEGATED = {
+    "checkpoint": ("shardkit.checkpoint.cli", "inspect, export or import a checkpoint (see shardkit checkpoint -h)"),
+    "plan": ("shardkit.plan.cli", "memory and traffic of every strategy for a model (see shardkit plan -h)"),
+}
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -40,7 +50,17 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--steps", type=int, default=None, help="timed steps")
     bench.add_argument("--warmup", type=int, default=None, help="untimed warm-up steps")
     bench.add_argument("--quick", action="store_true", help="tiny settings (seconds), for tests")
+    for name, (_, text) in DELEGATED.items():
+        commands.add_parser(name, help=text, add_help=False)
     return parser
+
+
+def _delegated_main(name: str) -> Callable[[list[str]], int]:
+    import importlib
+
+    module = importlib.import_module(DELEGATED[name][0])
+    entry: Callable[[list[str]], int] = module.main
+    return entry
 
 
 def _forwarded(args: argparse.Namespace, options: tuple[str, ...]) -> list[str]:
@@ -56,8 +76,11 @@ def _forwarded(args: argparse.Namespace, options: tuple[str, ...]) -> list[str]:
 
 def main(argv: Optional[list[str]] = None) -> int:
     """Run the ``shardkit`` command with ``argv`` (default: the process's arguments); returns the exit status."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in DELEGATED:
+        return _delegated_main(argv[0])(argv[1:])
     parser = _build_parser()
-    args, extra = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    args, extra = parser.parse_known_args(argv)
     if extra and args.command != "bench":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "demo":
