@@ -1,0 +1,189 @@
+"""One small model under every strategy family, trained so that every family at every world size follows the same
+trajectory as one process on the whole batch; the pieces of the any-to-any checkpoint tests.
+
+Why the trajectories agree: every family averages the gradient of the same global batch (8 rows, split evenly
+between data-parallel ranks; smp's micro-batches are averaged too), and SGD with momentum is linear in the
+gradients. SlowMo runs LocalSGD averaging every step with slow momentum off, so its average parameters and
+average momentum follow the single-process run as well, while each rank's own momentum differs (what the
+checkpoint must average). The model has no dropout; its buffer depends on the seed, so a target built with
+another seed only matches if the buffer was loaded too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+#: Families the parity tests move checkpoints between, and the world sizes each runs at here.
+FAMILY_SIZES: dict[str, tuple[int, ...]] = {
+    "plain": (1,),
+    "ddp": (2, 4),
+    "oss": (1, 2, 4),
+    "oss_sdp": (1, 2, 4),
+    "fsdp_nested": (1, 2, 4),
+    "fsdp_noflat": (1, 2, 4),
+    "smp": (1, 2, 4),
+    "slowmo": (2, 4),
+}
+GLOBAL_BATCH = 8
+LR, MOMENTUM = 0.05, 0.9
+
+
+class Gain(nn.Module):
+    """Multiplies by a persistent buffer (so checkpoints carry a buffer)."""
+
+    def __init__(self, value: float) -> None:
+        super().__init__()
+        self.register_buffer("gain", torch.full((3,), value))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gain
+
+
+def net(seed: int) -> nn.Sequential:
+    """Linear(6, 8) - Tanh - Linear(8, 8) - Tanh - Linear(8, 3) - Gain, weights and gain from ``seed``."""
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3), Gain(1.0 + 0.25 * seed)
+    )
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of ``step`` (the same for every family and world size)."""
+    gen = torch.Generator().manual_seed(500 + step)
+    return torch.randn(GLOBAL_BATCH, 6, generator=gen), torch.randn(GLOBAL_BATCH, 3, generator=gen)
+
+
+def rows(x: torch.Tensor, dp_rank: int, dp_size: int) -> torch.Tensor:
+    """Data-parallel rank ``dp_rank``'s share of a global batch."""
+    per = x.shape[0] // dp_size
+    return x[dp_rank * per : (dp_rank + 1) * per]
+
+
+@dataclass
+class Run:
+    """A model of one family with its optimizer, and this rank's data-parallel coordinates."""
+
+    family: str
+    model: Any
+    optimizer: Any
+    dp_rank: int
+    dp_size: int
+
+
+def _sgd(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)
+
+
+def build(family: str, rank: int, world_size: int, seed: int, mixed_precision: bool = False) -> Run:
+    """``family`` over :func:`net` at this world size (every rank must call it; wrappers synchronise)."""
+    module = net(seed)
+    if family == "plain":
+        return Run(family, module, _sgd(module.parameters()), 0, 1)
+    if family == "ddp":
+        model = DDP(module)
+        return Run(family, model, _sgd(model.parameters()), rank, world_size)
+    if family in ("oss", "oss_sdp"):
+        from shardkit.nn import ShardedDataParallel
+        from shardkit.optim import OSS
+
+        opt = OSS(module.parameters(), optim=torch.optim.SGD, lr=LR, momentum=MOMENTUM)
+        model = ShardedDataParallel(module, opt) if family == "oss_sdp" else DDP(module)
+        return Run(family, model, opt, rank, world_size)
+    if family in ("fsdp_nested", "fsdp_noflat"):
+        from shardkit.nn import FullyShardedDataParallel as FSDP
+
+        options: dict[str, Any] = {"mixed_precision": True, "compute_dtype": torch.bfloat16} if mixed_precision else {}
+        if family == "fsdp_nested":
+            module[0] = FSDP(module[0], **options)
+            module[2] = FSDP(module[2], **options)
+            model = FSDP(module, **options)
+        else:
+            model = FSDP(module, flatten_parameters=False, **options)
+        return Run(family, model, _sgd(model.parameters()), rank, world_size)
+    if family == "smp":
+        import shardkit.modelparallel as smp
+
+        partitions = 1 if world_size == 1 else 2
+        smp.init({"partitions": partitions, "microbatches": 2, "ddp": True})
+        model = smp.DistributedModel(module)
+        return Run(family, model, smp.DistributedOptimizer(_sgd(model.parameters())), smp.dp_rank(), smp.dp_size())
+    if family == "slowmo":
+        from shardkit.nn.data_parallel import SlowMoDistributedDataParallel
+
+        model = SlowMoDistributedDataParallel(
+            module, nprocs_per_node=1, localsgd_frequency=1, slowmo_momentum=0.0, slowmo_lr=1.0
+        )
+        return Run(family, model, _sgd(model.parameters()), rank, world_size)
+    raise ValueError(f"unknown family {family}")
+
+
+def release(run: Run) -> None:
+    """Forget process-wide state (smp allows one model per process)."""
+    if run.family == "smp":
+        import shardkit.modelparallel as smp
+
+        smp.reset()
+
+
+def _smp_step() -> Any:
+    import shardkit.modelparallel as smp
+
+    @smp.step
+    def step(model: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = F.mse_loss(model(x), y)
+        model.backward(loss)
+        return loss
+
+    return step
+
+
+def train(run: Run, steps: range) -> None:
+    """Train ``run`` on the global batches of ``steps`` (its data-parallel share of each)."""
+    smp_step = _smp_step() if run.family == "smp" else None
+    for step in steps:
+        x, y = batch(step)
+        x, y = rows(x, run.dp_rank, run.dp_size), rows(y, run.dp_rank, run.dp_size)
+        run.optimizer.zero_grad()
+        if smp_step is not None:
+            smp_step(run.model, x, y)
+        else:
+            F.mse_loss(run.model(x), y).backward()
+        run.optimizer.step()
+        if run.family == "slowmo":
+            run.model.perform_slowmo(run.optimizer)
+
+
+def full_state(run: Run) -> dict[str, torch.Tensor]:
+    """The unwrapped model's state dict as float64 CPU tensors (collective for FSDP and smp)."""
+    if run.family in ("ddp", "oss", "oss_sdp", "slowmo"):
+        state = run.model.module.state_dict()
+    else:
+        state = run.model.state_dict()
+    return {k: v.detach().double().cpu().clone() for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+
+def reference(steps: int) -> dict[str, torch.Tensor]:
+    """One process, whole batches, ``steps`` steps, from seed 0: what every family must reach."""
+    run = build("plain", 0, 1, seed=0)
+    train(run, range(steps))
+    return full_state(run)
+
+
+def difference(
+    expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor], rtol: float = 1e-5, atol: float = 1e-6
+) -> Optional[str]:
+    """None if ``got`` matches ``expected`` key for key within fp32 reduction-order tolerances, else what differs."""
+    if sorted(expected) != sorted(got):
+        return f"keys differ: {sorted(set(expected) ^ set(got))}"
+    for key, want in expected.items():
+        have = got[key]
+        if have.shape != want.shape or not torch.allclose(have, want, rtol=rtol, atol=atol):
+            gap = (have - want).abs().max().item() if have.shape == want.shape else "shape"
+            return f"{key}: max difference {gap}"
+    return None
