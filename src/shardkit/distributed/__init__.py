@@ -19,13 +19,16 @@ from shardkit.distributed.health import (
     report_failure,
 )
 from shardkit.distributed.objects import all_gather_objects, broadcast_object, gather_objects
+from shardkit.distributed.topology import NodeLayout, Topology
 
 __all__ = [
     "CollectiveMismatchError",
     "CommMeter",
     "DummyProcessGroup",
     "GroupLike",
+    "NodeLayout",
     "RankFailedError",
+    "Topology",
     "all_gather_objects",
     "broadcast_object",
     "check_collectives",

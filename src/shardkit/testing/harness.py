@@ -52,6 +52,7 @@ def _worker(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     results: Any,
+    env: Optional[dict[str, str]] = None,
 ) -> None:
     os.environ.update(
         RANK=str(rank),
@@ -61,6 +62,7 @@ def _worker(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=os.environ.get("SHARDKIT_TEST_PORT", "29533"),
     )
+    os.environ.update(env or {})  # a test's per-rank overrides (e.g. a simulated node layout)
     # One intra-op thread per rank: ranks share the machine's cores, more threads only oversubscribe them.
     torch.set_num_threads(1)
     try:
@@ -105,6 +107,7 @@ def run_distributed(
     *args: Any,
     timeout_s: Optional[float] = None,
     backend: str = "gloo",
+    rank_env: Optional[Sequence[dict[str, str]]] = None,
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` processes with an initialised group.
@@ -113,6 +116,10 @@ def run_distributed(
     Returns every rank's return value, in rank order. Raises :class:`DistributedTestError` naming each rank
     that raised (with its traceback), died, or did not finish within ``timeout_s`` seconds: a hung
     collective fails the test instead of hanging the suite.
+
+    Each rank sees ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` and ``LOCAL_WORLD_SIZE`` (= ``world_size``: one node),
+    as under torchrun; ``rank_env[rank]`` (one dict per rank) overrides or adds variables, e.g. to simulate two
+    nodes with ``LOCAL_WORLD_SIZE=2`` and ``GROUP_RANK``.
 
     Example::
 
@@ -124,6 +131,8 @@ def run_distributed(
         assert run_distributed(check_sum, 2) == [1.0, 1.0]
     """
     timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
+    if rank_env is not None and len(rank_env) != world_size:
+        raise ValueError(f"rank_env needs one dict per rank ({world_size}), got {len(rank_env)}")
     ctx = _context()
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="shardkit-test-") as tmp:
@@ -131,7 +140,8 @@ def run_distributed(
         procs = [
             ctx.Process(
                 target=_worker,
-                args=(fn, rank, world_size, init_file, backend, timeout_s, args, kwargs, results),
+                args=(fn, rank, world_size, init_file, backend, timeout_s, args, kwargs, results)
+                + ((dict(rank_env[rank]),) if rank_env is not None else ()),
                 name=f"shardkit-rank{rank}",
                 daemon=True,
             )
