@@ -18,6 +18,7 @@ from shardkit.distributed.health import (
     install_failure_reporter,
     report_failure,
 )
+from shardkit.distributed.node_traffic import set_topology
 from shardkit.distributed.objects import all_gather_objects, broadcast_object, gather_objects
 from shardkit.distributed.topology import NodeLayout, Topology
 
@@ -42,5 +43,6 @@ __all__ = [
     "is_dummy",
     "report_failure",
     "resolve_group",
+    "set_topology",
     "torch_group",
 ]

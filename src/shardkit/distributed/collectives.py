@@ -30,6 +30,7 @@ from shardkit.distributed.groups import (
 )
 from shardkit.distributed.health import explain_failure, verify_matching
 from shardkit.distributed.instrumentation import INSTRUMENTATION, CommMeter, LinkModel
+from shardkit.distributed.node_traffic import inter_node_share
 
 
 @contextlib.contextmanager
@@ -50,15 +51,28 @@ def count_comm_bytes(meter: Optional[CommMeter] = None) -> Iterator[CommMeter]:
 
 
 @contextlib.contextmanager
-def comm_delay(latency_s: float = 0.0, bytes_per_s: Optional[float] = None) -> Iterator[None]:
+def comm_delay(latency_s: float = 0.0, bytes_per_s: Optional[float] = None, scope: str = "all") -> Iterator[None]:
     """Simulate a slow network for shardkit collectives issued inside the block.
 
     Each collective completes no earlier than ``latency_s + wire_bytes / bytes_per_s`` after the link is
     free. Asynchronous collectives keep running in the background, so the delay overlaps with computation
     exactly as a real slow link would; only ``wait()`` blocks. Like :func:`count_comm_bytes`, the link applies
     to collectives issued on any thread while the block is open.
+
+    ``scope="inter_node"`` simulates a slow network between nodes only: collectives that stay inside a node are
+    not slowed, the others take ``latency_s + inter_node_bytes / bytes_per_s`` (their bytes that cross nodes,
+    as the comm meter counts them; see :mod:`shardkit.distributed.node_traffic`). Both kinds can be open at
+    once; a collective then waits for the later of the two.
+
+    Example::
+
+        with comm_delay(0.005, 100e6, scope="inter_node"):   # 5 ms, 100 MB/s between nodes
+            train_step()
     """
-    with INSTRUMENTATION.links.opened(LinkModel(latency_s, bytes_per_s)):
+    if scope not in ("all", "inter_node"):
+        raise ValueError(f"comm_delay scope must be 'all' or 'inter_node', got {scope!r}")
+    stack = INSTRUMENTATION.links if scope == "all" else INSTRUMENTATION.inter_links
+    with stack.opened(LinkModel(latency_s, bytes_per_s)):
         yield
 
 
@@ -99,20 +113,31 @@ def custom_collective(
     wire_bytes: float,
     async_op: bool,
     run: Callable[[], Any],
+    pattern: str = "ring",
+    root_in_group: int = 0,
+    peer: Optional[int] = None,
 ) -> Handle:
     """Issue a collective that shardkit does not wrap itself, with the same labelling, metering and checks.
 
     ``run`` starts the operation asynchronously and returns its torch work handle (or None). ``tensor`` is the
     buffer whose size and dtype identify the call (checked across ranks in debug mode); ``wire_bytes`` is what
     the :class:`CommMeter` records as sent per rank. Strategies use this for hand-built exchanges (for example
-    send/recv rings) so they still show up in profiles, byte counts and :func:`comm_delay`.
+    send/recv rings) so they still show up in profiles, byte counts and :func:`comm_delay`. ``pattern`` (with
+    ``root_in_group`` for ``"rooted"`` and the peer's global rank ``peer`` for ``"p2p"``) names the traffic
+    model that splits the bytes into intra- and inter-node (:mod:`shardkit.distributed.node_traffic`).
     """
     verify_matching(group, op, label, tensor)
     meter = INSTRUMENTATION.meters.top
-    if meter is not None:
-        meter.record(op, _nbytes(tensor), wire_bytes)
     link = INSTRUMENTATION.links.top
+    inter_link = INSTRUMENTATION.inter_links.top
+    inter_bytes = 0.0
+    if (meter is not None or inter_link is not None) and wire_bytes > 0:
+        inter_bytes = wire_bytes * _inter_share(group, pattern, root_in_group, peer)
+    if meter is not None:
+        meter.record(op, _nbytes(tensor), wire_bytes, inter_bytes)
     ready_at = link.finish_time(wire_bytes) if link is not None else 0.0
+    if inter_link is not None and inter_bytes > 0:
+        ready_at = max(ready_at, inter_link.finish_time(inter_bytes))
     name = f"shardkit::{op}:{label}" if label else f"shardkit::{op}"
     with record_function(name):
         try:
@@ -123,6 +148,15 @@ def custom_collective(
     if not async_op:
         handle.wait()
     return handle
+
+
+def _inter_share(group: GroupLike, pattern: str, root_in_group: int, peer: Optional[int]) -> float:
+    """The share of a collective's bytes that crosses nodes (0 for a dummy group: nothing is sent)."""
+    if not isinstance(group, dist.ProcessGroup):
+        return 0.0
+    if pattern == "p2p":
+        return inter_node_share([dist.get_rank()], "p2p", 0, peer)
+    return inter_node_share(dist.get_process_group_ranks(group), pattern, root_in_group)
 
 
 def _peers(group: Optional[GroupLike]) -> Optional[dist.ProcessGroup]:
@@ -193,7 +227,9 @@ def broadcast(
             return Works([dist.isend(tensor, dst=peer, group=peers) for peer in others])
         return Works([dist.irecv(tensor, src=root, group=peers)])
 
-    return custom_collective("broadcast", label, tensor, peers, _share(peers) * _nbytes(tensor), async_op, run)
+    wire = _share(peers) * _nbytes(tensor)
+    pattern = "rooted" if by_sends else "ring"
+    return custom_collective("broadcast", label, tensor, peers, wire, async_op, run, pattern, src_in_group)
 
 
 class Works:
@@ -263,7 +299,9 @@ def reduce(
 
         return Works(works, total)
 
-    return custom_collective("reduce", label, tensor, peers, _share(peers) * _nbytes(tensor), async_op, run)
+    wire = _share(peers) * _nbytes(tensor)
+    pattern = "rooted" if by_sends else "ring"
+    return custom_collective("reduce", label, tensor, peers, wire, async_op, run, pattern, dst_in_group)
 
 
 def _members(peers: dist.ProcessGroup) -> tuple[list[int], int]:
@@ -309,7 +347,9 @@ def all_gather_into_tensor(
         chunks[me].copy_(shard.reshape(-1))
         return Works(works)
 
-    return custom_collective("all_gather", label, output, peers, _share(peers) * _nbytes(output), async_op, run)
+    wire = _share(peers) * _nbytes(output)
+    pattern = "exchange" if by_sends else "ring"
+    return custom_collective("all_gather", label, output, peers, wire, async_op, run, pattern)
 
 
 def reduce_scatter_tensor(
@@ -354,7 +394,9 @@ def reduce_scatter_tensor(
 
         return Works(works, total)
 
-    return custom_collective("reduce_scatter", label, full, peers, _share(peers) * _nbytes(full), async_op, run)
+    wire = _share(peers) * _nbytes(full)
+    pattern = "exchange" if by_sends else "ring"
+    return custom_collective("reduce_scatter", label, full, peers, wire, async_op, run, pattern)
 
 
 def send(tensor: torch.Tensor, dst: int, group: Optional[GroupLike] = None, label: str = "", tag: int = 0) -> Handle:
@@ -366,7 +408,7 @@ def send(tensor: torch.Tensor, dst: int, group: Optional[GroupLike] = None, labe
     peers = torch_group(group)
     return custom_collective(
         "send", label, tensor, peers, _nbytes(tensor), True,
-        lambda: dist.isend(tensor, dst=dst, group=peers, tag=tag),
+        lambda: dist.isend(tensor, dst=dst, group=peers, tag=tag), "p2p", peer=dst,
     )  # fmt: skip
 
 

@@ -7,7 +7,8 @@ backward hook (gradient reductions, FSDP's re-gathers). The scopes (:func:`~shar
 meter, link or check state when they open and register it in one process-wide :class:`Instrumentation` object;
 a collective issued on any thread while the scope is open sees it. Scopes nest: the innermost open one of each kind
 is active. Everything a collective updates (byte counters, the link's busy time, sequence numbers) is locked, as
-several threads may issue collectives at once.
+several threads may issue collectives at once. The node layout the meter and the inter-node link use is set once
+per process (:func:`~shardkit.distributed.set_topology`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Generic, Optional, TypeVar
 
+from shardkit.distributed.topology import NodeLayout
+
 T = TypeVar("T")
 
 
@@ -33,22 +36,36 @@ class CommMeter:
     ``2(n-1)/n`` of the buffer for a ring all-reduce, ``(n-1)/n`` of the full buffer for all-gather,
     reduce-scatter, reduce and broadcast (each non-root rank's data crosses the wire once), the whole buffer
     for point-to-point sends. Recording is thread-safe: collectives issued from autograd's threads count too.
+
+    ``inter_node_bytes`` is the part of ``wire_bytes`` that crosses between nodes and ``intra_node_bytes`` the
+    rest, by the model in :mod:`shardkit.distributed.node_traffic` (a ring over the group's ranks: ``c / g`` of
+    the bytes cross nodes when ``c`` of its ``g`` links join two nodes). Nodes come from
+    :func:`~shardkit.distributed.set_topology`, else from torchrun's ``LOCAL_WORLD_SIZE``.
     """
 
     #: Bytes of the buffers handed to collectives, per op name.
     payload_bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     #: Estimated bytes this rank sends, per op name.
     wire_bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    #: Estimated bytes this rank sends to ranks on its own node, per op name.
+    intra_node_bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    #: Estimated bytes this rank sends to other nodes, per op name.
+    inter_node_bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     #: Number of collectives issued, per op name.
     calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     #: Guards the counters against collectives recorded from several threads at once.
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
-    def record(self, op: str, nbytes: int, wire: float) -> None:
-        """Count one collective ``op`` of ``nbytes`` payload bytes and ``wire`` estimated bytes sent."""
+    def record(self, op: str, nbytes: int, wire: float, inter_node: float = 0.0) -> None:
+        """Count one collective ``op``: ``nbytes`` payload, ``wire`` estimated bytes sent, ``inter_node`` of them
+        crossing nodes."""
+        wire_int = int(wire)
+        inter_int = min(int(inter_node), wire_int)
         with self.lock:
             self.payload_bytes[op] += nbytes
-            self.wire_bytes[op] += int(wire)
+            self.wire_bytes[op] += wire_int
+            self.inter_node_bytes[op] += inter_int
+            self.intra_node_bytes[op] += wire_int - inter_int
             self.calls[op] += 1
 
     @property
@@ -56,6 +73,18 @@ class CommMeter:
         """Estimated bytes this rank sent, over every op."""
         with self.lock:
             return sum(self.wire_bytes.values())
+
+    @property
+    def total_inter_node_bytes(self) -> int:
+        """Estimated bytes this rank sent to other nodes, over every op."""
+        with self.lock:
+            return sum(self.inter_node_bytes.values())
+
+    @property
+    def total_intra_node_bytes(self) -> int:
+        """Estimated bytes this rank sent inside its node, over every op."""
+        with self.lock:
+            return sum(self.intra_node_bytes.values())
 
     @property
     def total_payload_bytes(self) -> int:
@@ -68,6 +97,8 @@ class CommMeter:
         with self.lock:
             self.payload_bytes.clear()
             self.wire_bytes.clear()
+            self.intra_node_bytes.clear()
+            self.inter_node_bytes.clear()
             self.calls.clear()
 
 
@@ -174,8 +205,12 @@ class Instrumentation:
     def __init__(self) -> None:
         #: Open :func:`count_comm_bytes` scopes.
         self.meters: ScopeStack[CommMeter] = ScopeStack()
-        #: Open :func:`comm_delay` scopes.
+        #: Open :func:`comm_delay` scopes that slow every collective.
         self.links: ScopeStack[LinkModel] = ScopeStack()
+        #: Open ``comm_delay(..., scope="inter_node")`` scopes: they slow only the bytes that cross nodes.
+        self.inter_links: ScopeStack[LinkModel] = ScopeStack()
+        #: Which ranks share a node (:func:`~shardkit.distributed.set_topology`); None: from the environment.
+        self.node_layout: Optional[NodeLayout] = None
         #: Open :func:`check_collectives` scopes.
         self.checks: ScopeStack[CheckState] = ScopeStack()
         # Read once, here: every collective asks for the active checks.
