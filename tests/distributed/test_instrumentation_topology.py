@@ -103,6 +103,5 @@ def test_meter_and_inter_node_link_on_two_simulated_nodes() -> None:
 
 
 def test_comm_delay_scope_is_validated() -> None:
-    with pytest.raises(ValueError, match="'all' or 'inter_node'"):
-        with comm_delay(0.1, scope="cross"):
-            pass
+    with pytest.raises(ValueError, match="'all' or 'inter_node'"), comm_delay(0.1, scope="cross"):
+        pass
