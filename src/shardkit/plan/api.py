@@ -1,0 +1,256 @@
+"""``shardkit.plan.estimate``: the memory and traffic of one rank of a real strategy, before a cluster exists.
+
+Example::
+
+    import torch, shardkit.plan
+    from shardkit.testing.models import LMConfig, TransformerLM
+
+    cfg = LMConfig.bench()
+    est = shardkit.plan.estimate(
+        lambda: TransformerLM(cfg), (torch.randint(0, cfg.vocab_size, (8, cfg.seq_len)),),
+        loss_fn=lambda logits, batch: logits.float().pow(2).mean(), strategy="fsdp", world_size=64,
+    )
+    print(est.format())
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardkit.plan.accountant import HostMemoryExceeded
+from shardkit.plan.cost import DeviceSpec, LinkSpec, step_seconds, wire_bytes
+from shardkit.plan.runner import PHASES, LossFn, PlanError, RankRun, default_loss, run_rank
+from shardkit.plan.strategies import PIPELINE, get
+
+#: Share of this machine's memory a CPU fallback run may use.
+HOST_FRACTION = 0.25
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """One rank of ``strategy`` at ``world_size``: memory, traffic and predicted time of one training step."""
+
+    strategy: str
+    world_size: int
+    #: ``"meta"`` (nothing allocated) or ``"cpu"`` (a fallback run on real tensors; see ``notes``).
+    device: str
+    #: Highest bytes alive over the two planned steps (forward, backward and optimizer step).
+    peak_bytes: int
+    #: Parameters + gradients + optimizer state after the step (what stays between steps).
+    state_bytes: int
+    #: Bytes by category at the peak: parameters, gradients, optimizer_state, activations, comm_buffers,
+    #: temporaries.
+    peak_breakdown: Mapping[str, int]
+    #: The phase (forward, backward, optimizer) and innermost module running at the peak.
+    peak_phase: str
+    peak_module: str
+    #: Bytes by category between steps.
+    state_breakdown: Mapping[str, int]
+    #: Bytes this rank sends per step, per collective kind (ring model; torch DDP's reductions included).
+    comm_bytes: Mapping[str, int]
+    #: The same per phase.
+    comm_bytes_by_phase: Mapping[str, Mapping[str, int]]
+    #: Predicted seconds of one step (see :mod:`shardkit.plan.cost`), and per phase.
+    step_seconds: float
+    phase_seconds: Mapping[str, float]
+    #: FLOPs of one step on this rank.
+    flops: float
+    notes: tuple[str, ...] = field(default=())
+
+    def fits(self, memory_bytes: int) -> bool:
+        """Whether the peak fits in ``memory_bytes`` per device."""
+        return self.peak_bytes <= memory_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for JSON."""
+        return asdict(self)
+
+    def format(self) -> str:
+        """A few lines for people."""
+        gib = 2**30
+        parts = ", ".join(f"{k} {v / gib:.2f}" for k, v in self.peak_breakdown.items() if v)
+        comm = ", ".join(f"{k} {v / gib:.3f}" for k, v in self.comm_bytes.items()) or "none"
+        where = f"{self.peak_phase}" + (f" in {self.peak_module}" if self.peak_module else "")
+        return (
+            f"{self.strategy} x{self.world_size}: peak {self.peak_bytes / gib:.2f} GiB at {where} ({parts}); "
+            f"state {self.state_bytes / gib:.2f} GiB; sends {comm} GiB/step; step {self.step_seconds * 1e3:.1f} ms"
+        )
+
+
+def _check_args(strategy: str, world_size: int, nprocs_per_node: Optional[int]) -> None:
+    if strategy == PIPELINE:
+        raise NotImplementedError(
+            "shardkit.plan cannot plan strategy 'smp' yet: the pipeline runs its stages on different ranks, and "
+            "one peerless rank cannot stand for all of them; plan ddp, oss_ddp, oss_sdp, fsdp or slowmo"
+        )
+    get(strategy)
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if nprocs_per_node is not None:
+        raise NotImplementedError(
+            "nprocs_per_node (intra- vs inter-node bytes, hybrid sharding) needs the topology-aware comm meter of "
+            "issue 15, which has not landed; leave nprocs_per_node=None to plan with one link speed for all bytes"
+        )
+
+
+def _host_limit() -> int:
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        total = 8 * 2**30
+    return int(total * HOST_FRACTION)
+
+
+def _plan_on(
+    device: torch.device,
+    model_fn: Callable[[], nn.Module],
+    batch: Any,
+    loss_fn: LossFn,
+    strategy: str,
+    world_size: int,
+    optimizer: type,
+    optimizer_options: Mapping[str, Any],
+    strategy_options: Mapping[str, Any],
+) -> RankRun:
+    builder = get(strategy).build
+    limit = _host_limit() if device.type != "meta" else None
+    return run_rank(
+        device,
+        model_fn,
+        lambda model: builder(model, optimizer, optimizer_options, strategy_options),
+        batch,
+        loss_fn,
+        world_size,
+        limit,
+    )
+
+
+def _run(*args: Any) -> RankRun:
+    """Plan on meta; if the model or the strategy cannot run there, on CPU within :data:`HOST_FRACTION`."""
+    meta_error: Exception
+    try:
+        return _plan_on(torch.device("meta"), *args)
+    except (PlanError, TypeError, NotImplementedError) as exc:
+        if isinstance(exc, PlanError) or "option" in str(exc):
+            raise
+        meta_error = exc
+    except RuntimeError as exc:
+        meta_error = exc
+    try:
+        run = _plan_on(torch.device("cpu"), *args)
+    except HostMemoryExceeded as exc:
+        raise PlanError(
+            f"the model or strategy does not run on the meta device ({type(meta_error).__name__}: {meta_error}), "
+            f"and on CPU it {exc} ({HOST_FRACTION:.0%} of this machine): make model_fn build under "
+            "torch.device('meta') (no data-dependent initialisation) or plan on a machine with more memory"
+        ) from meta_error
+    except Exception as cpu_error:
+        raise PlanError(
+            f"one training step did not run, on the meta device ({type(meta_error).__name__}: {meta_error}) nor on "
+            f"CPU ({type(cpu_error).__name__}: {cpu_error}); check that batch is one rank's inputs (a tensor, a "
+            "tuple passed as model(*batch) or a dict passed as model(**batch), with the dtypes the model expects) "
+            "and that loss_fn(output, batch) returns a scalar"
+        ) from cpu_error
+    run.notes = (f"ran on CPU: not on meta ({type(meta_error).__name__}: {meta_error})",)
+    return run
+
+
+def _child(queue: Any, args: tuple[Any, ...]) -> None:
+    try:
+        queue.put(("ok", _run(*args)))
+    except BaseException as exc:  # sent back and re-raised in the caller
+        queue.put(("error", exc))
+
+
+def _in_child(args: tuple[Any, ...]) -> RankRun:
+    """Plan in a fresh process: the caller has a default process group of its own."""
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    process = ctx.Process(target=_child, args=(queue, args))
+    try:
+        process.start()
+    except Exception as exc:
+        raise PlanError(
+            f"this process has a torch.distributed group, so estimate() plans in a child process and needs "
+            f"model_fn, batch and loss_fn to be picklable (module-level functions, not lambdas): {exc}"
+        ) from exc
+    status, value = queue.get()
+    process.join()
+    if status == "error":
+        raise value
+    result: RankRun = value
+    return result
+
+
+def estimate(
+    model_fn: Callable[[], nn.Module],
+    batch: Any,
+    *,
+    loss_fn: Optional[LossFn] = None,
+    strategy: str,
+    world_size: int,
+    optimizer: type = torch.optim.AdamW,
+    optimizer_options: Optional[Mapping[str, Any]] = None,
+    strategy_options: Optional[Mapping[str, Any]] = None,
+    nprocs_per_node: Optional[int] = None,
+    device: Optional[DeviceSpec] = None,
+    link: Optional[LinkSpec] = None,
+) -> Estimate:
+    """Run one training step of ``strategy``'s real code for one rank of ``world_size`` and report its cost.
+
+    ``model_fn()`` builds the unwrapped model (it is called under ``torch.device("meta")``: a 70B model plans on a
+    laptop; a model that cannot be built there is built on CPU if it fits in a quarter of this machine's memory);
+    ``batch`` is one rank's inputs, passed as ``model(*batch)`` for a tuple, ``model(**batch)`` for a dict;
+    ``loss_fn(output, batch)`` gives the loss (default: the output if it is a scalar). ``strategy_options`` are
+    the strategy constructor's keyword arguments (for FSDP also ``auto_wrap_policy``; default: one unit per
+    block of the model's ``ModuleList``s; for ``oss_ddp``/``oss_sdp`` OSS's own under ``"oss"``). The process
+    group has ``world_size`` ranks and no other process behind it (:mod:`shardkit.plan.peerless`); if the caller
+    has a process group of its own the plan runs in a child process. ``device`` and ``link`` feed the step-time
+    model (:mod:`shardkit.plan.cost`).
+
+    Example: see the module docstring.
+    """
+    _check_args(strategy, world_size, nprocs_per_node)
+    args = (
+        model_fn, batch, loss_fn or default_loss, strategy, world_size, optimizer,
+        dict(optimizer_options or {}), dict(strategy_options or {}),
+    )  # fmt: skip
+    run = _in_child(args) if dist.is_initialized() else _run(*args)
+    return _estimate_from(run, strategy, world_size, device or DeviceSpec(), link or LinkSpec())
+
+
+def _estimate_from(run: RankRun, strategy: str, world_size: int, device: DeviceSpec, link: LinkSpec) -> Estimate:
+    by_phase = {name: wire_bytes(run.phases[name], world_size) for name in PHASES if name in run.phases}
+    total: dict[str, int] = {}
+    for per_kind in by_phase.values():
+        for kind, nbytes in per_kind.items():
+            total[kind] = total.get(kind, 0) + nbytes
+    seconds = step_seconds(run.flops["total"], run.phases, run.state_bytes, world_size, device, link)
+    return Estimate(
+        strategy=strategy,
+        world_size=world_size,
+        device=run.device,
+        peak_bytes=run.peak_bytes,
+        state_bytes=run.state_bytes,
+        peak_breakdown=run.peak_by_category,
+        peak_phase=run.peak_phase,
+        peak_module=run.peak_module,
+        state_breakdown=run.state_by_category,
+        comm_bytes=total,
+        comm_bytes_by_phase=by_phase,
+        step_seconds=seconds["step"],
+        phase_seconds={k: v for k, v in seconds.items() if k != "step"},
+        flops=run.flops["total"],
+        notes=run.notes,
+    )
+
+
+__all__ = ["Estimate", "estimate"]

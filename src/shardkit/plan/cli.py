@@ -1,0 +1,248 @@
+"""``shardkit plan``: every strategy and setting for a model, over world sizes, ranked by predicted step time.
+
+Examples::
+
+    shardkit plan --hf llama hidden_size=4096,num_hidden_layers=32,intermediate_size=11008 --world-sizes 8,64
+    shardkit plan mypkg.models:build --batch-shape 8,512 --device-memory 40GiB --json out.json
+    shardkit plan --lm bench --world-sizes 2,4,8 --plot memory.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Optional
+
+from shardkit.plan.api import Estimate, estimate
+from shardkit.plan.cost import DeviceSpec, LinkSpec
+from shardkit.plan.runner import PlanError
+from shardkit.plan.strategies import block_classes
+from shardkit.plan.workloads import Workload
+
+_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6,
+          "gb": 10**9, "tb": 10**12}  # fmt: skip
+
+
+def parse_bytes(text: str) -> int:
+    """``"80GiB"`` → 85899345920 (binary and decimal units, case-insensitive)."""
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (write e.g. 80GiB, 40GB, 512MiB)")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def _overrides(text: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in filter(None, text.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise argparse.ArgumentTypeError(f"config override {item!r} is not key=value")
+        try:
+            out[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key.strip()] = value
+    return out
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One strategy with one set of options, under a short label."""
+
+    label: str
+    strategy: str
+    options: dict[str, Any]
+    checkpointing: bool = False
+
+
+SETTINGS = (
+    Setting("ddp", "ddp", {}),
+    Setting("zero1 (oss_ddp)", "oss_ddp", {}),
+    Setting("zero2 (oss_sdp)", "oss_sdp", {}),
+    Setting("zero3 (fsdp, reshard)", "fsdp", {"reshard_after_forward": True}),
+    Setting("zero3 (fsdp, no reshard)", "fsdp", {"reshard_after_forward": False}),
+    Setting("zero3 (fsdp) + act. ckpt", "fsdp", {"reshard_after_forward": True}, checkpointing=True),
+    Setting("slowmo", "slowmo", {}),
+)
+
+
+def _checkpointed(build: Any) -> Any:
+    def build_checkpointed() -> Any:
+        from shardkit.nn.checkpoint.apply import apply_activation_checkpointing
+
+        model = build()
+        classes = tuple(block_classes(model))
+        if not classes:
+            raise PlanError("activation checkpointing needs blocks in an nn.ModuleList to wrap")
+        apply_activation_checkpointing(model, classes)
+        return model
+
+    return build_checkpointed
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="shardkit plan", description=__doc__.splitlines()[0])
+    p.add_argument("model", nargs="?", help="package.module:factory building the model (or use --hf / --lm)")
+    p.add_argument("--hf", nargs="+", metavar=("TYPE", "KEY=VALUE,..."), help="transformers model type + overrides")
+    p.add_argument("--lm", choices=("bench", "demo"), help="shardkit's bench or demo LM")
+    p.add_argument("--batch-shape", type=_ints, help="one rank's token batch for a factory model, e.g. 8,512")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per rank (--hf, --lm)")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (--hf default 2048)")
+    p.add_argument("--world-sizes", type=_ints, default=[8], help="comma-separated world sizes (default 8)")
+    p.add_argument("--nprocs-per-node", type=int, default=None, help="ranks per node (intra/inter-node bytes)")
+    p.add_argument("--strategies", default=None, help="comma-separated subset: ddp,oss_ddp,oss_sdp,fsdp,slowmo")
+    p.add_argument("--device-memory", type=parse_bytes, default=parse_bytes("80GiB"), help="memory per device")
+    p.add_argument("--device-tflops", type=float, default=300.0, help="sustained TFLOP/s per device")
+    p.add_argument("--link-gbytes", type=float, default=25.0, help="GB/s each rank sends on the slowest link")
+    p.add_argument("--link-latency-us", type=float, default=30.0, help="microseconds per collective")
+    p.add_argument("--json", metavar="PATH", help="write every estimate as JSON")
+    p.add_argument("--plot", metavar="PATH", help="write a PNG: peak memory per rank against world size")
+    return p
+
+
+def _workload(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Workload:
+    chosen = [x for x in (args.model, args.hf, args.lm) if x]
+    if len(chosen) != 1:
+        parser.error("give exactly one model: package.module:factory, --hf TYPE [overrides] or --lm bench|demo")
+    if args.hf:
+        overrides = _overrides(args.hf[1]) if len(args.hf) > 1 else {}
+        return Workload.hf(args.hf[0], overrides, batch_size=args.batch_size, seq_len=args.seq_len or 2048)
+    if args.lm:
+        maker = Workload.bench_lm if args.lm == "bench" else Workload.demo_lm
+        work = maker(batch_size=args.batch_size)
+        return replace(work, seq_len=args.seq_len) if args.seq_len else work
+    if ":" not in args.model:
+        parser.error(f"model {args.model!r} must be package.module:factory")
+    if not args.batch_shape or len(args.batch_shape) != 2:
+        parser.error("a factory model needs --batch-shape BATCH,SEQ (one rank's token ids)")
+    batch, seq = args.batch_shape
+    return Workload("factory", args.model, {}, batch_size=batch, seq_len=seq)
+
+
+def _factory_loss(output: Any, batch: Any) -> Any:
+    """A factory model's loss: its scalar output, else the mean of its output (only backward's shape matters)."""
+    value = output if not hasattr(output, "logits") else output.logits
+    return value if value.dim() == 0 else value.float().mean()
+
+
+def plan_all(
+    work: Workload, world_sizes: Sequence[int], settings: Sequence[Setting], device: DeviceSpec, link: LinkSpec
+) -> tuple[list[tuple[Setting, Estimate]], list[str]]:
+    """Every setting at every world size; estimates, and lines for the ones that could not be planned."""
+    results: list[tuple[Setting, Estimate]] = []
+    failed: list[str] = []
+    loss = _factory_loss if work.kind == "factory" else work.loss
+    for ws in world_sizes:
+        for setting in settings:
+            build = _checkpointed(work.build) if setting.checkpointing else work.build
+            try:
+                est = estimate(
+                    build, work.batch(), loss_fn=loss, strategy=setting.strategy, world_size=ws,
+                    optimizer=work.optimizer, strategy_options=setting.options, device=device, link=link,
+                )  # fmt: skip
+            except PlanError as exc:
+                failed.append(f"{setting.label} x{ws}: {exc}")
+                continue
+            results.append((setting, est))
+    return results, failed
+
+
+def _table(results: list[tuple[Setting, Estimate]], memory: int) -> str:
+    gib = 2**30
+    lines = [f"{'world':>5}  {'setting':<26} {'peak GiB':>9} {'state GiB':>9} {'sends GiB':>9} {'step ms':>9}  fits"]
+    for setting, est in sorted(results, key=lambda r: (r[1].world_size, not r[1].fits(memory), r[1].step_seconds)):
+        sends = sum(est.comm_bytes.values()) / gib
+        lines.append(
+            f"{est.world_size:>5}  {setting.label:<26} {est.peak_bytes / gib:>9.2f} {est.state_bytes / gib:>9.2f} "
+            f"{sends:>9.3f} {est.step_seconds * 1e3:>9.1f}  {'yes' if est.fits(memory) else 'no'}"
+        )
+    return "\n".join(lines)
+
+
+def recommend(results: list[tuple[Setting, Estimate]], memory: int, world_size: int) -> str:
+    """The fastest setting that fits at ``world_size``, and why."""
+    # SlowMo trains a different algorithm (local SGD between nodes), so it is listed but never picked for you.
+    fitting = sorted((r for r in results if r[1].world_size == world_size and r[1].fits(memory)
+                      and r[0].strategy != "slowmo"),
+                     key=lambda r: r[1].step_seconds)  # fmt: skip
+    if not fitting:
+        return f"world size {world_size}: nothing fits in {memory / 2**30:.0f} GiB per device"
+    best, est = fitting[0]
+    why = f"the fastest predicted step ({est.step_seconds * 1e3:.1f} ms) among the {len(fitting)} settings that fit"
+    if len(fitting) > 1:
+        runner_up = fitting[1][1]
+        why += f"; next {fitting[1][0].label} at {runner_up.step_seconds * 1e3:.1f} ms"
+    return (
+        f"world size {world_size}: recommended {best.label}: peak {est.peak_bytes / 2**30:.2f} GiB of "
+        f"{memory / 2**30:.0f} GiB, {why}"
+    )
+
+
+def _plot(results: list[tuple[Setting, Estimate]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label in dict.fromkeys(s.label for s, _ in results):
+        points = sorted((e.world_size, e.peak_bytes / 2**30) for s, e in results if s.label == label)
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("world size")
+    ax.set_ylabel("peak memory per rank (GiB)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Run ``shardkit plan`` with ``argv``; returns the exit status."""
+    parser = _parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.nprocs_per_node is not None:
+        parser.error(
+            "--nprocs-per-node needs the intra/inter-node comm meter of issue 15, which has not landed yet; "
+            "plan without it (one link speed for every byte)"
+        )
+    work = _workload(args, parser)
+    names = set(args.strategies.split(",")) if args.strategies else None
+    settings = [s for s in SETTINGS if names is None or s.strategy in names]
+    if names is not None and not settings:
+        parser.error(f"no known strategy in {args.strategies!r}; choose from ddp,oss_ddp,oss_sdp,fsdp,slowmo")
+    device = DeviceSpec(flops_per_s=args.device_tflops * 1e12, memory_bytes=args.device_memory)
+    link = LinkSpec(bytes_per_s=args.link_gbytes * 1e9, latency_s=args.link_latency_us * 1e-6)
+    try:
+        results, failed = plan_all(work, args.world_sizes, settings, device, link)
+    except (ValueError, TypeError, NotImplementedError) as exc:
+        print(f"shardkit plan: {exc}", file=sys.stderr)
+        return 2
+    print(_table(results, args.device_memory))
+    for line in failed:
+        print(f"not planned: {line}")
+    print("not planned here: pipeline (smp) partitions and micro-batches, CPU offload, hybrid sharding")
+    for ws in args.world_sizes:
+        print(recommend(results, args.device_memory, ws))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([{"setting": s.label, **e.to_dict()} for s, e in results], f, indent=1)
+    if args.plot:
+        _plot(results, args.plot)
+    return 0
+
+
+__all__ = ["SETTINGS", "Setting", "main", "parse_bytes", "plan_all", "recommend"]

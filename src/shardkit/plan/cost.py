@@ -1,0 +1,109 @@
+"""The step-time model: FLOPs at the device's throughput, bytes at the link's bandwidth, overlap by phase.
+
+For one planned rank the planner knows, per phase of the reported step (forward, backward, optimizer), the
+collectives it issued (bytes each rank sends, ring model, and how many calls) and the FLOPs of the whole step
+(torch's ``FlopCounterMode``). The model:
+
+- compute: forward = 1/3 of the FLOPs, backward = 2/3 (a matmul's backward is two matmuls), at
+  ``DeviceSpec.flops_per_s`` (a sustained rate, not the datasheet peak);
+- communication of a phase: ``sum(bytes) / LinkSpec.bytes_per_s + calls * LinkSpec.latency_s``;
+- forward and backward collectives overlap their phase's compute (every shardkit strategy and torch DDP issue
+  them asynchronously: gathers are prefetched, reductions run while earlier layers compute), so a phase costs
+  ``max(compute, communication)``; nothing overlaps across phases;
+- the optimizer phase is memory-bound: it reads and writes the rank's parameters, gradients and optimizer state
+  once at ``DeviceSpec.memory_bytes_per_s``, then its collectives (OSS's parameter exchange) run exposed.
+
+It is a first-order model for ranking strategies against each other, not a timing: measured steps also pay for
+kernel launches, the first gather that nothing hides, and links shared by several ranks.
+
+Example::
+
+    seconds = step_seconds(flops=6.0e12, phases=run.phases, state_bytes=run.state_bytes,
+                           device=DeviceSpec(), link=LinkSpec())
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+from shardkit.utils.checks import at_least
+
+
+class PhaseBytes(Protocol):
+    wire_bytes: dict[str, int]
+    calls: dict[str, int]
+    torch_payload_bytes: dict[str, int]
+    torch_calls: dict[str, int]
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """What one accelerator sustains."""
+
+    #: Sustained FLOP/s of the training kernels (default 300 TFLOP/s: an H100 in bf16 at ~40% of peak).
+    flops_per_s: float = 300e12
+    #: Memory bandwidth in bytes/s (default 3 TB/s, an H100's HBM3).
+    memory_bytes_per_s: float = 3e12
+    #: Memory per device in bytes (default 80 GiB).
+    memory_bytes: int = 80 * 2**30
+
+    def __post_init__(self) -> None:
+        for name in ("flops_per_s", "memory_bytes_per_s", "memory_bytes"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"DeviceSpec.{name} must be > 0, got {getattr(self, name)!r}")
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """The link a rank's collectives cross (the slowest one on the ring)."""
+
+    #: Bytes per second one rank sends (default 25 GB/s: one 200 Gb/s network port per GPU).
+    bytes_per_s: float = 25e9
+    #: Fixed cost of one collective in seconds (default 30 microseconds).
+    latency_s: float = 30e-6
+
+    def __post_init__(self) -> None:
+        if not self.bytes_per_s > 0:
+            raise ValueError(f"LinkSpec.bytes_per_s must be > 0, got {self.bytes_per_s!r}")
+        at_least(self, "latency_s", self.latency_s, 0)
+
+
+def wire_bytes(phase: PhaseBytes, world_size: int) -> dict[str, int]:
+    """Bytes this rank sends in ``phase`` per collective kind: shardkit's meter plus torch's own (ring model)."""
+    out = dict(phase.wire_bytes)
+    share = (world_size - 1) / world_size if world_size > 1 else 0.0
+    for kind, payload in phase.torch_payload_bytes.items():
+        factor = 2 * share if kind == "all_reduce" else share
+        out[kind] = out.get(kind, 0) + int(payload * factor)
+    return out
+
+
+def comm_seconds(phase: PhaseBytes, world_size: int, link: LinkSpec) -> float:
+    """Time of ``phase``'s collectives if nothing overlapped them."""
+    calls = sum(phase.calls.values()) + sum(phase.torch_calls.values())
+    return sum(wire_bytes(phase, world_size).values()) / link.bytes_per_s + calls * link.latency_s
+
+
+def step_seconds(
+    flops: float,
+    phases: Mapping[str, PhaseBytes],
+    state_bytes: int,
+    world_size: int,
+    device: DeviceSpec,
+    link: LinkSpec,
+) -> dict[str, float]:
+    """Predicted seconds per phase and in total (``"step"``), by the model in the module docstring."""
+    compute = {"forward": flops / 3 / device.flops_per_s, "backward": 2 * flops / 3 / device.flops_per_s}
+    out: dict[str, float] = {}
+    for name in ("forward", "backward"):
+        comm = comm_seconds(phases[name], world_size, link) if name in phases else 0.0
+        out[name] = max(compute[name], comm)
+    optimizer_comm = comm_seconds(phases["optimizer"], world_size, link) if "optimizer" in phases else 0.0
+    out["optimizer"] = 2 * state_bytes / device.memory_bytes_per_s + optimizer_comm
+    out["step"] = out["forward"] + out["backward"] + out["optimizer"]
+    return out
+
+
+__all__ = ["DeviceSpec", "LinkSpec", "comm_seconds", "step_seconds", "wire_bytes"]

@@ -1,0 +1,79 @@
+"""Measure a real multi-process run the way the planner predicts one, with an instrument independent of ours.
+
+Each gloo rank builds the model with the same builder the planner uses, trains two steps, and reports its peak
+as torch's ``MemTracker`` (``torch.distributed._tools.mem_tracker``) saw it, its state (the storages of its
+parameters, gradients and optimizer state after the second step, counted on the real tensors), and what
+shardkit's comm meter counted in the
+second step. Used by the accuracy tests and ``shardkit bench plan``.
+
+Example::
+
+    real = measure_real(Workload.bench_lm(), "fsdp", world_size=2)
+    print(real[0].peak_bytes, real[0].comm_wire_bytes)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardkit.bench.memory import training_memory
+from shardkit.distributed import count_comm_bytes
+from shardkit.plan.runner import call_model
+from shardkit.plan.strategies import get
+from shardkit.plan.workloads import Workload
+from shardkit.testing.harness import run_distributed
+
+
+@dataclass(frozen=True)
+class RealRank:
+    """What one rank of a real run held and sent."""
+
+    peak_bytes: int
+    state_bytes: int
+    #: Bytes per collective kind the comm meter counted in the second step (its wire estimate).
+    comm_wire_bytes: dict[str, int]
+
+
+def _peak(snapshot: dict[Any, dict[str, int]]) -> int:
+    return sum(int(per_device.get("Total", 0)) for per_device in snapshot.values())
+
+
+def _worker(rank: int, world_size: int, workload: Workload, strategy: str) -> RealRank:
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    torch.manual_seed(0)
+    batch = workload.batch()
+    with MemTracker() as tracker:
+        model = workload.build()
+        wrapped, optimizer, after_step = get(strategy).build(
+            model, workload.optimizer, dict(workload.optimizer_options), dict(workload.strategy_options)
+        )
+        tracker.track_external(wrapped, optimizer)
+        for step in range(2):
+            with count_comm_bytes() as meter:
+                loss = workload.loss(call_model(wrapped, batch), batch)
+                loss.backward()
+                del loss
+                optimizer.step()
+                after_step()
+            if step == 1:
+                # Counted on the real tensors themselves: MemTracker files gradients that a strategy assigns
+                # (rather than autograd accumulating them) under temporaries.
+                state = training_memory(wrapped, optimizer).total
+            optimizer.zero_grad()
+            tracker.reset_mod_stats()  # MemTracker refuses a second forward of a module without it
+        peak = _peak(tracker.get_tracker_snapshot("peak"))
+    dist.barrier()
+    return RealRank(peak, state, dict(meter.wire_bytes))
+
+
+def measure_real(workload: Workload, strategy: str, world_size: int) -> list[RealRank]:
+    """Train ``workload`` with ``strategy`` on ``world_size`` gloo processes; every rank's measurements."""
+    return run_distributed(_worker, world_size, workload, strategy)
+
+
+__all__ = ["RealRank", "measure_real"]

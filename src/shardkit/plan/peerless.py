@@ -1,0 +1,225 @@
+"""A process group of ``world_size`` ranks with one real member: the rank being planned.
+
+The planner runs one rank of a strategy's real code. Its collectives must complete at once without peers, and
+what comes back must look like what the other ranks would send, or the strategies' own consistency checks
+(DDP's parameter-shape verification, shardkit's same-model signatures) would refuse to start. Every peer is
+taken to be a mirror of the planned rank: an all-gather fills each rank's slot with the local input, a
+reduce-scatter keeps the local chunk, broadcasts and reductions leave the local buffer as it is. On meta tensors
+nothing is copied at all (and nothing is allocated); on CPU the copies are those of a real run.
+
+The group also keeps a :class:`TorchTraffic` ledger of every collective torch code issues on it (payload bytes per
+kind), which sees what shardkit's comm meter cannot: torch DDP's bucket all-reduces.
+
+Example::
+
+    with peerless_world(world_size=64) as traffic:
+        model = DistributedDataParallel(model)     # any strategy, unchanged
+        ...
+    print(traffic.payload_bytes)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import _create_work_from_future  # type: ignore[attr-defined]
+from torch.futures import Future
+
+BACKEND_NAME = "shardkit_peerless"
+
+#: Op names as shardkit's comm meter writes them, so both ledgers line up.
+ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, BROADCAST, REDUCE, SEND = (
+    "all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "send",
+)  # fmt: skip
+
+
+@dataclass
+class TorchTraffic:
+    """Payload bytes and calls of the collectives issued on peerless groups, per op kind."""
+
+    payload_bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    #: Tensors handed to collectives, for the memory accountant (called with each buffer).
+    on_buffer: Any = None
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def record(self, kind: str, tensors: list[torch.Tensor]) -> None:
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        with self.lock:
+            self.payload_bytes[kind] += nbytes
+            self.calls[kind] += 1
+        if self.on_buffer is not None:
+            for tensor in tensors:
+                self.on_buffer(tensor)
+
+    def reset(self) -> None:
+        with self.lock:
+            self.payload_bytes.clear()
+            self.calls.clear()
+
+
+_TRAFFIC: list[TorchTraffic] = []  # the ledger of the open peerless_world (at most one per process)
+
+
+def _done(result: Any) -> Any:
+    future: Future[Any] = Future()
+    future.set_result(result)
+    return _create_work_from_future(future)
+
+
+def _record(kind: str, tensors: list[torch.Tensor]) -> None:
+    if _TRAFFIC:
+        _TRAFFIC[-1].record(kind, tensors)
+
+
+class PeerlessGroup(dist.ProcessGroup):
+    """A ``torch.distributed`` process group whose other members mirror this rank (see the module docstring)."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        super().__init__(rank, size)  # type: ignore[call-arg]  # the store-less constructor Python groups use
+        self._rank = rank
+        self._size = size
+
+    def getBackendName(self) -> str:
+        return BACKEND_NAME
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:  # type: ignore[override]
+        _record(ALL_REDUCE, tensors)
+        return _done(tensors)
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        return self.allreduce(tensors, opts)
+
+    def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> Any:  # type: ignore[override]
+        for outs, local in zip(outputs, inputs):
+            _record(ALL_GATHER, list(outs))
+            for out in outs:
+                out.copy_(local)
+        return _done(outputs)
+
+    def _allgather_base(self, output: torch.Tensor, local: torch.Tensor, opts: Any = None) -> Any:
+        _record(ALL_GATHER, [output])
+        output.view(self._size, -1).copy_(local.reshape(1, -1))
+        return _done([output])
+
+    def all_gather_single(self, output: torch.Tensor, local: torch.Tensor, opts: Any = None) -> Any:
+        return self._allgather_base(output, local, opts)
+
+    def allgather_into_tensor_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> Any:
+        for output, local in zip(outputs, inputs):
+            self._allgather_base(output, local, opts)
+        return _done(outputs)
+
+    def _reduce_scatter_base(self, output: torch.Tensor, full: torch.Tensor, opts: Any = None) -> Any:
+        _record(REDUCE_SCATTER, [full])
+        output.copy_(full.view(self._size, -1)[self._rank].view_as(output))
+        return _done([output])
+
+    def reduce_scatter_single(self, output: torch.Tensor, full: torch.Tensor, opts: Any = None) -> Any:
+        return self._reduce_scatter_base(output, full, opts)
+
+    def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None) -> Any:  # type: ignore[override]
+        for output, chunks in zip(outputs, inputs):
+            _record(REDUCE_SCATTER, list(chunks))
+            output.copy_(chunks[self._rank])
+        return _done(outputs)
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:  # type: ignore[override]
+        _record(BROADCAST, tensors)
+        return _done(tensors)
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:  # type: ignore[override]
+        _record(REDUCE, tensors)
+        return _done(tensors)
+
+    def barrier(self, opts: Any = None) -> Any:
+        return _done([])
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Any:
+        _record(SEND, tensors)
+        return _done(tensors)
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> Any:
+        return _done(tensors)
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> Any:
+        return _done(tensors)
+
+    def gather(  # type: ignore[override]
+        self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
+    ) -> Any:
+        for outs, local in zip(outputs, inputs):
+            for out in outs:
+                out.copy_(local)
+        return _done(outputs)
+
+    def scatter(  # type: ignore[override]
+        self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None
+    ) -> Any:
+        for output, chunks in zip(outputs, inputs):
+            if chunks:
+                output.copy_(chunks[self._rank])
+        return _done(outputs)
+
+    def alltoall_base(
+        self, output: torch.Tensor, local: torch.Tensor, out_splits: Any, in_splits: Any, opts: Any = None
+    ) -> Any:
+        output.copy_(local)
+        return _done([output])
+
+
+def _create(store: Any, rank: int, size: int, timeout: timedelta) -> PeerlessGroup:
+    return PeerlessGroup(rank, size)
+
+
+_registered = False
+
+
+def _register() -> None:
+    global _registered
+    if not _registered:
+        dist.Backend.register_backend(BACKEND_NAME, _create, devices=["cpu", "meta"])
+        _registered = True
+
+
+class _NoStore(dist.Store):
+    """A key-value store that is never asked anything: no peer ever needs a rendezvous."""
+
+
+@contextlib.contextmanager
+def peerless_world(world_size: int, rank: int = 0) -> Iterator[TorchTraffic]:
+    """Initialise the default process group as a peerless group of ``world_size`` ranks for the block.
+
+    The caller's process must not have a default group of its own (:func:`shardkit.plan.estimate` runs in a
+    child process when it does). The group is destroyed when the block ends, whatever happens inside.
+    """
+    if dist.is_initialized():
+        raise RuntimeError(
+            "shardkit.plan needs a process without a torch.distributed default group; estimate() runs itself in a "
+            "child process when the caller has one"
+        )
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"peerless_world needs world_size >= 1 and 0 <= rank < world_size, got {world_size}, {rank}")
+    _register()
+    traffic = TorchTraffic()
+    _TRAFFIC.append(traffic)
+    try:
+        dist.init_process_group(BACKEND_NAME, store=_NoStore(), rank=rank, world_size=world_size)
+        yield traffic
+    finally:
+        _TRAFFIC.remove(traffic)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+__all__ = ["PeerlessGroup", "TorchTraffic", "peerless_world"]

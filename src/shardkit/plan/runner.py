@@ -1,0 +1,191 @@
+"""Run one rank of a real strategy for two training steps and record what it held, sent and computed.
+
+The first step is a warm-up (optimizers create their state lazily, strategies build their buckets); the second
+is the one reported: its peak, the state left after it, its collectives per phase and its FLOPs. The run happens
+inside :func:`~shardkit.plan.peerless.peerless_world` and under one :class:`~shardkit.plan.accountant.Accountant`
+opened before the model is built, so every byte the model and the strategy create is seen.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from shardkit.bench.memory import optimizer_state_tensors
+from shardkit.distributed import CommMeter, count_comm_bytes
+from shardkit.plan.accountant import STATE, Accountant, Category
+from shardkit.plan.peerless import TorchTraffic, peerless_world
+from shardkit.plan.strategies import Built
+
+PHASES = ("forward", "backward", "optimizer")
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+class PlanError(ValueError):
+    """The model, batch or options cannot be planned; the message says what to change."""
+
+
+@dataclass
+class PhaseTraffic:
+    """One phase's collectives: shardkit's (from its comm meter) and torch-internal ones (from the group)."""
+
+    #: Estimated bytes this rank sends, per collective kind (meter's ring model), shardkit collectives.
+    wire_bytes: dict[str, int] = field(default_factory=dict)
+    #: Payload bytes per kind, shardkit collectives.
+    payload_bytes: dict[str, int] = field(default_factory=dict)
+    calls: dict[str, int] = field(default_factory=dict)
+    #: Payload bytes per kind of collectives torch issued itself (DDP's buckets), not seen by the meter.
+    torch_payload_bytes: dict[str, int] = field(default_factory=dict)
+    torch_calls: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class RankRun:
+    """What one planned rank did in its reported step."""
+
+    device: str
+    peak_bytes: int
+    peak_by_category: dict[str, int]
+    peak_phase: str
+    peak_module: str
+    state_bytes: int
+    state_by_category: dict[str, int]
+    phases: dict[str, PhaseTraffic]
+    flops: dict[str, float]
+    #: How the run went where it differs from the plan (a CPU fallback).
+    notes: tuple[str, ...] = ()
+
+
+def _to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device) if batch.device != device else batch
+    if isinstance(batch, Mapping):
+        return {k: _to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to_device(v, device) for v in batch)
+    return batch
+
+
+def call_model(model: nn.Module, batch: Any) -> Any:
+    """``model(**batch)`` for a dict, ``model(*batch)`` for a tuple or list, else ``model(batch)``."""
+    if isinstance(batch, Mapping):
+        return model(**batch)
+    if isinstance(batch, (tuple, list)):
+        return model(*batch)
+    return model(batch)
+
+
+def default_loss(output: Any, batch: Any) -> torch.Tensor:
+    """The output itself when it is a scalar (or has a scalar ``.loss``, as transformers' models return)."""
+    loss = getattr(output, "loss", None) if not isinstance(output, torch.Tensor) else output
+    if isinstance(loss, torch.Tensor) and loss.dim() == 0:
+        return loss
+    raise PlanError(
+        "the model's output is not a scalar loss; pass loss_fn=lambda output, batch: ... to estimate() "
+        "(for example the cross-entropy of the logits against the batch's targets)"
+    )
+
+
+def _diff(after: Mapping[str, int], before: Mapping[str, int]) -> dict[str, int]:
+    return {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0)}
+
+
+@contextlib.contextmanager
+def _phase(acct: Accountant, name: str, traffic: TorchTraffic, out: dict[str, PhaseTraffic]) -> Iterator[None]:
+    acct.phase = name
+    before_payload, before_calls = dict(traffic.payload_bytes), dict(traffic.calls)
+    with count_comm_bytes(CommMeter()) as meter:
+        yield
+    torch_payload = _diff(traffic.payload_bytes, before_payload)
+    torch_calls = _diff(traffic.calls, before_calls)
+    # The group sees every collective; the ones shardkit issued are the meter's, the rest are torch's own.
+    for kind, nbytes in meter.payload_bytes.items():
+        left = torch_payload.get(kind, 0) - nbytes
+        torch_payload[kind] = max(0, left)
+        torch_calls[kind] = max(0, torch_calls.get(kind, 0) - meter.calls.get(kind, 0))
+    out[name] = PhaseTraffic(
+        dict(meter.wire_bytes),
+        dict(meter.payload_bytes),
+        dict(meter.calls),
+        {k: v for k, v in torch_payload.items() if v and k != "send"},
+        {k: v for k, v in torch_calls.items() if v and k != "send"},
+    )
+
+
+def _label_state(acct: Accountant, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    acct.label(model.parameters(), Category.PARAMETERS)
+    acct.label(model.buffers(), Category.PARAMETERS)
+    acct.label((p.grad for p in model.parameters()), Category.GRADIENTS)
+    for group in optimizer.param_groups:
+        acct.label((p.grad for p in group["params"]), Category.GRADIENTS)
+    acct.label(optimizer_state_tensors(optimizer), Category.OPTIMIZER_STATE)
+
+
+def _step(
+    acct: Accountant,
+    built: Built,
+    batch: Any,
+    loss_fn: LossFn,
+    traffic: TorchTraffic,
+    phases: dict[str, PhaseTraffic],
+) -> None:
+    model, optimizer, after_step = built
+    with _phase(acct, "forward", traffic, phases):
+        output = call_model(model, batch)
+        loss = loss_fn(output, batch)
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            raise PlanError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}")
+    with _phase(acct, "backward", traffic, phases):
+        loss.backward()
+        del output, loss
+        _label_state(acct, model, optimizer)
+    with _phase(acct, "optimizer", traffic, phases):
+        optimizer.step()
+        after_step()
+        acct.phase = "optimizer"
+        _label_state(acct, model, optimizer)
+    acct.phase = "between steps"
+
+
+def run_rank(
+    device: torch.device,
+    build_model: Callable[[], nn.Module],
+    wrap: Callable[[nn.Module], Built],
+    batch: Any,
+    loss_fn: LossFn,
+    world_size: int,
+    host_limit_bytes: Optional[int] = None,
+) -> RankRun:
+    """Build, wrap and train one rank of ``world_size`` on ``device`` for two steps; see the module docstring."""
+    phases: dict[str, PhaseTraffic] = {}
+    with peerless_world(world_size) as traffic, Accountant(limit_bytes=host_limit_bytes) as acct:
+        traffic.on_buffer = acct.comm_buffer
+        with torch.device(device):
+            model = build_model()
+        acct.name_modules(model)
+        built = wrap(model)
+        acct.name_modules(built[0])
+        batch = _to_device(batch, device)
+        _step(acct, built, batch, loss_fn, traffic, {})
+        built[1].zero_grad()
+        flop_counter = FlopCounterMode(display=False)
+        flops: dict[str, float] = {}
+        with flop_counter:
+            _step(acct, built, batch, loss_fn, traffic, phases)
+        flops["total"] = float(flop_counter.get_total_flops())
+        state_bytes = acct.state_bytes()
+        state: dict[str, int] = {c.value: acct.totals[c] for c in STATE}
+        peak = acct.peak
+        built[1].zero_grad()
+    return RankRun(
+        device.type, peak.total, peak.by_category, peak.phase, peak.module, state_bytes, state, phases, flops
+    )
+
+
+__all__ = ["PHASES", "PhaseTraffic", "PlanError", "RankRun", "call_model", "default_loss", "run_rank"]

@@ -1,0 +1,148 @@
+"""The strategies ``shardkit.plan`` runs, each built from the user's model exactly as a training script would.
+
+A builder takes the unwrapped model, the optimizer class and its options, and the strategy's options (the
+constructor's keyword arguments), and returns ``(model, optimizer, after_step)``: the loop is then
+``loss_fn(model(*batch), batch).backward(); optimizer.step(); after_step(); optimizer.zero_grad()``.
+Options are checked against the constructor's signature before anything is built, so a misspelt option is a
+clear error naming the valid ones. The accuracy tests run these same builders on real gloo processes.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+Built = tuple[nn.Module, torch.optim.Optimizer, Callable[[], None]]
+Builder = Callable[[nn.Module, type, Mapping[str, Any], Mapping[str, Any]], Built]
+
+
+def _nothing() -> None:
+    return None
+
+
+def _check_options(strategy: str, target: Any, options: Mapping[str, Any], extra: tuple[str, ...] = ()) -> None:
+    params = inspect.signature(target).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    known = {name for name, p in params.items() if p.kind is not inspect.Parameter.VAR_POSITIONAL} | set(extra)
+    known -= {"self", "module", "params", "sharded_optimizer", "process_group", "group"}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ValueError(
+            f"strategy {strategy!r} has no option {', '.join(map(repr, unknown))}; its options are "
+            f"{', '.join(sorted(known))}"
+        )
+
+
+def _split(options: Mapping[str, Any], key: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Options for the wrapper, and the nested ``options[key]`` dict (OSS's own options)."""
+    rest = dict(options)
+    nested = rest.pop(key, None) or {}
+    if not isinstance(nested, Mapping):
+        raise TypeError(f"strategy option {key!r} must be a dict of keyword arguments, got {type(nested).__name__}")
+    return rest, dict(nested)
+
+
+def _build_ddp(model: nn.Module, optim: type, optim_opts: Mapping[str, Any], opts: Mapping[str, Any]) -> Built:
+    from torch.nn.parallel import DistributedDataParallel
+
+    _check_options("ddp", DistributedDataParallel.__init__, opts)
+    wrapped = DistributedDataParallel(model, **opts)
+    return wrapped, optim(wrapped.parameters(), **optim_opts), _nothing
+
+
+def _build_oss_ddp(model: nn.Module, optim: type, optim_opts: Mapping[str, Any], opts: Mapping[str, Any]) -> Built:
+    from torch.nn.parallel import DistributedDataParallel
+
+    from shardkit.optim import OSS
+
+    ddp_opts, oss_opts = _split(opts, "oss")
+    _check_options("oss_ddp", DistributedDataParallel.__init__, ddp_opts, ("oss",))
+    _check_options("oss_ddp (oss=...)", OSS.__init__, oss_opts)
+    wrapped = DistributedDataParallel(model, **ddp_opts)
+    return wrapped, OSS(wrapped.parameters(), optim=optim, **oss_opts, **optim_opts), _nothing
+
+
+def _build_oss_sdp(model: nn.Module, optim: type, optim_opts: Mapping[str, Any], opts: Mapping[str, Any]) -> Built:
+    from shardkit.nn import ShardedDataParallel
+    from shardkit.optim import OSS
+
+    sdp_opts, oss_opts = _split(opts, "oss")
+    _check_options("oss_sdp", ShardedDataParallel.__init__, sdp_opts, ("oss",))
+    _check_options("oss_sdp (oss=...)", OSS.__init__, oss_opts)
+    sharded = OSS(model.parameters(), optim=optim, **oss_opts, **optim_opts)
+    return ShardedDataParallel(model, sharded, **sdp_opts), sharded, _nothing
+
+
+def block_classes(model: nn.Module) -> set[type[nn.Module]]:
+    """The classes of the modules held in ``model``'s ``nn.ModuleList``s: a transformer's blocks."""
+    return {type(child) for module in model.modules() if isinstance(module, nn.ModuleList) for child in module}
+
+
+def _build_fsdp(model: nn.Module, optim: type, optim_opts: Mapping[str, Any], opts: Mapping[str, Any]) -> Built:
+    from shardkit.nn import FullyShardedDataParallel
+    from shardkit.nn.wrap import auto_wrap, enable_wrap, transformer_auto_wrap_policy
+
+    fsdp_opts = dict(opts)
+    policy = fsdp_opts.pop("auto_wrap_policy", "blocks")
+    _check_options("fsdp", FullyShardedDataParallel.__init__, fsdp_opts, ("auto_wrap_policy",))
+    if policy == "blocks":  # the default: one unit per block of every ModuleList (a transformer's layers)
+        classes = block_classes(model)
+        policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=classes) if classes else None
+    if policy is not None:
+        with enable_wrap(wrapper_cls=FullyShardedDataParallel, **fsdp_opts):
+            model = auto_wrap(model, auto_wrap_policy=policy)
+    wrapped = FullyShardedDataParallel(model, **fsdp_opts)
+    return wrapped, optim(wrapped.parameters(), **optim_opts), _nothing
+
+
+def _build_slowmo(model: nn.Module, optim: type, optim_opts: Mapping[str, Any], opts: Mapping[str, Any]) -> Built:
+    from shardkit.nn.slowmo import SlowMoDistributedDataParallel
+
+    slowmo_opts = {"nprocs_per_node": 1, **opts}
+    _check_options("slowmo", SlowMoDistributedDataParallel.__init__, slowmo_opts)
+    wrapped = SlowMoDistributedDataParallel(model, **slowmo_opts)
+    optimizer = optim(wrapped.parameters(), **optim_opts)
+    return wrapped, optimizer, functools.partial(wrapped.perform_slowmo, optimizer)
+
+
+@dataclass(frozen=True)
+class PlanStrategy:
+    """One strategy the planner knows: its name, what it is, and its builder."""
+
+    name: str
+    description: str
+    build: Builder
+
+
+STRATEGIES: dict[str, PlanStrategy] = {
+    s.name: s
+    for s in (
+        PlanStrategy("ddp", "torch DDP (every rank holds everything)", _build_ddp),
+        PlanStrategy("oss_ddp", "torch DDP + shardkit OSS (ZeRO-1: optimizer state sharded)", _build_oss_ddp),
+        PlanStrategy("oss_sdp", "shardkit OSS + ShardedDataParallel (ZeRO-2: + gradients sharded)", _build_oss_sdp),
+        PlanStrategy("fsdp", "shardkit FullyShardedDataParallel (ZeRO-3: + parameters sharded)", _build_fsdp),
+        PlanStrategy("slowmo", "shardkit SlowMo DDP (local SGD between nodes + slow momentum)", _build_slowmo),
+    )
+}
+
+#: Strategies planned by a path of their own (pipeline parallelism), not by a builder here.
+PIPELINE = "smp"
+
+
+def get(name: str) -> PlanStrategy:
+    """The strategy called ``name``, or a clear error listing the known ones."""
+    try:
+        return STRATEGIES[name]
+    except KeyError:
+        known = ", ".join([*STRATEGIES, PIPELINE])
+        raise ValueError(f"unknown strategy {name!r}; shardkit.plan knows: {known}") from None
+
+
+__all__ = ["PIPELINE", "STRATEGIES", "PlanStrategy", "block_classes", "get"]

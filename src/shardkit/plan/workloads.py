@@ -1,0 +1,131 @@
+"""Picklable descriptions of a model, one rank's batch and its loss: what the planner and the real runs share.
+
+A :class:`Workload` names a model (the bench LM, the demo LM, a transformers config with overrides, or any
+``package.module:factory``), the shape of one rank's token batch, and the optimizer and strategy options. It can
+be sent to worker processes, so the accuracy checks build exactly what the planner built.
+
+Example::
+
+    work = Workload.hf("gpt2", {"n_layer": 2, "n_embd": 128}, batch_size=2, seq_len=64)
+    model, batch = work.build(), work.batch()
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardkit.utils.checks import at_least
+
+#: Model kinds a workload can name.
+KINDS = ("bench_lm", "demo_lm", "hf", "factory")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A model, one rank's batch of tokens ``(batch_size, seq_len)`` and a next-token loss."""
+
+    #: One of :data:`KINDS`.
+    kind: str
+    #: transformers model type (``"gpt2"``, ``"llama"``) or ``package.module:factory``; empty for the LMs.
+    name: str = ""
+    #: transformers config overrides, or keyword arguments of the factory.
+    overrides: Mapping[str, Any] = field(default_factory=dict)
+    #: Sequences per rank.
+    batch_size: int = 2
+    #: Tokens per sequence.
+    seq_len: int = 128
+    #: Optimizer class.
+    optimizer: type = torch.optim.AdamW
+    #: Optimizer keyword arguments.
+    optimizer_options: Mapping[str, Any] = field(default_factory=dict)
+    #: Strategy constructor keyword arguments.
+    strategy_options: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"Workload.kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        at_least(self, "batch_size", self.batch_size, 1)
+        at_least(self, "seq_len", self.seq_len, 1)
+
+    @classmethod
+    def bench_lm(cls, **kwargs: Any) -> Workload:
+        """The benchmarks' GPT-style LM (:meth:`LMConfig.bench`), sequence 128."""
+        return cls("bench_lm", seq_len=128, **kwargs)
+
+    @classmethod
+    def demo_lm(cls, **kwargs: Any) -> Workload:
+        """The demo's LM (:meth:`LMConfig.demo`), sequence 32."""
+        return cls("demo_lm", seq_len=32, **kwargs)
+
+    @classmethod
+    def hf(cls, model_type: str, overrides: Mapping[str, Any], **kwargs: Any) -> Workload:
+        """A transformers causal LM of ``model_type`` with config ``overrides``; random weights, nothing downloaded."""
+        return cls("hf", model_type, dict(overrides), **kwargs)
+
+    @property
+    def vocab_size(self) -> int:
+        if self.kind in ("bench_lm", "demo_lm"):
+            return self._lm_config().vocab_size
+        if self.kind == "hf":
+            return int(self.hf_config().vocab_size)
+        return 2  # token ids 0 and 1 are valid for any factory model's embedding
+
+    def _lm_config(self) -> Any:
+        from shardkit.testing.models import LMConfig
+
+        base = LMConfig.bench() if self.kind == "bench_lm" else LMConfig.demo()
+        return LMConfig(**{**base.__dict__, "seq_len": self.seq_len, **self.overrides})
+
+    def hf_config(self) -> Any:
+        """The transformers config (``AutoConfig.for_model``) with the overrides applied."""
+        from transformers import AutoConfig
+
+        try:
+            config = AutoConfig.for_model(self.name)
+        except ValueError as exc:
+            raise ValueError(f"unknown transformers model type {self.name!r} ({exc})") from None
+        for key, value in self.overrides.items():
+            if not hasattr(config, key):
+                raise ValueError(f"transformers {self.name} config has no field {key!r}")
+            setattr(config, key, value)
+        config.use_cache = False
+        return config
+
+    def build(self) -> nn.Module:
+        """The unwrapped model (on the current default device: the planner opens ``torch.device("meta")``)."""
+        if self.kind in ("bench_lm", "demo_lm"):
+            from shardkit.testing.models import TransformerLM
+
+            return TransformerLM(self._lm_config())
+        if self.kind == "hf":
+            from transformers import AutoModelForCausalLM
+
+            return AutoModelForCausalLM.from_config(self.hf_config(), attn_implementation="eager")
+        module_name, _, attr = self.name.partition(":")
+        factory = getattr(importlib.import_module(module_name), attr)
+        model = factory(**self.overrides)
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"{self.name} returned {type(model).__name__}, not an nn.Module")
+        return model
+
+    def batch(self) -> Any:
+        """One rank's batch: ``(tokens,)`` for the LMs, ``{"input_ids": tokens}`` for transformers models."""
+        gen = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, self.vocab_size, (self.batch_size, self.seq_len), generator=gen)
+        return {"input_ids": tokens} if self.kind == "hf" else (tokens,)
+
+    def loss(self, output: Any, batch: Any) -> torch.Tensor:
+        """Mean next-token cross-entropy of the logits against the tokens shifted by one."""
+        logits = output if isinstance(output, torch.Tensor) else output.logits
+        tokens = batch["input_ids"] if isinstance(batch, Mapping) else batch[0]
+        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+__all__ = ["KINDS", "Workload"]
