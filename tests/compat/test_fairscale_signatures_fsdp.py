@@ -184,7 +184,7 @@ def test_constructor_matches_fairscale_positionally_and_by_keyword() -> None:
     params = list(inspect.signature(FSDP.__init__).parameters.values())[1:]
     # shardkit's own arguments come after fairscale's, keyword-only, so no fairscale positional call shifts.
     ours_only = params[len(FSDP_INIT) :]
-    assert [p.name for p in ours_only] == ["backward_prefetch", "forward_prefetch"]
+    assert [p.name for p in ours_only] == ["backward_prefetch", "forward_prefetch", "sharding_strategy"]
     assert all(p.kind is p.KEYWORD_ONLY for p in ours_only)
 
 

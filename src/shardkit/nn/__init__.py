@@ -8,7 +8,7 @@ The Lightning integration lives in :mod:`shardkit.lightning` and is never import
 """
 
 from shardkit.nn.checkpoint import apply_activation_checkpointing, checkpoint_wrapper
-from shardkit.nn.fsdp import BackwardPrefetch, CPUOffload, FullyShardedDataParallel
+from shardkit.nn.fsdp import BackwardPrefetch, CPUOffload, FullyShardedDataParallel, ShardingStrategy
 from shardkit.nn.sharded_ddp import ShardedDataParallel
 from shardkit.nn.slowmo import SlowMoBaseAlgorithm, SlowMoDistributedDataParallel
 
@@ -27,6 +27,7 @@ __all__ = [
     "CPUOffload",
     "FullyShardedDataParallel",
     "ShardedDataParallel",
+    "ShardingStrategy",
     "SlowMoBaseAlgorithm",
     "SlowMoDistributedDataParallel",
     "apply_activation_checkpointing",

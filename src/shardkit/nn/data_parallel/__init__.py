@@ -1,6 +1,6 @@
 """Compatibility path for fairscale users: ``from shardkit.nn.data_parallel import ...``."""
 
-from shardkit.nn.fsdp import FullyShardedDataParallel, TrainingState
+from shardkit.nn.fsdp import FullyShardedDataParallel, ShardingStrategy, TrainingState
 from shardkit.nn.fsdp.helpers import auto_wrap_bn, get_fsdp_instances, no_pre_load_state_dict_hook
 from shardkit.nn.sharded_ddp import ShardedDataParallel
 from shardkit.nn.slowmo import SlowMoBaseAlgorithm, SlowMoDistributedDataParallel
@@ -8,6 +8,7 @@ from shardkit.nn.slowmo import SlowMoBaseAlgorithm, SlowMoDistributedDataParalle
 __all__ = [
     "FullyShardedDataParallel",
     "ShardedDataParallel",
+    "ShardingStrategy",
     "SlowMoBaseAlgorithm",
     "SlowMoDistributedDataParallel",
     "TrainingState",

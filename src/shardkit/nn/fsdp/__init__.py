@@ -18,6 +18,11 @@ Fast settings (prefetch one unit ahead in both directions; ``BACKWARD_PRE`` cost
 parameters of extra memory)::
 
     block = FSDP(block, backward_prefetch=BackwardPrefetch.BACKWARD_PRE, forward_prefetch=True)
+
+Hybrid sharding (:mod:`~shardkit.nn.fsdp.strategy`, :mod:`~shardkit.nn.fsdp.hybrid`): shard inside each node,
+all-reduce gradient shards across nodes::
+
+    model = FSDP(model, sharding_strategy=ShardingStrategy.HYBRID_SHARD)
 """
 
 from shardkit.nn.fsdp.api import FullyShardedDataParallel
@@ -25,6 +30,7 @@ from shardkit.nn.fsdp.forward_methods import register_fsdp_forward_method
 from shardkit.nn.fsdp.helpers import auto_wrap_bn, get_fsdp_instances, no_pre_load_state_dict_hook
 from shardkit.nn.fsdp.policies import BackwardPrefetch, CPUOffload, ProcessGroupName
 from shardkit.nn.fsdp.runtime import TrainingState
+from shardkit.nn.fsdp.strategy import ShardingStrategy
 
 FSDP = FullyShardedDataParallel
 
@@ -34,6 +40,7 @@ __all__ = [
     "CPUOffload",
     "FullyShardedDataParallel",
     "ProcessGroupName",
+    "ShardingStrategy",
     "TrainingState",
     "auto_wrap_bn",
     "get_fsdp_instances",

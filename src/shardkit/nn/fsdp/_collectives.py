@@ -117,3 +117,9 @@ def create_reduce_channels(groups: list[GroupLike]) -> dict[int, GroupLike]:
     for ranks, backend in ordered:
         created[(ranks, backend)] = dist.new_group(list(ranks), backend=backend, timeout=timeout)
     return {key: created[entry] for key, entry in zip(distinct, mine)}
+
+
+def all_reduce_replicas(grad_shard: torch.Tensor, replica: GroupLike, label: str) -> c.Handle:
+    """Start summing a reduced gradient shard with the ranks holding the same shard (hybrid sharding: the same
+    local rank on the other nodes; NO_SHARD: every rank)."""
+    return c.all_reduce(grad_shard, group=replica, async_op=True, label=f"fsdp:replicate:{label}")

@@ -17,14 +17,22 @@ import torch
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
-from shardkit.distributed.groups import GroupLike, group_rank, group_size, resolve_group
+from shardkit.distributed.groups import GroupLike, group_rank, group_size
+from shardkit.distributed.model_check import check_same_model
 from shardkit.nn.fsdp import grad_norm, ties
 from shardkit.nn.fsdp import state_dict as sd
 from shardkit.nn.fsdp.collective_calls import every_rank_calls
 from shardkit.nn.fsdp.comm_context import CommContext
 from shardkit.nn.fsdp.forward_methods import check_forward_method
+from shardkit.nn.fsdp.hybrid import resolve_unit_groups
 from shardkit.nn.fsdp.param_group import ParamGroup
-from shardkit.nn.fsdp.policies import BackwardPrefetch, CPUOffload, ProcessGroupName, policies_from_args
+from shardkit.nn.fsdp.policies import (
+    BackwardPrefetch,
+    CPUOffload,
+    ProcessGroupName,
+    ShardingStrategy,
+    policies_from_args,
+)
 from shardkit.nn.fsdp.reduce_channels import plan_reduce_channels, resolve_reduce_group
 from shardkit.nn.fsdp.runtime import TrainingState, Unit, eager, make_fp16_to_fp32_caster, make_input_caster
 from shardkit.nn.fsdp.unit_module import UnitModule, walk_modules
@@ -49,7 +57,9 @@ class FullyShardedDataParallel(UnitModule):
     Args:
         module: the module to wrap; available afterwards as ``.module``.
         process_group: group to shard over (default: the world); a ``DummyProcessGroup(rank=0, size=1)`` runs
-            without ``torch.distributed``.
+            without ``torch.distributed``. For hybrid sharding, the nodes: an ``(intra_node_group,
+            inter_node_group)`` pair, a 2-D ``DeviceMesh`` (dim 0 across nodes) or a ``Topology``; without one,
+            hybrid strategies find the nodes from torchrun's ``LOCAL_WORLD_SIZE``.
         process_group_reduce_scatter: where gradients are reduce-scattered. ``ProcessGroupName.reduce_scatter``
             (default): a second process group over the same ranks, created at the root's first forward, so
             reductions overlap the next gathers; ``ProcessGroupName.default``: ``process_group`` itself; a
@@ -96,6 +106,15 @@ class FullyShardedDataParallel(UnitModule):
         forward_prefetch: from the second step on, start gathering the next unit (in the previous forward's
             order) when a unit starts its forward. Prefetching never changes results; at most one unit is
             gathered ahead of its use.
+        sharding_strategy: torch FSDP's :class:`ShardingStrategy`. ``FULL_SHARD`` (what
+            ``reshard_after_forward=True`` means), ``SHARD_GRAD_OP`` (``reshard_after_forward=False``),
+            ``NO_SHARD`` (DDP-like: full parameters on every rank, gradients all-reduced), ``HYBRID_SHARD`` /
+            ``_HYBRID_SHARD_ZERO2`` (FULL_SHARD / SHARD_GRAD_OP inside each node; each reduced gradient shard
+            is all-reduced across nodes; parameter memory per rank is 1/processes per node). None: from
+            ``reshard_after_forward`` (hybrid when ``process_group`` describes nodes). The strategy decides
+            over the default ``reshard_after_forward=True``; an explicit ``reshard_after_forward=False`` with a
+            strategy that reshards is refused. Under hybrid sharding ``process_group``/``world_size`` are the
+            node's (state dicts gather inside the node); :attr:`replica_group` holds the other nodes' ranks.
 
     Notes:
         - Original parameters hold values only during forward/backward and inside :meth:`summon_full_params`;
@@ -125,6 +144,12 @@ class FullyShardedDataParallel(UnitModule):
         optim.step()
         with model.summon_full_params():
             print(dict(model.named_parameters()).keys())     # original names and shapes
+
+    Hybrid sharding (shard inside each node, replicate across nodes; nodes from torchrun's LOCAL_WORLD_SIZE)::
+
+        model = FSDP(model, sharding_strategy=ShardingStrategy.HYBRID_SHARD)
+        model = FSDP(model, process_group=(intra_node_group, inter_node_group),
+                     sharding_strategy=ShardingStrategy.HYBRID_SHARD)
 
     Overlapping communication, and shards kept in CPU memory::
 
@@ -160,8 +185,12 @@ class FullyShardedDataParallel(UnitModule):
         *,
         backward_prefetch: Optional[BackwardPrefetch] = None,
         forward_prefetch: bool = False,
+        sharding_strategy: Optional[ShardingStrategy] = None,
     ) -> None:
         super().__init__()
+        group, replica_group, sharding_strategy = resolve_unit_groups(
+            process_group, sharding_strategy, reshard_after_forward
+        )
         policies = policies_from_args(
             reshard_after_forward=reshard_after_forward,
             flatten_parameters=flatten_parameters,
@@ -186,9 +215,12 @@ class FullyShardedDataParallel(UnitModule):
             state_dict_on_rank_0_only=state_dict_on_rank_0_only,
             gradient_predivide_factor=gradient_predivide_factor,
             allow_reset_parameters=allow_reset_parameters,
+            sharding_strategy=sharding_strategy,
+            replica_group=replica_group,
         )
-        group = resolve_group(process_group, "FullyShardedDataParallel")
         policies = resolve_reduce_group(policies, group)
+        if replica_group is not None:  # the replicas must hold the same model too (nothing changed yet)
+            check_same_model(module, replica_group, "FullyShardedDataParallel (replicas across nodes)")
         self.process_group = group
         self.rank = group_rank(group)
         self.world_size = group_size(group)
@@ -210,6 +242,18 @@ class FullyShardedDataParallel(UnitModule):
             self._unit.cast_inputs = make_fp16_to_fp32_caster()
         #: Original dtypes of floating-point buffers cast for mixed precision (clean name -> dtype), root only.
         self.buffer_original_dtypes: dict[str, torch.dtype] = {}
+
+    @property
+    def sharding_strategy(self) -> ShardingStrategy:
+        """The unit's :class:`ShardingStrategy` (torch FSDP's attribute)."""
+        return self._policies.sharding.strategy
+
+    @property
+    def replica_group(self) -> Optional[GroupLike]:
+        """The ranks holding the same shards as this one (hybrid sharding: the same local rank on every node;
+        NO_SHARD: every rank), over which reduced gradient shards are all-reduced; None without replicas.
+        ``process_group`` is the shard group, so a checkpoint counts ``world // world_size`` replicas."""
+        return self._policies.reduce.replica_group
 
     # ------------------------------------------------------------------ forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:

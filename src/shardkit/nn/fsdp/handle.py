@@ -222,8 +222,11 @@ class FlatParamHandle:
         reduce_dtype: Optional[torch.dtype],
         ctx: CommContext,
         divide: Optional[tuple[float, float]] = None,
+        replica: Optional[GroupLike] = None,
+        replica_size: int = 1,
     ) -> Optional[PendingReduce]:
-        """Start reduce-scattering ``grad`` (plus anything accumulated under ``no_sync``), averaged over ranks.
+        """Start reduce-scattering ``grad`` (plus anything accumulated under ``no_sync``), averaged over ranks,
+        then (``replica``, hybrid sharding) all-reducing the shard over the ``replica_size`` replicas.
 
         Returns the reduction in flight (None when there was no gradient); its ``finish()`` adds the result to
         the shard's ``.grad``.
@@ -233,9 +236,9 @@ class FlatParamHandle:
             grad = accum if grad is None else accum.add_(grad.to(accum.dtype))
         if grad is None:
             return None
-        if self._aliased:
+        if self._aliased and replica_size == 1:
             if divide is not None and divide[0] * divide[1] != 1:
                 grad = grad / (divide[0] * divide[1])  # explicit factors apply with one rank too
             return PendingReduce.ready(self.shard, grad)  # one rank: the full gradient is the shard's
         dtype = reduce_dtype or self.compute_dtype
-        return start_reduce(self.shard, grad, dtype, group, world_size, self.label, ctx, divide)
+        return start_reduce(self.shard, grad, dtype, group, world_size, self.label, ctx, divide, replica, replica_size)

@@ -16,7 +16,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from shardkit.distributed.groups import GroupLike
+from shardkit.distributed.groups import GroupLike, group_size
 from shardkit.distributed.objects import all_gather_objects
 from shardkit.nn.fsdp import _collectives
 from shardkit.nn.fsdp.comm_context import CommContext
@@ -167,6 +167,10 @@ class ParamGroup:
         self.group = group
         self.world_size = world_size
         self.policies = policies
+        replica = policies.reduce.replica_group
+        #: Ranks holding the same shards (hybrid sharding across nodes, NO_SHARD): gradients average over
+        #: ``world_size * replica_size`` ranks.
+        self.replica_size = 1 if replica is None else group_size(replica)
         self._summoned: Optional[list[tuple[torch.Tensor, list[nn.Parameter]]]] = None
         #: The original parameters this unit replaced by shards (weakly held), to catch ties across units.
         self._originals: dict[int, weakref.ref[nn.Parameter]] = {id(p): weakref.ref(p) for p in originals}
@@ -295,18 +299,32 @@ class ParamGroup:
         grad = handle.take_full_grad()
         pending = None
         if sync_grads:
-            pending = handle.reduce_grad(
-                grad, self.group, self.world_size, self.policies.mixed_precision.reduce_dtype, ctx, self._divide()
-            )
+            pending = self._reduce(handle, grad, ctx)
         elif grad is not None:
             handle.accumulate_unsynced(grad)
         handle.drop_views()
         handle.reshard()
         return pending
 
-    def _divide(self) -> Optional[tuple[float, float]]:
-        # gradient_predivide_factor / set_gradient_divide_factors; None: start_reduce chooses.
-        return self.policies.reduce.divide_factors(self.world_size)
+    @property
+    def dp_size(self) -> int:
+        """Ranks a gradient is averaged over: the shard group times its replicas."""
+        return self.world_size * self.replica_size
+
+    def _reduce(
+        self, handle: FlatParamHandle, grad: Optional[torch.Tensor], ctx: CommContext
+    ) -> Optional[PendingReduce]:
+        reduce = self.policies.reduce
+        return handle.reduce_grad(
+            grad,
+            self.group,
+            self.world_size,
+            self.policies.mixed_precision.reduce_dtype,
+            ctx,
+            reduce.divide_factors(self.dp_size),  # gradient_predivide_factor; None: start_reduce chooses
+            reduce.replica_group,
+            self.replica_size,
+        )
 
     def finish_backward(self, sync_grads: bool, ctx: CommContext) -> list[PendingReduce]:
         """End of backward: reduce gradients left from ``no_sync`` steps and free everything.
@@ -316,9 +334,7 @@ class ParamGroup:
         pending = []
         for handle in self.handles:
             if sync_grads and handle.grad_accum is not None:
-                started = handle.reduce_grad(
-                    None, self.group, self.world_size, self.policies.mixed_precision.reduce_dtype, ctx, self._divide()
-                )
+                started = self._reduce(handle, None, ctx)
                 if started is not None:
                     pending.append(started)
             if handle.full is not None:

@@ -14,6 +14,8 @@ from typing import Any, Optional, Union
 
 import torch
 
+from shardkit.nn.fsdp.strategy import ShardingStrategy
+
 #: Dtypes full parameters may be gathered in.
 COMPUTE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -71,10 +73,23 @@ class ShardingPolicy:
     #: The root keeps its full parameters after forward even with ``reshard_after_forward`` (its backward
     #: starts right away); False frees them too, for a root whose backward comes much later.
     disable_reshard_on_root: bool = True
+    #: torch FSDP's name for what is sharded where (see :class:`ShardingStrategy`); it agrees with
+    #: ``reshard_after_forward`` (``NO_SHARD`` with either: one rank per shard group has nothing to free).
+    strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD
 
     def __post_init__(self) -> None:
         for name in ("reshard_after_forward", "flatten_parameters", "disable_reshard_on_root"):
             _check_bool(f"ShardingPolicy.{name}", getattr(self, name))
+        if not isinstance(self.strategy, ShardingStrategy):
+            raise TypeError(f"ShardingPolicy.strategy must be a ShardingStrategy, got {self.strategy!r}")
+        if self.strategy is not ShardingStrategy.NO_SHARD and (
+            self.strategy.reshards_after_forward != self.reshard_after_forward
+        ):
+            raise ValueError(
+                f"ShardingPolicy(strategy={self.strategy.name}, reshard_after_forward={self.reshard_after_forward}) "
+                "contradict each other: FULL_SHARD and HYBRID_SHARD reshard after forward, SHARD_GRAD_OP and "
+                "_HYBRID_SHARD_ZERO2 do not"
+            )
 
 
 @dataclass(frozen=True)
@@ -155,6 +170,9 @@ class ReducePolicy:
     #: Divide by this after the reduction (set together with ``predivide_factor``; None: ``world_size /
     #: predivide_factor``). Only ``set_gradient_divide_factors`` sets a pair that is not the average.
     postdivide_factor: Optional[float] = None
+    #: Hybrid sharding and NO_SHARD: after the reduce-scatter over the shard group, each gradient shard is
+    #: all-reduced over this group (the unit's replicas: same local rank on the other nodes). None: no replicas.
+    replica_group: Any = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.group, ProcessGroupName) and not _is_group(self.group):
@@ -167,6 +185,10 @@ class ReducePolicy:
                 raise ValueError(f"ReducePolicy.{name} must be a number > 0 (or None), got {value!r}")
         if self.postdivide_factor is not None and self.predivide_factor is None:
             raise ValueError("ReducePolicy.postdivide_factor needs predivide_factor: the two are set together")
+        if self.replica_group is not None and not _is_group(self.replica_group):
+            raise TypeError(
+                f"ReducePolicy.replica_group must be a process group or None, got {type(self.replica_group).__name__}"
+            )
 
     def divide_factors(self, world_size: int) -> Optional[tuple[float, float]]:
         """``(before, after)`` the reduction, or None to let shardkit choose (the result is the average)."""
@@ -324,11 +346,43 @@ def reduce_group_choice(value: Any) -> Any:
     )
 
 
-def _reduce(process_group_reduce_scatter: Any, gradient_predivide_factor: Optional[float]) -> ReducePolicy:
+def _reduce(
+    process_group_reduce_scatter: Any, gradient_predivide_factor: Optional[float], replica_group: Any
+) -> ReducePolicy:
     if gradient_predivide_factor is not None and not gradient_predivide_factor > 0:
         raise ValueError(f"gradient_predivide_factor must be > 0 (or None), got {gradient_predivide_factor}")
     factor = float(gradient_predivide_factor) if gradient_predivide_factor is not None else None
-    return ReducePolicy(group=reduce_group_choice(process_group_reduce_scatter), predivide_factor=factor)
+    return ReducePolicy(
+        group=reduce_group_choice(process_group_reduce_scatter), predivide_factor=factor, replica_group=replica_group
+    )
+
+
+def _sharding(
+    reshard_after_forward: bool,
+    flatten_parameters: bool,
+    disable_reshard_on_root: bool,
+    strategy: Optional[ShardingStrategy],
+) -> ShardingPolicy:
+    """fairscale's ``reshard_after_forward`` and torch's ``sharding_strategy`` as one policy.
+
+    ``reshard_after_forward`` defaults to True in fairscale's signature, so a True beside SHARD_GRAD_OP cannot be
+    told from the default: the strategy decides. An explicit False beside a strategy that reshards is a conflict.
+    """
+    reshard = bool(reshard_after_forward)
+    if strategy is None:
+        strategy = ShardingStrategy.FULL_SHARD if reshard else ShardingStrategy.SHARD_GRAD_OP
+    elif not isinstance(strategy, ShardingStrategy):
+        names = ", ".join(f"ShardingStrategy.{s.name}" for s in ShardingStrategy)
+        raise TypeError(f"sharding_strategy must be one of {names} (or None), got {strategy!r}")
+    elif strategy is not ShardingStrategy.NO_SHARD:
+        if not reshard and strategy.reshards_after_forward:
+            raise ValueError(
+                f"reshard_after_forward=False contradicts sharding_strategy=ShardingStrategy.{strategy.name}, which "
+                "frees full parameters after forward; pass only one of them (SHARD_GRAD_OP or _HYBRID_SHARD_ZERO2 "
+                "keep them until backward)"
+            )
+        reshard = strategy.reshards_after_forward
+    return ShardingPolicy(reshard, bool(flatten_parameters), bool(disable_reshard_on_root), strategy)
 
 
 def policies_from_args(
@@ -356,14 +410,19 @@ def policies_from_args(
     state_dict_on_rank_0_only: bool = False,
     gradient_predivide_factor: Optional[float] = None,
     allow_reset_parameters: bool = False,
+    sharding_strategy: Optional[ShardingStrategy] = None,
+    replica_group: Any = None,
 ) -> FSDPPolicies:
-    """Validate the documented constructor arguments and group them into :class:`FSDPPolicies`."""
+    """Validate the documented constructor arguments and group them into :class:`FSDPPolicies`.
+
+    ``replica_group``: the group each reduced gradient shard is all-reduced over (hybrid sharding, NO_SHARD).
+    """
     if backward_prefetch is not None and not isinstance(backward_prefetch, BackwardPrefetch):
         raise TypeError(f"backward_prefetch must be a BackwardPrefetch or None, got {backward_prefetch!r}")
     if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)):
         raise TypeError(f"bucket_cap_mb must be a number of megabytes (<= 0: no bucketing), got {bucket_cap_mb!r}")
     return FSDPPolicies(
-        sharding=ShardingPolicy(bool(reshard_after_forward), bool(flatten_parameters), bool(disable_reshard_on_root)),
+        sharding=_sharding(reshard_after_forward, flatten_parameters, disable_reshard_on_root, sharding_strategy),
         mixed_precision=_mixed_precision(
             mixed_precision, compute_dtype, buffer_dtype, fp32_reduce_scatter, force_input_to_fp32, clear_autocast_cache
         ),
@@ -374,7 +433,7 @@ def policies_from_args(
             rank0_only=bool(state_dict_on_rank_0_only),
             no_broadcast_optim_state=bool(no_broadcast_optim_state),
         ),
-        reduce=_reduce(process_group_reduce_scatter, gradient_predivide_factor),
+        reduce=_reduce(process_group_reduce_scatter, gradient_predivide_factor, replica_group),
         bucket_cap_mb=float(bucket_cap_mb),
         verbose=bool(verbose),
         allow_reset_parameters=bool(allow_reset_parameters),

@@ -9,10 +9,15 @@ soon as the next hook notices.
 
 Averaging: in FP32 the *shard* of the sum is divided by the world size after the reduction, which touches
 ``1/world_size`` of the elements; in 16-bit the full gradient is divided first, so the sum cannot overflow.
+
+Replicas (hybrid sharding, NO_SHARD): when the unit has a replica group, the reduced shard is then all-reduced
+over it (the ranks holding the same shard on the other nodes), started as soon as the reduce-scatter is seen to
+have finished, so only shard-sized messages cross nodes. The average then runs over shard group x replica group.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 from typing import Optional
 
@@ -37,6 +42,8 @@ class PendingReduce:
         full_grad: Optional[torch.Tensor] = None,
         stream: Optional[torch.cuda.Stream] = None,
         post_divide: float = 1,
+        replica: Optional[GroupLike] = None,
+        label: str = "",
     ) -> None:
         self.shard = shard
         self.grad_shard = grad_shard
@@ -45,6 +52,10 @@ class PendingReduce:
         self.full_grad = full_grad
         self.stream = stream
         self.post_divide = post_divide
+        #: Group the reduced shard is still to be all-reduced over (None: nothing more to do, or started).
+        self.replica = replica
+        self.label = label
+        self._replica_work: Optional[Handle] = None
 
     @classmethod
     def ready(cls, shard: nn.Parameter, grad: torch.Tensor) -> PendingReduce:
@@ -52,8 +63,25 @@ class PendingReduce:
         return cls(shard, grad)
 
     def done(self) -> bool:
-        """True when :meth:`finish` would not wait for communication."""
-        return self.work is None or self.work.is_completed()
+        """True when :meth:`finish` would not wait for communication; starts the replica all-reduce once the
+        reduce-scatter it follows has finished."""
+        if self.work is not None and not self.work.is_completed():
+            return False
+        if self.replica is not None:
+            self._start_replica()
+        return self._replica_work is None or self._replica_work.is_completed()
+
+    def _start_replica(self) -> None:
+        """All-reduce the reduced shard over the replica group (after the reduce-scatter has landed)."""
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        replica, self.replica = self.replica, None
+        assert replica is not None
+        with contextlib.ExitStack() as stack:  # on CUDA: after the reduce-scatter, on the same side stream
+            if self.stream is not None:
+                stack.enter_context(torch.cuda.stream(self.stream))
+            self._replica_work = _collectives.all_reduce_replicas(self.grad_shard, replica, self.label)
 
     def finish(self) -> bool:
         """Wait for the reduction and add its result to the shard's ``.grad`` (in the shard's dtype and device).
@@ -65,6 +93,12 @@ class PendingReduce:
             self.work.wait()
             self.work = None
         join(self.stream)
+        if self.replica is not None:
+            self._start_replica()
+        if self._replica_work is not None:
+            self._replica_work.wait()
+            self._replica_work = None
+            join(self.stream)
         self.full_grad = None
         grad = self.grad_shard
         if self.post_divide != 1:
@@ -95,26 +129,33 @@ def start_reduce(
     label: str,
     ctx: CommContext,
     divide: Optional[tuple[float, float]] = None,
+    replica: Optional[GroupLike] = None,
+    replica_size: int = 1,
 ) -> PendingReduce:
     """Issue the reduce-scatter of ``full_grad`` (ours to modify: autograd handed it over) over ``group``.
 
     ``divide``: the ``(before, after)`` factors of ``gradient_predivide_factor``; None chooses as described above.
+    ``replica``: the group (of ``replica_size`` ranks) the reduced shard is then all-reduced over; with a shard
+    group of one rank (NO_SHARD) the all-reduce is the only collective.
     """
+    dp_size = world_size * replica_size
     with ctx.reduce.issue(full_grad.device) as stream:
         if stream is not None:
             full_grad.record_stream(stream)  # produced on the compute stream, read on the reduce stream
         grad = full_grad.to(dtype)
-        pre_divide = world_size > 1 and dtype != torch.float32
-        before, after = (
-            divide if divide is not None else (world_size if pre_divide else 1, 1 if pre_divide else world_size)
-        )
+        pre_divide = dp_size > 1 and dtype != torch.float32
+        before, after = divide if divide is not None else (dp_size if pre_divide else 1, 1 if pre_divide else dp_size)
         if before != 1:
             grad.div_(before)
-        shard_numel = grad.numel() // world_size
-        grad_shard = torch.empty(shard_numel, dtype=dtype, device=grad.device)
         memory.tag(grad, memory.Category.GRADIENTS)
-        work = _collectives.reduce_scatter_grads(grad_shard, grad, ctx.reduce_channel(group), label)
-    return PendingReduce(shard, grad_shard, work, grad, stream, after)
+        if world_size == 1:
+            grad_shard, work, kept = grad, None, None  # the full gradient is the shard's: only replicas to add
+        else:
+            grad_shard = torch.empty(grad.numel() // world_size, dtype=dtype, device=grad.device)
+            work = _collectives.reduce_scatter_grads(grad_shard, grad, ctx.reduce_channel(group), label)
+            kept = grad
+    # The replica all-reduce starts only from the queue (oldest first), so every rank issues them in one order.
+    return PendingReduce(shard, grad_shard, work, kept, stream, after, replica if replica_size > 1 else None, label)
 
 
 class ReduceQueue:

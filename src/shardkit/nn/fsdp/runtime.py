@@ -154,7 +154,7 @@ class Unit:
     # ------------------------------------------------------------------ settings that change between steps
     def divide_factors(self) -> tuple[float, float]:
         """What gradients are divided by before and after their reduction (``gradient_predivide_factor``)."""
-        world_size = self.group.world_size
+        world_size = self.group.dp_size
         chosen = self.policies.reduce.divide_factors(world_size)
         if chosen is not None:
             return chosen
