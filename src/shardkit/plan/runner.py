@@ -1,7 +1,9 @@
-"""Run one rank of a real strategy for two training steps and record what it held, sent and computed.
+"""Run one rank of a real strategy for a few training steps and record what it held, sent and computed.
 
-The first step is a warm-up (optimizers create their state lazily, strategies build their buckets); the second
-is the one reported: its peak, the state left after it, its collectives per phase and its FLOPs. The run happens
+The first :data:`WARMUP_STEPS` steps are warm-up (optimizers create their state lazily in the first, torch DDP
+rebuilds its buckets in the order gradients arrived, with a broadcast, in the second); the next is the one
+reported: the state left after it, its collectives per phase and its FLOPs. The peak is the highest over all
+steps (in practice the reported one, which runs with the optimizer state already allocated). The run happens
 inside :func:`~shardkit.plan.peerless.peerless_world` and under one :class:`~shardkit.plan.accountant.Accountant`
 opened before the model is built, so every byte the model and the strategy create is seen.
 """
@@ -24,6 +26,8 @@ from shardkit.plan.peerless import TorchTraffic, peerless_world
 from shardkit.plan.strategies import Built
 
 PHASES = ("forward", "backward", "optimizer")
+#: Steps run before the reported one.
+WARMUP_STEPS = 2
 LossFn = Callable[[Any, Any], torch.Tensor]
 
 
@@ -137,13 +141,14 @@ def _step(
 ) -> None:
     model, optimizer, after_step = built
     with _phase(acct, "forward", traffic, phases):
-        output = call_model(model, batch)
-        loss = loss_fn(output, batch)
+        # The output is not kept: like ``loss_fn(model(x), y)`` in a training loop, only what autograd saved
+        # stays alive through backward.
+        loss = loss_fn(call_model(model, batch), batch)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise PlanError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}")
     with _phase(acct, "backward", traffic, phases):
         loss.backward()
-        del output, loss
+        del loss
         _label_state(acct, model, optimizer)
     with _phase(acct, "optimizer", traffic, phases):
         optimizer.step()
@@ -162,7 +167,7 @@ def run_rank(
     world_size: int,
     host_limit_bytes: Optional[int] = None,
 ) -> RankRun:
-    """Build, wrap and train one rank of ``world_size`` on ``device`` for two steps; see the module docstring."""
+    """Build, wrap and train one rank of ``world_size`` on ``device`` for a few steps; see the module docstring."""
     phases: dict[str, PhaseTraffic] = {}
     with peerless_world(world_size) as traffic, Accountant(limit_bytes=host_limit_bytes) as acct:
         traffic.on_buffer = acct.comm_buffer
@@ -172,8 +177,9 @@ def run_rank(
         built = wrap(model)
         acct.name_modules(built[0])
         batch = _to_device(batch, device)
-        _step(acct, built, batch, loss_fn, traffic, {})
-        built[1].zero_grad()
+        for _ in range(WARMUP_STEPS):
+            _step(acct, built, batch, loss_fn, traffic, {})
+            built[1].zero_grad()
         flop_counter = FlopCounterMode(display=False)
         flops: dict[str, float] = {}
         with flop_counter:
@@ -188,4 +194,4 @@ def run_rank(
     )
 
 
-__all__ = ["PHASES", "PhaseTraffic", "PlanError", "RankRun", "call_model", "default_loss", "run_rank"]
+__all__ = ["PHASES", "WARMUP_STEPS", "PhaseTraffic", "PlanError", "RankRun", "call_model", "default_loss", "run_rank"]

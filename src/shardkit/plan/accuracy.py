@@ -1,0 +1,119 @@
+"""Planned against measured: the planner's rank 0 beside a real gloo run's, for a workload and strategies.
+
+Memory is compared with torch's ``MemTracker`` (peak) and the real tensors (state). Traffic is compared with
+shardkit's comm meter in the real run, plus, for the strategies built on torch DDP, DDP's own gradient
+all-reduce (which the meter cannot see; :func:`shardkit.bench.comm.ddp_allreduce_bytes`, the volume the
+benchmarks add for it). On CPU, OSS exchanges parameters by direct sends from each owner (gloo runs them
+concurrently) where a GPU run broadcasts: the owner then sends ``n-1`` copies of its own shard, so one rank's
+bytes depend on what it owns, while their mean over the ranks is the broadcast's ring volume the planner predicts
+for every rank. The planner plans a GPU run, so for runs that used direct sends the mean over ranks is compared.
+
+Example::
+
+    for row in compare(Workload.demo_lm(), ["ddp", "fsdp"], world_size=2):
+        print(row.format())
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from shardkit.bench.comm import ddp_allreduce_bytes
+from shardkit.plan.api import estimate
+from shardkit.plan.measure import measure_real
+from shardkit.plan.workloads import Workload
+
+#: Strategies whose gradients torch DDP reduces (invisible to the comm meter).
+TORCH_DDP = ("ddp", "oss_ddp")
+
+
+@dataclass(frozen=True)
+class Row:
+    """One strategy of one workload at one world size: predicted and measured."""
+
+    workload: str
+    strategy: str
+    world_size: int
+    planned_peak: int
+    real_peak: int
+    planned_state: int
+    real_state: int
+    planned_comm: int
+    #: The real run's bytes sent per step: rank 0's, or the mean over ranks where OSS sent directly.
+    real_comm: int
+    plan_seconds: float
+
+    @property
+    def peak_error(self) -> float:
+        return self.planned_peak / self.real_peak - 1
+
+    @property
+    def state_error(self) -> float:
+        return self.planned_state / self.real_state - 1
+
+    def format(self) -> str:
+        mib = 2**20
+        return (
+            f"| {self.workload} | {self.strategy} | {self.world_size} | {self.planned_peak / mib:.1f} | "
+            f"{self.real_peak / mib:.1f} | {self.peak_error:+.1%} | {self.planned_state / mib:.1f} | "
+            f"{self.real_state / mib:.1f} | {self.state_error:+.1%} | {self.planned_comm} | {self.real_comm} | "
+            f"{'yes' if self.planned_comm == self.real_comm else 'NO'} | {self.plan_seconds:.2f} |"
+        )
+
+
+HEADER = (
+    "| model | strategy | world | planned peak MiB | real peak MiB | error | planned state MiB | real state MiB | "
+    "error | planned bytes sent | real bytes sent | equal | plan s |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+)
+
+
+def _real_comm(strategy: str, per_rank: Sequence[dict[str, int]], unwrapped_bytes: int) -> int:
+    totals = [sum(wire.values()) for wire in per_rank]
+    direct = any("send" in wire for wire in per_rank)
+    sent = round(sum(totals) / len(totals)) if direct else totals[0]
+    return sent + unwrapped_bytes
+
+
+def compare(work: Workload, strategies: Sequence[str], world_size: int, label: str = "") -> list[Row]:
+    """Plan each strategy for rank 0 of ``world_size`` and measure it in a real gloo run; one row each."""
+    import time
+
+    planned = {}
+    seconds = {}
+    for name in strategies:
+        start = time.perf_counter()
+        planned[name] = estimate(
+            work.build, work.batch(), loss_fn=work.loss, strategy=name, world_size=world_size,
+            optimizer=work.optimizer, optimizer_options=work.optimizer_options,
+            strategy_options=work.strategy_options,
+        )  # fmt: skip
+        seconds[name] = time.perf_counter() - start
+    real = measure_real(work, strategies, world_size)
+    with torch.device("meta"):
+        ddp_bytes = ddp_allreduce_bytes(work.build(), world_size)
+    rows = []
+    for name in strategies:
+        est, ranks = planned[name], real[name]
+        torch_bytes = ddp_bytes if name in TORCH_DDP else 0
+        rows.append(
+            Row(
+                label or work.kind,
+                name,
+                world_size,
+                est.peak_bytes,
+                ranks[0].peak_bytes,
+                est.state_bytes,
+                ranks[0].state_bytes,
+                sum(est.comm_bytes.values()),
+                _real_comm(name, [r.comm_wire_bytes for r in ranks], torch_bytes),
+                seconds[name],
+            )
+        )
+    return rows
+
+
+__all__ = ["HEADER", "Row", "compare"]
