@@ -43,6 +43,12 @@ class StageHolding:
         """Whether the canonical tensor ``name`` lives on this stage (every tensor does before the partition)."""
         return self.plan is None or name in self._held
 
+    def holding_stages(self, name: str) -> Optional[tuple[int, ...]]:
+        """The stages holding canonical tensor ``name`` (None before the partition: every stage holds all)."""
+        if self.plan is None:
+            return None
+        return self.plan.holders.get(name, ())
+
     def take(self, plan: PipelinePlan, stage: int, device: torch.device) -> dict[str, torch.Tensor]:
         """Apply ``plan``: keep this stage's tensors (moved to ``device``), release the others; returns them all.
 

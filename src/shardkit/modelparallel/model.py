@@ -312,6 +312,11 @@ class DistributedModel(nn.Module):
         """
         return self._holding.first_holder_mask(params)
 
+    def holding_stages(self, name: str) -> Optional[tuple[int, ...]]:
+        """The pipeline stages holding the parameter or buffer ``name`` (its first name if tied), in order; None
+        before the partition, when every stage holds the whole model."""
+        return self._holding.holding_stages(name)
+
     def local_state_dict(self) -> dict[str, Any]:
         """This stage's parameters and buffers by their module names, marked ``_smp_is_partial``."""
         return self._holding.local_state_dict()

@@ -327,6 +327,21 @@ class SlowMoDistributedDataParallel(nn.Module):
 
     # ----------------------------------------------------------------- modes and state
 
+    @property
+    def gossiper(self) -> Optional[Gossiper]:
+        """The gossip component (SGP on a node master), else None; checkpoints read its round and rounds in flight."""
+        return self._gossiper
+
+    @property
+    def slow_momentum(self) -> Optional[SlowMomentum]:
+        """The slow-momentum component (its ``anchor`` and ``momentum`` buffers), None when slow momentum is off."""
+        return self._slow
+
+    @property
+    def push_sum_state(self) -> Optional[PushSumState]:
+        """The push-sum weight and parameter form (SGP), else None."""
+        return self._push_sum
+
     def train(self, mode: bool = True) -> SlowMoDistributedDataParallel:
         """Set training mode. ``eval()`` also finishes gossip in flight, so evaluation sees mixed parameters, and
         stops gossip until ``train()`` (every rank must call it, as it communicates inside the node)."""

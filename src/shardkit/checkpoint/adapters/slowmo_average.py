@@ -1,0 +1,106 @@
+"""The cross-rank average a SlowMo checkpoint stores, computed into copies (the live model never changes).
+
+Between synchronisations every SlowMo rank has its own parameters and optimizer state. The portable part of a
+SlowMo checkpoint is their average, which every other strategy can load:
+
+- parameters: the push-sum estimate of the average, ``sum_i x_i / sum_i w_i`` (``x_i`` the numerators, ``w_i``
+  the push-sum weights; with LocalSGD or push-pull every ``w_i`` is 1 and this is the plain mean). This is what
+  an exact average (SlowMo's own LocalSGD step) would give the model;
+- optimizer state tensors shaped like their parameter (momentum, ``exp_avg`` ...): the mean over ranks. For SGD
+  with momentum this is exactly the momentum a single process on the global batch would hold;
+- everything else (step counters, scalars): this rank's own, which all ranks share;
+- buffers: global rank 0's, the copy SlowMo broadcasts to every rank at the next forward.
+
+Every collective goes through :mod:`shardkit.distributed`; the ranks first agree on the optimizer state's shape, so
+ranks holding different states raise together instead of hanging.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from shardkit.distributed import collectives as C
+from shardkit.distributed.groups import GroupLike
+from shardkit.distributed.objects import all_gather_objects
+
+
+def _on(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return tensor.detach().to(device, copy=True)
+
+
+def average_params(
+    params: Sequence[torch.Tensor], weight: float, numerators: bool, group: GroupLike, device: torch.device
+) -> list[torch.Tensor]:
+    """Copies of ``params`` holding ``sum(x) / sum(w)`` over ``group`` (``numerators``: params hold ``x``, else
+    ``x / w``). Each copy has its parameter's dtype and device."""
+    total_weight = torch.tensor([weight], dtype=torch.float64, device=device)
+    C.all_reduce(total_weight, group=group, label="checkpoint.slowmo:weights")
+    out = []
+    for p in params:
+        x = _on(p, device).to(torch.float64)
+        if not numerators:
+            x.mul_(weight)
+        C.all_reduce(x, group=group, label="checkpoint.slowmo:params")
+        out.append(x.div_(total_weight).to(device=p.device, dtype=p.dtype))
+    return out
+
+
+def broadcast_copies(tensors: Sequence[torch.Tensor], group: GroupLike, device: torch.device) -> list[torch.Tensor]:
+    """Copies of rank 0's ``tensors`` on every rank (each with its tensor's dtype and device)."""
+    out = []
+    for t in tensors:
+        value = _on(t, device)
+        C.broadcast(value, 0, group=group, label="checkpoint.slowmo:buffers")
+        out.append(value.to(t.device))
+    return out
+
+
+def _signature(optimizer: torch.optim.Optimizer) -> list[tuple[int, str, tuple[int, ...], str]]:
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    sig = []
+    for index, p in enumerate(params):
+        for name, value in sorted(optimizer.state.get(p, {}).items()):
+            if isinstance(value, torch.Tensor):
+                sig.append((index, str(name), tuple(value.shape), str(value.dtype)))
+    return sig
+
+
+def averaged_optimizer(
+    optimizer: torch.optim.Optimizer, copies: Sequence[torch.Tensor], group: GroupLike, device: torch.device
+) -> torch.optim.Optimizer:
+    """A shallow copy of ``optimizer`` over ``copies`` (in ``param_groups`` order) with the state averaged.
+
+    State tensors with as many elements as their parameter are averaged over ``group``; other state is this
+    rank's. The returned optimizer is only read (its ``param_groups`` and ``state``); it never steps.
+    """
+    signatures = all_gather_objects(_signature(optimizer), group, "checkpoint.slowmo:optimizer_signature")
+    if any(sig != signatures[0] for sig in signatures):
+        differing = [rank for rank, sig in enumerate(signatures) if sig != signatures[0]]
+        raise RuntimeError(
+            f"SlowMo ranks {differing} hold optimizer state of other shapes than rank 0: every rank must step the "
+            "same optimizer over the same parameters before a checkpoint"
+        )
+    world = len(signatures)
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if len(params) != len(copies):
+        raise ValueError(f"the optimizer steps {len(params)} parameters, the model has {len(copies)}")
+    replacement = dict(zip(map(id, params), copies))
+    state: defaultdict[Any, dict[str, Any]] = defaultdict(dict)
+    for p in params:
+        for name, value in optimizer.state.get(p, {}).items():
+            if isinstance(value, torch.Tensor) and value.numel() == p.numel() and value.is_floating_point():
+                summed = _on(value, device).to(torch.float64)
+                C.all_reduce(summed, group=group, label="checkpoint.slowmo:optimizer_state")
+                value = summed.div_(world).to(device=value.device, dtype=value.dtype)
+            elif isinstance(value, torch.Tensor):
+                value = value.detach().clone()
+            state[replacement[id(p)]][name] = value
+    shadow = copy.copy(optimizer)
+    shadow.param_groups = [{**g, "params": [replacement[id(p)] for p in g["params"]]} for g in optimizer.param_groups]
+    shadow.state = state
+    return shadow
