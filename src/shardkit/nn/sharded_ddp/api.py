@@ -15,10 +15,10 @@ from shardkit.distributed.buckets import REDUCE_BUCKET_BYTES
 from shardkit.distributed.groups import GroupLike, global_rank, group_rank, group_size
 from shardkit.distributed.model_check import check_same_model
 from shardkit.nn.sharded_ddp import state_dict as sd_keys
-from shardkit.nn.sharded_ddp.comm import broadcast_coalesced
 from shardkit.nn.sharded_ddp.policy import ReducePolicy, SyncPolicy
 from shardkit.nn.sharded_ddp.reducer import GradReducer, ReducerState, RoundStats
-from shardkit.nn.sharded_ddp.startup import sync_module_states
+from shardkit.nn.sharded_ddp.startup import broadcast_across_nodes, sync_module_states
+from shardkit.optim.zero1.hybrid import agree_across_nodes, shard_and_replica
 
 if TYPE_CHECKING:
     from shardkit.optim.oss import OSS
@@ -52,24 +52,36 @@ def _members(group: GroupLike) -> tuple[int, ...]:
     return tuple(global_rank(group, i) for i in range(group_size(group)))
 
 
-def _common_group(process_group: Optional[GroupLike], optimizers: Sequence[OSS]) -> GroupLike:
-    """The group to reduce over: the optimizers' group, which ``process_group`` must match when given."""
+def _common_group(process_group: Any, optimizers: Sequence[OSS]) -> tuple[GroupLike, Optional[GroupLike]]:
+    """The group to reduce over and the replica group across nodes: the optimizers', which ``process_group`` (a
+    group, or a node description for hybrid sharding) must match when given."""
     members = _members(optimizers[0].group)
+    replicas = _replica_members(optimizers[0])
     for index, optimizer in enumerate(optimizers[1:], start=1):
-        if _members(optimizer.group) != members:
+        if _members(optimizer.group) != members or _replica_members(optimizer) != replicas:
             raise ValueError(
-                f"sharded optimizer {index} shards over ranks {list(_members(optimizer.group))} but optimizer 0 "
-                f"over {list(members)}; every OSS given to one ShardedDataParallel must use the same group"
+                f"sharded optimizer {index} shards over ranks {list(_members(optimizer.group))} (replicas "
+                f"{list(_replica_members(optimizer))}) but optimizer 0 over {list(members)} (replicas "
+                f"{list(replicas)}); every OSS given to one ShardedDataParallel must use the same group"
             )
     if process_group is None:
-        return optimizers[0].group
-    if _members(process_group) != members:
+        return optimizers[0].group, optimizers[0].replica_group
+    group, replica = shard_and_replica(process_group, "ShardedDataParallel")
+    theirs = tuple(global_rank(replica, i) for i in range(group_size(replica))) if replica is not None else ()
+    if _members(group) != members or theirs != replicas:
+        nodes = f" (replicas {list(theirs)} and {list(replicas)} across nodes)" if theirs or replicas else ""
         raise ValueError(
-            f"process_group holds ranks {list(_members(process_group))} but the OSS optimizers shard over ranks "
-            f"{list(members)}: gradients must be reduced within the optimizers' group. Pass the same group to "
-            "both (or leave process_group=None to use the optimizers' group)."
+            f"process_group holds ranks {list(_members(group))} but the OSS optimizers shard over ranks "
+            f"{list(members)}{nodes}: gradients must be reduced within the optimizers' group (and across the same "
+            "nodes). Pass the same group (or node description) to both, or leave process_group=None to use the "
+            "optimizers'."
         )
-    return process_group
+    return group, replica
+
+
+def _replica_members(optimizer: OSS) -> tuple[int, ...]:
+    replica = optimizer.replica_group
+    return () if replica is None else _members(replica)
 
 
 def _owner_map(optimizers: Sequence[OSS]) -> dict[torch.Tensor, int]:
@@ -110,7 +122,10 @@ class ShardedDataParallel(nn.Module):
     Args:
         module: the model, identical on every rank (checked at construction).
         sharded_optimizer: one :class:`~shardkit.optim.OSS`, or a list of them over disjoint parameters.
-        process_group: group to reduce over; defaults to the optimizers' group (and must match it).
+        process_group: group to reduce over; defaults to the optimizers' group (and must match it). Hybrid
+            sharding: give the OSS optimizers the nodes (an ``(intra, inter)`` pair, 2-D mesh or Topology);
+            each gradient is then reduced to its owner inside the node and the owner's reduced gradient
+            all-reduced with the same owner on the other nodes (only shard-sized traffic crosses nodes).
         broadcast_buffers: copy rank 0's buffers to every rank at each forward, as torch DDP does.
         sync_models_at_startup: copy rank 0's parameters and buffers to every rank at construction. The shapes
             are always checked first: ranks that built different models fail here, on every rank.
@@ -169,7 +184,7 @@ class ShardedDataParallel(nn.Module):
         # the group come first (they say who takes part); what else this rank refuses travels with the model
         # check, so a rank-specific refusal raises on every rank instead of leaving the others waiting.
         optimizers = _as_sharded_optimizers(sharded_optimizer)
-        group = _common_group(process_group, optimizers)
+        group, replica = _common_group(process_group, optimizers)
         error: Optional[Exception] = None
         try:
             owner_of = _owner_map(optimizers)
@@ -180,7 +195,9 @@ class ShardedDataParallel(nn.Module):
             device_type, devices = _devices_of(module)
         except (TypeError, ValueError) as exc:
             error = exc
-        check_same_model(module, group, "ShardedDataParallel", local_error=error)
+        agree_across_nodes(
+            lambda g, err: check_same_model(module, g, "ShardedDataParallel", local_error=err), group, replica, error
+        )
 
         self.module = module
         #: torch DDP's attributes, for code that inspects them: the parameters' device type, and whether they
@@ -189,12 +206,14 @@ class ShardedDataParallel(nn.Module):
         self.is_multi_device_module: bool = len(devices) > 1
         self.sharded_optimizers = optimizers
         self.process_group = group
+        #: Hybrid sharding: the ranks with this rank's shard on the other nodes (None: one node).
+        self.replica_group = replica
         self.dp_rank = group_rank(group)
         self.dp_size = group_size(group)
         self._no_sync = False
-        self._reducer = GradReducer(group, self.reduce_policy)
+        self._reducer = GradReducer(group, self.reduce_policy, replica)
         if self.sync_policy.sync_models_at_startup:
-            sync_module_states(module, group, self._chunk_bytes)
+            sync_module_states(module, group, self._chunk_bytes, replica)
         self._trainable_flags = self._current_trainable_flags()
         self._plan(owner_of)
         sd_keys.install(self)
@@ -315,7 +334,7 @@ class ShardedDataParallel(nn.Module):
         so ``blocking=False`` is accepted and behaves like ``True`` (never a half-copied buffer).
         """
         buffers = [b.detach() for b in self.module.buffers()]
-        broadcast_coalesced(buffers, 0, self.process_group, self._chunk_bytes, "sdp_buffers")
+        broadcast_across_nodes(buffers, self.process_group, self.replica_group, self._chunk_bytes, "sdp_buffers")
 
     def reduce(self) -> None:
         """Reduce by hand the gradients accumulated under :meth:`no_sync`, instead of a last synced backward.

@@ -15,6 +15,10 @@ Lifecycle of one synchronised backward pass (a *round*):
    averaged gradient into ``.grad``, or leave ``.grad`` None for a parameter no rank produced a gradient for
    (what torch DDP does with ``find_unused_parameters=True``); non-owners are left with ``.grad = None``.
 
+Hybrid sharding (``replica`` group: the same local rank on the other nodes): the reduce to the owner runs
+inside the node; as each owned unit's reduce lands (in plan order, so every replica issues the same sequence)
+its owner all-reduces the node's sum with the owners on the other nodes, and the average runs over all nodes.
+
 Under ``no_sync`` the hooks only record that local gradients are pending; :meth:`GradReducer.reduce_now` then
 runs steps 2-3 by hand over whatever the parameters hold (fairscale's ``ShardedDataParallel.reduce()``).
 """
@@ -65,6 +69,8 @@ class _UnitRound:
         self.pending = len(unit.params)
         self.tensor: Optional[torch.Tensor] = None  # what is reduced: a flat buffer, or the gradient itself
         self.handle: Optional[collectives.Handle] = None
+        #: The cross-node all-reduce of the owner's sum (hybrid sharding), once started.
+        self.replica_handle: Optional[collectives.Handle] = None
         self.released = False
 
 
@@ -75,10 +81,13 @@ class GradReducer:
     forward (False under ``no_sync``). With a group of one rank nothing is hooked: gradients are already final.
     """
 
-    def __init__(self, group: GroupLike, policy: ReducePolicy) -> None:
+    def __init__(self, group: GroupLike, policy: ReducePolicy, replica: Optional[GroupLike] = None) -> None:
         self.group = group
         self.dp_rank = group_rank(group)
         self.dp_size = group_size(group)
+        self.replica = replica
+        #: Ranks a gradient is averaged over: the node's group times the nodes (hybrid sharding).
+        self.average_over = self.dp_size * (group_size(replica) if replica is not None else 1)
         self.policy = policy
         self.sync_enabled = True
         #: True while some gradient accumulated under ``no_sync`` has not been reduced yet.
@@ -100,7 +109,7 @@ class GradReducer:
         """Plan the units for ``params`` (in expected gradient order) and hook them; drops the previous plan."""
         self._expect_idle("re-plan the gradient reduction")
         self.remove_hooks()
-        if self.dp_size == 1:
+        if self.average_over == 1:
             self.units = []
             return
         self._take_over(params)
@@ -205,10 +214,10 @@ class GradReducer:
             if grad is None:
                 view.zero_()
             elif grad.dtype == view.dtype:
-                torch.div(grad, self.dp_size, out=view)  # copy and average in one pass
+                torch.div(grad, self.average_over, out=view)  # copy and average in one pass
             else:
                 view.copy_(grad)  # convert first, then divide, as torch's fp16 compression hook does
-                view.div_(self.dp_size)
+                view.div_(self.average_over)
             if grad is not None and unit.owner != self.dp_rank:
                 p.grad = None  # its value now lives in the bucket
         elif grad is None:
@@ -216,7 +225,7 @@ class GradReducer:
         else:
             unit_round.tensor = grad if grad.is_contiguous() else grad.contiguous()
             if not self._direct(unit_round.tensor):
-                unit_round.tensor.div_(self.dp_size)  # else only the owner divides, after the sum: a pass saved
+                unit_round.tensor.div_(self.average_over)  # else only the owner divides, after the sum
         unit_round.ready[member] = True
         unit_round.pending -= 1
 
@@ -261,7 +270,21 @@ class GradReducer:
                 return
             unit_round.handle.wait()
             self._release(unit_round)
+            self._replicate(unit_round)
             self._next_release += 1
+
+    def _replicate(self, unit_round: _UnitRound) -> None:
+        """Owner only, hybrid sharding: start all-reducing the node's sum with the same owner on the other nodes.
+
+        Called in plan order (from :meth:`_release_completed`, then for the rest at the end of backward), so the
+        replicas issue their all-reduces in one order."""
+        if self.replica is None or unit_round.unit.owner != self.dp_rank or unit_round.replica_handle is not None:
+            return
+        assert unit_round.tensor is not None
+        unit_round.replica_handle = collectives.all_reduce(
+            unit_round.tensor, group=self.replica, async_op=True, label="sdp_grad_replicas"
+        )
+        self._stats.bytes_reduced += unit_round.unit.nbytes
 
     def _release(self, unit_round: _UnitRound) -> None:
         unit = unit_round.unit
@@ -288,9 +311,16 @@ class GradReducer:
             for unit_round in self._round:
                 assert unit_round.handle is not None
                 unit_round.handle.wait()
+                self._replicate(unit_round)
+            if self.replica is not None:
+                # A gradient used on another node only counts too. Issued after every cross-node all-reduce of
+                # the round: how many of those started during backward differs between nodes, their order not.
+                collectives.all_reduce(counts, group=self.replica, label="sdp_used_flags:inter")
             used = [c > 0 for c in counts.tolist()]
             for unit_round in self._round:
                 self._release(unit_round)
+                if unit_round.replica_handle is not None:
+                    unit_round.replica_handle.wait()
                 if unit_round.unit.owner == self.dp_rank:
                     self._write_owned(unit_round, used)
             self.last_round = self._stats
@@ -310,7 +340,7 @@ class GradReducer:
             if unit.packed:
                 value = reduced[unit.offsets[member] : unit.offsets[member] + p.numel()].view(p.shape)
             else:
-                value = reduced.div_(self.dp_size) if self._direct(reduced) else reduced
+                value = reduced.div_(self.average_over) if self._direct(reduced) else reduced
             if p.grad is None and not unit.packed:
                 p.grad = value
             elif p.grad is None:

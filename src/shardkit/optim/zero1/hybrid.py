@@ -22,9 +22,9 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any, Callable, Optional, Union
 
-from shardkit.distributed.groups import GroupLike
+from shardkit.distributed.groups import GroupLike, group_size, resolve_group
 from shardkit.distributed.topology import Topology
 
 #: What the group arguments accept to mean "these nodes": a group pair, a 2-D DeviceMesh or a Topology.
@@ -70,3 +70,32 @@ def hybrid_topology(spec: HybridSpec, who: str) -> Topology:
         f"{who}: expected an (intra_node_group, inter_node_group) pair, a 2-D DeviceMesh or a Topology, "
         f"got {type(spec).__name__}"
     )
+
+
+def shard_and_replica(spec: Any, who: str) -> tuple[GroupLike, Optional[GroupLike]]:
+    """``(group to shard over, group to replicate over or None)`` for a group argument: a single group (or None
+    for the world) shards over it with no replicas; a node description shards inside the node and replicates
+    across nodes (no replica group when there is one node)."""
+    if not is_hybrid_spec(spec):
+        return resolve_group(mesh_group(spec), who), None
+    topo = hybrid_topology(spec, who)
+    return topo.intra_group, (topo.inter_group if group_size(topo.inter_group) > 1 else None)
+
+
+def agree_across_nodes(
+    check: Callable[[GroupLike, Optional[Exception]], None],
+    group: GroupLike,
+    replica: Optional[GroupLike],
+    local_error: Optional[Exception],
+) -> None:
+    """Run a raise-on-every-member agreement ``check(group, local_error)`` over ``replica``, then over ``group``.
+
+    A refusal on any rank then raises on every rank of both: the second check carries what the first raised, so
+    no rank is left waiting in a collective its peers skipped.
+    """
+    if replica is not None:
+        try:
+            check(replica, local_error)
+        except Exception as exc:  # carried into the shard group's check, which raises it on every member
+            local_error = exc
+    check(group, local_error)

@@ -10,11 +10,12 @@ import torch
 from torch.optim import Optimizer
 
 from shardkit.distributed.buckets import BROADCAST_BUCKET_BYTES
-from shardkit.distributed.groups import GroupLike, global_rank, group_rank, group_size, resolve_group
+from shardkit.distributed.groups import GroupLike, global_rank, group_rank, group_size
 from shardkit.distributed.objects import all_gather_objects, gather_objects
 from shardkit.optim.zero1.broadcast import ParamBucket, ParamExchange, buckets_intact, build_buckets
 from shardkit.optim.zero1.clip import sharded_clip_grad_norm
 from shardkit.optim.zero1.consistency import check_same_params
+from shardkit.optim.zero1.hybrid import agree_across_nodes, shard_and_replica
 from shardkit.optim.zero1.partition import Partition
 from shardkit.optim.zero1.state_dict import (
     check_plain_state_dict,
@@ -70,6 +71,11 @@ class OSS(Optimizer):
         params: parameters or param-group dicts, as for any ``torch.optim`` optimizer.
         optim: the optimizer CLASS to run on each shard (not an instance), e.g. ``torch.optim.AdamW``.
         group: process group to shard over (default: the world group; a ``DummyProcessGroup`` of size 1 works).
+            Hybrid sharding: the nodes, as an ``(intra_node_group, inter_node_group)`` pair, a 2-D
+            ``DeviceMesh`` or a :class:`~shardkit.distributed.topology.Topology`: state is sharded inside the
+            node (``group`` is then the node's group) and replicated across nodes (:attr:`replica_group`);
+            the gradients must then be averaged over every node (DDP over the world, or
+            :class:`~shardkit.nn.ShardedDataParallel`, which reads the nodes from this optimizer).
         broadcast_buffer_size: accepted for fairscale compatibility and ignored, as fairscale 0.4.13 itself
             ignores it (deprecated there). Never passed to the wrapped optimizer. The size of the flat parameter
             buckets is the class attribute :attr:`broadcast_bucket_bytes`.
@@ -96,6 +102,10 @@ class OSS(Optimizer):
         optimizer.consolidate_state_dict(recipient_rank=0)   # on every rank
         if rank == 0:
             torch.save(optimizer.state_dict(), "optim.pt")    # loads into torch.optim.AdamW too
+
+    Hybrid: shard inside each node, replicate across nodes (torchrun's LOCAL_WORLD_SIZE gives the nodes)::
+
+        optimizer = OSS(model.parameters(), optim=torch.optim.AdamW, group=Topology.from_env(), lr=1e-3)
     """
 
     #: Largest flat buffer used to broadcast parameters after a step.
@@ -111,9 +121,11 @@ class OSS(Optimizer):
         force_broadcast_object: bool = False,
         **defaults: Any,
     ) -> None:
-        resolved = resolve_group(group, who="OSS")
+        resolved, replica = shard_and_replica(group, "OSS")
         self._ready = False
         self.group: GroupLike = resolved
+        #: Hybrid sharding: the ranks holding the same shard on the other nodes (None: no replicas).
+        self.replica_group: Optional[GroupLike] = replica
         self.rank: int = group_rank(resolved)
         self.world_size: int = group_size(resolved)
         self.global_rank: int = global_rank(resolved, self.rank)
@@ -132,7 +144,12 @@ class OSS(Optimizer):
             self.optim: Optimizer = self._make_local_optim(self._partition)
         except Exception as exc:  # re-raised below, on every rank
             error = exc
-        check_same_params(getattr(self, "param_groups", []), resolved, "OSS", local_error=error)
+        agree_across_nodes(
+            lambda g, err: check_same_params(getattr(self, "param_groups", []), g, "OSS", local_error=err),
+            resolved,
+            replica,
+            error,
+        )
         self._param_to_rank = self._partition.param_to_rank()
         self.state = self.optim.state
         self._synced: list[dict[str, Any]] = [{} for _ in self.param_groups]
