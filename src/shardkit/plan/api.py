@@ -15,8 +15,10 @@ Example::
 
 from __future__ import annotations
 
-import multiprocessing
 import os
+import pickle
+import subprocess
+import sys
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional
@@ -28,7 +30,7 @@ from torch import nn
 from shardkit.plan.accountant import HostMemoryExceeded
 from shardkit.plan.cost import DeviceSpec, LinkSpec, step_seconds, wire_bytes
 from shardkit.plan.runner import PHASES, LossFn, PlanError, RankRun, default_loss, run_rank
-from shardkit.plan.strategies import PIPELINE, get
+from shardkit.plan.strategies import PIPELINE, OptionError, get
 
 #: Share of this machine's memory a CPU fallback run may use.
 HOST_FRACTION = 0.25
@@ -135,14 +137,11 @@ def _plan_on(
 
 def _run(*args: Any) -> RankRun:
     """Plan on meta; if the model or the strategy cannot run there, on CPU within :data:`HOST_FRACTION`."""
-    meta_error: Exception
     try:
         return _plan_on(torch.device("meta"), *args)
-    except (PlanError, TypeError, NotImplementedError) as exc:
-        if isinstance(exc, PlanError) or "option" in str(exc):
-            raise
-        meta_error = exc
-    except RuntimeError as exc:
+    except (PlanError, OptionError):
+        raise
+    except Exception as exc:  # anything the model or strategy cannot do on meta: try real tensors
         meta_error = exc
     try:
         run = _plan_on(torch.device("cpu"), *args)
@@ -163,27 +162,35 @@ def _run(*args: Any) -> RankRun:
     return run
 
 
-def _child(queue: Any, args: tuple[Any, ...]) -> None:
+def child_main() -> None:
+    """Entry point of the planning child process: pickled arguments on stdin, pickled outcome on stdout."""
+    args = pickle.load(sys.stdin.buffer)
     try:
-        queue.put(("ok", _run(*args)))
-    except BaseException as exc:  # sent back and re-raised in the caller
-        queue.put(("error", exc))
+        outcome: tuple[str, Any] = ("ok", _run(*args))
+    except Exception as exc:  # sent back and re-raised in the caller
+        outcome = ("error", exc)
+    sys.stdout.buffer.write(pickle.dumps(outcome))
+    sys.stdout.buffer.flush()
 
 
 def _in_child(args: tuple[Any, ...]) -> RankRun:
-    """Plan in a fresh process: the caller has a default process group of its own."""
-    ctx = multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    process = ctx.Process(target=_child, args=(queue, args))
+    """Plan in a fresh interpreter: this process has a default process group of its own.
+
+    A plain subprocess rather than ``multiprocessing``: the caller may itself be a daemonic worker (launchers and
+    test harnesses start ranks that way), and those may not start ``multiprocessing`` children.
+    """
     try:
-        process.start()
+        payload = pickle.dumps(args)
     except Exception as exc:
         raise PlanError(
-            f"this process has a torch.distributed group, so estimate() plans in a child process and needs "
+            "this process has a torch.distributed group, so estimate() plans in a child process and needs "
             f"model_fn, batch and loss_fn to be picklable (module-level functions, not lambdas): {exc}"
         ) from exc
-    status, value = queue.get()
-    process.join()
+    code = "from shardkit.plan.api import child_main; child_main()"
+    done = subprocess.run([sys.executable, "-c", code], input=payload, capture_output=True, check=False)
+    if done.returncode != 0 or not done.stdout:
+        raise PlanError(f"the planning child process failed (exit {done.returncode}):\n{done.stderr.decode()[-2000:]}")
+    status, value = pickle.loads(done.stdout)
     if status == "error":
         raise value
     result: RankRun = value

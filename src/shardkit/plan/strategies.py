@@ -22,6 +22,10 @@ Built = tuple[nn.Module, torch.optim.Optimizer, Callable[[], None]]
 Builder = Callable[[nn.Module, type, Mapping[str, Any], Mapping[str, Any]], Built]
 
 
+class OptionError(ValueError):
+    """A strategy option that the strategy does not take, or an unknown strategy."""
+
+
 def _nothing() -> None:
     return None
 
@@ -34,7 +38,7 @@ def _check_options(strategy: str, target: Any, options: Mapping[str, Any], extra
     known -= {"self", "module", "params", "sharded_optimizer", "process_group", "group"}
     unknown = sorted(set(options) - known)
     if unknown:
-        raise ValueError(
+        raise OptionError(
             f"strategy {strategy!r} has no option {', '.join(map(repr, unknown))}; its options are "
             f"{', '.join(sorted(known))}"
         )
@@ -45,7 +49,7 @@ def _split(options: Mapping[str, Any], key: str) -> tuple[dict[str, Any], dict[s
     rest = dict(options)
     nested = rest.pop(key, None) or {}
     if not isinstance(nested, Mapping):
-        raise TypeError(f"strategy option {key!r} must be a dict of keyword arguments, got {type(nested).__name__}")
+        raise OptionError(f"strategy option {key!r} must be a dict of keyword arguments, got {type(nested).__name__}")
     return rest, dict(nested)
 
 
@@ -142,7 +146,7 @@ def get(name: str) -> PlanStrategy:
         return STRATEGIES[name]
     except KeyError:
         known = ", ".join([*STRATEGIES, PIPELINE])
-        raise ValueError(f"unknown strategy {name!r}; shardkit.plan knows: {known}") from None
+        raise OptionError(f"unknown strategy {name!r}; shardkit.plan knows: {known}") from None
 
 
-__all__ = ["PIPELINE", "STRATEGIES", "PlanStrategy", "block_classes", "get"]
+__all__ = ["PIPELINE", "STRATEGIES", "OptionError", "PlanStrategy", "block_classes", "get"]

@@ -1,0 +1,58 @@
+"""The shardkit plan command: table, recommendation, JSON, plot and its errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from shardkit.cli import main as shardkit_main
+from shardkit.plan.cli import main, parse_bytes
+
+
+def test_plans_every_setting_over_world_sizes_with_json_and_plot(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out_json, out_png = tmp_path / "plan.json", tmp_path / "plan.png"
+    code = shardkit_main(
+        ["plan", "--lm", "demo", "--batch-size", "2", "--world-sizes", "2,8", "--strategies", "ddp,fsdp",
+         "--json", str(out_json), "--plot", str(out_png)]
+    )  # fmt: skip
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "world size 8: recommended" in printed
+    rows = json.loads(out_json.read_text())
+    assert {(r["strategy"], r["world_size"]) for r in rows} == {(s, w) for s in ("ddp", "fsdp") for w in (2, 8)}
+    fsdp = {r["world_size"]: r for r in rows if r["setting"] == "zero3 (fsdp, reshard)"}
+    assert fsdp[8]["state_bytes"] < fsdp[2]["state_bytes"]
+    assert out_png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_nothing_fits_in_a_tiny_device(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--lm", "demo", "--batch-size", "1", "--strategies", "ddp", "--device-memory", "1KiB"]) == 0
+    assert "nothing fits in" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["--lm", "demo", "--world-sizes", "0"], "positive"),
+        (["--lm", "demo", "--device-memory", "lots"], "not a size"),
+        (["--lm", "demo", "--hf", "gpt2"], "exactly one model"),
+        (["mypkg.models"], "package.module:factory"),
+        (["mypkg.models:build"], "--batch-shape"),
+        (["--lm", "demo", "--strategies", "zero9"], "no known strategy"),
+        (["--lm", "demo", "--nprocs-per-node", "8"], "issue 15"),
+    ],
+)
+def test_bad_arguments_exit_with_a_message(argv: list[str], match: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert match in capsys.readouterr().err
+
+
+def test_parse_bytes() -> None:
+    assert parse_bytes("80GiB") == 80 * 2**30
+    assert parse_bytes("40 GB") == 40 * 10**9
