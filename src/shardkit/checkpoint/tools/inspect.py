@@ -1,0 +1,120 @@
+"""``shardkit checkpoint inspect``: what a checkpoint holds and whether its files are intact, without loading it.
+
+Everything comes from ``meta.json`` and the tensor indexes (DCP ``.metadata`` through the allow-list reader,
+``torch.save`` files opened with ``mmap=True``); the verification checks every file's size and SHA-256 against
+``meta.json`` (:func:`~shardkit.checkpoint.verify_checkpoint`). No tensor data is read except to hash files.
+
+Example::
+
+    report = inspect_checkpoint("runs/exp1/step_00000100")
+    print(format_report(report))
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any, Union
+
+from shardkit.checkpoint.api import verify_checkpoint
+from shardkit.checkpoint.errors import CheckpointError
+from shardkit.checkpoint.tools.store import MODEL, CheckpointView
+
+
+def inspect_checkpoint(directory: Union[str, Path], verify: bool = True) -> dict[str, Any]:
+    """A JSON-ready description of the checkpoint at ``directory`` (or the latest under it).
+
+    Keys: ``path``, ``step``, ``world_size``, ``strategy``, ``layout``, ``resizable``, ``has_optimizer``,
+    ``has_scaler``, ``shardkit_version``, ``torch_version``, ``files`` (count and bytes on disk), ``tensors``
+    (per tensor: ``key``, ``part``, ``shape``, ``dtype``, ``bytes``, ``chunks``, ``where``), ``totals`` (tensors
+    and bytes per part, parameters in the model) and ``verification`` (``ok`` and, if not, the ``error``).
+    """
+    view = CheckpointView.open(directory)
+    meta = view.meta
+    entries = view.entries()
+    by_part: Counter[str] = Counter()
+    count: Counter[str] = Counter()
+    for e in entries:
+        by_part[e.part] += e.nbytes
+        count[e.part] += 1
+    verification: dict[str, Any] = {"ok": None, "error": None}
+    if verify:
+        try:
+            verify_checkpoint(view.directory)
+            verification["ok"] = True
+        except CheckpointError as err:
+            verification = {"ok": False, "error": str(err)}
+    return {
+        "path": str(view.directory),
+        "step": meta.step,
+        "world_size": meta.world_size,
+        "strategy": meta.strategy,
+        "layout": meta.layout,
+        "resizable": meta.resizable,
+        "has_optimizer": meta.has_optimizer,
+        "has_scaler": meta.has_scaler,
+        "shardkit_version": meta.shardkit_version,
+        "torch_version": meta.torch_version,
+        "files": {"count": len(meta.files), "bytes": sum(r.bytes for r in meta.files.values())},
+        "tensors": [
+            {
+                "key": e.key,
+                "part": e.part,
+                "shape": list(e.shape),
+                "dtype": str(e.dtype).removeprefix("torch."),
+                "bytes": e.nbytes,
+                "chunks": e.chunks,
+                "where": e.where,
+            }
+            for e in entries
+        ],
+        "totals": {
+            "tensors": len(entries),
+            "bytes": sum(by_part.values()),
+            "parameters": sum(e.nbytes // e.dtype.itemsize for e in entries if e.part == MODEL),
+            "by_part": {part: {"tensors": count[part], "bytes": by_part[part]} for part in sorted(count)},
+        },
+        "verification": verification,
+    }
+
+
+def _size(nbytes: int) -> str:
+    from shardkit.bench.memory import format_bytes
+
+    return format_bytes(nbytes)
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The report of :func:`inspect_checkpoint` as text: a header, one line per tensor, totals, verification."""
+    lines = [
+        f"checkpoint  {report['path']}",
+        f"step {report['step']}, strategy {report['strategy']}, layout {report['layout']}, "
+        f"saved at world size {report['world_size']}"
+        + (", loads at any world size" if report["resizable"] else ", loads only at that world size"),
+        f"written by shardkit {report['shardkit_version']}, torch {report['torch_version']}; "
+        f"{report['files']['count']} files, {_size(report['files']['bytes'])} on disk",
+        "",
+    ]
+    rows = [
+        (t["key"], "x".join(map(str, t["shape"])) or "scalar", t["dtype"], _size(t["bytes"]), str(t["chunks"]))
+        for t in report["tensors"]
+    ]
+    headers = ("tensor", "shape", "dtype", "bytes", "chunks")
+    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
+    for row in [headers, *rows]:
+        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
+    totals = report["totals"]
+    lines.append("")
+    for part, t in totals["by_part"].items():
+        lines.append(f"{part}: {t['tensors']} tensors, {_size(t['bytes'])}")
+    lines.append(
+        f"total: {totals['tensors']} tensors, {_size(totals['bytes'])}; {totals['parameters']:,} model elements"
+    )
+    verification = report["verification"]
+    if verification["ok"] is None:
+        lines.append("verification: skipped")
+    elif verification["ok"]:
+        lines.append(f"verification: OK (size and SHA-256 of all {report['files']['count']} files)")
+    else:
+        lines.append(f"verification: FAILED: {verification['error']}")
+    return "\n".join(lines)

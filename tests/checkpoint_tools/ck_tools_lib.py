@@ -1,0 +1,84 @@
+"""Shared pieces of the ``shardkit checkpoint`` tests: hand-made checkpoints of each layout (written with torch's
+own DCP and torch.save plus a meta.json with real digests), so the tools are tested on exactly the files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+import shardkit
+from shardkit.checkpoint.files import sha256
+from shardkit.checkpoint.metadata import CheckpointMeta, FileRecord
+
+
+def write_meta(directory: Path, layout: str, strategy: str = "plain", step: int = 3, world_size: int = 1) -> None:
+    """A meta.json recording every file under ``directory`` with its size and SHA-256."""
+    files = {
+        str(p.relative_to(directory)): FileRecord(p.stat().st_size, sha256(p))
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }
+    meta = CheckpointMeta(
+        step=step,
+        world_size=world_size,
+        strategy=strategy,
+        layout=layout,
+        resizable=True,
+        has_optimizer=True,
+        has_scaler=False,
+        shardkit_version=shardkit.__version__,
+        torch_version=torch.__version__,
+        files=files,
+    )
+    (directory / "meta.json").write_text(json.dumps(meta.to_json()))
+
+
+def dcp_save(state: dict[str, Any], path: Path) -> None:
+    """``dcp.save`` in this process (no process group)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(state, checkpoint_id=str(path), no_dist=True)
+
+
+def universal_checkpoint(directory: Path, model: dict[str, torch.Tensor], optim: dict[str, torch.Tensor]) -> Path:
+    """A universal-layout checkpoint: one DCP store with ``model/<fqn>`` and ``optim/<fqn>/<name>`` keys."""
+    state = {f"model/{k}": v for k, v in model.items()} | {f"optim/{k}": v for k, v in optim.items()}
+    dcp_save(state, directory / "state")
+    write_meta(directory, "universal")
+    return directory
+
+
+def full_checkpoint(directory: Path, model: dict[str, torch.Tensor], optimizer_state: dict[str, Any]) -> Path:
+    """Today's "full" layout: model.pt and optimizer.pt written with torch.save."""
+    directory.mkdir(parents=True)
+    torch.save(model, directory / "model.pt")
+    torch.save(optimizer_state, directory / "optimizer.pt")
+    write_meta(directory, "full")
+    return directory
+
+
+def fsdp_dcp_checkpoint(directory: Path, model: dict[str, torch.Tensor], optimizer_state: dict[str, Any]) -> Path:
+    """Today's "fsdp-dcp" layout: a DCP store model/ keyed by the model's names, plus optimizer.pt."""
+    dcp_save(dict(model), directory / "model")
+    torch.save(optimizer_state, directory / "optimizer.pt")
+    write_meta(directory, "fsdp-dcp", strategy="fsdp")
+    return directory
+
+
+def small_state() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """A model state (two layers and an int buffer) and Adam-like optimizer state by name."""
+    g = torch.Generator().manual_seed(1)
+    model = {
+        "enc.weight": torch.randn(6, 5, generator=g),
+        "enc.bias": torch.randn(6, generator=g),
+        "head.weight": torch.randn(3, 6, generator=g),
+        "norm.num_batches_tracked": torch.tensor(7),
+    }
+    optim = {"enc.weight/exp_avg": torch.randn(6, 5, generator=g), "enc.weight/step": torch.tensor(4.0)}
+    return model, optim

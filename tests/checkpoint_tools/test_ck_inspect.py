@@ -1,0 +1,79 @@
+"""``shardkit checkpoint inspect``: tensors, totals and verification, on the universal and today's layouts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from ck_tools_lib import fsdp_dcp_checkpoint, full_checkpoint, small_state, universal_checkpoint
+
+from shardkit.checkpoint.cli import main
+from shardkit.checkpoint.tools.inspect import inspect_checkpoint
+
+
+def _by_key(report: dict) -> dict:
+    return {t["key"]: t for t in report["tensors"]}
+
+
+def test_universal_lists_every_tensor_with_shape_dtype_bytes(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    model, optim = small_state()
+    universal_checkpoint(tmp_path / "ck", model, optim)
+    assert main(["inspect", str(tmp_path / "ck"), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["layout"], report["step"], report["world_size"]) == ("universal", 3, 1)
+    tensors = _by_key(report)
+    assert set(tensors) == {f"model/{k}" for k in model} | {f"optim/{k}" for k in optim}
+    assert tensors["model/enc.weight"] == {
+        "key": "model/enc.weight",
+        "part": "model",
+        "shape": [6, 5],
+        "dtype": "float32",
+        "bytes": 120,
+        "chunks": 1,
+        "where": "state",
+    }
+    assert tensors["model/norm.num_batches_tracked"]["dtype"] == "int64"
+    assert tensors["optim/enc.weight/step"]["part"] == "optimizer"
+    totals = report["totals"]
+    assert totals["by_part"]["model"] == {"tensors": 4, "bytes": 4 * (30 + 6 + 18) + 8}
+    assert totals["parameters"] == 30 + 6 + 18 + 1
+    assert report["verification"] == {"ok": True, "error": None}
+
+
+def test_text_report_and_damaged_file_fails_verification(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    model, optim = small_state()
+    ck = universal_checkpoint(tmp_path / "ck", model, optim)
+    assert main(["inspect", str(tmp_path)]) == 0  # the parent: the latest checkpoint under it
+    text = capsys.readouterr().out
+    assert "layout universal" in text and "model/enc.weight" in text and "verification: OK" in text
+    shard = next((ck / "state").glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    assert main(["inspect", str(ck)]) == 1
+    assert "verification: FAILED" in capsys.readouterr().out
+    assert inspect_checkpoint(ck, verify=False)["verification"]["ok"] is None
+
+
+def test_today_layouts_full_and_fsdp_dcp(tmp_path: Path) -> None:
+    model, _ = small_state()
+    opt_state = {
+        "state": {0: {"exp_avg": torch.zeros(6, 5), "step": torch.tensor(1.0)}},
+        "param_groups": [{"lr": 0.1, "params": [0]}],
+    }
+    full = inspect_checkpoint(full_checkpoint(tmp_path / "full", model, opt_state))
+    assert full["layout"] == "full" and full["verification"]["ok"]
+    keys = _by_key(full)
+    assert keys["enc.weight"]["shape"] == [6, 5] and keys["enc.weight"]["where"] == "model.pt"
+    assert keys["state/0/exp_avg"]["part"] == "optimizer"
+    fsdp = inspect_checkpoint(fsdp_dcp_checkpoint(tmp_path / "fsdp", model, opt_state))
+    keys = _by_key(fsdp)
+    assert keys["enc.weight"]["where"] == "model" and keys["enc.weight"]["part"] == "model"
+    assert fsdp["totals"]["by_part"]["model"]["tensors"] == 4
+
+
+def test_not_a_checkpoint_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["inspect", str(tmp_path / "nothing")]) == 2
+    assert "no complete checkpoint" in capsys.readouterr().err
