@@ -46,15 +46,21 @@ class SlowMoAdapter(Adapter):
         """A SlowMo wrapper."""
         return isinstance_of(model, "shardkit.nn.slowmo.api", "SlowMoDistributedDataParallel")
 
-    def save(self, directory: Path, rank: int) -> None:
+    def check_idle(self) -> None:
+        """Refuse to save while gossip rounds are in flight (their messages are part of no rank's state)."""
         model: Any = self.model
-        gossiper = getattr(model, "_gossiper", None)
+        gossiper = model.gossiper
         if gossiper is not None and gossiper.in_flight:
             raise RuntimeError(
                 "SlowMo has gossip rounds in flight (overlap=True): they cannot be saved. Call model.eval() first "
                 "(it completes them; model.train() resumes), or save after a step that drains gossip"
             )
-        slow = getattr(model, "_slow", None)
+
+    def save(self, directory: Path, rank: int) -> None:
+        self.check_idle()
+        model: Any = self.model
+        gossiper = model.gossiper
+        slow = model.slow_momentum
         state = {
             "model": model.state_dict(),
             "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
@@ -88,7 +94,8 @@ class SlowMoAdapter(Adapter):
         return PendingLoad(apply=apply)
 
     def _check_slow(self, saved: Mapping[str, Any], path: Path) -> None:
-        slow = getattr(self.model, "_slow", None)
+        model: Any = self.model
+        slow = model.slow_momentum
         for name in ("anchor", "momentum"):
             ours, theirs = getattr(slow, name, None), saved[f"slow_{name}"]
             if (ours is None) != (theirs is None) or (ours is not None and ours.shape != theirs.shape):
@@ -103,10 +110,10 @@ class SlowMoAdapter(Adapter):
         if self.optimizer is not None:
             self.optimizer.load_state_dict(saved["optimizer"])
         model.num_updates = int(saved["num_updates"])
-        gossiper = getattr(model, "_gossiper", None)
+        gossiper = model.gossiper
         if gossiper is not None and saved["gossip_round"] is not None:
             gossiper.round_index = int(saved["gossip_round"])
-        slow = getattr(model, "_slow", None)
+        slow = model.slow_momentum
         if slow is not None and slow.anchor is not None:
             with torch.no_grad():
                 slow.anchor.copy_(saved["slow_anchor"])

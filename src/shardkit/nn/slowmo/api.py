@@ -342,6 +342,15 @@ class SlowMoDistributedDataParallel(nn.Module):
         """The push-sum weight and parameter form (SGP), else None."""
         return self._push_sum
 
+    def restart_from_parameters(self) -> None:
+        """Take the current parameters as a point every rank shares (e.g. just loaded from a checkpoint average):
+        gossip in flight is dropped, the push-sum weight becomes 1 and the slow-momentum anchor is reset here."""
+        if self._gossiper is not None:
+            self._gossiper.close()
+        if self._push_sum is not None:
+            self._push_sum.load(1.0, True)
+        self._after_load(self, None)
+
     def train(self, mode: bool = True) -> SlowMoDistributedDataParallel:
         """Set training mode. ``eval()`` also finishes gossip in flight, so evaluation sees mixed parameters, and
         stops gossip until ``train()`` (every rank must call it, as it communicates inside the node)."""
