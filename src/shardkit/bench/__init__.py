@@ -23,6 +23,8 @@ SUITES: dict[str, str] = {
     "fsdp": "shardkit.bench.fsdp",
     "pipeline": "shardkit.bench.pipeline",
     "slowmo": "shardkit.bench.slowmo",
+    "multinode": "shardkit.bench.multinode",
+    "plan": "shardkit.bench.plan",
 }
 
 
