@@ -170,8 +170,8 @@ def build(name: str, model: nn.Module, group: dist.ProcessGroup, settings: Multi
         return ShardedDataParallel(model, opt), opt, nothing
     if name == "slowmo":
         net = SlowMoDistributedDataParallel(model, nprocs_per_node=settings.nproc_per_node, global_group=group)
-        opt = adamw(net.parameters(), lr=settings.lr)
-        return net, opt, lambda: net.perform_slowmo(opt)
+        plain = adamw(net.parameters(), lr=settings.lr)
+        return net, plain, lambda: net.perform_slowmo(plain)
     raise ValueError(f"unknown strategy {name!r}")
 
 

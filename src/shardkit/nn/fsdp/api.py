@@ -36,6 +36,7 @@ from shardkit.nn.fsdp.policies import (
 from shardkit.nn.fsdp.reduce_channels import plan_reduce_channels, resolve_reduce_group
 from shardkit.nn.fsdp.runtime import TrainingState, Unit, eager, make_fp16_to_fp32_caster, make_input_caster
 from shardkit.nn.fsdp.unit_module import UnitModule, walk_modules
+from shardkit.optim.zero1.hybrid import HybridSpec
 
 
 class FullyShardedDataParallel(UnitModule):
@@ -160,7 +161,7 @@ class FullyShardedDataParallel(UnitModule):
     def __init__(
         self,
         module: nn.Module,
-        process_group: Optional[GroupLike] = None,
+        process_group: Union[GroupLike, HybridSpec, None] = None,
         process_group_reduce_scatter: Any = ProcessGroupName.reduce_scatter,
         reshard_after_forward: bool = True,
         disable_reshard_on_root: bool = True,

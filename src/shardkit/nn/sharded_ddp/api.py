@@ -18,7 +18,7 @@ from shardkit.nn.sharded_ddp import state_dict as sd_keys
 from shardkit.nn.sharded_ddp.policy import ReducePolicy, SyncPolicy
 from shardkit.nn.sharded_ddp.reducer import GradReducer, ReducerState, RoundStats
 from shardkit.nn.sharded_ddp.startup import broadcast_across_nodes, sync_module_states
-from shardkit.optim.zero1.hybrid import agree_across_nodes, shard_and_replica
+from shardkit.optim.zero1.hybrid import HybridSpec, agree_across_nodes, shard_and_replica
 
 if TYPE_CHECKING:
     from shardkit.optim.oss import OSS
@@ -171,7 +171,7 @@ class ShardedDataParallel(nn.Module):
         self,
         module: nn.Module,
         sharded_optimizer: Union[OSS, Sequence[OSS]],
-        process_group: Optional[GroupLike] = None,
+        process_group: Union[GroupLike, HybridSpec, None] = None,
         broadcast_buffers: bool = True,
         sync_models_at_startup: bool = True,
         reduce_buffer_size: int = REDUCE_BUCKET_BYTES,

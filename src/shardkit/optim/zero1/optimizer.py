@@ -15,7 +15,7 @@ from shardkit.distributed.objects import all_gather_objects, gather_objects
 from shardkit.optim.zero1.broadcast import ParamBucket, ParamExchange, buckets_intact, build_buckets
 from shardkit.optim.zero1.clip import sharded_clip_grad_norm
 from shardkit.optim.zero1.consistency import check_same_params
-from shardkit.optim.zero1.hybrid import agree_across_nodes, shard_and_replica
+from shardkit.optim.zero1.hybrid import HybridSpec, agree_across_nodes, shard_and_replica
 from shardkit.optim.zero1.partition import Partition
 from shardkit.optim.zero1.state_dict import (
     check_plain_state_dict,
@@ -115,7 +115,7 @@ class OSS(Optimizer):
         self,
         params: Any,
         optim: OptimizerClass = torch.optim.SGD,
-        group: Optional[GroupLike] = None,
+        group: Union[GroupLike, HybridSpec, None] = None,
         broadcast_buffer_size: int = -1,
         broadcast_fp16: bool = False,
         force_broadcast_object: bool = False,
