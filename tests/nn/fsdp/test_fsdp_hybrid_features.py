@@ -4,6 +4,7 @@ offload, state dicts, and the errors for node layouts that cannot work (raised o
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import pytest
 import torch
@@ -161,3 +162,33 @@ def test_node_size_not_dividing_the_world_raises_everywhere() -> None:
     env = [{"LOCAL_WORLD_SIZE": "3"} for _ in range(4)]
     messages = run_distributed(_uneven_nodes, 4, rank_env=env)
     assert len(set(messages)) == 1 and "3" in messages[0]
+
+
+def _dcp_round_trip(rank: int, world_size: int, path: str) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+
+    model = build_fsdp("lm", rank, world_size, nested=True, sharding_strategy=HYBRID)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    step("lm", model, opt, rank, 0)
+    dcp.save(model.sharded_state_dict(), checkpoint_id=path)  # both nodes hold every shard: written once
+    fresh = build_fsdp("lm", rank, world_size, nested=True, sharding_strategy=HYBRID)
+    target = fresh.sharded_state_dict()
+    dcp.load(target, checkpoint_id=path)
+    fresh.load_sharded_state_dict(target)
+    want, got = full_params(model), full_params(fresh)
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, atol=0, rtol=0)
+    return {k: v.numpy() for k, v in model.state_dict().items()}
+
+
+def test_dcp_sharded_state_dict_round_trip_under_hybrid(tmp_path: Any) -> None:
+    path = str(tmp_path / "ckpt")
+    states = run_distributed(_dcp_round_trip, 4, path, rank_env=TWO_NODES)
+    import torch.distributed.checkpoint as dcp
+
+    plain = M.build("lm", seed=5)
+    sd = plain.state_dict()
+    dcp.load(sd, checkpoint_id=path, no_dist=True)  # an ordinary checkpoint of the unwrapped model
+    for name, value in states[0].items():
+        torch.testing.assert_close(sd[name], torch.from_numpy(value), atol=0, rtol=0)
+        torch.testing.assert_close(torch.from_numpy(states[3][name]), torch.from_numpy(value), atol=0, rtol=0)
