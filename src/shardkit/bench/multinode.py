@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardkit.bench.report import format_table, write_json
+from shardkit.bench.runner import paired_ratio
 from shardkit.bench.zero import QUICK_LM, load_text
 from shardkit.demo.task import MarkovTask
 from shardkit.distributed import CommMeter, collectives, comm_delay, count_comm_bytes
@@ -59,8 +60,9 @@ class MultinodeSettings:
 
     strategies: tuple[str, ...] = tuple(STRATEGIES)
     lm: LMConfig = field(default_factory=LMConfig.bench)
-    #: Sequences per rank per step.
-    batch_size: int = 4
+    #: Sequences per rank per step: one, so that on this machine's two cores the step is not all computation
+    #: and the link's share of it shows.
+    batch_size: int = 1
     #: Timed steps per link.
     steps: int = 4
     #: Untimed steps first (lazy initialisation, allocations).
@@ -221,37 +223,47 @@ class _Run:
             self.built = None
             return None
 
-    def run(self) -> NodeResult:
-        s = self.settings
-        meter = CommMeter()
-        step = 0
-        for slow in (False, True):
-            for i in range(s.warmup + s.steps):
-                timed = i >= s.warmup
-                seconds = self.step(step, meter if timed and not slow else None, slow)
-                step += 1
-                if seconds is not None and timed:
-                    (self.result.slow_step_s if slow else self.result.fast_step_s).append(seconds)
-        self.result.inter_node_bytes = meter.total_inter_node_bytes // s.steps
-        self.result.intra_node_bytes = meter.total_intra_node_bytes // s.steps
+    def finish(self, meter: CommMeter) -> NodeResult:
+        """The measurements, with bytes averaged over the timed fast-link steps."""
+        self.result.inter_node_bytes = meter.total_inter_node_bytes // self.settings.steps
+        self.result.intra_node_bytes = meter.total_intra_node_bytes // self.settings.steps
         self.built = None
         return self.result
 
 
 def worker(settings: MultinodeSettings) -> list[NodeResult]:
-    """One rank: train every strategy in turn on the fast, then the slow link; return the measurements."""
+    """One rank: build every strategy, train them interleaved (step ``s`` of each before step ``s + 1`` of any,
+    order rotated each step, so background load hits all alike), first on the fast link, then on the slow one."""
     dist.init_process_group("gloo")
     set_topology(Topology.from_env(nprocs_per_node=settings.nproc_per_node))  # the meter's view of the nodes
     task = MarkovTask.create(settings.lm.vocab_size, seed=settings.seed)
-    results = []
-    for name in settings.strategies:
-        results.append(_Run(name, settings, task).run())
-        flags = torch.tensor([0 if results[-1].error is None else 1], dtype=torch.int32)
-        collectives.all_reduce(flags, op=dist.ReduceOp.MAX, label="bench.multinode.failed")
-        if flags.item() and results[-1].error is None:
-            results[-1].error = "failed on another rank"
+    runs = [_Run(name, settings, task) for name in settings.strategies]
+    meters = [CommMeter() for _ in runs]
+    step = 0
+    for slow in (False, True):
+        for i in range(settings.warmup + settings.steps):
+            timed = i >= settings.warmup
+            shift = step % len(runs)
+            for index in list(range(shift, len(runs))) + list(range(shift)):
+                run, meter = runs[index], meters[index]
+                seconds = run.step(step, meter if timed and not slow else None, slow)
+                if seconds is not None and timed:
+                    (run.result.slow_step_s if slow else run.result.fast_step_s).append(seconds)
+            _agree_on_failures(runs)
+            step += 1
+    results = [run.finish(meter) for run, meter in zip(runs, meters)]
     dist.destroy_process_group()
     return results
+
+
+def _agree_on_failures(runs: list[_Run]) -> None:
+    """Stop, on every rank, each strategy that failed on any rank (its peers would wait in its collectives)."""
+    flags = torch.tensor([0 if run.built is not None else 1 for run in runs], dtype=torch.int32)
+    collectives.all_reduce(flags, op=dist.ReduceOp.MAX, label="bench.multinode.failed")
+    for run, flag in zip(runs, flags.tolist()):
+        if flag and run.built is not None:
+            run.built = None
+            run.result.error = "failed on another rank"
 
 
 def launch(settings: MultinodeSettings) -> tuple[list[list[NodeResult]], str]:
@@ -280,6 +292,8 @@ class Row:
     intra_node_bytes: int
     fast_step_s: float
     slow_step_s: float
+    #: Per timed slow-link step, the slowest rank's seconds (for ratios paired step by step).
+    slow_steps: list[float]
     final_loss: float
     error: Optional[str]
 
@@ -291,9 +305,12 @@ def merge(per_rank: list[list[NodeResult]]) -> list[Row]:
         error = next((r.error for r in same if r.error and r.error != "failed on another rank"), None)
         error = error or next((r.error for r in same if r.error), None)
 
+        def per_step(series: list[list[float]]) -> list[float]:
+            return [max(ts) for ts in zip(*series)]
+
         def slowest(series: list[list[float]]) -> float:
-            per_step = [max(ts) for ts in zip(*series)]
-            return median(per_step) if per_step else float("nan")
+            steps = per_step(series)
+            return median(steps) if steps else float("nan")
 
         losses = [sum(ls) / len(ls) for ls in zip(*(r.losses for r in same))]
         rows.append(
@@ -303,6 +320,7 @@ def merge(per_rank: list[list[NodeResult]]) -> list[Row]:
                 intra_node_bytes=max(r.intra_node_bytes for r in same),
                 fast_step_s=slowest([r.fast_step_s for r in same]),
                 slow_step_s=slowest([r.slow_step_s for r in same]),
+                slow_steps=per_step([r.slow_step_s for r in same]),
                 final_loss=losses[-1] if losses else float("nan"),
                 error=error,
             )
@@ -321,7 +339,7 @@ def targets(rows: list[Row]) -> list[str]:
     if full is None or hybrid is None or not full.inter_node_bytes or not full.slow_step_s:
         return []
     bytes_ratio = hybrid.inter_node_bytes / full.inter_node_bytes
-    time_ratio = hybrid.slow_step_s / full.slow_step_s
+    time_ratio = paired_ratio(hybrid.slow_steps, full.slow_steps)
 
     def verdict(ok: bool) -> str:
         return "met" if ok else "NOT met"
@@ -343,7 +361,7 @@ def report(rows: list[Row], settings: MultinodeSettings, how: str, load: str = "
             _mb(r.intra_node_bytes),
             f"{r.fast_step_s * 1000:.0f}",
             f"{r.slow_step_s * 1000:.0f}",
-            f"{r.slow_step_s / base.slow_step_s:.2f}x" if base else "-",
+            f"{paired_ratio(r.slow_steps, base.slow_steps):.2f}x" if base else "-",
             f"{r.final_loss:.4f}",
         ]
         for r in rows
@@ -361,8 +379,9 @@ def report(rows: list[Row], settings: MultinodeSettings, how: str, load: str = "
     lines = [
         f"multinode suite: TransformerLM {lm.n_layers} blocks x width {lm.d_model}, vocab {lm.vocab_size}, seq "
         f"{lm.seq_len}; batch {settings.batch_size}/rank; AdamW; {settings.nnodes} nodes x "
-        f"{settings.nproc_per_node} processes ({how}); gloo; {settings.steps} timed steps per link after "
-        f"{settings.warmup} warm-up; slow link: {settings.latency_s * 1000:g} ms + "
+        f"{settings.nproc_per_node} processes ({how}); gloo; strategies interleaved step by step, "
+        f"{settings.steps} timed steps per link after {settings.warmup} warm-up; slow link: "
+        f"{settings.latency_s * 1000:g} ms + "
         f"{settings.bandwidth_bytes_per_s / 1e6:g} MB/s between nodes",
         load,
         "",
@@ -370,7 +389,8 @@ def report(rows: list[Row], settings: MultinodeSettings, how: str, load: str = "
         "",
         "MB/step: bytes one rank sends per step (the rank sending most), split by the comm meter's node model.",
         "step ms: per step the slowest rank, median over timed steps; 'slow link' slows only collectives that",
-        "  cross nodes (comm_delay scope='inter_node'), by their inter-node bytes.",
+        "  cross nodes (comm_delay scope='inter_node'), by their inter-node bytes. vs fsdp: median over slow-link",
+        "  steps of the ratio to fsdp's time in the same step (strategies run interleaved).",
         *(f"  {name}: {text}" for name, text in STRATEGIES.items() if name in settings.strategies),
     ]
     failed = [f"  {r.name}: FAILED ({r.error})" for r in rows if r.error is not None]
@@ -402,7 +422,7 @@ def run(argv: list[str]) -> None:
         if args.strategies:
             settings = replace(settings, strategies=tuple(args.strategies.split(",")))
         if args.quick:
-            settings = replace(settings, lm=QUICK_LM, batch_size=2, steps=2, warmup=1, timeout_s=240.0)
+            settings = replace(settings, lm=QUICK_LM, steps=2, warmup=1, timeout_s=240.0)
         if args.steps is not None:
             settings = replace(settings, steps=args.steps)
         if args.warmup is not None:
