@@ -65,7 +65,7 @@ def _with_features(rank: int, world_size: int) -> None:
     )
     # Mixed precision: bf16 compute, FP32 reduction; matches full sharding (same arithmetic, summed in two levels).
     results = {}
-    for strategy in (ShardingStrategy.FULL_SHARD, HYBRID):
+    for strategy in ShardingStrategy:
         model = build_fsdp(
             "lm",
             rank,
@@ -80,8 +80,12 @@ def _with_features(rank: int, world_size: int) -> None:
         for i in range(2):
             step("lm", model, opt, rank, i)
         results[strategy] = full_params(model)
-    for name, value in results[HYBRID].items():
-        torch.testing.assert_close(value, results[ShardingStrategy.FULL_SHARD][name], atol=1e-3, rtol=0)
+    for strategy in ShardingStrategy:
+        for name, value in results[strategy].items():
+            want = results[ShardingStrategy.FULL_SHARD][name]
+            torch.testing.assert_close(
+                value, want, atol=1e-3, rtol=0, msg=lambda m, n=name, s=strategy: f"{s} {n}: {m}"
+            )
     # The wrap API passes the strategy to every unit it builds.
     ref = build_reference("lm", rank)
     ddp = ddp_reference("lm", ref)
