@@ -150,6 +150,23 @@ def run_fsdp_restart(root: Path, die_after_save: bool) -> dict[str, Any]:
     return {"losses": losses, "state": _state(model), "resumed_at": start}
 
 
+def _meter_split(topo: Any) -> dict[str, int]:
+    """Inter-node bytes of one all-reduce over everyone and one inside the node, as the comm meter counts them
+    from torchrun's environment (no set_topology)."""
+    from shardkit.distributed import collectives as C
+    from shardkit.distributed import count_comm_bytes
+
+    with count_comm_bytes() as world_meter:
+        C.all_reduce(torch.ones(256), label="multinode.world")
+    with count_comm_bytes() as node_meter:
+        C.all_reduce(torch.ones(256), group=topo.intra_group, label="multinode.node")
+    return {
+        "world_wire": world_meter.total_wire_bytes,
+        "world_inter": world_meter.total_inter_node_bytes,
+        "node_inter": node_meter.total_inter_node_bytes,
+    }
+
+
 RUNNERS: dict[str, Callable[[], dict[str, Any]]] = {
     "oss_ddp": run_oss_ddp,
     "oss_sdp": run_oss_sdp,
@@ -173,6 +190,7 @@ def train_every_strategy(cfg: dict[str, Any]) -> dict[str, Any]:
         "layout": topo.layout.nodes,
         "node_rank": topo.node_rank,
         "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        "meter": _meter_split(topo),
     }
     for name in STRATEGIES:
         done = root / f"{name}_rank{rank}.pkl"

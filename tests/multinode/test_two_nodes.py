@@ -18,17 +18,22 @@ def test_every_strategy_across_two_nodes_equals_one_node(tmp_path: Path) -> None
     two_root, one_root = tmp_path / "two", tmp_path / "one"
     two_root.mkdir()
     one_root.mkdir()
-    # Two agents x two workers, the agents allowed one restart each (torchrun --max-restarts 1).
+    # Two agents x two workers (torchrun --max-restarts 2). One restart is planned; the spare absorbs a round that
+    # fails for reasons outside shardkit on this busy machine (a worker store port taken between the agent picking
+    # it and the worker binding it); the assertions below still require that the run resumed from the checkpoint.
     two = run_nodes(
         train_every_strategy, {"root": str(two_root), "die_after_save": True},
-        nnodes=2, nproc_per_node=2, max_restarts=1, start_method="fork", timeout_s=240,
+        nnodes=2, nproc_per_node=2, max_restarts=2, start_method="fork", timeout_s=240,
     )  # fmt: skip
     one = run_distributed(one_node, 4, {"root": str(one_root), "die_after_save": False}, timeout_s=120)
 
     assert [r["layout"] for r in two] == [((0, 1), (2, 3))] * 4  # torchrun's contiguous nodes, as Topology sees them
     assert [r["node_rank"] for r in two] == [0, 0, 1, 1]
     assert [r["layout"] for r in one] == [((0, 1, 2, 3),)] * 4
-    assert (two_root / "killed").exists() and all(r["restarts"] == 1 for r in two)  # the restart happened
+    # The comm meter sees the nodes from torchrun's environment: half of a 4-rank ring crosses the two nodes.
+    assert [r["meter"] for r in two] == [{"world_wire": 1536, "world_inter": 768, "node_inter": 0}] * 4
+    assert [r["meter"]["world_inter"] for r in one] == [0] * 4
+    assert (two_root / "killed").exists() and all(r["restarts"] >= 1 for r in two)  # the restart happened
     assert [r["fsdp_restart"]["resumed_at"] for r in two] == [2] * 4  # from the step-1 checkpoint
     assert [r["fsdp_restart"]["resumed_at"] for r in one] == [0] * 4
 
