@@ -225,3 +225,18 @@ def never_return() -> None:
     import time
 
     time.sleep(600)
+
+
+def topology_refusal() -> str:
+    """Build the topology on nodes of unequal size; return the error every rank must raise."""
+    from shardkit.distributed import Topology
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=30))
+    try:
+        Topology.from_env()
+    except ValueError as err:
+        message = str(err)
+    else:
+        message = "no error"
+    dist.barrier()  # every rank is still in step: nobody is left inside a group creation
+    return message

@@ -4,7 +4,7 @@ entrypoint the workers could not import."""
 import time
 
 import pytest
-from multinode_lib import fail_on_rank_three, never_return
+from multinode_lib import fail_on_rank_three, never_return, topology_refusal
 
 from shardkit.testing.multinode import MultiNodeError, run_nodes
 
@@ -34,3 +34,12 @@ def test_entrypoint_must_be_importable() -> None:
         run_nodes(lambda: None)
     with pytest.raises(ValueError, match="nnodes >= 1"):
         run_nodes(never_return, nnodes=0)
+
+
+@pytest.mark.timeout(120)
+def test_unequal_nodes_are_refused_on_every_rank() -> None:
+    # torchrun lets nodes run different --nproc-per-node; shardkit's topology refuses it everywhere, no hang.
+    messages = run_nodes(topology_refusal, nproc_per_node=[2, 1], start_method="fork", timeout_s=90)
+    assert len(messages) == 3 and len(set(messages)) == 1, messages
+    assert "disagree on the number of processes per node" in messages[0]
+    assert "LOCAL_WORLD_SIZE=2" in messages[0] and "LOCAL_WORLD_SIZE=1" in messages[0]

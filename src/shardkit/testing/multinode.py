@@ -35,6 +35,7 @@ import time
 import traceback
 import uuid
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any, Callable, Union
 
 from shardkit.distributed.health import report_failure
@@ -62,7 +63,7 @@ def run_nodes(
     entrypoint: Entrypoint,
     *args: Any,
     nnodes: int = 2,
-    nproc_per_node: int = 2,
+    nproc_per_node: Union[int, Sequence[int]] = 2,
     max_restarts: int = 0,
     timeout_s: float | None = None,
     env: dict[str, str] | None = None,
@@ -74,10 +75,15 @@ def run_nodes(
     pickle. Workers find torchrun's environment, so ``dist.init_process_group("gloo")`` needs no arguments.
     ``max_restarts`` lets each agent restart its workers after a failure, as ``torchrun --max-restarts`` does
     (the other agents then restart theirs too, in a new rendezvous round). ``env`` adds variables for the
-    agents and workers. Returns every worker's return value in global rank order (from the last round).
+    agents and workers. ``nproc_per_node`` may list one count per node (unequal nodes, as torchrun allows, to
+    test what refuses them). Returns every worker's return value in global rank order (from the last round).
     """
-    if nnodes < 1 or nproc_per_node < 1:
-        raise ValueError(f"run_nodes needs nnodes >= 1 and nproc_per_node >= 1, got {nnodes} and {nproc_per_node}")
+    per_node = [nproc_per_node] * nnodes if isinstance(nproc_per_node, int) else list(nproc_per_node)
+    if nnodes < 1 or len(per_node) != nnodes or any(count < 1 for count in per_node):
+        raise ValueError(
+            f"run_nodes needs nnodes >= 1 and nproc_per_node >= 1 (one count, or one per node), got {nnodes} and "
+            f"{nproc_per_node}"
+        )
     timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
     target = entrypoint if isinstance(entrypoint, str) else f"{entrypoint.__module__}:{entrypoint.__qualname__}"
     _resolve(target)  # fail here, not in every worker, when it cannot be imported
@@ -86,7 +92,7 @@ def run_nodes(
             "target": target,
             "args": args,
             "nnodes": nnodes,
-            "nproc_per_node": nproc_per_node,
+            "nproc_per_node": per_node,
             "max_restarts": max_restarts,
             "endpoint": f"127.0.0.1:{free_port()}",
             "run_id": f"shardkit-nodes-{uuid.uuid4().hex[:8]}",
@@ -103,7 +109,7 @@ def run_nodes(
         results: dict[int, Any] = {}
         for node in range(nnodes):
             results.update(pickle.loads((Path(tmp) / f"result{node}.pkl").read_bytes()))
-    world_size = nnodes * nproc_per_node
+    world_size = sum(per_node)
     if sorted(results) != list(range(world_size)):
         raise MultiNodeError(f"{target}: expected results from ranks 0..{world_size - 1}, got ranks {sorted(results)}")
     return [results[rank] for rank in range(world_size)]
@@ -206,7 +212,7 @@ def _agent_main(spec_path: str, node: int) -> None:
     config = LaunchConfig(
         min_nodes=spec["nnodes"],
         max_nodes=spec["nnodes"],
-        nproc_per_node=spec["nproc_per_node"],
+        nproc_per_node=spec["nproc_per_node"][node],
         run_id=spec["run_id"],
         rdzv_backend="c10d",
         rdzv_endpoint=spec["endpoint"],
