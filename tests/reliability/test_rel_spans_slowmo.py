@@ -23,7 +23,7 @@ def _averages(rank: int, world_size: int) -> dict[str, Any]:
     live = p.detach().clone()
     (copy,) = average_params([p], weight, numerators=True, group=group, device=cpu)
     (debiased,) = average_params([p.detach() / weight], weight, numerators=False, group=group, device=cpu)
-    shadow = averaged_optimizer(opt, [copy], group, cpu)
+    shadow = averaged_optimizer(opt, {id(p): copy}, group, cpu)
     (buf,) = broadcast_copies([torch.full((3,), float(rank))], group, cpu)
     return {
         "copy": copy.tolist(),

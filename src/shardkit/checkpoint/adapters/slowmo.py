@@ -1,15 +1,19 @@
-"""``shardkit.nn.slowmo.SlowMoDistributedDataParallel``: per-rank state, one file per rank.
+"""``shardkit.nn.slowmo.SlowMoDistributedDataParallel``: the cross-rank average, loadable anywhere, plus per-rank files.
 
-Between synchronisations every rank has its own parameters, optimizer state and push-sum weight, so each rank
-writes ``slowmo/rank_<r>.pt`` with: the wrapper's state dict (its parameters plus the push-sum ``ps_weight``), the
-optimizer state, the step counter that drives the LocalSGD / gossip / slow-momentum schedule, the gossip round
-(it picks the peers), and the slow-momentum buffers (``x0`` and ``u``, whole or this rank's shard). The state only
-means something at the world size it was saved at, so loading elsewhere is refused.
+:class:`SlowMoSource` saves the universal layout: the average of every rank's parameters and optimizer state
+(computed into copies) for any strategy to load, and each rank's own state in ``slowmo/rank_<r>.pt`` so that a
+SlowMo run at the same world size resumes bitwise.
+
+:class:`SlowMoAdapter` is that per-rank file, and the legacy ``per-rank`` layout (only that file; loads only at its
+world size). Between synchronisations every rank has its own parameters, optimizer state and push-sum weight, so
+each rank writes the wrapper's state dict (its parameters plus the push-sum ``ps_weight``), the optimizer state,
+the step counter that drives the LocalSGD / gossip / slow-momentum schedule, the gossip round (it picks the peers),
+and the slow-momentum buffers (``x0`` and ``u``, whole or this rank's shard).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Optional
 
@@ -17,11 +21,14 @@ import torch
 from torch import nn
 
 from shardkit.checkpoint import validate
+from shardkit.checkpoint._collectives import rank_and_size
 from shardkit.checkpoint.adapters.base import Adapter, PendingLoad, as_state, named_parameter_ids
 from shardkit.checkpoint.adapters.registry import isinstance_of
+from shardkit.checkpoint.adapters.slowmo_average import average_params, averaged_optimizer, broadcast_copies
 from shardkit.checkpoint.errors import CorruptCheckpointError, IncompatibleCheckpointError
 from shardkit.checkpoint.files import safe_load, write_torch
 from shardkit.checkpoint.metadata import CheckpointMeta
+from shardkit.checkpoint.universal.source import Held, Span, UniversalSource
 from shardkit.utils.tensors import to_cpu
 
 
@@ -118,3 +125,115 @@ class SlowMoAdapter(Adapter):
             with torch.no_grad():
                 slow.anchor.copy_(saved["slow_anchor"])
                 slow.momentum.copy_(saved["slow_momentum"])
+
+
+class SlowMoSource(UniversalSource):
+    """SlowMo in the universal layout (the cross-rank average, loadable anywhere) plus per-rank files.
+
+    Save: :meth:`before_save` averages the parameters (push-sum weighted) and optimizer state over every rank into
+    copies and takes rank 0's buffers (see :mod:`.slowmo_average`); those copies are what the universal part holds,
+    written by all ranks together. The live model and optimizer never change. Each rank also writes today's
+    per-rank file (:class:`SlowMoAdapter`'s ``slowmo/rank_<r>.pt``: its own parameters, push-sum weight, optimizer
+    state, counters, gossip round and slow-momentum buffers).
+
+    Load: the universal part is written into the live parameters and optimizer on every rank, the push-sum weight
+    becomes 1 and the slow-momentum anchor the loaded point. When the checkpoint was written by SlowMo at this
+    world size, each rank's own file then restores its per-replica state bitwise.
+
+    Example::
+
+        save_checkpoint("ckpt/step_90", step=90, model=slowmo_model, optimizer=optimizer)
+        load_checkpoint("ckpt/step_90", model=fsdp_model, optimizer=fsdp_optimizer)  # the average, anywhere
+    """
+
+    strategy = "slowmo"
+
+    def __init__(self, model: nn.Module, optimizer: Optional[Any]) -> None:
+        self.model: Any = model
+        self.optimizer = optimizer
+        self._legacy = SlowMoAdapter(model, optimizer)
+        #: Averaged copies (parameters, buffers) and the optimizer over them, between before_save and the save.
+        self._copies: Optional[tuple[list[torch.Tensor], list[torch.Tensor], Optional[torch.optim.Optimizer]]] = None
+        #: Whether the load restored this rank's own state from its per-rank file.
+        self._restored_own = False
+
+    @staticmethod
+    def handles(model: nn.Module, optimizer: Optional[Any]) -> bool:
+        """A SlowMo wrapper."""
+        return SlowMoAdapter.handles(model, optimizer)
+
+    def _named(self) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]]]:
+        inner: nn.Module = self.model.module
+        persistent = set(inner.state_dict(keep_vars=True))
+        params: list[tuple[str, torch.Tensor]] = list(inner.named_parameters())
+        buffers = [(n, b) for n, b in inner.named_buffers() if n in persistent]
+        return params, buffers
+
+    def held(self) -> list[Held]:
+        """The averaged copies while saving, the live parameters and buffers otherwise; every rank holds all."""
+        rank, world = rank_and_size()
+        params, buffers = self._named()
+        tensors = [t for _, t in params + buffers]
+        if self._copies is not None:
+            tensors = self._copies[0] + self._copies[1]
+        names = [n for n, _ in params + buffers]
+        return [Held(t, (Span(n, t.shape, 0, t.numel(), 0),), rank, world) for n, t in zip(names, tensors)]
+
+    def local_optimizer(self) -> Optional[torch.optim.Optimizer]:
+        """The optimizer over the averaged copies while saving, the live optimizer otherwise."""
+        if self._copies is not None:
+            return self._copies[2]
+        return self.optimizer
+
+    def aliases(self) -> dict[str, str]:
+        """Tied parameter names of the wrapped module -> the first name."""
+        inner: nn.Module = self.model.module
+        first: dict[int, str] = {}
+        out = {}
+        for name, p in inner.named_parameters(remove_duplicate=False):
+            if first.setdefault(id(p), name) != name:
+                out[name] = first[id(p)]
+        return out
+
+    def before_save(self) -> None:
+        """Average parameters and optimizer state over the ranks into copies (collective)."""
+        self._legacy.check_idle()
+        model = self.model
+        group, device = model.groups.global_group, model.comm_device
+        params, buffers = self._named()
+        push_sum = model.push_sum_state
+        weight = 1.0 if push_sum is None else push_sum.weight
+        numerators = push_sum is None or push_sum.form.value == "numerator"
+        copies = average_params([p for _, p in params], weight, numerators, group, device)
+        buffer_copies = broadcast_copies([b for _, b in buffers], group, device)
+        copy_of = {id(p): c for (_, p), c in zip(params, copies)}
+        shadow = None if self.optimizer is None else averaged_optimizer(self.optimizer, copy_of, group, device)
+        self._copies = (copies, buffer_copies, shadow)
+
+    def after_save(self) -> None:
+        """Drop the averaged copies."""
+        self._copies = None
+
+    def save_extra(self, directory: Path, rank: int) -> None:
+        """This rank's own SlowMo state, for a bitwise resume at the same world size."""
+        self._legacy.save(directory, rank)
+
+    def read_extra(self, directory: Path, meta: CheckpointMeta, rank: int) -> Optional[Callable[[], None]]:
+        """Saved by SlowMo at this world size: this rank's own state, restored after the average was written."""
+        self._restored_own = False
+        if meta.strategy != self.strategy or meta.world_size != rank_and_size()[1]:
+            return None
+        if not rank_file(directory, rank).is_file():
+            raise CorruptCheckpointError(f"{rank_file(directory, rank)} is missing: this SlowMo rank's own state")
+        apply_own = self._legacy.read(directory, meta, rank).apply
+
+        def apply() -> None:
+            apply_own()
+            self._restored_own = True
+
+        return apply
+
+    def after_load(self) -> None:
+        """Loaded the average only: it is a point every rank shares (push-sum weight 1, slow-momentum anchor)."""
+        if not self._restored_own:
+            self.model.restart_from_parameters()

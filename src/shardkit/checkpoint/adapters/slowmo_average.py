@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import copy
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -71,9 +71,12 @@ def _signature(optimizer: torch.optim.Optimizer) -> list[tuple[int, str, tuple[i
 
 
 def averaged_optimizer(
-    optimizer: torch.optim.Optimizer, copies: Sequence[torch.Tensor], group: GroupLike, device: torch.device
+    optimizer: torch.optim.Optimizer,
+    copy_of: Mapping[int, torch.Tensor],
+    group: GroupLike,
+    device: torch.device,
 ) -> torch.optim.Optimizer:
-    """A shallow copy of ``optimizer`` over ``copies`` (in ``param_groups`` order) with the state averaged.
+    """A shallow copy of ``optimizer`` over copies of its parameters (``copy_of[id(param)]``), state averaged.
 
     State tensors with as many elements as their parameter are averaged over ``group``; other state is this
     rank's. The returned optimizer is only read (its ``param_groups`` and ``state``); it never steps.
@@ -87,9 +90,11 @@ def averaged_optimizer(
         )
     world = len(signatures)
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    if len(params) != len(copies):
-        raise ValueError(f"the optimizer steps {len(params)} parameters, the model has {len(copies)}")
-    replacement = dict(zip(map(id, params), copies))
+    if any(id(p) not in copy_of for p in params):
+        raise ValueError(
+            "the optimizer steps a tensor that is not a parameter of the SlowMo model: build it over model.parameters()"
+        )
+    replacement = copy_of
     state: defaultdict[Any, dict[str, Any]] = defaultdict(dict)
     for p in params:
         for name, value in optimizer.state.get(p, {}).items():

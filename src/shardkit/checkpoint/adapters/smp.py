@@ -1,22 +1,31 @@
-"""``shardkit.modelparallel`` (smp): a ``DistributedModel`` and ``DistributedOptimizer`` (full layout).
+"""``shardkit.modelparallel`` (smp): a ``DistributedModel`` and ``DistributedOptimizer``.
 
-``state_dict()`` of both gathers every pipeline stage's part (a collective over the model-parallel group), so
-rank 0 holds and writes the whole model and optimizer, with the unwrapped module's keys. Loading hands the full
-dicts to smp, which keeps what each stage holds (or keeps them until the partition, if it has not happened yet);
-so a checkpoint loads under another partition count or world size, and into the plain model.
+:class:`SMPSource` saves and loads the universal layout: every pipeline stage writes and reads only the tensors
+it holds (data-parallel replicas split the writing), under the unwrapped module's names.
+
+:class:`SMPAdapter` is the legacy ``full`` layout, still read: ``state_dict()`` of both gathers every pipeline
+stage's part (a collective over the model-parallel group), so rank 0 holds and writes the whole model and
+optimizer, with the unwrapped module's keys. Loading hands the full dicts to smp, which keeps what each stage
+holds (or keeps them until the partition, if it has not happened yet); so a checkpoint loads under another
+partition count or world size, and into the plain model.
 """
 
 from __future__ import annotations
 
+import copy
+from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any, Optional
 
+import torch
 from torch import nn
 
 from shardkit.checkpoint import validate
+from shardkit.checkpoint._collectives import rank_and_size
 from shardkit.checkpoint.adapters.base import named_parameter_ids
 from shardkit.checkpoint.adapters.full import FullStateAdapter
 from shardkit.checkpoint.adapters.registry import isinstance_of
+from shardkit.checkpoint.universal.source import Held, Span, UniversalSource
 
 _MODEL = ("shardkit.modelparallel.model", "DistributedModel")
 _OPTIMIZER = ("shardkit.modelparallel.optimizer", "DistributedOptimizer")
@@ -55,3 +64,104 @@ class SMPAdapter(FullStateAdapter):
 
     def load_model(self, state: Mapping[str, Any]) -> None:
         self.model.load_state_dict(dict(state))  # held parts now, or at the partition
+
+
+def stage_view(optimizer: torch.optim.Optimizer, held: set[int]) -> torch.optim.Optimizer:
+    """A shallow copy of ``optimizer`` whose groups list only the parameters in ``held`` (by ``id``), sharing their
+    state tensors: the optimizer a stage's checkpoint reads (a parameter another stage holds is empty here)."""
+    view = copy.copy(optimizer)
+    view.param_groups = [{**g, "params": [p for p in g["params"] if id(p) in held]} for g in optimizer.param_groups]
+    kept = {id(p) for g in view.param_groups for p in g["params"]}
+    view.state = defaultdict(dict, {p: v for p, v in optimizer.state.items() if id(p) in kept})
+    return view
+
+
+class SMPSource(UniversalSource):
+    """smp in the universal layout: each pipeline stage saves and loads the parameters and buffers it holds, whole.
+
+    Names are the unwrapped module's (``model.module``); a tensor several stages hold (tied or replicated glue
+    parameters) is one key, its holders and the data-parallel replicas split the writing. Before the first step
+    partitions the model every rank holds the whole module, so a load then fills the full local module (smp's
+    own way with full state dicts) and the partition keeps each stage's part; the inner optimizer's state follows
+    its parameters the same way.
+
+    Example::
+
+        smp.init({"partitions": 2, "microbatches": 4, "ddp": True})
+        model = smp.DistributedModel(Net())
+        optimizer = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters()))
+        load_checkpoint("ckpt/step_100", model=model, optimizer=optimizer)  # saved by FSDP at 8 ranks, say
+    """
+
+    strategy = "smp"
+
+    def __init__(self, model: nn.Module, optimizer: Optional[Any]) -> None:
+        if optimizer is not None and not isinstance_of(optimizer, *_OPTIMIZER):
+            raise TypeError(
+                f"an smp.DistributedModel is saved with its smp.DistributedOptimizer, got {type(optimizer).__name__};"
+                " wrap it: smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), ...))"
+            )
+        self.model: Any = model
+        self.optimizer = optimizer
+        self._stage_view: Optional[torch.optim.Optimizer] = None
+
+    @staticmethod
+    def handles(model: nn.Module, optimizer: Optional[Any]) -> bool:
+        """An smp DistributedModel."""
+        return isinstance_of(model, *_MODEL)
+
+    def _replicas(self, name: str) -> tuple[int, int]:
+        """Which of the ranks holding ``name`` this one is, and how many hold it."""
+        import shardkit.modelparallel as smp
+
+        stages = self.model.holding_stages(name)
+        if stages is None:  # not partitioned yet: every rank holds everything
+            return rank_and_size()
+        return stages.index(smp.pp_rank()) * smp.dp_size() + smp.dp_rank(), len(stages) * smp.dp_size()
+
+    def held(self) -> list[Held]:
+        """The parameters and buffers this stage holds, whole, under their first names."""
+        if self.model.running_step is not None:
+            raise RuntimeError(
+                "a checkpoint of an smp model was requested inside an @smp.step call: save and load between steps"
+            )
+        inner: nn.Module = self.model.module
+        persistent = set(inner.state_dict(keep_vars=True))
+        out: list[Held] = []
+        for name, tensor in [*self.model.local_named_parameters(), *self.model.local_named_buffers()]:
+            if name not in persistent:
+                continue  # a non-persistent buffer is not part of the model's state
+            replica_rank, replica_count = self._replicas(name)
+            out.append(Held(tensor, (Span(name, tensor.shape, 0, tensor.numel(), 0),), replica_rank, replica_count))
+        return out
+
+    def local_optimizer(self) -> Optional[torch.optim.Optimizer]:
+        """The torch optimizer inside the DistributedOptimizer; after the partition, a view of it restricted to
+        this stage's parameters (the others are released here), whose loaded state :meth:`after_load` hands back."""
+        if self.optimizer is None:
+            return None
+        inner: torch.optim.Optimizer = self.optimizer.optimizer
+        if not self.model.partitioned:
+            return inner
+        if self._stage_view is None:
+            self._stage_view = stage_view(inner, {id(p) for p in self.model.local_parameters()})
+        return self._stage_view
+
+    def after_load(self) -> None:
+        """Give the inner optimizer the state and hyper-parameters loaded into the stage's view of it."""
+        view = self._stage_view
+        if view is None or self.optimizer is None:
+            return
+        inner: torch.optim.Optimizer = self.optimizer.optimizer
+        for group, loaded in zip(inner.param_groups, view.param_groups):
+            group.update({k: v for k, v in loaded.items() if k != "params"})
+        for p in (p for g in view.param_groups for p in g["params"]):
+            if p in view.state:
+                inner.state[p] = view.state[p]
+        self._stage_view = None
+
+    def aliases(self) -> dict[str, str]:
+        """Tied names of the unwrapped module -> the first name, which is stored."""
+        from shardkit.modelparallel.checkpoint import state_key_map
+
+        return {key: first for key, first in state_key_map(self.model.module).items() if key != first}
