@@ -34,8 +34,8 @@ import tempfile
 import time
 import traceback
 import uuid
-from pathlib import Path
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Callable, Union
 
 from shardkit.distributed.health import report_failure
