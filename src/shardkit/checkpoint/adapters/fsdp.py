@@ -101,8 +101,8 @@ class FSDPSource(UniversalSource):
                 spans = tuple(
                     Span(p.fqn, p.shape, p.start, p.stop, p.local_offset) for p in flat_param_pieces(path, meta)
                 )
-                if spans:
-                    out.append(Held(shard, spans, replica_rank, replica_count))
+                # A shard of padding only has no span, but stays listed: the optimizer steps it.
+                out.append(Held(shard, spans, replica_rank, replica_count))
         out.extend(self._buffers(rank, world))
         return out
 
@@ -132,6 +132,16 @@ class FSDPSource(UniversalSource):
     def local_optimizer(self) -> Optional[torch.optim.Optimizer]:
         """The optimizer passed in: it steps exactly the flat parameter shards."""
         return self.optimizer
+
+    def group_fqns(self) -> Optional[list[list[str]]]:
+        """Per optimizer parameter group, every original parameter its flat shards carry (on any rank)."""
+        if self.optimizer is None:
+            return None
+        names: dict[int, list[str]] = {}
+        for path, unit in _unit_modules(self.model):
+            for shard, meta in zip(unit.flat_params, unit.flat_param_metas):
+                names[id(shard)] = [join_name(path, info.fqn) for info in meta.params]
+        return [[fqn for p in group["params"] for fqn in names.get(id(p), [])] for group in self.optimizer.param_groups]
 
     def aliases(self) -> dict[str, str]:
         """Tied parameter names (stored once) and buffers reached along several module paths."""

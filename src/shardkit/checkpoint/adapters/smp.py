@@ -147,6 +147,14 @@ class SMPSource(UniversalSource):
             self._stage_view = stage_view(inner, {id(p) for p in self.model.local_parameters()})
         return self._stage_view
 
+    def group_fqns(self) -> Optional[list[list[str]]]:
+        """Per optimizer parameter group, the names of all its parameters (on every stage)."""
+        if self.optimizer is None:
+            return None
+        inner: torch.optim.Optimizer = self.optimizer.optimizer
+        names = {id(p): name for name, p in self.model.module.named_parameters()}
+        return [[names[id(p)] for p in group["params"] if id(p) in names] for group in inner.param_groups]
+
     def after_load(self) -> None:
         """Give the inner optimizer the state and hyper-parameters loaded into the stage's view of it."""
         view = self._stage_view
