@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from shardkit.distributed import DummyProcessGroup, NodeLayout, Topology
-from shardkit.distributed.topology import GROUP_CACHE
+from shardkit.distributed.node_layout import GROUP_CACHE
 from shardkit.testing import run_distributed
 
 TWO_NODES = [{"LOCAL_WORLD_SIZE": "2", "GROUP_RANK": str(rank // 2), "LOCAL_RANK": str(rank % 2)} for rank in range(4)]

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Generic, Optional, TypeVar
 
-from shardkit.distributed.topology import NodeLayout
+from shardkit.distributed.node_layout import NodeLayout
 
 T = TypeVar("T")
 

@@ -1,4 +1,4 @@
-"""Building a :class:`~shardkit.distributed.topology.Topology`: agree on the layout, validate it, create groups.
+"""Building a :class:`~shardkit.distributed.Topology`: agree on the layout, validate it, create groups.
 
 Each builder all-gathers what every rank sees (its environment, or the members of the groups it was given) in
 one object collective over the world group, then validates the gathered list. All ranks validate the same list,
@@ -9,19 +9,29 @@ waiting in a ``new_group`` the others never enter.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch.distributed as dist
 
 from shardkit.distributed.groups import GroupLike, group_rank, group_size, is_dummy
+from shardkit.distributed.node_layout import NodeLayout, create_groups, read_env, world_and_rank
 from shardkit.distributed.objects import all_gather_objects
-from shardkit.distributed.topology import NodeLayout, Topology, create_groups, read_env, world_and_rank
 
 _NOTHING = "No process group was created."
 
 
-def build_from_env(group: Optional[GroupLike], nprocs_per_node: Optional[int]) -> Topology:
-    """See :meth:`Topology.from_env`."""
+class Built(NamedTuple):
+    """What a builder agreed on: the fields of a :class:`~shardkit.distributed.Topology`, in order."""
+
+    layout: NodeLayout
+    rank: int
+    world_group: GroupLike
+    intra_group: GroupLike
+    inter_group: GroupLike
+
+
+def build_from_env(group: Optional[GroupLike], nprocs_per_node: Optional[int]) -> Built:
+    """See :meth:`~shardkit.distributed.Topology.from_env`."""
     world, rank = world_and_rank(group)
     source = "nprocs_per_node" if nprocs_per_node is not None else "LOCAL_WORLD_SIZE"
     if is_dummy(world):
@@ -46,10 +56,10 @@ def build_from_env(group: Optional[GroupLike], nprocs_per_node: Optional[int]) -
     else:
         layout = _layout_from_keys(infos, local_world_size, world_size, source, world is dist.group.WORLD)
     intra, inter = create_groups(world, layout, rank)
-    return Topology(layout, rank, world, intra, inter)
+    return Built(layout, rank, world, intra, inter)
 
 
-def _from_dummy_env(world: GroupLike, rank: int, nprocs_per_node: Optional[int], source: str) -> Topology:
+def _from_dummy_env(world: GroupLike, rank: int, nprocs_per_node: Optional[int], source: str) -> Built:
     """A world with no peers (planning): the layout is taken as given, consecutive ranks per node."""
     info = read_env(rank, nprocs_per_node)
     if info.error is not None:
@@ -60,7 +70,7 @@ def _from_dummy_env(world: GroupLike, rank: int, nprocs_per_node: Optional[int],
         raise ValueError(f"Topology.from_env: {source}={per_node} does not divide the world size {world_size}")
     layout = NodeLayout.contiguous(world_size, per_node)
     intra, inter = create_groups(world, layout, rank)
-    return Topology(layout, rank, world, intra, inter)
+    return Built(layout, rank, world, intra, inter)
 
 
 def _layout_from_keys(infos: list[Any], local_world_size: int, world_size: int, source: str, whole: bool) -> NodeLayout:
@@ -88,8 +98,8 @@ def _layout_from_keys(infos: list[Any], local_world_size: int, world_size: int, 
     return NodeLayout(tuple(tuple(ranks) for ranks in members.values()))
 
 
-def build_from_groups(intra_group: GroupLike, inter_group: GroupLike, group: Optional[GroupLike]) -> Topology:
-    """See :meth:`Topology.from_groups`."""
+def build_from_groups(intra_group: GroupLike, inter_group: GroupLike, group: Optional[GroupLike]) -> Built:
+    """See :meth:`~shardkit.distributed.Topology.from_groups`."""
     world, rank = world_and_rank(group)
     if is_dummy(world):
         return _from_dummy_groups(intra_group, inter_group, world)
@@ -104,7 +114,7 @@ def build_from_groups(intra_group: GroupLike, inter_group: GroupLike, group: Opt
         if other_error is not None:
             raise ValueError(f"Topology.from_groups: rank {other}: {other_error}. {_NOTHING}")
     layout = _layout_from_members([(r, m[0], m[1]) for r, m, _ in gathered])
-    return Topology(layout, rank, world, intra_group, inter_group)
+    return Built(layout, rank, world, intra_group, inter_group)
 
 
 def _members_of(group: Any, name: str) -> tuple[int, ...]:
@@ -148,7 +158,7 @@ def _layout_from_members(gathered: list[tuple[int, tuple[int, ...], tuple[int, .
     return NodeLayout(tuple(nodes))
 
 
-def _from_dummy_groups(intra_group: Any, inter_group: Any, world: GroupLike) -> Topology:
+def _from_dummy_groups(intra_group: Any, inter_group: Any, world: GroupLike) -> Built:
     if not (is_dummy(intra_group) and is_dummy(inter_group)):
         raise TypeError("Topology.from_groups on a DummyProcessGroup world needs dummy intra and inter groups too")
     nprocs, num_nodes = group_size(intra_group), group_size(inter_group)
@@ -158,11 +168,11 @@ def _from_dummy_groups(intra_group: Any, inter_group: Any, world: GroupLike) -> 
             f"size {group_size(world)}"
         )
     rank = group_rank(inter_group) * nprocs + group_rank(intra_group)
-    return Topology(NodeLayout.contiguous(group_size(world), nprocs), rank, world, intra_group, inter_group)
+    return Built(NodeLayout.contiguous(group_size(world), nprocs), rank, world, intra_group, inter_group)
 
 
-def build_from_mesh(mesh: Any, group: Optional[GroupLike]) -> Topology:
-    """See :meth:`Topology.from_mesh`."""
+def build_from_mesh(mesh: Any, group: Optional[GroupLike]) -> Built:
+    """See :meth:`~shardkit.distributed.Topology.from_mesh`."""
     world, rank = world_and_rank(group)
     error: Optional[str] = None
     rows: list[list[int]] = []
@@ -183,7 +193,7 @@ def build_from_mesh(mesh: Any, group: Optional[GroupLike]) -> Topology:
             f"it with init_device_mesh(device, (num_nodes, nprocs_per_node)) over the same ranks. {_NOTHING}"
         )
     layout = NodeLayout(tuple(tuple(row) for row in rows))
-    return Topology(layout, rank, world, mesh.get_group(1), mesh.get_group(0))
+    return Built(layout, rank, world, mesh.get_group(1), mesh.get_group(0))
 
 
 def _mesh_rows(mesh: Any) -> list[list[int]]:
@@ -203,4 +213,4 @@ def _ranks(ranks: list[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
 
 
-__all__ = ["build_from_env", "build_from_groups", "build_from_mesh"]
+__all__ = ["Built", "build_from_env", "build_from_groups", "build_from_mesh"]
