@@ -40,6 +40,9 @@ def test_universal_lists_every_tensor_with_shape_dtype_bytes(tmp_path: Path, cap
     assert totals["by_part"]["model"] == {"tensors": 4, "bytes": 4 * (30 + 6 + 18) + 8}
     assert totals["parameters"] == 30 + 6 + 18 + 1
     assert report["verification"] == {"ok": True, "error": None}
+    files = {f["name"]: f for f in report["files"]["list"]}
+    assert "state/.metadata" in files and files["state/.metadata"]["bytes"] > 0
+    assert report["files"]["bytes"] == sum(f["bytes"] for f in files.values())
 
 
 def test_text_report_and_damaged_file_fails_verification(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

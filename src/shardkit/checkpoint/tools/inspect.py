@@ -25,7 +25,8 @@ def inspect_checkpoint(directory: Union[str, Path], verify: bool = True) -> dict
     """A JSON-ready description of the checkpoint at ``directory`` (or the latest under it).
 
     Keys: ``path``, ``step``, ``world_size``, ``strategy``, ``layout``, ``resizable``, ``has_optimizer``,
-    ``has_scaler``, ``shardkit_version``, ``torch_version``, ``files`` (count and bytes on disk), ``tensors``
+    ``has_scaler``, ``shardkit_version``, ``torch_version``, ``files`` (count, bytes on disk, and each file with
+    its size and SHA-256 as recorded), ``tensors``
     (per tensor: ``key``, ``part``, ``shape``, ``dtype``, ``bytes``, ``chunks``, ``where``), ``totals`` (tensors
     and bytes per part, parameters in the model) and ``verification`` (``ok`` and, if not, the ``error``).
     """
@@ -55,7 +56,11 @@ def inspect_checkpoint(directory: Union[str, Path], verify: bool = True) -> dict
         "has_scaler": meta.has_scaler,
         "shardkit_version": meta.shardkit_version,
         "torch_version": meta.torch_version,
-        "files": {"count": len(meta.files), "bytes": sum(r.bytes for r in meta.files.values())},
+        "files": {
+            "count": len(meta.files),
+            "bytes": sum(r.bytes for r in meta.files.values()),
+            "list": [{"name": name, "bytes": r.bytes, "sha256": r.sha256} for name, r in meta.files.items()],
+        },
         "tensors": [
             {
                 "key": e.key,
