@@ -30,6 +30,8 @@ FAMILY_SIZES: dict[str, tuple[int, ...]] = {
     "smp": (1, 2, 4),
     "slowmo": (2, 4),
 }
+#: Environment of each of four ranks simulating two torchrun nodes of two processes (for ``fsdp_hybrid``).
+TWO_NODES = [{"LOCAL_WORLD_SIZE": "2", "GROUP_RANK": str(r // 2), "LOCAL_RANK": str(r % 2)} for r in range(4)]
 GLOBAL_BATCH = 8
 LR, MOMENTUM = 0.05, 0.9
 
@@ -95,11 +97,14 @@ def build(family: str, rank: int, world_size: int, seed: int, mixed_precision: b
         opt = OSS(module.parameters(), optim=torch.optim.SGD, lr=LR, momentum=MOMENTUM)
         model = ShardedDataParallel(module, opt) if family == "oss_sdp" else DDP(module)
         return Run(family, model, opt, rank, world_size)
-    if family in ("fsdp_nested", "fsdp_noflat"):
+    if family in ("fsdp_nested", "fsdp_noflat", "fsdp_hybrid"):
         from shardkit.nn import FullyShardedDataParallel as FSDP
+        from shardkit.nn.fsdp import ShardingStrategy
 
         options: dict[str, Any] = {"mixed_precision": True, "compute_dtype": torch.bfloat16} if mixed_precision else {}
-        if family == "fsdp_nested":
+        if family == "fsdp_hybrid":  # nodes from LOCAL_WORLD_SIZE; shards in CPU memory (offload)
+            options.update(sharding_strategy=ShardingStrategy.HYBRID_SHARD, cpu_offload=True)
+        if family in ("fsdp_nested", "fsdp_hybrid"):
             module[0] = FSDP(module[0], **options)
             module[2] = FSDP(module[2], **options)
             model = FSDP(module, **options)

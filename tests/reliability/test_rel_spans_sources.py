@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from any_to_any_lib import build, reference, release, train
+from any_to_any_lib import TWO_NODES, build, reference, release, train
 
 from shardkit.checkpoint.adapters.fsdp import FSDPSource
 from shardkit.checkpoint.adapters.slowmo import SlowMoSource
@@ -21,7 +21,13 @@ from shardkit.checkpoint.adapters.smp import SMPSource
 from shardkit.checkpoint.universal.placement import replica_share
 from shardkit.testing import run_distributed
 
-SOURCES = {"fsdp_nested": FSDPSource, "fsdp_noflat": FSDPSource, "smp": SMPSource, "slowmo": SlowMoSource}
+SOURCES = {
+    "fsdp_nested": FSDPSource,
+    "fsdp_noflat": FSDPSource,
+    "fsdp_hybrid": FSDPSource,
+    "smp": SMPSource,
+    "slowmo": SlowMoSource,
+}
 
 
 def _listing(rank: int, world_size: int, family: str) -> dict[str, Any]:
@@ -53,16 +59,20 @@ def _listing(rank: int, world_size: int, family: str) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize(
-    ("family", "world_size"), [("fsdp_nested", 4), ("fsdp_noflat", 2), ("smp", 4), ("smp", 2), ("slowmo", 4)]
+    ("family", "world_size"),
+    [("fsdp_nested", 4), ("fsdp_noflat", 2), ("fsdp_hybrid", 4), ("smp", 4), ("smp", 2), ("slowmo", 4)],
 )
 def test_held_spans_cover_the_model_once_with_its_values(family: str, world_size: int) -> None:
     expected = reference(2)
-    results = run_distributed(_listing, world_size, family, timeout_s=120)
+    env = TWO_NODES if family == "fsdp_hybrid" else None
+    results = run_distributed(_listing, world_size, family, timeout_s=120, rank_env=env)
     covered: dict[str, torch.Tensor] = {k: torch.zeros(v.numel(), dtype=torch.int64) for k, v in expected.items()}
     written: dict[str, torch.Tensor] = {k: torch.zeros(v.numel(), dtype=torch.int64) for k, v in expected.items()}
     for rank, result in enumerate(results):
         assert result["optimizer_on_held"] and result["momentum_shapes_fit"], f"rank {rank}"
         assert result["aliases"] == {}
+        if family == "fsdp_hybrid":  # two nodes hold the same shards: each writes half of them
+            assert {piece[5] for piece in result["pieces"] if piece[0].startswith("0.")} == {2}
         for fqn, shape, start, stop, replica_rank, replica_count, values in result["pieces"]:
             want = expected[fqn]
             assert shape == tuple(want.shape), fqn
