@@ -49,7 +49,7 @@ def resolve_unit_groups(
     process_group = mesh_group(process_group)
     nodes_given = is_hybrid_spec(process_group)
     if nodes_given and strategy is None:
-        strategy = ShardingStrategy.HYBRID_SHARD if reshard_after_forward else ShardingStrategy._HYBRID_SHARD_ZERO2
+        strategy = ShardingStrategy["HYBRID_SHARD" if reshard_after_forward else "_HYBRID_SHARD_ZERO2"]
     if nodes_given:
         assert strategy is not None
         if not strategy.is_hybrid:

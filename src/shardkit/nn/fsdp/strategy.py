@@ -33,7 +33,7 @@ class ShardingStrategy(enum.Enum):
     @property
     def is_hybrid(self) -> bool:
         """True for the strategies that shard inside a node and replicate across nodes."""
-        return self in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+        return self.name in ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")  # torch's leading underscore kept
 
     @property
     def reshards_after_forward(self) -> bool:
