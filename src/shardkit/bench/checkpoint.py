@@ -6,9 +6,10 @@ ShardedDataParallel. For each strategy and rank, measured side by side in one ru
 
 - **save** and **load**: the rise of the process's resident memory (RSS) above what it held just before the call,
   at its peak during ``save_checkpoint`` / ``load_checkpoint`` (the kernel's high-water mark, reset before each
-  phase through ``/proc/self/clear_refs``; where that is not allowed, a 2 ms sampling thread), against the bytes
-  this rank owns (its parameters and optimizer state; for OSS the replicated parameters count once over the
-  ranks, as each writes its share) plus 256 MiB, the target of the universal layout.
+  phase through ``/proc/self/clear_refs``, or else a 2 ms sampling thread; freed heap memory is first returned to
+  the OS with ``malloc_trim``, so a phase cannot hide in memory an earlier one freed), against the bytes this rank
+  holds (its parameters and optimizer state: FSDP its shards, OSS every parameter and its optimizer partition)
+  plus 256 MiB, the bound the universal layout promises.
 - **old way**: the same rise for what shardkit did before the universal layout (FSDP: parameters through DCP and
   the whole optimizer state gathered on rank 0; OSS: ``consolidate_state_dict`` on rank 0 and ``torch.save``).
 - **async save**: how long ``save_checkpoint(..., async_save=True)`` stalls training (until it returns) against
@@ -23,6 +24,9 @@ on a quiet machine.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
+import gc
 import inspect
 import shutil
 import sys
@@ -107,6 +111,14 @@ def _status_kib(field_name: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field_name}")
 
 
+def _release_free_memory() -> None:
+    """Hand freed heap memory back to the OS (glibc's ``malloc_trim``), so RSS before a phase counts only live
+    memory: without it a phase could reuse what an earlier one freed and show no rise at all."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: a rise may then understate such a phase
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
 class PeakRSS:
     """The peak rise of this process's RSS during a ``with`` block (high-water mark or sampled)."""
 
@@ -118,6 +130,7 @@ class PeakRSS:
         self._use_hwm = False
 
     def __enter__(self) -> PeakRSS:
+        _release_free_memory()
         self.before = _status_kib("VmRSS")
         try:  # "5" resets the high-water mark to the current RSS (Linux >= 4.0)
             with open("/proc/self/clear_refs", "w") as f:
@@ -173,10 +186,11 @@ def _step(model: nn.Module, optimizer: torch.optim.Optimizer, s: CheckpointBench
     return time.perf_counter() - start
 
 
-def _owned_bytes(name: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+def _owned_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Parameters and optimizer state this rank holds between steps (FSDP: its shards; OSS: every parameter,
+    which it trains, and its partition of the optimizer state)."""
     memory = training_memory(model, optimizer)
-    params = memory.params if name == "fsdp" else memory.params // dist.get_world_size()
-    return params + memory.optim_state
+    return memory.params + memory.optim_state
 
 
 def _snapshot(model: nn.Module) -> list[torch.Tensor]:
@@ -214,7 +228,7 @@ def _measure(name: str, s: CheckpointBenchSettings, root: Path) -> RankResult:
     model, optimizer = _build(name, s)
     _step(model, optimizer, s, 0)
     result.step_s = _step(model, optimizer, s, 1)
-    result.owned_bytes = _owned_bytes(name, model, optimizer)
+    result.owned_bytes = _owned_bytes(model, optimizer)
     result.baseline_rss = _status_kib("VmRSS")
     saved = _snapshot(model)
     path = root / f"{name}_sync"
@@ -311,10 +325,10 @@ def report(per_rank: list[list[RankResult]], s: CheckpointBenchSettings, world_s
             format_table(
                 [
                     "rank",
-                    "owns",
+                    "holds",
                     "save rise",
                     "load rise",
-                    "worst / (owns+256MiB)",
+                    "worst / (holds+256MiB)",
                     "within",
                     "old-way rise",
                     "old / save",
@@ -337,8 +351,8 @@ def report(per_rank: list[list[RankResult]], s: CheckpointBenchSettings, world_s
                 times,
             ),
             "",
-            "rise: peak RSS during the call minus RSS just before it. owns: parameters this rank holds (OSS: 1/world "
-            "of the replicated parameters, the share it writes) + its optimizer state. old way: FSDP's previous "
+            "rise: peak RSS during the call minus RSS just before it. holds: parameters + optimizer state this rank "
+            "keeps between steps (FSDP: shards; OSS: all parameters + its optimizer partition). old way: FSDP's previous "
             "adapter (optimizer state gathered on rank 0) / OSS consolidate_state_dict + torch.save on rank 0.",
             *notes,
         ]
