@@ -81,6 +81,10 @@ def _metered(rank: int, world_size: int) -> dict:
     with count_comm_bytes() as one_node:
         C.all_reduce(torch.ones(256), label="world")
     out["one_node_inter"] = one_node.total_inter_node_bytes
+    try:
+        set_topology(NodeLayout.contiguous(2, 1))  # ranks 2 and 3 on no node: refused before anything is counted
+    except ValueError as err:
+        out["partial"] = str(err)
     set_topology(topo)
     with comm_delay(0.3, None, scope="inter_node"):
         out["t_node"] = _timed_all_reduce(topo.intra_group, "node")
@@ -99,6 +103,7 @@ def test_meter_and_inter_node_link_on_two_simulated_nodes() -> None:
         for op, wire in got["wire"].items():
             assert got["inter"][op] + got["intra"][op] == wire
         assert got["one_node_inter"] == 0
+        assert "must place every global rank 0..3 of this job on a node" in got["partial"]
         assert got["t_node"] < 0.2 <= 0.3 <= got["t_cross"] + 0.01
 
 

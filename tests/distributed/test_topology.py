@@ -159,3 +159,8 @@ def test_bad_layouts_fail_on_every_rank_before_any_group() -> None:
         assert "same position on their node" in got["crossed"]
         assert all("No process group was created" in got[key] for key in ("differs", "divide", "garbage", "sizes"))
         assert got["created"] == 0 and got["after"] == 4.0
+
+
+def test_harness_needs_one_environment_per_rank() -> None:
+    with pytest.raises(ValueError, match="one dict per rank"):
+        run_distributed(_sums, 2, rank_env=[{}])

@@ -83,6 +83,10 @@ class NodeLayout:
         except KeyError:
             raise ValueError(f"rank {rank} is on none of the nodes {self.nodes}") from None
 
+    def node_of_rank(self) -> dict[int, int]:
+        """``{global rank: node index}`` for every rank of the layout (a copy)."""
+        return dict(self._node_of)
+
     def local_rank_of(self, rank: int) -> int:
         """The position of global ``rank`` on its node."""
         return self.nodes[self.node_of(rank)].index(rank)

@@ -32,6 +32,8 @@ import os
 from collections.abc import Sequence
 from typing import Optional, Union
 
+import torch.distributed as dist
+
 from shardkit.distributed.instrumentation import INSTRUMENTATION
 from shardkit.distributed.topology import NodeLayout, Topology
 
@@ -48,6 +50,13 @@ def set_topology(topology: Union[Topology, NodeLayout, None]) -> None:
     layout = topology.layout if isinstance(topology, Topology) else topology
     if layout is not None and not isinstance(layout, NodeLayout):
         raise TypeError(f"set_topology takes a Topology, a NodeLayout or None, got {type(topology).__name__}")
+    if layout is not None and dist.is_available() and dist.is_initialized():
+        world_size = dist.get_world_size()
+        if sorted(layout.node_of_rank()) != list(range(world_size)):
+            raise ValueError(
+                f"set_topology: the layout {layout.nodes} must place every global rank 0..{world_size - 1} of this "
+                "job on a node (pass the job's Topology, or NodeLayout.contiguous(world_size, nprocs_per_node))"
+            )
     INSTRUMENTATION.node_layout = layout  # replaced whole: readers on any thread see the old or the new one
 
 
