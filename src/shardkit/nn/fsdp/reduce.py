@@ -72,15 +72,17 @@ class PendingReduce:
         return self._replica_work is None or self._replica_work.is_completed()
 
     def _start_replica(self) -> None:
-        """All-reduce the reduced shard over the replica group (after the reduce-scatter has landed)."""
-        if self.work is not None:
-            self.work.wait()
-            self.work = None
+        """All-reduce the reduced shard over the replica group, after the reduce-scatter (on CUDA, queued behind
+        it on the reduce stream, so the compute stream never waits for it here)."""
         replica, self.replica = self.replica, None
         assert replica is not None
-        with contextlib.ExitStack() as stack:  # on CUDA: after the reduce-scatter, on the same side stream
+        with contextlib.ExitStack() as stack:
             if self.stream is not None:
                 stack.enter_context(torch.cuda.stream(self.stream))
+            if self.work is not None:
+                self.work.wait()
+                self.work = None
+            self.full_grad = None  # read by the reduce-scatter only: freed before the slow cross-node part
             self._replica_work = _collectives.all_reduce_replicas(self.grad_shard, replica, self.label)
 
     def finish(self) -> bool:
