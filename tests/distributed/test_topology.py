@@ -104,16 +104,19 @@ def test_subgroup_world_keeps_its_members_per_node() -> None:
 
 def _subworld_even(rank: int, world_size: int) -> object:
     sub = dist.new_group([0, 2])
+    other = dist.new_group([0, 2])  # a second world of the same ranks: its node groups are the first one's
     if rank in (1, 3):
         return None
     topo = Topology.from_env(sub)
-    return topo.layout.nodes, topo.node_rank, topo.nprocs_per_node, _sums(topo, rank)
+    again = Topology.from_env(other)
+    shared = again.intra_group is topo.intra_group and again.inter_group is other
+    return topo.layout.nodes, topo.node_rank, topo.nprocs_per_node, _sums(topo, rank), shared, _sums(again, rank)
 
 
 def test_subgroup_world_one_rank_per_node() -> None:
     results = run_distributed(_subworld_even, 4, rank_env=TWO_NODES)
-    assert results[0] == (((0,), (2,)), 0, 1, (0.0, 2.0))
-    assert results[2] == (((0,), (2,)), 1, 1, (2.0, 2.0))
+    assert results[0] == (((0,), (2,)), 0, 1, (0.0, 2.0), True, (0.0, 2.0))
+    assert results[2] == (((0,), (2,)), 1, 1, (2.0, 2.0), True, (2.0, 2.0))
 
 
 def _refuse(build) -> str:

@@ -150,6 +150,21 @@ class _GroupCache:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._entries: dict[tuple[int, tuple[tuple[int, ...], ...]], tuple[Any, Any, Any]] = {}
+        self._members_only: dict[tuple[int, ...], Any] = {}
+
+    def members_only_group(self, ranks: tuple[int, ...]) -> Any:
+        """The group of exactly ``ranks`` created with ``use_local_synchronization`` (only its members call).
+
+        torch names such a group after its ranks, so creating the same ranks twice would make the second group
+        meet in the first one's store keys; one group per rank set is created and then reused.
+        """
+        with self._lock:
+            group = self._members_only.get(ranks)
+        if group is None:
+            group = dist.new_group(list(ranks), use_local_synchronization=True)
+            with self._lock:
+                self._members_only[ranks] = group
+        return group
 
     def get(self, world: GroupLike, layout: NodeLayout) -> Optional[tuple[Any, Any]]:
         with self._lock:
@@ -192,13 +207,17 @@ def create_groups(world: GroupLike, layout: NodeLayout, rank: int) -> tuple[Grou
         return cached
     assert isinstance(world, dist.ProcessGroup)
     world_ranks = set(dist.get_process_group_ranks(world))
-    local_sync = world is not dist.group.WORLD
+    whole_job = world is dist.group.WORLD
     mine: list[Any] = []
     for ranks in (*layout.nodes, *layout.inter_node_ranks()):
         if set(ranks) == world_ranks:
             created: Any = world
+        elif whole_job:
+            created = dist.new_group(list(ranks))
+        elif rank in ranks:
+            created = GROUP_CACHE.members_only_group(tuple(ranks))
         else:
-            created = dist.new_group(list(ranks), use_local_synchronization=local_sync)
+            continue  # members-only creation: ranks outside the new group do not take part
         if rank in ranks:
             mine.append(created)
     intra, inter = mine  # this rank is in exactly one node group and one cross-node group
