@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from shardkit.bench.checkpoint import PeakRSS, run
+from shardkit.bench.checkpoint import run
+from shardkit.bench.rss import PeakRSS
 
 
 def test_quick_run_reports_every_rank(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -24,14 +24,10 @@ on a quiet machine.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
-import gc
 import inspect
 import shutil
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -43,6 +39,7 @@ from torch import nn
 
 from shardkit.bench.memory import format_bytes, training_memory
 from shardkit.bench.report import format_table, ratio, write_json
+from shardkit.bench.rss import PeakRSS, current_rss
 from shardkit.bench.runner import quiet_torch_deprecations
 from shardkit.distributed import collectives as C
 from shardkit.launch import launch_local
@@ -101,58 +98,6 @@ class RankResult:
     async_total_s: Optional[float] = None
     loaded_equal: bool = False
     notes: list[str] = field(default_factory=list)
-
-
-def _status_kib(field_name: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field_name + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/self/status has no {field_name}")
-
-
-def _release_free_memory() -> None:
-    """Hand freed heap memory back to the OS (glibc's ``malloc_trim``), so RSS before a phase counts only live
-    memory: without it a phase could reuse what an earlier one freed and show no rise at all."""
-    gc.collect()
-    with contextlib.suppress(OSError, AttributeError):  # not glibc: a rise may then understate such a phase
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-
-class PeakRSS:
-    """The peak rise of this process's RSS during a ``with`` block (high-water mark or sampled)."""
-
-    def __init__(self) -> None:
-        self.rise = 0
-        self._stop = threading.Event()
-        self._sampled = 0
-        self._thread: Optional[threading.Thread] = None
-        self._use_hwm = False
-
-    def __enter__(self) -> PeakRSS:
-        _release_free_memory()
-        self.before = _status_kib("VmRSS")
-        try:  # "5" resets the high-water mark to the current RSS (Linux >= 4.0)
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-            self._use_hwm = _status_kib("VmHWM") <= self.before + 4 * 1024**2
-        except OSError:
-            self._use_hwm = False
-        self._sampled = self.before
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def _sample(self) -> None:
-        while not self._stop.wait(0.002):
-            self._sampled = max(self._sampled, _status_kib("VmRSS"))
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        assert self._thread is not None
-        self._thread.join()
-        peak = max(self._sampled, _status_kib("VmHWM") if self._use_hwm else 0, _status_kib("VmRSS"))
-        self.rise = max(0, peak - self.before)
 
 
 def _model(s: CheckpointBenchSettings) -> nn.Module:
@@ -229,7 +174,7 @@ def _measure(name: str, s: CheckpointBenchSettings, root: Path) -> RankResult:
     _step(model, optimizer, s, 0)
     result.step_s = _step(model, optimizer, s, 1)
     result.owned_bytes = _owned_bytes(model, optimizer)
-    result.baseline_rss = _status_kib("VmRSS")
+    result.baseline_rss = current_rss()
     saved = _snapshot(model)
     path = root / f"{name}_sync"
     result.save_s, result.save_rise = _timed(lambda: save_checkpoint(path, step=1, model=model, optimizer=optimizer))
@@ -255,10 +200,10 @@ def _async(result: RankResult, model: nn.Module, optimizer: Any, s: CheckpointBe
     if "async_save" not in inspect.signature(checkpoint.save_checkpoint).parameters:
         result.notes.append("save_checkpoint has no async_save here")
         return
-    wait: Callable[[], Any] = checkpoint.wait_for_checkpoint  # type: ignore[attr-defined]
+    wait: Callable[[], Any] = checkpoint.wait_for_checkpoint
     C.barrier(None, "bench checkpoint: async")
     start = time.perf_counter()
-    checkpoint.save_checkpoint(path, step=2, model=model, optimizer=optimizer, async_save=True)  # type: ignore[call-arg]
+    checkpoint.save_checkpoint(path, step=2, model=model, optimizer=optimizer, async_save=True)
     result.async_stall_s = time.perf_counter() - start
     result.async_step_s = _step(model, optimizer, s, 3)
     wait()
@@ -352,8 +297,9 @@ def report(per_rank: list[list[RankResult]], s: CheckpointBenchSettings, world_s
             ),
             "",
             "rise: peak RSS during the call minus RSS just before it. holds: parameters + optimizer state this rank "
-            "keeps between steps (FSDP: shards; OSS: all parameters + its optimizer partition). old way: FSDP's previous "
-            "adapter (optimizer state gathered on rank 0) / OSS consolidate_state_dict + torch.save on rank 0.",
+            "keeps between steps (FSDP: shards; OSS: all parameters + its optimizer partition). old way: FSDP's "
+            "previous adapter (optimizer state gathered on rank 0) / OSS consolidate_state_dict + torch.save on "
+            "rank 0.",
             *notes,
         ]
     )
