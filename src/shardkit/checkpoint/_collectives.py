@@ -29,8 +29,8 @@ _ERROR_TYPES: dict[str, type[errors.CheckpointError]] = {
 }
 
 
-def _active() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+def _active(group: Optional[dist.ProcessGroup] = None) -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
 
 
 def rank_and_size() -> tuple[int, int]:
@@ -40,27 +40,27 @@ def rank_and_size() -> tuple[int, int]:
     return 0, 1
 
 
-def barrier(label: str) -> None:
-    """Wait for every rank."""
-    if _active():
-        collectives.barrier(label=f"checkpoint.{label}")
+def barrier(label: str, group: Optional[dist.ProcessGroup] = None) -> None:
+    """Wait for every rank (of ``group``, default the world)."""
+    if _active(group):
+        collectives.barrier(group, label=f"checkpoint.{label}")
 
 
-def broadcast_from_zero(obj: Any, label: str) -> Any:
+def broadcast_from_zero(obj: Any, label: str, group: Optional[dist.ProcessGroup] = None) -> Any:
     """Rank 0's ``obj`` on every rank."""
-    if not _active():
+    if not _active(group):
         return obj
-    return broadcast_object(obj, 0, None, label=f"checkpoint.{label}")
+    return broadcast_object(obj, 0, group, label=f"checkpoint.{label}")
 
 
-def all_gather(obj: Any, label: str) -> list[Any]:
+def all_gather(obj: Any, label: str, group: Optional[dist.ProcessGroup] = None) -> list[Any]:
     """Every rank's ``obj``, in rank order."""
-    if not _active():
+    if not _active(group):
         return [obj]
-    return all_gather_objects(obj, None, f"checkpoint.{label}")
+    return all_gather_objects(obj, group, f"checkpoint.{label}")
 
 
-def agreed(fn: Callable[[], T], label: str) -> T:
+def agreed(fn: Callable[[], T], label: str, group: Optional[dist.ProcessGroup] = None) -> T:
     """Run ``fn`` on every rank, then raise on every rank if it raised on any.
 
     Keeps ranks in step: a rank whose file is bad must not leave the others waiting in the next collective. The
@@ -74,7 +74,7 @@ def agreed(fn: Callable[[], T], label: str) -> T:
     except Exception as err:  # every failure must reach the agreement, whatever its type
         own = err
     report = None if own is None else (type(own).__name__, str(own))
-    reports = all_gather(report, label)
+    reports = all_gather(report, label, group)
     failures = [(rank, r) for rank, r in enumerate(reports) if r is not None]
     if not failures:
         return result

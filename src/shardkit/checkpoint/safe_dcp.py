@@ -135,6 +135,24 @@ def load(state: dict[str, Any], path: Path) -> None:
         raise _explain(err, path) from err
 
 
+def load_planned(path: Path, planner: Any, process_group: Any = None) -> None:
+    """Run DCP's load of ``path`` with ``planner`` (which says what to read and where) through the safe reader.
+
+    Collective over ``process_group`` (default: the world). A failure on any rank raises our error types on every
+    rank."""
+    try:
+        with _single_process_is_intended():
+            dcp.load(
+                {},
+                storage_reader=SafeFileSystemReader(path),
+                planner=planner,
+                process_group=process_group,
+                no_dist=_no_dist(),
+            )
+    except CheckpointException as err:
+        raise _explain(err, path) from err
+
+
 def _explain(err: CheckpointException, path: Path) -> Exception:
     """DCP gathers every rank's failure into one exception; surface the first, keeping our error types."""
     failures = [f[0] if isinstance(f, tuple) else f for f in err.failures.values()]
@@ -155,4 +173,4 @@ def _single_process_is_intended() -> Iterator[None]:
         yield
 
 
-__all__ = ["SafeFileSystemReader", "SafeLoadPlanner", "global_shapes", "load", "read_metadata", "save"]
+__all__ = ["SafeFileSystemReader", "SafeLoadPlanner", "global_shapes", "load", "load_planned", "read_metadata", "save"]

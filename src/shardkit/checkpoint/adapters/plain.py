@@ -1,13 +1,22 @@
-"""A plain module or a torch ``DistributedDataParallel`` model with a ``torch.optim`` optimizer (full layout)."""
+"""A plain module or a torch ``DistributedDataParallel`` model with a ``torch.optim`` optimizer.
+
+:class:`PlainSource` saves and loads the universal layout; :class:`PlainAdapter` reads checkpoints of the old
+"full" layout.
+"""
 
 from __future__ import annotations
 
 from typing import Any, Optional
 
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from shardkit.checkpoint.adapters.full import FullStateAdapter
+from shardkit.checkpoint.universal.source import Held, UniversalSource
+from shardkit.checkpoint.universal.whole import whole_tensors
+from shardkit.distributed.groups import group_rank, group_size
 
 
 class PlainAdapter(FullStateAdapter):
@@ -26,3 +35,40 @@ class PlainAdapter(FullStateAdapter):
         if isinstance(self.model, DistributedDataParallel):
             return self.model.module
         return self.model
+
+
+class PlainSource(UniversalSource):
+    """A plain module or torch DDP with any ``torch.optim`` optimizer: whole tensors on every rank.
+
+    Under DDP the replicas split the writing (each rank writes ``1 / world`` of every tensor); a plain module in a
+    job with a process group is taken to be the same on every rank (as it is when trained identically).
+
+    Example::
+
+        source = PlainSource(ddp_model, torch.optim.AdamW(ddp_model.parameters()))
+        [h.spans[0].fqn for h in source.held()]   # the unwrapped model's state-dict names
+    """
+
+    def __init__(self, model: nn.Module, optimizer: Optional[Any]) -> None:
+        self.model, self.optimizer = model, optimizer
+        self.strategy = "ddp" if isinstance(model, DistributedDataParallel) else "plain"
+        group = model.process_group if isinstance(model, DistributedDataParallel) else None
+        rank, size = (group_rank(group), group_size(group)) if dist.is_available() and dist.is_initialized() else (0, 1)
+        module = model.module if isinstance(model, DistributedDataParallel) else model
+        self._held, self._aliases = whole_tensors(module, rank, size)
+
+    @staticmethod
+    def handles(model: nn.Module, optimizer: Optional[Any]) -> bool:
+        """Any module (the fallback)."""
+        return True
+
+    def held(self) -> list[Held]:
+        return self._held
+
+    def local_optimizer(self) -> Optional[torch.optim.Optimizer]:
+        if self.optimizer is not None and not isinstance(self.optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(self.optimizer).__name__}")
+        return self.optimizer
+
+    def aliases(self) -> dict[str, str]:
+        return dict(self._aliases)

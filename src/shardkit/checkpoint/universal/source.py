@@ -24,7 +24,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -133,6 +133,32 @@ class UniversalSource(abc.ABC):
 
         Its state is read by parameter identity (``optimizer.state[param]``) and ``param_groups``; no other
         attribute is used, so a shadow optimizer over copies is fine on save."""
+
+    def optimizer_replicas(self) -> Optional[tuple[int, int]]:
+        """``(replica_rank, replica_count)`` for writing the optimizer state, where it is replicated differently
+        from the held tensors (OSS: every rank holds the model, one rank per shard group holds a parameter's
+        state). None (the default): the held tensor's replicas."""
+        return None
+
+    def group_fqns(self) -> Optional[list[list[str]]]:
+        """Per param group of :meth:`local_optimizer`, the names of all its parameters on every rank, or None.
+
+        Needed where a rank's share of a group can be empty (OSS partitions): the group's saved settings are then
+        found by these names. None (the default): the names of the spans of the group's local parameters."""
+        return None
+
+    def group_settings(self) -> Optional[list[dict[str, Any]]]:
+        """Per param group of :meth:`local_optimizer`, the settings to save (lr, betas, ...; "params" ignored),
+        where a wrapper's own groups are the up-to-date ones (OSS). None (the default): the local optimizer's."""
+        return None
+
+    def load_optimizer(self, state_dict: dict[str, Any]) -> None:
+        """Load the optimizer state the engine built for :meth:`local_optimizer` (a ``torch.optim`` state dict,
+        parameters numbered in the local optimizer's order). Override where the local optimizer is owned by a
+        wrapper that must load it itself."""
+        optimizer = self.local_optimizer()
+        if optimizer is not None:
+            optimizer.load_state_dict(state_dict)
 
     def aliases(self) -> dict[str, str]:
         """Tied names: alias fqn -> the fqn stored in the checkpoint (default none)."""

@@ -1,0 +1,128 @@
+"""Loading the universal layout into any source, at any world size: validate everything, then read in place.
+
+:func:`held_names` is what a rank can account for (its held names and tied aliases); the ranks gather these so
+:func:`plan_load` can refuse a checkpoint holding a tensor no rank of this job has. :func:`plan_load` runs on each
+rank alone, with no collectives: it resolves names (ties), checks every key, full shape and chunk coverage, the
+files it needs, and the optimizer's groups and state, and returns a :class:`PendingLoad` whose ``fetch`` (a
+collective) reads the boxes straight into the held tensors and the optimizer buffers, and whose ``apply`` loads the
+optimizer and runs the source's hooks.
+
+An I/O error during ``fetch`` (a disk failing after validation; with ``verify=True`` every file's digest was
+already checked) raises :class:`CorruptCheckpointError` on every rank and leaves the model partially read: load
+again or start from another checkpoint. The optimizer, scaler and RNG are untouched in that case.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Optional
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import Metadata
+
+from shardkit.checkpoint import safe_dcp
+from shardkit.checkpoint.adapters.base import PendingLoad
+from shardkit.checkpoint.errors import IncompatibleCheckpointError
+from shardkit.checkpoint.metadata import CheckpointMeta
+from shardkit.checkpoint.universal.layout import DCP_DIR
+from shardkit.checkpoint.universal.optim_state import OptimizerLoadPlan, plan_optimizer_load
+from shardkit.checkpoint.universal.placement import MODEL_PREFIX, Placement, model_key
+from shardkit.checkpoint.universal.plans import UniversalLoadPlanner, check_pieces, pieces_for
+from shardkit.checkpoint.universal.side import read_all
+from shardkit.checkpoint.universal.source import Held, UniversalSource
+
+
+def held_names(source: UniversalSource, held: list[Held]) -> list[str]:
+    """Every name this rank accounts for: its spans' names and both sides of its ties."""
+    names = {span.fqn for h in held for span in h.spans}
+    for alias, target in source.aliases().items():
+        names.update((alias, target))
+    return sorted(names)
+
+
+def stored_names(metadata: Metadata) -> set[str]:
+    """The parameter and buffer names a universal store holds."""
+    return {k[len(MODEL_PREFIX) :] for k in metadata.state_dict_metadata if k.startswith(MODEL_PREFIX)}
+
+
+def name_resolver(aliases: dict[str, str], stored: set[str], where: Path) -> Callable[[str], str]:
+    """Maps a name of this model to the name the checkpoint stores it under (a tie may be stored by either name)."""
+    tied: dict[str, set[str]] = {}
+    for alias, target in aliases.items():
+        group = tied.get(alias, {alias}) | tied.get(target, {target})
+        for name in group:
+            tied[name] = group
+
+    def resolve(name: str) -> str:
+        if name in stored:
+            return name
+        for other in sorted(tied.get(name, ())):
+            if other in stored:
+                return other
+        few = ", ".join(f"'{n}'" for n in sorted(stored)[:4])
+        raise IncompatibleCheckpointError(
+            f"{where}: this model's '{name}' is not in the checkpoint (which holds {len(stored)} tensors, e.g. "
+            f"{few}); it was saved from another model. Load it into the model that saved it."
+        )
+
+    return resolve
+
+
+def plan_load(
+    directory: Path,
+    meta: CheckpointMeta,
+    source: UniversalSource,
+    held: list[Held],
+    job_names: set[str],
+    rank: int,
+    group: Optional[dist.ProcessGroup] = None,
+) -> PendingLoad:
+    """Validate this rank's part of the checkpoint against ``source`` and plan reading it; changes nothing.
+
+    ``job_names`` is the union of :func:`held_names` over the ranks of the loading job."""
+    store = directory / DCP_DIR
+    metadata = safe_dcp.read_metadata(store)
+    stored = stored_names(metadata)
+    unknown = sorted(stored - job_names)
+    if unknown:
+        raise IncompatibleCheckpointError(
+            f"{directory} holds '{unknown[0]}' (and {len(unknown) - 1} more tensors) that this model does not have; "
+            "it was saved from another model. Load it into the model that saved it."
+        )
+    resolve = name_resolver(source.aliases(), stored, directory)
+    placements: list[Placement] = []
+    what: dict[str, str] = {}
+    for h in held:
+        for span in h.spans:
+            key = model_key(resolve(span.fqn))
+            placements.append(
+                Placement(key, span.shape, h.tensor.dtype, span.start, span.stop, h.tensor, span.local_offset)
+            )
+            what[key] = f"parameter or buffer '{span.fqn}'"
+    optimizer_plan: Optional[OptimizerLoadPlan] = None
+    optimizer = source.local_optimizer()
+    if optimizer is not None:
+        if not meta.has_optimizer:
+            raise IncompatibleCheckpointError(
+                f"{directory} holds no optimizer state (it was saved without an optimizer); load it with "
+                "optimizer=None and start the optimizer afresh"
+            )
+        optimizer_plan = plan_optimizer_load(source, held, optimizer, metadata, read_all(directory), resolve)
+        placements += optimizer_plan.placements
+        what.update(optimizer_plan.what)
+    pieces = pieces_for(placements)
+    check_pieces(pieces, metadata, store, what)
+    after_extra = source.read_extra(directory, meta, rank)
+
+    def fetch() -> None:
+        safe_dcp.load_planned(store, UniversalLoadPlanner(pieces), group)
+
+    def apply() -> None:
+        if optimizer_plan is not None:
+            source.load_optimizer(optimizer_plan.state_dict())
+        if after_extra is not None:
+            after_extra()
+        source.after_load()
+
+    return PendingLoad(apply=apply, fetch=fetch)

@@ -1,0 +1,212 @@
+"""DCP save and load planners for the universal layout: one DCP chunk per memory-contiguous box.
+
+A :class:`Piece` is one box of one layout key with the local tensor view that holds it. Saving, every piece a rank
+writes becomes a ``WriteItem`` whose chunk carries the box's offsets and sizes and the key's full shape, so the
+store is an ordinary DCP checkpoint of full-shaped tensors. Loading, every piece a rank needs is matched against
+whatever chunks were saved (any world size, any strategy) with torch's chunk-overlap helper, and DCP copies each
+overlap straight into the piece's view: no rank ever builds a full tensor it does not hold; DCP's per-item read
+buffer is the only staging.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from shardkit.checkpoint.errors import CorruptCheckpointError, IncompatibleCheckpointError
+from shardkit.checkpoint.universal.placement import Placement
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One box of layout key ``key`` (full shape ``shape``) and the local view ``tensor`` shaped like the box."""
+
+    key: str
+    shape: torch.Size
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    tensor: torch.Tensor
+
+    @property
+    def numel(self) -> int:
+        """Number of elements in the box."""
+        return math.prod(self.sizes)
+
+
+def pieces_of(placement: Placement) -> list[Piece]:
+    """The boxes of ``placement`` with their views of its local tensor (an empty tensor: one empty box)."""
+    if math.prod(placement.shape) == 0:
+        empty = placement.local.detach().reshape(-1)[:0].reshape(placement.shape)
+        return [Piece(placement.key, placement.shape, (0,) * len(placement.shape), tuple(placement.shape), empty)]
+    return [
+        Piece(placement.key, placement.shape, box.offsets, box.sizes, view.detach()) for box, view in placement.boxes()
+    ]
+
+
+def pieces_for(placements: Iterable[Placement]) -> list[Piece]:
+    """Every box of every placement."""
+    return [piece for placement in placements for piece in pieces_of(placement)]
+
+
+class UniversalSavePlanner(DefaultSavePlanner):
+    """Writes exactly the given pieces, each as a DCP chunk of its key (the state dict handed to DCP is empty)."""
+
+    def __init__(self, pieces: Sequence[Piece]) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self._pieces = {(p.key, tuple(p.offsets)): p for p in pieces}
+        if len(self._pieces) != len(pieces):
+            raise ValueError("two pieces of the same key start at the same offsets: the placements overlap")
+
+    def set_up_planner(self, state_dict: Any, storage_meta: Any = None, is_coordinator: bool = False) -> None:
+        self.state_dict = {}
+        self.is_coordinator = is_coordinator
+
+    def create_local_plan(self) -> SavePlan:
+        items = []
+        for piece in self._pieces.values():
+            offsets = torch.Size(piece.offsets)
+            items.append(
+                WriteItem(
+                    index=MetadataIndex(piece.key, offsets),
+                    type=WriteItemType.SHARD,
+                    tensor_data=TensorWriteData(
+                        chunk=ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(piece.sizes)),
+                        properties=TensorProperties(dtype=piece.tensor.dtype),
+                        size=piece.shape,
+                    ),
+                )
+            )
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
+        return self._pieces[(write_item.index.fqn, tuple(write_item.index.offset or ()))].tensor
+
+
+class UniversalLoadPlanner(LoadPlanner):
+    """Reads exactly the given pieces (each a view to fill) from whatever chunks the store holds."""
+
+    def __init__(self, pieces: Sequence[Piece]) -> None:
+        self._by_key: dict[str, list[Piece]] = defaultdict(list)
+        for piece in pieces:
+            self._by_key[piece.key].append(piece)
+        self._metadata: Optional[Metadata] = None
+
+    def set_up_planner(
+        self, state_dict: Any, metadata: Optional[Metadata] = None, is_coordinator: bool = False
+    ) -> None:
+        self._metadata = metadata
+
+    def create_local_plan(self) -> LoadPlan:
+        assert self._metadata is not None
+        items: list[ReadItem] = []
+        for key, pieces in self._by_key.items():
+            entry = self._metadata.state_dict_metadata[key]
+            assert isinstance(entry, TensorStorageMetadata)
+            chunks = [ChunkStorageMetadata(torch.Size(p.offsets), torch.Size(p.sizes)) for p in pieces if p.numel]
+            items += create_read_items_for_chunk_list(key, entry, chunks)
+        return LoadPlan(items)
+
+    def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
+        return global_plan
+
+    def finish_plan(self, central_plan: LoadPlan) -> LoadPlan:
+        return central_plan
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        raise CorruptCheckpointError(f"entry {read_item.dest_index.fqn} is not a tensor; the universal layout has none")
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        nonempty = [p for p in self._by_key[read_item.dest_index.fqn] if p.numel]
+        index = read_item.dest_index.index
+        assert index is not None
+        view = nonempty[index].tensor
+        for dim, (offset, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+            view = view.narrow(dim, offset, length)
+        return view
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        return None
+
+
+def _overlap(a_off: Sequence[int], a_size: Sequence[int], b_off: Sequence[int], b_size: Sequence[int]) -> int:
+    volume = 1
+    for ao, asz, bo, bsz in zip(a_off, a_size, b_off, b_size):
+        volume *= max(0, min(ao + asz, bo + bsz) - max(ao, bo))
+    return volume
+
+
+def check_pieces(pieces: Iterable[Piece], metadata: Metadata, store: Path, what: dict[str, str]) -> None:
+    """Refuse, before anything is read, pieces the store cannot fill.
+
+    Checks per piece: its key is stored as a tensor of the same full shape, the saved chunks cover the whole box,
+    and every chunk it needs sits in a file that exists and is long enough. ``what`` maps a key to how to name
+    it in an error (e.g. which parameter of this model asked for it).
+    """
+    storage = getattr(metadata, "storage_data", None) or {}
+    for piece in pieces:
+        entry = metadata.state_dict_metadata.get(piece.key)
+        name = what.get(piece.key, piece.key)
+        if entry is None:
+            raise IncompatibleCheckpointError(
+                f"{store}: {name} needs key '{piece.key}', which the checkpoint does not hold; it was saved from "
+                "another model (or without this state). Load it into the model that saved it."
+            )
+        if not isinstance(entry, TensorStorageMetadata):
+            raise CorruptCheckpointError(f"{store}: key '{piece.key}' is not a tensor")
+        if tuple(entry.size) != tuple(piece.shape):
+            raise IncompatibleCheckpointError(
+                f"{store}: {name} has shape {tuple(piece.shape)} here but the checkpoint's '{piece.key}' has shape "
+                f"{tuple(entry.size)}; load it into a model of the same configuration"
+            )
+        covered = 0
+        for chunk in entry.chunks:
+            shared = _overlap(piece.offsets, piece.sizes, chunk.offsets, chunk.sizes) if piece.sizes else 1
+            if shared == 0:
+                continue
+            covered += shared
+            _check_chunk_file(store, storage, MetadataIndex(piece.key, chunk.offsets))
+        if covered < piece.numel:
+            raise CorruptCheckpointError(
+                f"{store}: the saved chunks of '{piece.key}' cover only {covered} of the {piece.numel} elements at "
+                f"offsets {piece.offsets} (sizes {piece.sizes}) that {name} needs: a shard is missing"
+            )
+
+
+def _check_chunk_file(store: Path, storage: dict[Any, Any], index: MetadataIndex) -> None:
+    info = storage.get(index)
+    if info is None:
+        return  # torch's reader raises for it; the index is its own authority on where chunks live
+    relative = Path(str(info.relative_path))
+    if relative.is_absolute() or ".." in relative.parts:
+        raise CorruptCheckpointError(f"{store}: the DCP index points outside the checkpoint ({relative})")
+    file = store / relative
+    if not file.is_file():
+        raise CorruptCheckpointError(f"{file} is missing: a shard of '{index.fqn}' was deleted or never written")
+    if file.stat().st_size < int(info.offset) + int(info.length):
+        raise CorruptCheckpointError(f"{file} is shorter than the DCP index says: it is truncated")

@@ -1,0 +1,45 @@
+"""Which :class:`UniversalSource` saves and loads a model and optimizer.
+
+The strategy is recognised by the same type dispatch as the legacy adapters (:func:`adapter_for`); each
+strategy's source lives beside its legacy adapter, one file per strategy, as a class with a ``(model, optimizer)``
+constructor: ``FSDPSource`` in ``shardkit.checkpoint.adapters.fsdp``, ``SMPSource`` in ``.smp``, ``SlowMoSource``
+in ``.slowmo``, ``OSSSource`` in ``.oss`` and ``PlainSource`` in ``.plain``. A strategy whose module does not
+define its source (yet) is saved in its legacy layout: :func:`source_for` returns None.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Optional
+
+from torch import nn
+
+from shardkit.checkpoint.universal.source import UniversalSource
+
+#: Legacy adapter class name -> (module, class name) of the strategy's universal source.
+STRATEGY_SOURCES: dict[str, tuple[str, str]] = {
+    "FSDPAdapter": ("shardkit.checkpoint.adapters.fsdp", "FSDPSource"),
+    "SMPAdapter": ("shardkit.checkpoint.adapters.smp", "SMPSource"),
+    "SlowMoAdapter": ("shardkit.checkpoint.adapters.slowmo", "SlowMoSource"),
+    "OSSAdapter": ("shardkit.checkpoint.adapters.oss", "OSSSource"),
+    "PlainAdapter": ("shardkit.checkpoint.adapters.plain", "PlainSource"),
+}
+
+
+def source_for(model: nn.Module, optimizer: Optional[Any]) -> Optional[UniversalSource]:
+    """The universal source for ``model`` and ``optimizer``, or None when their strategy has none yet.
+
+    Example::
+
+        source = source_for(ddp_model, optimizer)   # a PlainSource
+    """
+    from shardkit.checkpoint.adapters import adapter_for  # imported here: the adapters import the universal layout
+
+    entry = STRATEGY_SOURCES.get(type(adapter_for(model, optimizer)).__name__)
+    if entry is None:
+        return None
+    cls = getattr(importlib.import_module(entry[0]), entry[1], None)
+    if cls is None:
+        return None
+    source: UniversalSource = cls(model, optimizer)
+    return source

@@ -1,0 +1,128 @@
+"""Saving the universal layout: a source's held tensors and optimizer state become DCP boxes and side files.
+
+:func:`stage` asks the source what this rank writes (its share of every span) and, for an asynchronous save,
+copies exactly those boxes into host memory; :func:`write_staged` writes them as one DCP store (a collective
+over the given process group) plus this rank's optimizer side file. Nothing here touches ``meta.json``: the
+orchestration in :mod:`shardkit.checkpoint.api` hashes and publishes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException, FileSystemWriter
+
+from shardkit.checkpoint.errors import CheckpointError
+from shardkit.checkpoint.universal.layout import DCP_DIR
+from shardkit.checkpoint.universal.optim_state import optimizer_placements, spanned_placements
+from shardkit.checkpoint.universal.placement import Placement, model_key
+from shardkit.checkpoint.universal.plans import Piece, UniversalSavePlanner, pieces_for
+from shardkit.checkpoint.universal.side import SideState
+from shardkit.checkpoint.universal.source import Held, UniversalSource
+
+
+@dataclass
+class Staged:
+    """What one rank writes: its boxes and its optimizer side file (None without an optimizer)."""
+
+    pieces: list[Piece]
+    side: Optional[SideState]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of tensor data this rank writes."""
+        return sum(p.tensor.numel() * p.tensor.element_size() for p in self.pieces)
+
+
+def model_placements(held: list[Held]) -> list[Placement]:
+    """This replica's share of every held tensor, keyed ``model/<fqn>``."""
+    return [p for h in held for p in spanned_placements(model_key, h, h.tensor)]
+
+
+def check_held(held: list[Held], strategy: str) -> None:
+    """Refuse held tensors whose spans overlap another's (two tensors claiming the same elements on one rank)."""
+    seen: dict[str, list[tuple[int, int]]] = {}
+    for h in held:
+        for span in h.spans:
+            for lo, hi in seen.get(span.fqn, []):
+                if span.start < hi and lo < span.stop:
+                    raise CheckpointError(
+                        f"the {strategy} checkpoint source reports elements [{max(lo, span.start)}, "
+                        f"{min(hi, span.stop)}) of '{span.fqn}' in two held tensors; each element is held once per rank"
+                    )
+            seen.setdefault(span.fqn, []).append((span.start, span.stop))
+
+
+def stage(source: UniversalSource, *, copy: bool) -> Staged:
+    """What this rank writes; with ``copy``, every box copied to host memory (the live state may change after).
+
+    Call after ``source.before_save()``; the caller calls ``source.after_save()`` once the pieces are written
+    (or, with ``copy``, right after this returns)."""
+    held = source.held()
+    check_held(held, source.strategy)
+    placements = model_placements(held)
+    side: Optional[SideState] = None
+    optimizer = source.local_optimizer()
+    if optimizer is not None:
+        more, side = optimizer_placements(source, held, optimizer)
+        placements += more
+    pieces = pieces_for(placements)
+    if copy:
+        pieces = [dataclasses.replace(p, tensor=_host_copy(p.tensor)) for p in pieces]
+        if any(p.tensor.is_cuda for p in pieces):
+            torch.cuda.synchronize()
+    return Staged(pieces, side)
+
+
+def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A host copy; pinned and asynchronous when the tensor is on CUDA (the caller synchronises once)."""
+    if tensor.is_cuda:
+        out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        out.copy_(tensor.detach(), non_blocking=True)
+        return out
+    return tensor.detach().to("cpu", copy=True)
+
+
+def write_staged(directory: Path, staged: Staged, group: Optional[dist.ProcessGroup]) -> None:
+    """Write the DCP store: a collective over ``group`` (default the world; no process group: this process alone).
+
+    Every rank must reach it (run :func:`write_local` inside an agreement first); DCP itself gathers any rank's
+    failure and raises on all of them."""
+    store = directory / DCP_DIR
+    writer = FileSystemWriter(store, sync_files=True)
+    try:
+        with _single_process_is_intended():
+            dcp.save(
+                {},
+                storage_writer=writer,
+                planner=UniversalSavePlanner(staged.pieces),
+                process_group=group,
+                no_dist=not (dist.is_available() and dist.is_initialized()),
+            )
+    except CheckpointException as err:
+        failures = [f[0] if isinstance(f, tuple) else f for f in err.failures.values()]
+        first = failures[0] if failures else err
+        raise CheckpointError(f"writing {store} failed: {type(first).__name__}: {first}") from err
+
+
+def write_local(directory: Path, staged: Staged, rank: int) -> None:
+    """This rank's files besides the DCP store (its optimizer side file); creates the store's folder."""
+    (directory / DCP_DIR).mkdir(parents=True, exist_ok=True)
+    if staged.side is not None:
+        staged.side.write(directory, rank)
+
+
+@contextlib.contextmanager
+def _single_process_is_intended() -> Iterator[None]:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield

@@ -1,0 +1,33 @@
+"""Sources whose ranks hold whole tensors: every parameter and buffer of a module under its state-dict name."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from shardkit.checkpoint.errors import CheckpointError
+from shardkit.checkpoint.universal.source import Held, Span
+
+
+def whole_tensors(module: nn.Module, replica_rank: int, replica_count: int) -> tuple[list[Held], dict[str, str]]:
+    """Every tensor of ``module.state_dict()`` as one whole span, and the tied names.
+
+    A tensor reachable under several names (tied weights) is held once, under its first name; the other names
+    become aliases of it, so every strategy stores a tie once, whichever name it keeps.
+    """
+    held: list[Held] = []
+    aliases: dict[str, str] = {}
+    first_name: dict[int, str] = {}
+    for name, value in module.state_dict(keep_vars=True).items():
+        if not hasattr(value, "shape") or not hasattr(value, "numel"):
+            raise CheckpointError(
+                f"state-dict entry '{name}' of {type(module).__name__} is a {type(value).__name__} (module extra "
+                "state); the universal checkpoint layout stores tensors only"
+            )
+        known = first_name.get(id(value))
+        if known is not None:
+            aliases[name] = known
+            continue
+        first_name[id(value)] = name
+        span = Span(name, value.shape, 0, value.numel())
+        held.append(Held(value, (span,), replica_rank, replica_count))
+    return held, aliases
