@@ -34,3 +34,17 @@ def test_plan_matches_real_run(work: Workload, strategies: list[str], world_size
         assert abs(row.state_error) <= 0.10, row.format()
         assert row.planned_comm == row.real_comm, row.format()
         assert row.planned_comm > 0, row.format()  # every strategy here communicates every step
+
+
+@pytest.mark.parametrize(
+    ("strategy", "options"),
+    [("fsdp", {"sharding_strategy": "HYBRID_SHARD"}), ("oss_sdp", {"hybrid": True})],
+    ids=["fsdp_hybrid", "oss_sdp_hybrid"],
+)
+def test_hybrid_plan_matches_real_run_with_inter_node_bytes(strategy: str, options: dict[str, object]) -> None:
+    work = Workload("demo_lm", batch_size=4, seq_len=32, strategy_options=options, nprocs_per_node=2)
+    (row,) = compare(work, [strategy], 4)
+    assert abs(row.peak_error) <= 0.10, row.format()
+    assert abs(row.state_error) <= 0.10, row.format()
+    assert row.planned_comm == row.real_comm, row.format()
+    assert 0 < row.planned_inter == row.real_inter < row.planned_comm, row.format()

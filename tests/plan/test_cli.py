@@ -43,7 +43,7 @@ def test_nothing_fits_in_a_tiny_device(capsys: pytest.CaptureFixture[str]) -> No
         (["mypkg.models"], "package.module:factory"),
         (["mypkg.models:build"], "--batch-shape"),
         (["--lm", "demo", "--strategies", "zero9"], "no known strategy"),
-        (["--lm", "demo", "--nprocs-per-node", "8"], "issue 15"),
+        (["--lm", "demo", "--world-sizes", "12", "--nprocs-per-node", "8"], "divide every world size"),
     ],
 )
 def test_bad_arguments_exit_with_a_message(argv: list[str], match: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -56,3 +56,16 @@ def test_bad_arguments_exit_with_a_message(argv: list[str], match: str, capsys: 
 def test_parse_bytes() -> None:
     assert parse_bytes("80GiB") == 80 * 2**30
     assert parse_bytes("40 GB") == 40 * 10**9
+
+
+def test_nodes_add_hybrid_settings_and_inter_node_bytes(tmp_path: Path) -> None:
+    out_json = tmp_path / "plan.json"
+    argv = ["--lm", "demo", "--batch-size", "2", "--world-sizes", "8", "--nprocs-per-node", "4",
+            "--strategies", "fsdp", "--json", str(out_json)]  # fmt: skip
+    assert main(argv) == 0
+    rows = {r["setting"]: r for r in json.loads(out_json.read_text())}
+    hybrid, full = rows["zero3 hybrid (fsdp)"], rows["zero3 (fsdp, reshard)"]
+    assert hybrid["nprocs_per_node"] == 4
+    # Hybrid sharding gathers inside the node: fewer bytes cross nodes, more state stays per rank.
+    assert 0 < sum(hybrid["inter_node_bytes"].values()) < sum(full["inter_node_bytes"].values())
+    assert hybrid["state_bytes"] > full["state_bytes"]

@@ -6,7 +6,8 @@ all-reduce (which the meter cannot see; :func:`shardkit.bench.comm.ddp_allreduce
 benchmarks add for it). On CPU, OSS exchanges parameters by direct sends from each owner (gloo runs them
 concurrently) where a GPU run broadcasts: the owner then sends ``n-1`` copies of its own shard, so one rank's
 bytes depend on what it owns, while their mean over the ranks is the broadcast's ring volume the planner predicts
-for every rank. The planner plans a GPU run, so for runs that used direct sends the mean over ranks is compared.
+for every rank. The planner plans a GPU run, so the real run's direct sends are taken as their mean over ranks,
+everything else as rank 0 sent it.
 
 Example::
 
@@ -45,6 +46,9 @@ class Row:
     #: The real run's bytes sent per step: rank 0's, or the mean over ranks where OSS sent directly.
     real_comm: int
     plan_seconds: float
+    #: Inter-node bytes sent per step, planned and real (rank 0), when the workload has a node layout.
+    planned_inter: int = 0
+    real_inter: int = 0
 
     @property
     def peak_error(self) -> float:
@@ -71,11 +75,11 @@ HEADER = (
 )
 
 
-def _real_comm(strategy: str, per_rank: Sequence[dict[str, int]], unwrapped_bytes: int) -> int:
-    totals = [sum(wire.values()) for wire in per_rank]
-    direct = any("send" in wire for wire in per_rank)
-    sent = round(sum(totals) / len(totals)) if direct else totals[0]
-    return sent + unwrapped_bytes
+def _real_comm(per_rank: Sequence[dict[str, int]], torch_bytes: int) -> int:
+    """Rank 0's bytes sent, with OSS's direct sends (``send``) taken as their mean over the ranks."""
+    own = sum(nbytes for kind, nbytes in per_rank[0].items() if kind != "send")
+    sends = [wire.get("send", 0) for wire in per_rank]
+    return own + round(sum(sends) / len(sends)) + torch_bytes
 
 
 def compare(work: Workload, strategies: Sequence[str], world_size: int, label: str = "") -> list[Row]:
@@ -89,7 +93,7 @@ def compare(work: Workload, strategies: Sequence[str], world_size: int, label: s
         planned[name] = estimate(
             work.build, work.batch(), loss_fn=work.loss, strategy=name, world_size=world_size,
             optimizer=work.optimizer, optimizer_options=work.optimizer_options,
-            strategy_options=work.strategy_options,
+            strategy_options=work.strategy_options, nprocs_per_node=work.nprocs_per_node,
         )  # fmt: skip
         seconds[name] = time.perf_counter() - start
     real = measure_real(work, strategies, world_size)
@@ -109,8 +113,10 @@ def compare(work: Workload, strategies: Sequence[str], world_size: int, label: s
                 est.state_bytes,
                 ranks[0].state_bytes,
                 sum(est.comm_bytes.values()),
-                _real_comm(name, [r.comm_wire_bytes for r in ranks], torch_bytes),
+                _real_comm([r.comm_wire_bytes for r in ranks], torch_bytes),
                 seconds[name],
+                sum(est.inter_node_bytes.values()),
+                sum(ranks[0].inter_node_bytes.values()),
             )
         )
     return rows

@@ -60,6 +60,11 @@ class Estimate:
     comm_bytes: Mapping[str, int]
     #: The same per phase.
     comm_bytes_by_phase: Mapping[str, Mapping[str, int]]
+    #: Ranks per node the plan assumed (None: no node layout, every byte at one link speed).
+    nprocs_per_node: Optional[int]
+    #: The part of ``comm_bytes`` that crosses nodes, per kind (empty without ``nprocs_per_node``); the rest stays
+    #: inside a node.
+    inter_node_bytes: Mapping[str, int]
     #: Predicted seconds of one step (see :mod:`shardkit.plan.cost`), and per phase.
     step_seconds: float
     phase_seconds: Mapping[str, float]
@@ -96,10 +101,11 @@ def _check_args(strategy: str, world_size: int, nprocs_per_node: Optional[int]) 
     get(strategy)
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    if nprocs_per_node is not None:
-        raise NotImplementedError(
-            "nprocs_per_node (intra- vs inter-node bytes, hybrid sharding) needs the topology-aware comm meter of "
-            "issue 15, which has not landed; leave nprocs_per_node=None to plan with one link speed for all bytes"
+    if nprocs_per_node is not None and (
+        not isinstance(nprocs_per_node, int) or nprocs_per_node < 1 or world_size % nprocs_per_node
+    ):
+        raise ValueError(
+            f"nprocs_per_node must be a positive int that divides world_size ({world_size}), got {nprocs_per_node!r}"
         )
 
 
@@ -121,17 +127,19 @@ def _plan_on(
     optimizer: type,
     optimizer_options: Mapping[str, Any],
     strategy_options: Mapping[str, Any],
+    nprocs_per_node: Optional[int],
 ) -> RankRun:
     builder = get(strategy).build
     limit = _host_limit() if device.type != "meta" else None
     return run_rank(
         device,
         model_fn,
-        lambda model: builder(model, optimizer, optimizer_options, strategy_options),
+        lambda model, topology: builder(model, optimizer, optimizer_options, strategy_options, topology),
         batch,
         loss_fn,
         world_size,
         limit,
+        nprocs_per_node,
     )
 
 
@@ -220,27 +228,39 @@ def estimate(
     the strategy constructor's keyword arguments (for FSDP also ``auto_wrap_policy``; default: one unit per
     block of the model's ``ModuleList``s; for ``oss_ddp``/``oss_sdp`` OSS's own under ``"oss"``). The process
     group has ``world_size`` ranks and no other process behind it (:mod:`shardkit.plan.peerless`); if the caller
-    has a process group of its own the plan runs in a child process. ``device`` and ``link`` feed the step-time
-    model (:mod:`shardkit.plan.cost`).
+    has a process group of its own the plan runs in a child process. ``nprocs_per_node`` lays the ranks out in
+    nodes of that many consecutive ranks: the comm meter then splits intra- from inter-node bytes, hybrid options
+    (FSDP's ``sharding_strategy="HYBRID_SHARD"``, ``hybrid=True`` for ``oss_ddp``/``oss_sdp``) shard inside a
+    node, and SlowMo averages inside a node every step. ``device`` and ``link`` feed the step-time model
+    (:mod:`shardkit.plan.cost`).
 
     Example: see the module docstring.
     """
     _check_args(strategy, world_size, nprocs_per_node)
     args = (
         model_fn, batch, loss_fn or default_loss, strategy, world_size, optimizer,
-        dict(optimizer_options or {}), dict(strategy_options or {}),
+        dict(optimizer_options or {}), dict(strategy_options or {}), nprocs_per_node,
     )  # fmt: skip
     run = _in_child(args) if dist.is_initialized() else _run(*args)
-    return _estimate_from(run, strategy, world_size, device or DeviceSpec(), link or LinkSpec())
+    return _estimate_from(run, strategy, world_size, device or DeviceSpec(), link or LinkSpec(), nprocs_per_node)
 
 
-def _estimate_from(run: RankRun, strategy: str, world_size: int, device: DeviceSpec, link: LinkSpec) -> Estimate:
-    by_phase = {name: wire_bytes(run.phases[name], world_size) for name in PHASES if name in run.phases}
+def _sum_kinds(per_phase: Mapping[str, Mapping[str, int]]) -> dict[str, int]:
     total: dict[str, int] = {}
-    for per_kind in by_phase.values():
+    for per_kind in per_phase.values():
         for kind, nbytes in per_kind.items():
             total[kind] = total.get(kind, 0) + nbytes
-    seconds = step_seconds(run.flops["total"], run.phases, run.state_bytes, world_size, device, link)
+    return total
+
+
+def _estimate_from(
+    run: RankRun, strategy: str, world_size: int, device: DeviceSpec, link: LinkSpec, nprocs_per_node: Optional[int]
+) -> Estimate:
+    by_phase = {name: wire_bytes(run.phases[name], world_size) for name in PHASES if name in run.phases}
+    total = _sum_kinds(by_phase)
+    with_nodes = nprocs_per_node is not None
+    inter = _sum_kinds({name: run.phases[name].inter_node_bytes for name in by_phase}) if with_nodes else {}
+    seconds = step_seconds(run.flops["total"], run.phases, run.state_bytes, world_size, device, link, with_nodes)
     return Estimate(
         strategy=strategy,
         world_size=world_size,
@@ -253,6 +273,8 @@ def _estimate_from(run: RankRun, strategy: str, world_size: int, device: DeviceS
         state_breakdown=run.state_by_category,
         comm_bytes=total,
         comm_bytes_by_phase=by_phase,
+        nprocs_per_node=nprocs_per_node,
+        inter_node_bytes=inter,
         step_seconds=seconds["step"],
         phase_seconds={k: v for k, v in seconds.items() if k != "step"},
         flops=run.flops["total"],

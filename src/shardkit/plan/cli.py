@@ -66,6 +66,8 @@ class Setting:
     strategy: str
     options: dict[str, Any]
     checkpointing: bool = False
+    #: Only planned with a node layout (``--nprocs-per-node``): hybrid sharding.
+    needs_nodes: bool = False
 
 
 SETTINGS = (
@@ -76,6 +78,9 @@ SETTINGS = (
     Setting("zero3 (fsdp, no reshard)", "fsdp", {"reshard_after_forward": False}),
     Setting("zero3 (fsdp) + act. ckpt", "fsdp", {"reshard_after_forward": True}, checkpointing=True),
     Setting("slowmo", "slowmo", {}),
+    Setting("zero1 hybrid (oss_ddp)", "oss_ddp", {"hybrid": True}, needs_nodes=True),
+    Setting("zero2 hybrid (oss_sdp)", "oss_sdp", {"hybrid": True}, needs_nodes=True),
+    Setting("zero3 hybrid (fsdp)", "fsdp", {"sharding_strategy": "HYBRID_SHARD"}, needs_nodes=True),
 )
 
 
@@ -106,7 +111,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--strategies", default=None, help="comma-separated subset: ddp,oss_ddp,oss_sdp,fsdp,slowmo")
     p.add_argument("--device-memory", type=parse_bytes, default=parse_bytes("80GiB"), help="memory per device")
     p.add_argument("--device-tflops", type=float, default=300.0, help="sustained TFLOP/s per device")
-    p.add_argument("--link-gbytes", type=float, default=25.0, help="GB/s each rank sends on the slowest link")
+    p.add_argument("--link-gbytes", type=float, default=25.0, help="GB/s each rank sends between nodes")
+    p.add_argument("--intra-gbytes", type=float, default=150.0, help="GB/s each rank sends inside its node")
     p.add_argument("--link-latency-us", type=float, default=30.0, help="microseconds per collective")
     p.add_argument("--json", metavar="PATH", help="write every estimate as JSON")
     p.add_argument("--plot", metavar="PATH", help="write a PNG: peak memory per rank against world size")
@@ -139,19 +145,28 @@ def _factory_loss(output: Any, batch: Any) -> Any:
 
 
 def plan_all(
-    work: Workload, world_sizes: Sequence[int], settings: Sequence[Setting], device: DeviceSpec, link: LinkSpec
+    work: Workload,
+    world_sizes: Sequence[int],
+    settings: Sequence[Setting],
+    device: DeviceSpec,
+    link: LinkSpec,
+    nprocs_per_node: Optional[int] = None,
 ) -> tuple[list[tuple[Setting, Estimate]], list[str]]:
     """Every setting at every world size; estimates, and lines for the ones that could not be planned."""
     results: list[tuple[Setting, Estimate]] = []
     failed: list[str] = []
     loss = _factory_loss if work.kind == "factory" else work.loss
     for ws in world_sizes:
+        per_node = nprocs_per_node if nprocs_per_node is not None and ws % nprocs_per_node == 0 else None
         for setting in settings:
+            if setting.needs_nodes and (nprocs_per_node is None or nprocs_per_node in (1, ws)):
+                continue  # hybrid sharding needs several nodes of several ranks
             build = _checkpointed(work.build) if setting.checkpointing else work.build
             try:
                 est = estimate(
                     build, work.batch(), loss_fn=loss, strategy=setting.strategy, world_size=ws,
                     optimizer=work.optimizer, strategy_options=setting.options, device=device, link=link,
+                    nprocs_per_node=per_node,
                 )  # fmt: skip
             except PlanError as exc:
                 failed.append(f"{setting.label} x{ws}: {exc}")
@@ -162,12 +177,16 @@ def plan_all(
 
 def _table(results: list[tuple[Setting, Estimate]], memory: int) -> str:
     gib = 2**30
-    lines = [f"{'world':>5}  {'setting':<26} {'peak GiB':>9} {'state GiB':>9} {'sends GiB':>9} {'step ms':>9}  fits"]
+    lines = [
+        f"{'world':>5}  {'setting':<26} {'peak GiB':>9} {'state GiB':>9} {'sends GiB':>9} {'inter GiB':>9} "
+        f"{'step ms':>9}  fits"
+    ]
     for setting, est in sorted(results, key=lambda r: (r[1].world_size, not r[1].fits(memory), r[1].step_seconds)):
         sends = sum(est.comm_bytes.values()) / gib
+        inter = f"{sum(est.inter_node_bytes.values()) / gib:>9.3f}" if est.nprocs_per_node else f"{'-':>9}"
         lines.append(
             f"{est.world_size:>5}  {setting.label:<26} {est.peak_bytes / gib:>9.2f} {est.state_bytes / gib:>9.2f} "
-            f"{sends:>9.3f} {est.step_seconds * 1e3:>9.1f}  {'yes' if est.fits(memory) else 'no'}"
+            f"{sends:>9.3f} {inter} {est.step_seconds * 1e3:>9.1f}  {'yes' if est.fits(memory) else 'no'}"
         )
     return "\n".join(lines)
 
@@ -214,27 +233,32 @@ def main(argv: Optional[list[str]] = None) -> int:
     """Run ``shardkit plan`` with ``argv``; returns the exit status."""
     parser = _parser()
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    if args.nprocs_per_node is not None:
-        parser.error(
-            "--nprocs-per-node needs the intra/inter-node comm meter of issue 15, which has not landed yet; "
-            "plan without it (one link speed for every byte)"
-        )
+    if args.nprocs_per_node is not None and (
+        args.nprocs_per_node < 1
+        or any(ws % args.nprocs_per_node for ws in args.world_sizes if ws > args.nprocs_per_node)
+    ):
+        parser.error(f"--nprocs-per-node {args.nprocs_per_node} must be positive and divide every world size above it")
     work = _workload(args, parser)
     names = set(args.strategies.split(",")) if args.strategies else None
     settings = [s for s in SETTINGS if names is None or s.strategy in names]
     if names is not None and not settings:
         parser.error(f"no known strategy in {args.strategies!r}; choose from ddp,oss_ddp,oss_sdp,fsdp,slowmo")
     device = DeviceSpec(flops_per_s=args.device_tflops * 1e12, memory_bytes=args.device_memory)
-    link = LinkSpec(bytes_per_s=args.link_gbytes * 1e9, latency_s=args.link_latency_us * 1e-6)
+    link = LinkSpec(
+        bytes_per_s=args.link_gbytes * 1e9,
+        intra_bytes_per_s=args.intra_gbytes * 1e9,
+        latency_s=args.link_latency_us * 1e-6,
+    )
     try:
-        results, failed = plan_all(work, args.world_sizes, settings, device, link)
+        results, failed = plan_all(work, args.world_sizes, settings, device, link, args.nprocs_per_node)
     except (ValueError, TypeError, NotImplementedError) as exc:
         print(f"shardkit plan: {exc}", file=sys.stderr)
         return 2
     print(_table(results, args.device_memory))
     for line in failed:
         print(f"not planned: {line}")
-    print("not planned here: pipeline (smp) partitions and micro-batches, CPU offload, hybrid sharding")
+    hybrid = "" if args.nprocs_per_node else ", hybrid sharding (give --nprocs-per-node)"
+    print(f"not planned here: pipeline (smp) partitions and micro-batches, CPU offload{hybrid}")
     for ws in args.world_sizes:
         print(recommend(results, args.device_memory, ws))
     if args.json:

@@ -6,7 +6,8 @@ collectives it issued (bytes each rank sends, ring model, and how many calls) an
 
 - compute: forward = 1/3 of the FLOPs, backward = 2/3 (a matmul's backward is two matmuls), at
   ``DeviceSpec.flops_per_s`` (a sustained rate, not the datasheet peak);
-- communication of a phase: ``sum(bytes) / LinkSpec.bytes_per_s + calls * LinkSpec.latency_s``;
+- communication of a phase: ``sum(bytes) / LinkSpec.bytes_per_s + calls * LinkSpec.latency_s``; with a node
+  layout, the bytes that stay inside a node go at ``LinkSpec.intra_bytes_per_s`` instead;
 - forward and backward collectives overlap their phase's compute (every shardkit strategy and torch DDP issue
   them asynchronously: gathers are prefetched, reductions run while earlier layers compute), so a phase costs
   ``max(compute, communication)``; nothing overlaps across phases;
@@ -36,6 +37,7 @@ class PhaseBytes(Protocol):
     calls: dict[str, int]
     torch_payload_bytes: dict[str, int]
     torch_calls: dict[str, int]
+    inter_node_bytes: dict[str, int]
 
 
 @dataclass(frozen=True)
@@ -57,16 +59,23 @@ class DeviceSpec:
 
 @dataclass(frozen=True)
 class LinkSpec:
-    """The link a rank's collectives cross (the slowest one on the ring)."""
+    """The links a rank's collectives cross.
 
-    #: Bytes per second one rank sends (default 25 GB/s: one 200 Gb/s network port per GPU).
+    Without a node layout every byte goes at ``bytes_per_s`` (the slowest link on the ring). With one
+    (``nprocs_per_node``), bytes that cross nodes go at ``bytes_per_s`` and the rest at ``intra_bytes_per_s``.
+    """
+
+    #: Bytes per second one rank sends between nodes (default 25 GB/s: one 200 Gb/s network port per GPU).
     bytes_per_s: float = 25e9
+    #: Bytes per second one rank sends inside its node (default 150 GB/s, NVLink-class).
+    intra_bytes_per_s: float = 150e9
     #: Fixed cost of one collective in seconds (default 30 microseconds).
     latency_s: float = 30e-6
 
     def __post_init__(self) -> None:
-        if not self.bytes_per_s > 0:
-            raise ValueError(f"LinkSpec.bytes_per_s must be > 0, got {self.bytes_per_s!r}")
+        for name in ("bytes_per_s", "intra_bytes_per_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"LinkSpec.{name} must be > 0, got {getattr(self, name)!r}")
         at_least(self, "latency_s", self.latency_s, 0)
 
 
@@ -80,10 +89,14 @@ def wire_bytes(phase: PhaseBytes, world_size: int) -> dict[str, int]:
     return out
 
 
-def comm_seconds(phase: PhaseBytes, world_size: int, link: LinkSpec) -> float:
-    """Time of ``phase``'s collectives if nothing overlapped them."""
+def comm_seconds(phase: PhaseBytes, world_size: int, link: LinkSpec, with_nodes: bool = False) -> float:
+    """Time of ``phase``'s collectives if nothing overlapped them (``with_nodes``: split by the node layout)."""
     calls = sum(phase.calls.values()) + sum(phase.torch_calls.values())
-    return sum(wire_bytes(phase, world_size).values()) / link.bytes_per_s + calls * link.latency_s
+    total = sum(wire_bytes(phase, world_size).values())
+    if not with_nodes:
+        return total / link.bytes_per_s + calls * link.latency_s
+    inter = sum(phase.inter_node_bytes.values())
+    return inter / link.bytes_per_s + (total - inter) / link.intra_bytes_per_s + calls * link.latency_s
 
 
 def step_seconds(
@@ -93,14 +106,15 @@ def step_seconds(
     world_size: int,
     device: DeviceSpec,
     link: LinkSpec,
+    with_nodes: bool = False,
 ) -> dict[str, float]:
     """Predicted seconds per phase and in total (``"step"``), by the model in the module docstring."""
     compute = {"forward": flops / 3 / device.flops_per_s, "backward": 2 * flops / 3 / device.flops_per_s}
     out: dict[str, float] = {}
     for name in ("forward", "backward"):
-        comm = comm_seconds(phases[name], world_size, link) if name in phases else 0.0
+        comm = comm_seconds(phases[name], world_size, link, with_nodes) if name in phases else 0.0
         out[name] = max(compute[name], comm)
-    optimizer_comm = comm_seconds(phases["optimizer"], world_size, link) if "optimizer" in phases else 0.0
+    optimizer_comm = comm_seconds(phases["optimizer"], world_size, link, with_nodes) if "optimizer" in phases else 0.0
     out["optimizer"] = 2 * state_bytes / device.memory_bytes_per_s + optimizer_comm
     out["step"] = out["forward"] + out["backward"] + out["optimizer"]
     return out

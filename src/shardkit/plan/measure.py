@@ -16,13 +16,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
 from shardkit.bench.memory import training_memory
-from shardkit.distributed import count_comm_bytes
+from shardkit.distributed import Topology, count_comm_bytes, set_topology
 from shardkit.plan.runner import WARMUP_STEPS, call_model
 from shardkit.plan.strategies import get
 from shardkit.plan.workloads import Workload
@@ -37,13 +37,15 @@ class RealRank:
     state_bytes: int
     #: Bytes per collective kind the comm meter counted in the reported step (its wire estimate).
     comm_wire_bytes: dict[str, int]
+    #: The part of them that crossed nodes (empty without a node layout).
+    inter_node_bytes: dict[str, int]
 
 
 def _peak(snapshot: dict[Any, dict[str, int]]) -> int:
     return sum(int(per_device.get("Total", 0)) for per_device in snapshot.values())
 
 
-def _measure_one(workload: Workload, strategy: str) -> RealRank:
+def _measure_one(workload: Workload, strategy: str, topology: Optional[Topology]) -> RealRank:
     from torch.distributed._tools.mem_tracker import MemTracker
 
     torch.manual_seed(0)
@@ -51,7 +53,7 @@ def _measure_one(workload: Workload, strategy: str) -> RealRank:
     with MemTracker() as tracker:
         model = workload.build()
         wrapped, optimizer, after_step = get(strategy).build(
-            model, workload.optimizer, dict(workload.optimizer_options), dict(workload.strategy_options)
+            model, workload.optimizer, dict(workload.optimizer_options), dict(workload.strategy_options), topology
         )
         tracker.track_external(wrapped, optimizer)
         state = 0
@@ -70,12 +72,16 @@ def _measure_one(workload: Workload, strategy: str) -> RealRank:
             tracker.reset_mod_stats()  # MemTracker refuses a second forward of a module without it
         peak = _peak(tracker.get_tracker_snapshot("peak"))
     dist.barrier()
-    return RealRank(peak, state, dict(meter.wire_bytes))
+    return RealRank(peak, state, dict(meter.wire_bytes), dict(meter.inter_node_bytes))
 
 
 def _worker(rank: int, world_size: int, workload: Workload, strategies: list[str]) -> dict[str, RealRank]:
     torch.set_num_threads(1)
-    return {name: _measure_one(workload, name) for name in strategies}
+    topology = None
+    if workload.nprocs_per_node is not None:
+        topology = Topology.from_env(nprocs_per_node=workload.nprocs_per_node)
+        set_topology(topology)  # the meter's view of the nodes, as the planner sets it
+    return {name: _measure_one(workload, name, topology) for name in strategies}
 
 
 def measure_real(workload: Workload, strategies: Sequence[str], world_size: int) -> dict[str, list[RealRank]]:

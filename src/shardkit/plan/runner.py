@@ -16,11 +16,13 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from shardkit.bench.memory import optimizer_state_tensors
-from shardkit.distributed import CommMeter, count_comm_bytes
+from shardkit.distributed import CommMeter, NodeLayout, Topology, count_comm_bytes, set_topology
+from shardkit.distributed.node_traffic import active_layout, inter_node_share
 from shardkit.plan.accountant import STATE, Accountant, Category
 from shardkit.plan.peerless import TorchTraffic, peerless_world
 from shardkit.plan.strategies import Built
@@ -47,6 +49,8 @@ class PhaseTraffic:
     #: Payload bytes per kind of collectives torch issued itself (DDP's buckets), not seen by the meter.
     torch_payload_bytes: dict[str, int] = field(default_factory=dict)
     torch_calls: dict[str, int] = field(default_factory=dict)
+    #: The part of ``wire_bytes`` that crosses nodes, per kind (empty without a node layout).
+    inter_node_bytes: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -113,12 +117,21 @@ def _phase(acct: Accountant, name: str, traffic: TorchTraffic, out: dict[str, Ph
         left = torch_payload.get(kind, 0) - nbytes
         torch_payload[kind] = max(0, left)
         torch_calls[kind] = max(0, torch_calls.get(kind, 0) - meter.calls.get(kind, 0))
+    torch_payload = {k: v for k, v in torch_payload.items() if v and k != "send"}
+    inter = {k: v for k, v in meter.inter_node_bytes.items() if v}
+    if active_layout() is not None:  # torch's own collectives span the world: a ring over every rank
+        world = dist.get_world_size()
+        share = inter_node_share(list(range(world)), "ring")
+        for kind, payload in torch_payload.items():
+            wire = payload * (2 if kind == "all_reduce" else 1) * (world - 1) / world
+            inter[kind] = inter.get(kind, 0) + int(wire * share)
     out[name] = PhaseTraffic(
         dict(meter.wire_bytes),
         dict(meter.payload_bytes),
         dict(meter.calls),
-        {k: v for k, v in torch_payload.items() if v and k != "send"},
+        torch_payload,
         {k: v for k, v in torch_calls.items() if v and k != "send"},
+        inter,
     )
 
 
@@ -161,20 +174,57 @@ def _step(
 def run_rank(
     device: torch.device,
     build_model: Callable[[], nn.Module],
-    wrap: Callable[[nn.Module], Built],
+    wrap: Callable[[nn.Module, Optional[Topology]], Built],
     batch: Any,
     loss_fn: LossFn,
     world_size: int,
     host_limit_bytes: Optional[int] = None,
+    nprocs_per_node: Optional[int] = None,
 ) -> RankRun:
     """Build, wrap and train one rank of ``world_size`` on ``device`` for a few steps; see the module docstring."""
+    with peerless_world(world_size) as traffic, _nodes(nprocs_per_node) as topology:
+        return _run_steps(device, build_model, wrap, batch, loss_fn, traffic, topology, host_limit_bytes)
+
+
+@contextlib.contextmanager
+def _nodes(nprocs_per_node: Optional[int]) -> Iterator[Optional[Topology]]:
+    """The world's node layout for strategies (hybrid sharding) and the comm meter, for the block; None without."""
+    if nprocs_per_node is None:
+        yield None
+        return
+    # Topology.from_env agrees on the layout by gathering every rank's environment, which mirrored peers cannot
+    # answer; the planned layout is given, so its groups are made here (every node, then every cross-node group,
+    # as every rank of a real job would make them).
+    world = dist.group.WORLD
+    assert world is not None
+    rank = dist.get_rank()
+    layout = NodeLayout.contiguous(dist.get_world_size(), nprocs_per_node)
+    mine = [dist.new_group(list(ranks)) for ranks in (*layout.nodes, *layout.inter_node_ranks()) if rank in ranks]
+    topology = Topology(layout, rank, world, mine[0], mine[1])
+    set_topology(topology)
+    try:
+        yield topology
+    finally:
+        set_topology(None)
+
+
+def _run_steps(
+    device: torch.device,
+    build_model: Callable[[], nn.Module],
+    wrap: Callable[[nn.Module, Optional[Topology]], Built],
+    batch: Any,
+    loss_fn: LossFn,
+    traffic: TorchTraffic,
+    topology: Optional[Topology],
+    host_limit_bytes: Optional[int],
+) -> RankRun:
     phases: dict[str, PhaseTraffic] = {}
-    with peerless_world(world_size) as traffic, Accountant(limit_bytes=host_limit_bytes) as acct:
+    with Accountant(limit_bytes=host_limit_bytes) as acct:
         traffic.on_buffer = acct.comm_buffer
         with torch.device(device):
             model = build_model()
         acct.name_modules(model)
-        built = wrap(model)
+        built = wrap(model, topology)
         acct.name_modules(built[0])
         batch = _to_device(batch, device)
         for _ in range(WARMUP_STEPS):

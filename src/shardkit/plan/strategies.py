@@ -13,13 +13,14 @@ import functools
 import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 
 Built = tuple[nn.Module, torch.optim.Optimizer, Callable[[], None]]
-Builder = Callable[[nn.Module, type, Mapping[str, Any], Mapping[str, Any]], Built]
+#: ``(model, optimizer class, optimizer options, strategy options, topology or None) -> Built``.
+Builder = Callable[[nn.Module, type, Mapping[str, Any], Mapping[str, Any], Optional[Any]], Built]
 
 
 class OptionError(ValueError):
@@ -53,7 +54,22 @@ def _split(options: Mapping[str, Any], key: str) -> tuple[dict[str, Any], dict[s
     return rest, dict(nested)
 
 
-def _build_ddp(model: nn.Module, optim: type, optim_opts: Mapping[str, Any], opts: Mapping[str, Any]) -> Built:
+def _hybrid_group(strategy: str, options: dict[str, Any], topology: Optional[Any]) -> Optional[Any]:
+    """The node topology when the planner option ``hybrid=True`` asks to shard inside nodes, else None."""
+    if not options.pop("hybrid", False):
+        return None
+    if topology is None:
+        raise OptionError(f"strategy {strategy!r} with hybrid=True needs nprocs_per_node (the ranks of one node)")
+    return topology
+
+
+def _build_ddp(
+    model: nn.Module,
+    optim: type,
+    optim_opts: Mapping[str, Any],
+    opts: Mapping[str, Any],
+    topology: Optional[Any] = None,
+) -> Built:
     from torch.nn.parallel import DistributedDataParallel
 
     _check_options("ddp", DistributedDataParallel.__init__, opts)
@@ -61,25 +77,43 @@ def _build_ddp(model: nn.Module, optim: type, optim_opts: Mapping[str, Any], opt
     return wrapped, optim(wrapped.parameters(), **optim_opts), _nothing
 
 
-def _build_oss_ddp(model: nn.Module, optim: type, optim_opts: Mapping[str, Any], opts: Mapping[str, Any]) -> Built:
+def _build_oss_ddp(
+    model: nn.Module,
+    optim: type,
+    optim_opts: Mapping[str, Any],
+    opts: Mapping[str, Any],
+    topology: Optional[Any] = None,
+) -> Built:
     from torch.nn.parallel import DistributedDataParallel
 
     from shardkit.optim import OSS
 
     ddp_opts, oss_opts = _split(opts, "oss")
+    nodes = _hybrid_group("oss_ddp", ddp_opts, topology)
     _check_options("oss_ddp", DistributedDataParallel.__init__, ddp_opts, ("oss",))
     _check_options("oss_ddp (oss=...)", OSS.__init__, oss_opts)
+    if nodes is not None:
+        oss_opts["group"] = nodes
     wrapped = DistributedDataParallel(model, **ddp_opts)
     return wrapped, OSS(wrapped.parameters(), optim=optim, **oss_opts, **optim_opts), _nothing
 
 
-def _build_oss_sdp(model: nn.Module, optim: type, optim_opts: Mapping[str, Any], opts: Mapping[str, Any]) -> Built:
+def _build_oss_sdp(
+    model: nn.Module,
+    optim: type,
+    optim_opts: Mapping[str, Any],
+    opts: Mapping[str, Any],
+    topology: Optional[Any] = None,
+) -> Built:
     from shardkit.nn import ShardedDataParallel
     from shardkit.optim import OSS
 
     sdp_opts, oss_opts = _split(opts, "oss")
+    nodes = _hybrid_group("oss_sdp", sdp_opts, topology)
     _check_options("oss_sdp", ShardedDataParallel.__init__, sdp_opts, ("oss",))
     _check_options("oss_sdp (oss=...)", OSS.__init__, oss_opts)
+    if nodes is not None:
+        oss_opts["group"] = nodes
     sharded = OSS(model.parameters(), optim=optim, **oss_opts, **optim_opts)
     return ShardedDataParallel(model, sharded, **sdp_opts), sharded, _nothing
 
@@ -89,13 +123,31 @@ def block_classes(model: nn.Module) -> set[type[nn.Module]]:
     return {type(child) for module in model.modules() if isinstance(module, nn.ModuleList) for child in module}
 
 
-def _build_fsdp(model: nn.Module, optim: type, optim_opts: Mapping[str, Any], opts: Mapping[str, Any]) -> Built:
+def _build_fsdp(
+    model: nn.Module,
+    optim: type,
+    optim_opts: Mapping[str, Any],
+    opts: Mapping[str, Any],
+    topology: Optional[Any] = None,
+) -> Built:
     from shardkit.nn import FullyShardedDataParallel
     from shardkit.nn.wrap import auto_wrap, enable_wrap, transformer_auto_wrap_policy
 
     fsdp_opts = dict(opts)
     policy = fsdp_opts.pop("auto_wrap_policy", "blocks")
     _check_options("fsdp", FullyShardedDataParallel.__init__, fsdp_opts, ("auto_wrap_policy",))
+    if isinstance(fsdp_opts.get("sharding_strategy"), str):  # a name, as JSON and the command line give it
+        from shardkit.nn import ShardingStrategy
+
+        try:
+            fsdp_opts["sharding_strategy"] = ShardingStrategy[fsdp_opts["sharding_strategy"]]
+        except KeyError:
+            names = ", ".join(s.name for s in ShardingStrategy)
+            raise OptionError(f"fsdp sharding_strategy must be one of {names}") from None
+    if "HYBRID" in str(fsdp_opts.get("sharding_strategy", "")).upper() and "process_group" not in fsdp_opts:
+        if topology is None:
+            raise OptionError("fsdp with a hybrid sharding_strategy needs nprocs_per_node (the ranks of one node)")
+        fsdp_opts["process_group"] = topology
     if policy == "blocks":  # the default: one unit per block of every ModuleList (a transformer's layers)
         classes = block_classes(model)
         policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=classes) if classes else None
@@ -106,10 +158,17 @@ def _build_fsdp(model: nn.Module, optim: type, optim_opts: Mapping[str, Any], op
     return wrapped, optim(wrapped.parameters(), **optim_opts), _nothing
 
 
-def _build_slowmo(model: nn.Module, optim: type, optim_opts: Mapping[str, Any], opts: Mapping[str, Any]) -> Built:
+def _build_slowmo(
+    model: nn.Module,
+    optim: type,
+    optim_opts: Mapping[str, Any],
+    opts: Mapping[str, Any],
+    topology: Optional[Any] = None,
+) -> Built:
     from shardkit.nn.slowmo import SlowMoDistributedDataParallel
 
-    slowmo_opts = {"nprocs_per_node": 1, **opts}
+    per_node = topology.nprocs_per_node if topology is not None else 1
+    slowmo_opts = {"nprocs_per_node": per_node, **opts}
     _check_options("slowmo", SlowMoDistributedDataParallel.__init__, slowmo_opts)
     wrapped = SlowMoDistributedDataParallel(model, **slowmo_opts)
     optimizer = optim(wrapped.parameters(), **optim_opts)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +47,8 @@ class Workload:
     optimizer_options: Mapping[str, Any] = field(default_factory=dict)
     #: Strategy constructor keyword arguments.
     strategy_options: Mapping[str, Any] = field(default_factory=dict)
+    #: Consecutive ranks per node (None: no node layout).
+    nprocs_per_node: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
