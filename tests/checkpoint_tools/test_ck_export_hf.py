@@ -29,8 +29,12 @@ def _trained_gpt2() -> torch.nn.Module:
 
 
 def test_hf_folder_gives_the_trained_models_logits(tmp_path: Path) -> None:
+    from safetensors.torch import load_model
+
+    from shardkit.checkpoint import save_checkpoint
+
     model = _trained_gpt2()
-    ck = universal_checkpoint(tmp_path / "ck", dict(model.state_dict()), {})
+    ck = save_checkpoint(tmp_path / "ck", step=2, model=model)
     out = tmp_path / "hf"
     assert (
         main(["export", str(ck), str(out), "--hf", "--hf-model-type", "gpt2", OVERRIDES, "--max-shard-size", "40KB"])
@@ -42,6 +46,12 @@ def test_hf_folder_gives_the_trained_models_logits(tmp_path: Path) -> None:
     tokens = torch.randint(0, 61, (3, 10))
     with torch.no_grad():
         assert torch.equal(loaded(tokens).logits, model(tokens).logits)
+    # plain export: the tied head is stored once, as safetensors' save_model does; load_model re-ties it
+    assert main(["export", str(ck), str(tmp_path / "m.safetensors")]) == 0
+    plain = transformers.GPT2LMHeadModel(model.config).eval()
+    load_model(plain, tmp_path / "m.safetensors")
+    with torch.no_grad():
+        assert torch.equal(plain(tokens).logits, model(tokens).logits)
 
 
 def test_config_json_and_wrong_architecture(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
