@@ -196,3 +196,16 @@ def test_dcp_sharded_state_dict_round_trip_under_hybrid(tmp_path: Any) -> None:
     for name, value in states[0].items():
         torch.testing.assert_close(sd[name], torch.from_numpy(value), atol=0, rtol=0)
         torch.testing.assert_close(torch.from_numpy(states[3][name]), torch.from_numpy(value), atol=0, rtol=0)
+
+
+def _one_replica_differs(rank: int, world_size: int) -> str:
+    # Only rank 3 (node 1, local rank 1) built another model: every rank must raise, none may wait.
+    layer = nn.Linear(4, 5 if rank == 3 else 4)
+    with pytest.raises(ValueError) as info:
+        FSDP(layer, sharding_strategy=HYBRID)
+    return str(info.value)
+
+
+def test_a_replica_with_another_model_fails_every_rank() -> None:
+    messages = run_distributed(_one_replica_differs, 4, rank_env=TWO_NODES, timeout_s=60)
+    assert all("rank" in m for m in messages)

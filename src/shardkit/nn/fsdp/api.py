@@ -36,7 +36,7 @@ from shardkit.nn.fsdp.policies import (
 from shardkit.nn.fsdp.reduce_channels import plan_reduce_channels, resolve_reduce_group
 from shardkit.nn.fsdp.runtime import TrainingState, Unit, eager, make_fp16_to_fp32_caster, make_input_caster
 from shardkit.nn.fsdp.unit_module import UnitModule, walk_modules
-from shardkit.optim.zero1.hybrid import HybridSpec
+from shardkit.optim.zero1.hybrid import HybridSpec, agree_across_nodes
 
 
 class FullyShardedDataParallel(UnitModule):
@@ -221,7 +221,12 @@ class FullyShardedDataParallel(UnitModule):
         )
         policies = resolve_reduce_group(policies, group)
         if replica_group is not None:  # the replicas must hold the same model too (nothing changed yet)
-            check_same_model(module, replica_group, "FullyShardedDataParallel (replicas across nodes)")
+            agree_across_nodes(
+                lambda g, err: check_same_model(module, g, "FullyShardedDataParallel", local_error=err),
+                group,
+                replica_group,
+                None,
+            )
         self.process_group = group
         self.rank = group_rank(group)
         self.world_size = group_size(group)
