@@ -177,7 +177,9 @@ class ReduceQueue:
 
     def poll(self) -> None:
         """Finish the reductions that already completed, oldest first, without waiting: their full gradients
-        are freed now instead of at the next unit's post-backward."""
+        are freed now instead of at the next unit's post-backward. The first one still in flight starts its
+        cross-node all-reduce if its reduce-scatter has landed (replicas: always oldest first, one order on
+        every rank)."""
         while self._pending and self._pending[0].done():
             self._finish(self._pending.popleft())
 
