@@ -311,3 +311,17 @@ class RunsCode:
 
     def __reduce__(self) -> Any:
         return (os.mkdir, (self.marker,))
+
+
+def stored_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    """Every full tensor a checkpoint stores, by its key (``model/<fqn>``, ``optim/<fqn>/<state name>`` in the
+    universal layout), read through the checkpoint tools' safe reader."""
+    from shardkit.checkpoint.tools.store import CheckpointView
+
+    view = CheckpointView.open(directory)
+    return view.read_many(view.entries())
+
+
+def distcp_file(directory: Path) -> Path:
+    """The first ``.distcp`` data file of a universal checkpoint."""
+    return sorted((directory / "dcp").glob("*.distcp"))[0]

@@ -102,7 +102,7 @@ def test_sigkill_mid_save_keeps_previous_checkpoint(tmp_path: Path, where: str) 
     with pytest.raises(DistributedTestError, match="died"):
         run_distributed(_save_then_die, 1, str(tmp_path), where, timeout_s=60)
     leftovers = [p for p in tmp_path.iterdir() if p.name.startswith(".step_00000002.tmp-")]
-    assert len(leftovers) == 1 and (leftovers[0] / "model.pt").exists()  # the partial save is on disk ...
+    assert len(leftovers) == 1 and (leftovers[0] / "dcp" / ".metadata").exists()  # the partial save is on disk ...
     assert ((leftovers[0] / "meta.json").exists()) == (where == "publish")
     assert latest_checkpoint(tmp_path) == step_directory(tmp_path, 1)  # ... but invisible
     run = plain_run(seed=1)

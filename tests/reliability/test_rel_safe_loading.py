@@ -27,16 +27,13 @@ def test_the_planted_file_really_runs_code_under_an_unsafe_load(tmp_path: Path) 
     assert marker.exists()
 
 
-@pytest.mark.parametrize("name", ["model.pt", "optimizer.pt", "common.pt", "ranks/rank_00000.pt"])
+@pytest.mark.parametrize("name", ["common.pt", "ranks/rank_00000.pt"])
 def test_pickled_object_in_any_file_is_refused_and_runs_nothing(tmp_path: Path, name: str) -> None:
     run = plain_run(seed=0)
     directory = save_checkpoint(tmp_path / "ckpt", step=1, model=run.model, optimizer=run.optimizer, scaler=run.scaler)
     marker = tmp_path / "ran"
     original = torch.load(directory / name, weights_only=True)
-    if name == "model.pt":
-        original["0.weight"] = RunsCode(str(marker))
-    else:
-        original["planted"] = RunsCode(str(marker))
+    original["planted"] = RunsCode(str(marker))
     torch.save(original, directory / name)
     rewrite_digests(directory)
 
@@ -66,7 +63,7 @@ def _fsdp_checkpoint(tmp_path: Path) -> tuple[Path, object]:
 def test_dcp_index_carrying_code_is_refused_and_runs_nothing(tmp_path: Path) -> None:
     directory, _ = _fsdp_checkpoint(tmp_path)
     marker = tmp_path / "ran"
-    (directory / "model" / ".metadata").write_bytes(pickle.dumps(RunsCode(str(marker))))
+    (directory / "dcp" / ".metadata").write_bytes(pickle.dumps(RunsCode(str(marker))))
     rewrite_digests(directory)
     target = fsdp_model(seed=1, group=DummyProcessGroup(rank=0, size=1))
     before = {k: v.clone() for k, v in target.state_dict().items()}
@@ -78,8 +75,8 @@ def test_dcp_index_carrying_code_is_refused_and_runs_nothing(tmp_path: Path) -> 
 
 def test_real_dcp_index_passes_the_allow_list(tmp_path: Path) -> None:
     directory, _ = _fsdp_checkpoint(tmp_path)
-    shapes = safe_dcp.global_shapes(directory / "model")
-    assert shapes["0.weight"] == (8, 6) and shapes["5.bias"] == (3,)
+    shapes = safe_dcp.global_shapes(directory / "dcp")
+    assert shapes["model/0.weight"] == (8, 6) and shapes["model/5.bias"] == (3,)
 
 
 def test_dcp_entry_carrying_code_is_refused_and_runs_nothing(tmp_path: Path) -> None:

@@ -45,6 +45,7 @@ from shardkit.checkpoint.errors import (
 )
 from shardkit.checkpoint.files import safe_load
 from shardkit.checkpoint.metadata import CheckpointInfo, latest_checkpoint
+from shardkit.checkpoint.universal.background import wait_for_checkpoint
 
 __all__ = [
     "CheckpointError",
@@ -59,4 +60,5 @@ __all__ = [
     "save_checkpoint",
     "step_directory",
     "verify_checkpoint",
+    "wait_for_checkpoint",
 ]

@@ -12,13 +12,16 @@ optimizer and scaler. Any rank's error is raised on every rank, so none is left 
 
 from __future__ import annotations
 
+import copy
+import functools
 import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import shardkit
@@ -28,6 +31,13 @@ from shardkit.checkpoint.adapters import Adapter, PendingLoad, adapter_for
 from shardkit.checkpoint.errors import CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError
 from shardkit.checkpoint.files import check_weights_only, fsync_dir, safe_load, sha256, write_json_atomic, write_torch
 from shardkit.checkpoint.metadata import META_FILE, CheckpointInfo, CheckpointMeta, FileRecord, read_meta, resolve
+from shardkit.checkpoint.universal import load as universal_load
+from shardkit.checkpoint.universal import save as universal_save
+from shardkit.checkpoint.universal.background import BACKGROUND, wait_for_checkpoint
+from shardkit.checkpoint.universal.layout import LAYOUT
+from shardkit.checkpoint.universal.registry import source_for
+from shardkit.checkpoint.universal.source import UniversalSource
+from shardkit.utils.tensors import to_cpu
 
 COMMON_FILE = "common.pt"
 RANKS_DIR = "ranks"
@@ -52,14 +62,21 @@ def save_checkpoint(
     scaler: Optional[Any] = None,
     data_position: Any = None,
     extra: Any = None,
+    async_save: bool = False,
 ) -> Path:
     """Atomically save the training state of any shardkit strategy into ``directory``; call on every rank.
 
-    Saves the model and optimizer state (sharded state through torch.distributed.checkpoint, full state as
-    files written by rank 0), the ``GradScaler``/``ShardedGradScaler`` state, ``step``, every rank's RNG states
-    (torch CPU and CUDA, Python, NumPy) and ``data_position``, and ``extra`` (rank 0's). ``data_position`` and
-    ``extra`` must be tensors and plain data (they are read back with ``torch.load(weights_only=True)``). An
-    existing checkpoint in ``directory`` is replaced only once the new one is complete. Returns the directory.
+    Saves the model and optimizer state in the universal layout (every rank writes only what it holds, as DCP
+    chunks keyed by the unwrapped model's names; any strategy loads it at any world size), the
+    ``GradScaler``/``ShardedGradScaler`` state, ``step``, every rank's RNG states (torch CPU and CUDA, Python,
+    NumPy) and ``data_position``, and ``extra`` (rank 0's). ``data_position`` and ``extra`` must be tensors and
+    plain data (they are read back with ``torch.load(weights_only=True)``). An existing checkpoint in
+    ``directory`` is replaced only once the new one is complete. Returns the directory.
+
+    With ``async_save=True`` it returns once this rank's share is copied to host memory; writing, hashing and
+    publishing go on in a background thread (over a gloo group of its own), atomic as ever. The next
+    ``save_checkpoint``/``load_checkpoint``, :func:`wait_for_checkpoint` and process exit wait for it, and raise
+    its error if it failed. Strategies without a universal source yet are saved synchronously in their old layout.
 
     Example::
 
@@ -69,38 +86,143 @@ def save_checkpoint(
                 save_checkpoint(step_directory("runs/exp1", step), step=step, model=model,
                                 optimizer=optimizer, scaler=scaler, data_position={"batch": step})
     """
+    wait_for_checkpoint()
     final = Path(directory)
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be a non-negative int, got {step!r}")
     check_weights_only(data_position, "data_position")
     check_weights_only(extra, "extra")
-    adapter = adapter_for(model, optimizer)
+    source = source_for(model, optimizer)
+    adapter = adapter_for(model, optimizer) if source is None else None
+    return _save(final, step, source, adapter, optimizer is not None, scaler, data_position, extra, async_save)
+
+
+def save_source(
+    directory: PathLike,
+    source: UniversalSource,
+    *,
+    step: int = 0,
+    data_position: Any = None,
+    extra: Any = None,
+    async_save: bool = False,
+) -> Path:
+    """Save what ``source`` holds as a universal checkpoint (as :func:`save_checkpoint` does for a model).
+
+    For tools that hold tensors without a training strategy (e.g. importing another format); call on every rank
+    of the process group, or in a process without one.
+
+    Example::
+
+        held = [Held(t, (Span(name, t.shape, 0, t.numel()),)) for name, t in state_dict.items()]
+        save_source("ckpt", StaticSource(held), step=0)
+    """
+    wait_for_checkpoint()
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be a non-negative int, got {step!r}")
+    check_weights_only(data_position, "data_position")
+    check_weights_only(extra, "extra")
+    has_optimizer = source.local_optimizer() is not None
+    return _save(Path(directory), step, source, None, has_optimizer, None, data_position, extra, async_save)
+
+
+def _save(
+    final: Path,
+    step: int,
+    source: Optional[UniversalSource],
+    adapter: Optional[Adapter],
+    has_optimizer: bool,
+    scaler: Any,
+    data_position: Any,
+    extra: Any,
+    async_save: bool,
+) -> Path:
     rank, world_size = comm.rank_and_size()
     rng_state = rng.capture()  # before any work, so resuming continues the exact random streams
     made = comm.agreed(lambda: _make_temporary(final) if rank == 0 else None, "save_checkpoint: prepare")
     tmp = Path(comm.broadcast_from_zero(made, "save_checkpoint: directory"))
+    fields: dict[str, Any] = {
+        "step": step,
+        "world_size": world_size,
+        "has_optimizer": has_optimizer,
+        "has_scaler": scaler is not None,
+        "shardkit_version": shardkit.__version__,
+        "torch_version": torch.__version__,
+    }
+    rank_state = {"rng": rng_state, "data_position": data_position}
+    common = {"scaler": None if scaler is None else scaler.state_dict(), "extra": extra}
     try:
-        comm.agreed(
-            lambda: _write_parts(tmp, adapter, rank, rng_state, scaler, data_position, extra), "save_checkpoint: write"
-        )
-        meta = CheckpointMeta(
-            step=step,
-            world_size=world_size,
-            strategy=adapter.strategy,
-            layout=adapter.layout,
-            resizable=adapter.resizable,
-            has_optimizer=optimizer is not None,
-            has_scaler=scaler is not None,
-            shardkit_version=shardkit.__version__,
-            torch_version=torch.__version__,
-            files=_digests(tmp, rank, world_size),
-        )
-        comm.agreed(lambda: _publish(tmp, final, meta) if rank == 0 else None, "save_checkpoint: publish")
+        if adapter is not None:
+            fields.update(strategy=adapter.strategy, layout=adapter.layout, resizable=adapter.resizable)
+            comm.agreed(lambda: _write_parts(tmp, adapter, rank, rank_state, common), "save_checkpoint: write")
+            _finish(tmp, final, rank, world_size, fields, None)
+            return final
+        assert source is not None
+        fields.update(strategy=source.strategy, layout=LAYOUT, resizable=True)
+        if not async_save:
+            try:
+                staged = comm.agreed(lambda: _stage(source, tmp, rank, False), "save_checkpoint: stage")
+                _write_universal(tmp, final, rank, world_size, fields, staged, rank_state, common, None)
+            finally:
+                source.after_save()
+            return final
+        staged = comm.agreed(lambda: _stage(source, tmp, rank, True), "save_checkpoint: stage")
+        rank_state, common = to_cpu(copy.deepcopy(rank_state)), to_cpu(copy.deepcopy(common))
+        job = functools.partial(_write_universal, tmp, final, rank, world_size, fields, staged, rank_state, common)
     except BaseException:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
+    BACKGROUND.start(job, str(final))
     return final
+
+
+def _stage(source: UniversalSource, tmp: Path, rank: int, copy_now: bool) -> universal_save.Staged:
+    """This rank's share (copied to host memory for an asynchronous save) and the source's extra files."""
+    source.before_save()
+    try:
+        staged = universal_save.stage(source, copy=copy_now)
+        source.save_extra(tmp, rank)
+    finally:
+        if copy_now:
+            source.after_save()
+    return staged
+
+
+def _write_universal(
+    tmp: Path,
+    final: Path,
+    rank: int,
+    world_size: int,
+    fields: dict[str, Any],
+    staged: universal_save.Staged,
+    rank_state: dict[str, Any],
+    common: dict[str, Any],
+    group: Optional[dist.ProcessGroup],
+) -> None:
+    """Write, hash and publish (the background part of an asynchronous save; collectives over ``group``)."""
+    try:
+        comm.agreed(lambda: _write_local(tmp, staged, rank, rank_state, common), "save_checkpoint: write", group)
+        universal_save.write_staged(tmp, staged, group)
+        _finish(tmp, final, rank, world_size, fields, group)
+    except BaseException:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _write_local(tmp: Path, staged: universal_save.Staged, rank: int, rank_state: Any, common: Any) -> None:
+    universal_save.write_local(tmp, staged, rank)
+    write_torch(_rank_file(tmp, rank), rank_state)
+    if rank == 0:
+        write_torch(tmp / COMMON_FILE, common)
+
+
+def _finish(
+    tmp: Path, final: Path, rank: int, world_size: int, fields: dict[str, Any], group: Optional[dist.ProcessGroup]
+) -> None:
+    """Hash every file between the ranks, then rank 0 writes ``meta.json`` and renames into place."""
+    meta = CheckpointMeta(files=_digests(tmp, rank, world_size, group), **fields)
+    comm.agreed(lambda: _publish(tmp, final, meta) if rank == 0 else None, "save_checkpoint: publish", group)
 
 
 def _make_temporary(final: Path) -> str:
@@ -117,16 +239,14 @@ def _make_temporary(final: Path) -> str:
     return str(tmp)
 
 
-def _write_parts(
-    tmp: Path, adapter: Adapter, rank: int, rng_state: Any, scaler: Any, data_position: Any, extra: Any
-) -> None:
+def _write_parts(tmp: Path, adapter: Adapter, rank: int, rank_state: Any, common: Any) -> None:
     adapter.save(tmp, rank)
-    write_torch(_rank_file(tmp, rank), {"rng": rng_state, "data_position": data_position})
+    write_torch(_rank_file(tmp, rank), rank_state)
     if rank == 0:
-        write_torch(tmp / COMMON_FILE, {"scaler": None if scaler is None else scaler.state_dict(), "extra": extra})
+        write_torch(tmp / COMMON_FILE, common)
 
 
-def _digests(tmp: Path, rank: int, world_size: int) -> dict[str, FileRecord]:
+def _digests(tmp: Path, rank: int, world_size: int, group: Optional[dist.ProcessGroup]) -> dict[str, FileRecord]:
     """Size and SHA-256 of every file, each rank hashing every ``world_size``-th one; all ranks get all."""
 
     def hash_my_share() -> dict[str, FileRecord]:
@@ -137,9 +257,9 @@ def _digests(tmp: Path, rank: int, world_size: int) -> dict[str, FileRecord]:
             if i % world_size == rank
         }
 
-    mine = comm.agreed(hash_my_share, "save_checkpoint: hash")
+    mine = comm.agreed(hash_my_share, "save_checkpoint: hash", group)
     merged: dict[str, FileRecord] = {}
-    for part in comm.all_gather(mine, "save_checkpoint: digests"):
+    for part in comm.all_gather(mine, "save_checkpoint: digests", group):
         merged.update(part)
     return dict(sorted(merged.items()))
 
@@ -182,16 +302,32 @@ def load_checkpoint(
             info = load_checkpoint("runs/exp1", model=model, optimizer=optimizer, scaler=scaler)
             start = info.step + 1
     """
+    wait_for_checkpoint()
     rank, world_size = comm.rank_and_size()
     adapter = adapter_for(model, optimizer)
+    source = source_for(model, optimizer)
     found = comm.agreed(lambda: str(resolve(directory_or_root)) if rank == 0 else None, "load_checkpoint: find")
     path = Path(comm.broadcast_from_zero(found, "load_checkpoint: directory"))
-    meta = comm.agreed(lambda: _check_meta(path, adapter, world_size, scaler), "load_checkpoint: metadata")
+    meta = comm.agreed(lambda: _check_meta(path, adapter, source, world_size, scaler), "load_checkpoint: metadata")
     if verify:
         comm.agreed(lambda: _verify_files(path, meta, rank, world_size), "load_checkpoint: verify")
     same_size = meta.world_size == world_size
+    if meta.layout == LAYOUT:
+        assert source is not None
+        held, names = comm.agreed(lambda: _held_and_names(source), "load_checkpoint: held")
+        job_names = {name for part in comm.all_gather(names, "load_checkpoint: names") for name in part}
+
+        def read() -> PendingLoad:
+            assert source is not None
+            return universal_load.plan_load(path, meta, source, held, job_names, rank)
+
+    else:
+
+        def read() -> PendingLoad:
+            return adapter.read(path, meta, rank)
+
     pending, rank_state, common = comm.agreed(
-        lambda: _read_all(path, meta, adapter, rank, rank if same_size else 0, scaler), "load_checkpoint: read"
+        lambda: _read_all(path, read, rank if same_size else 0, scaler), "load_checkpoint: read"
     )
     comm.agreed(pending.fetch, "load_checkpoint: fetch")
     pending.apply()
@@ -239,14 +375,27 @@ def verify_checkpoint(directory: PathLike) -> CheckpointInfo:
     )
 
 
-def _check_meta(path: Path, adapter: Adapter, world_size: int, scaler: Any) -> CheckpointMeta:
+def _held_and_names(source: UniversalSource) -> tuple[list[Any], list[str]]:
+    held = source.held()
+    return held, universal_load.held_names(source, held)
+
+
+def _check_meta(
+    path: Path, adapter: Adapter, source: Optional[UniversalSource], world_size: int, scaler: Any
+) -> CheckpointMeta:
     meta = read_meta(path)
-    if meta.layout != adapter.layout:
+    if meta.layout == LAYOUT:
+        if source is None:
+            raise IncompatibleCheckpointError(
+                f"{path} is in the universal layout (saved by '{meta.strategy}'), which this run's "
+                f"'{adapter.strategy}' cannot read yet; load it with a strategy that has a universal source"
+            )
+    elif meta.layout != adapter.layout:
         raise IncompatibleCheckpointError(
             f"{path} was saved by strategy '{meta.strategy}' (layout '{meta.layout}'), which this run's "
             f"'{adapter.strategy}' (layout '{adapter.layout}') cannot read; load it with the strategy that saved it"
         )
-    if meta.world_size != world_size and not (meta.resizable and adapter.resizable):
+    elif meta.world_size != world_size and not (meta.resizable and adapter.resizable):
         raise IncompatibleCheckpointError(
             f"{path} was saved by '{meta.strategy}' at world size {meta.world_size}; its state is per rank, so it "
             f"loads only at world size {meta.world_size}, not {world_size}. Restart with {meta.world_size} ranks."
@@ -277,10 +426,10 @@ def _verify_files(path: Path, meta: CheckpointMeta, rank: int, world_size: int) 
 
 
 def _read_all(
-    path: Path, meta: CheckpointMeta, adapter: Adapter, rank: int, rank_to_read: int, scaler: Any
+    path: Path, read: Callable[[], PendingLoad], rank_to_read: int, scaler: Any
 ) -> tuple[PendingLoad, dict[str, Any], dict[str, Any]]:
     """Everything this rank needs, validated; ``rank_to_read``'s RNG and data position (rank 0's when resized)."""
-    pending = adapter.read(path, meta, rank)
+    pending = read()
     rank_state = safe_load(_rank_file(path, rank_to_read), "rank state")
     common = safe_load(path / COMMON_FILE, "common state")
     if not isinstance(rank_state, dict) or not isinstance(common, dict):

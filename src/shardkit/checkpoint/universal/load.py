@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Optional
 
 import torch.distributed as dist
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from shardkit.checkpoint import safe_dcp
+from shardkit.checkpoint import safe_dcp, validate
 from shardkit.checkpoint.adapters.base import PendingLoad
 from shardkit.checkpoint.errors import IncompatibleCheckpointError
 from shardkit.checkpoint.metadata import CheckpointMeta
@@ -31,6 +31,7 @@ from shardkit.checkpoint.universal.placement import MODEL_PREFIX, Placement, mod
 from shardkit.checkpoint.universal.plans import UniversalLoadPlanner, check_pieces, pieces_for
 from shardkit.checkpoint.universal.side import read_all
 from shardkit.checkpoint.universal.source import Held, UniversalSource
+from shardkit.checkpoint.validate import Shape
 
 
 def held_names(source: UniversalSource, held: list[Held]) -> list[str]:
@@ -46,8 +47,9 @@ def stored_names(metadata: Metadata) -> set[str]:
     return {k[len(MODEL_PREFIX) :] for k in metadata.state_dict_metadata if k.startswith(MODEL_PREFIX)}
 
 
-def name_resolver(aliases: dict[str, str], stored: set[str], where: Path) -> Callable[[str], str]:
-    """Maps a name of this model to the name the checkpoint stores it under (a tie may be stored by either name)."""
+def name_resolver(aliases: dict[str, str], stored: set[str]) -> Callable[[str], str]:
+    """Maps a name of this model to the name the checkpoint stores it under (a tie may be stored by either of its
+    names); a name the checkpoint lacks maps to itself."""
     tied: dict[str, set[str]] = {}
     for alias, target in aliases.items():
         group = tied.get(alias, {alias}) | tied.get(target, {target})
@@ -57,16 +59,25 @@ def name_resolver(aliases: dict[str, str], stored: set[str], where: Path) -> Cal
     def resolve(name: str) -> str:
         if name in stored:
             return name
-        for other in sorted(tied.get(name, ())):
-            if other in stored:
-                return other
-        few = ", ".join(f"'{n}'" for n in sorted(stored)[:4])
-        raise IncompatibleCheckpointError(
-            f"{where}: this model's '{name}' is not in the checkpoint (which holds {len(stored)} tensors, e.g. "
-            f"{few}); it was saved from another model. Load it into the model that saved it."
-        )
+        return next((other for other in sorted(tied.get(name, ())) if other in stored), name)
 
     return resolve
+
+
+def check_model_keys(
+    directory: Path, metadata: Metadata, held: list[Held], resolve: Callable[[str], str], job_names: set[str]
+) -> None:
+    """This rank's names and full shapes against the store; stored names no rank of the job holds are unexpected."""
+    expected: dict[str, Shape] = {}
+    for h in held:
+        for span in h.spans:
+            expected[resolve(span.fqn)] = tuple(span.shape)
+    given: dict[str, Shape] = {}
+    for key, entry in metadata.state_dict_metadata.items():
+        name = key[len(MODEL_PREFIX) :]
+        if key.startswith(MODEL_PREFIX) and (name in expected or name not in job_names):
+            given[name] = tuple(entry.size) if isinstance(entry, TensorStorageMetadata) else None
+    validate.check_model_state(expected, given, f"the model state in {directory}")
 
 
 def plan_load(
@@ -83,14 +94,8 @@ def plan_load(
     ``job_names`` is the union of :func:`held_names` over the ranks of the loading job."""
     store = directory / DCP_DIR
     metadata = safe_dcp.read_metadata(store)
-    stored = stored_names(metadata)
-    unknown = sorted(stored - job_names)
-    if unknown:
-        raise IncompatibleCheckpointError(
-            f"{directory} holds '{unknown[0]}' (and {len(unknown) - 1} more tensors) that this model does not have; "
-            "it was saved from another model. Load it into the model that saved it."
-        )
-    resolve = name_resolver(source.aliases(), stored, directory)
+    resolve = name_resolver(source.aliases(), stored_names(metadata))
+    check_model_keys(directory, metadata, held, resolve, job_names)
     placements: list[Placement] = []
     what: dict[str, str] = {}
     for h in held:
