@@ -1,0 +1,122 @@
+"""The model and families of the universal-layout tests: plain, torch DDP, OSS under DDP, OSS + ShardedDataParallel.
+
+The model ties two weights and carries a buffer; the optimizer is Adam with two param groups (weights, and biases
+at half the learning rate), so a checkpoint carries per-element state, Adam's scalar ``step`` and group settings.
+Every family at every world size averages the gradient of the same global batch, so all follow the single-process
+trajectory (within fp32 reduction-order differences).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+GLOBAL_BATCH = 8
+LR = 0.02
+
+
+class TiedNet(nn.Module):
+    """Linear(6, 6) twice with one shared weight, then Linear(6, 3) and a persistent gain buffer."""
+
+    def __init__(self, seed: int, width: int = 6) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.a = nn.Linear(6, width)
+        self.b = nn.Linear(width, width)
+        self.b.weight = self.a.weight if width == 6 else self.b.weight  # tied (same shape only)
+        self.out = nn.Linear(width, 3)
+        self.register_buffer("gain", torch.full((3,), 1.0 + 0.5 * seed))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.b(torch.tanh(self.a(x))))) * self.gain
+
+
+def param_groups(model: nn.Module) -> list[dict[str, Any]]:
+    """Weights at ``LR``, biases at half of it."""
+    named = list(model.named_parameters())
+    return [
+        {"params": [p for n, p in named if n.endswith("weight")]},
+        {"params": [p for n, p in named if n.endswith("bias")], "lr": LR / 2},
+    ]
+
+
+@dataclass
+class Family:
+    """A model as trained (possibly wrapped), its optimizer, and this rank's share of the batch."""
+
+    name: str
+    model: nn.Module
+    optimizer: Any
+    inner: nn.Module
+    dp_rank: int
+    dp_size: int
+
+
+def build(name: str, seed: int, width: int = 6) -> Family:
+    """``plain`` (one process), ``ddp``, ``oss`` (OSS under torch DDP) or ``oss_sdp``."""
+    inner = TiedNet(seed, width)
+    rank, size = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if name != "plain" else (0, 1)
+    if name in ("plain", "ddp"):
+        model: nn.Module = inner if name == "plain" else DDP(inner)
+        return Family(name, model, torch.optim.Adam(param_groups(inner), lr=LR), inner, rank, size)
+    from shardkit.nn import ShardedDataParallel
+    from shardkit.optim import OSS
+
+    optimizer = OSS(param_groups(inner), optim=torch.optim.Adam, lr=LR)
+    model = DDP(inner) if name == "oss" else ShardedDataParallel(inner, optimizer)
+    return Family(name, model, optimizer, inner, rank, size)
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 + step)
+    return torch.randn(GLOBAL_BATCH, 6, generator=gen), torch.randn(GLOBAL_BATCH, 3, generator=gen)
+
+
+def train(family: Family, steps: range) -> None:
+    """One optimizer step per global batch; each rank takes its contiguous rows."""
+    rows = GLOBAL_BATCH // family.dp_size
+    for step in steps:
+        x, y = batch(step)
+        x, y = (
+            x[family.dp_rank * rows : (family.dp_rank + 1) * rows],
+            y[family.dp_rank * rows : (family.dp_rank + 1) * rows],
+        )
+        family.optimizer.zero_grad()
+        F.mse_loss(family.model(x), y).backward()
+        family.optimizer.step()
+
+
+def state(family: Family) -> dict[str, torch.Tensor]:
+    """The unwrapped model's state dict, cloned."""
+    return {k: v.detach().clone() for k, v in family.inner.state_dict().items()}
+
+
+def optimizer_state(family: Family) -> Optional[dict[str, dict[str, torch.Tensor]]]:
+    """Per parameter name, the Adam state this rank holds (OSS: only the parameters it owns)."""
+    local = getattr(family.optimizer, "optim", family.optimizer)
+    names = {id(p): n for n, p in family.inner.named_parameters()}
+    return {names[id(p)]: {k: v.clone() for k, v in s.items()} for p, s in local.state.items() if id(p) in names}
+
+
+def reference(seed: int, steps: int) -> dict[str, torch.Tensor]:
+    """The single-process run after ``steps`` steps."""
+    family = build("plain", seed)
+    train(family, range(steps))
+    return state(family)
+
+
+def close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> Optional[str]:
+    """None when both state dicts have the same keys and values within fp32 reduction-order tolerance."""
+    if a.keys() != b.keys():
+        return f"keys differ: {sorted(a.keys() ^ b.keys())}"
+    for key in a:
+        if a[key].shape != b[key].shape:
+            return f"{key}: shapes {tuple(a[key].shape)} and {tuple(b[key].shape)}"
+        if not torch.allclose(a[key], b[key], rtol=1e-5, atol=1e-6):
+            return f"{key}: max difference {(a[key] - b[key]).abs().max().item()}"
+    return None
