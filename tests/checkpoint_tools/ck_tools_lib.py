@@ -11,6 +11,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import shardkit
+from shardkit.checkpoint.universal.layout import DCP_DIR
 from shardkit.checkpoint.files import sha256
 from shardkit.checkpoint.metadata import CheckpointMeta, FileRecord
 
@@ -49,7 +50,7 @@ def dcp_save(state: dict[str, Any], path: Path) -> None:
 def universal_checkpoint(directory: Path, model: dict[str, torch.Tensor], optim: dict[str, torch.Tensor]) -> Path:
     """A universal-layout checkpoint: one DCP store with ``model/<fqn>`` and ``optim/<fqn>/<name>`` keys."""
     state = {f"model/{k}": v for k, v in model.items()} | {f"optim/{k}": v for k, v in optim.items()}
-    dcp_save(state, directory / "state")
+    dcp_save(state, directory / DCP_DIR)
     write_meta(directory, "universal")
     return directory
 

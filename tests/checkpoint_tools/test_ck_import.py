@@ -52,7 +52,8 @@ def test_import_then_load_equals_the_source(tmp_path: Path, source: str) -> None
     ck = tmp_path / "ck"
     assert main(["import", str(src), str(ck), "--step", "12", "--format", source]) == 0
     _check_loaded(ck, sd, step=12)
-    assert inspect_checkpoint(ck)["verification"]["ok"]
+    report = inspect_checkpoint(ck)
+    assert report["verification"]["ok"] and (report["layout"], report["strategy"]) == ("universal", "import")
     assert main(["export", str(ck), str(tmp_path / "back.safetensors")]) == 0
     back = load_file(tmp_path / "back.safetensors")
     assert all(torch.equal(back[k], v) for k, v in sd.items())

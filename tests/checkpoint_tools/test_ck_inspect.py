@@ -32,7 +32,7 @@ def test_universal_lists_every_tensor_with_shape_dtype_bytes(tmp_path: Path, cap
         "dtype": "float32",
         "bytes": 120,
         "chunks": 1,
-        "where": "state",
+        "where": "dcp",
     }
     assert tensors["model/norm.num_batches_tracked"]["dtype"] == "int64"
     assert tensors["optim/enc.weight/step"]["part"] == "optimizer"
@@ -41,7 +41,7 @@ def test_universal_lists_every_tensor_with_shape_dtype_bytes(tmp_path: Path, cap
     assert totals["parameters"] == 30 + 6 + 18 + 1
     assert report["verification"] == {"ok": True, "error": None}
     files = {f["name"]: f for f in report["files"]["list"]}
-    assert "state/.metadata" in files and files["state/.metadata"]["bytes"] > 0
+    assert "dcp/.metadata" in files and files["dcp/.metadata"]["bytes"] > 0
     assert report["files"]["bytes"] == sum(f["bytes"] for f in files.values())
 
 
@@ -51,7 +51,7 @@ def test_text_report_and_damaged_file_fails_verification(tmp_path: Path, capsys:
     assert main(["inspect", str(tmp_path)]) == 0  # the parent: the latest checkpoint under it
     text = capsys.readouterr().out
     assert "layout universal" in text and "model/enc.weight" in text and "verification: OK" in text
-    shard = next((ck / "state").glob("*.distcp"))
+    shard = next((ck / "dcp").glob("*.distcp"))
     data = bytearray(shard.read_bytes())
     data[-1] ^= 0xFF
     shard.write_bytes(bytes(data))

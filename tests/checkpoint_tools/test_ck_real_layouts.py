@@ -48,6 +48,7 @@ def test_real_fsdp_checkpoints_inspect_and_export(tmp_path: Path) -> None:
         model = {t["key"].removeprefix("model/"): t for t in report["tensors"] if t["part"] == "model"}
         assert model.keys() == full.keys()
         assert model["0.weight"]["shape"] == [10, 6]
+        assert report["layout"] == {"legacy": "fsdp-dcp", "universal": "universal"}[name]
         if name == "legacy":
             assert model["0.weight"]["chunks"] == 2  # one row block per rank
         assert main(["export", str(ck), str(tmp_path / f"{name}.safetensors")]) == 0

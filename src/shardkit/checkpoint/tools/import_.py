@@ -11,8 +11,10 @@ Sources (``--format``, detected when ``auto``):
 ``fairscale-shards`` a folder with one fairscale FSDP local-shard file per rank (see :mod:`~.sources`)
 ==================  ===================================================================================
 
-The result is a universal checkpoint at step ``step`` (0 by default), saved at world size 1, which
-``load_checkpoint`` loads into any strategy at any world size.
+The result is a universal checkpoint at step ``step`` (0 by default), saved at world size 1 with strategy
+``"import"``, which ``load_checkpoint`` loads into any strategy at any world size. Memory: a ``torch.save``
+state dict stays memory-mapped until it is written; the other sources are read into memory whole before the
+write (the model, plus the optimizer state of a torch DCP source).
 
 Example::
 
@@ -23,10 +25,7 @@ Example::
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional, Union
-
-import torch
-from torch import nn
+from typing import Optional, Union
 
 from shardkit.checkpoint.tools.sources import (
     ImportedState,
@@ -90,77 +89,22 @@ def import_checkpoint(
     return write_universal(state, Path(directory), step)
 
 
-class _ImportedOptimizer(torch.optim.Optimizer):
-    """Carries imported optimizer state and hyper-parameters to ``save_checkpoint``; it cannot step."""
-
-    def __init__(self, groups: list[dict[str, Any]]) -> None:
-        super().__init__(groups, defaults={})
-
-    def step(self, closure: Any = None) -> Any:
-        raise RuntimeError("an imported optimizer state only travels into a checkpoint; it cannot step")
-
-
-def holder_module(tensors: dict[str, torch.Tensor]) -> tuple[nn.Module, dict[str, nn.Parameter]]:
-    """A module whose ``state_dict()`` is ``tensors`` (same names; the tensors themselves, not copies), and its
-    parameters by name. Floating tensors become parameters, the others buffers; one tensor object under two
-    names becomes one tied parameter."""
-    root = nn.Module()
-    params: dict[str, nn.Parameter] = {}
-    by_object: dict[int, nn.Parameter] = {}
-    for fqn, tensor in tensors.items():
-        *path, leaf = fqn.split(".")
-        if not leaf or not all(path):
-            raise ValueError(f"tensor name {fqn!r} has an empty part; it is not a module parameter name")
-        module = root
-        for part in path:
-            child = getattr(module, part, None)
-            if child is None:
-                child = nn.Module()
-                module.add_module(part, child)
-            if not isinstance(child, nn.Module):
-                raise ValueError(f"{fqn!r}: {part!r} is both a tensor and a module in the source")
-            module = child
-        if not tensor.is_floating_point():
-            module.register_buffer(leaf, tensor)
-            continue
-        param = by_object.get(id(tensor))
-        if param is None:
-            param = by_object[id(tensor)] = nn.Parameter(tensor, requires_grad=False)
-        module.register_parameter(leaf, param)
-        params[fqn] = param
-    return root, params
-
-
-def _optimizer(state: ImportedState, params: dict[str, nn.Parameter]) -> Optional[torch.optim.Optimizer]:
-    """The imported optimizer state on the holder's parameters, one param group per distinct hyper-parameters."""
-    if not state.optim_state:
-        return None
-    groups: list[dict[str, Any]] = []
-    for fqn in state.optim_state:
-        if fqn not in params:
-            raise ValueError(f"optimizer state for {fqn!r}, which is not a floating-point model tensor")
-        hparams = dict(state.optim_hparams.get(fqn, {}))
-        same = next((g for g in groups if {k: v for k, v in g.items() if k != "params"} == hparams), None)
-        if same is None:
-            groups.append({**hparams, "params": [params[fqn]]})
-        else:
-            same["params"].append(params[fqn])
-    optimizer = _ImportedOptimizer(groups)
-    for fqn, values in state.optim_state.items():
-        optimizer.state[params[fqn]] = dict(values)
-    return optimizer
-
-
 def write_universal(state: ImportedState, directory: Path, step: int) -> Path:
-    """Write ``state`` with ``save_checkpoint`` from this one process, keyed by the source's names.
+    """Write ``state`` with the engine's single-process writer (:func:`~shardkit.checkpoint.universal.write.
+    write_state`): every tensor whole under its name, optimizer state and its group's settings by name.
 
     The tensors are handed over as they are (memory-mapped where the source allows), not copied.
     """
     import torch.distributed as dist
 
-    from shardkit.checkpoint.api import save_checkpoint
+    from shardkit.checkpoint.universal.write import whole, write_state
 
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         raise ValueError("import a checkpoint from one process (it runs without a process group), not from a job")
-    model, params = holder_module(state.model)
-    return save_checkpoint(directory, step=step, model=model, optimizer=_optimizer(state, params))
+    unknown = [fqn for fqn in state.optim_state if fqn not in state.model]
+    if unknown:
+        raise ValueError(f"optimizer state for {unknown[:3]}, which the model state does not hold")
+    held = [whole(fqn, tensor) for fqn, tensor in state.model.items()]
+    optimizer_state = state.optim_state or None
+    hyper = {fqn: dict(state.optim_hparams.get(fqn, {})) for fqn in state.optim_state} if optimizer_state else None
+    return write_state(directory, held, optimizer_state, hyper, step=step)
