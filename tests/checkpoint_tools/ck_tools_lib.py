@@ -11,9 +11,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import shardkit
-from shardkit.checkpoint.universal.layout import DCP_DIR
 from shardkit.checkpoint.files import sha256
 from shardkit.checkpoint.metadata import CheckpointMeta, FileRecord
+from shardkit.checkpoint.universal.layout import DCP_DIR
 
 
 def write_meta(directory: Path, layout: str, strategy: str = "plain", step: int = 3, world_size: int = 1) -> None:
