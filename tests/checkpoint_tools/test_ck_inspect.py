@@ -80,3 +80,26 @@ def test_today_layouts_full_and_fsdp_dcp(tmp_path: Path) -> None:
 def test_not_a_checkpoint_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert main(["inspect", str(tmp_path / "nothing")]) == 2
     assert "no complete checkpoint" in capsys.readouterr().err
+
+
+def test_slowmo_per_rank_layout_shows_rank_zeros_model(tmp_path: Path) -> None:
+    from ck_tools_lib import write_meta
+    from safetensors.torch import load_file
+
+    model, _ = small_state()
+    ck = tmp_path / "ck"
+    (ck / "slowmo").mkdir(parents=True)
+    for rank in range(2):
+        wrapper = {f"module.{k}": v + rank for k, v in model.items()} | {"ps_weight": torch.ones(())}
+        torch.save(
+            {"model": wrapper, "optimizer": {"state": {}, "param_groups": []}, "step": 3},
+            ck / "slowmo" / f"rank_{rank:05d}.pt",
+        )
+    write_meta(ck, "per-rank", strategy="slowmo", world_size=2)
+    report = inspect_checkpoint(ck)
+    names = {t["key"]: t["part"] for t in report["tensors"]}
+    assert names["model/module.enc.weight"] == "model" and names["model/ps_weight"] == "other"
+    assert main(["export", str(ck), str(tmp_path / "m.safetensors")]) == 0
+    exported = load_file(tmp_path / "m.safetensors")
+    assert exported.keys() == model.keys()  # rank 0's copy, without the wrapper's module. level
+    assert all(torch.equal(exported[k], v) for k, v in model.items())

@@ -117,6 +117,15 @@ def load_mapped(path: Path, what: str) -> Any:
         return safe_load(path, what)  # the same read, with the checkpoint module's explanation of what failed
 
 
+#: ``torch.save`` files holding tensors, per layout: (file, part; ``None``: SlowMo's per-rank file). In the
+#: universal layout every tensor is in the DCP store (SlowMo's per-rank files there are for resuming SlowMo only).
+_FILES: dict[str, tuple[tuple[str, Optional[str]], ...]] = {
+    "full": (("model.pt", MODEL), ("optimizer.pt", OPTIMIZER)),
+    "fsdp-dcp": (("optimizer.pt", OPTIMIZER),),
+    "per-rank": (("slowmo/rank_00000.pt", None),),
+}
+
+
 class CheckpointView:
     """The tensors of one checkpoint directory, listed from its indexes and read one at a time."""
 
@@ -175,7 +184,7 @@ class CheckpointView:
             self._stores[where] = store
             metadata = safe_dcp.read_metadata(store)
             out += dcp_entries(where, metadata, strip_prefix=layout != "fsdp-dcp")
-        for name, part in (("model.pt", MODEL), ("optimizer.pt", OPTIMIZER), ("slowmo/rank_00000.pt", None)):
+        for name, part in _FILES.get(layout, ()):
             if (self.directory / name).is_file():
                 out += self._file_entries(name, part)
         return out
