@@ -103,3 +103,20 @@ def test_slowmo_per_rank_layout_shows_rank_zeros_model(tmp_path: Path) -> None:
     exported = load_file(tmp_path / "m.safetensors")
     assert exported.keys() == model.keys()  # rank 0's copy, without the wrapper's module. level
     assert all(torch.equal(exported[k], v) for k, v in model.items())
+
+
+def test_optimizer_settings_of_a_saved_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from shardkit.checkpoint import save_checkpoint
+
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    opt = torch.optim.Adam([{"params": net[0].parameters(), "lr": 0.1}, {"params": net[1].parameters()}], lr=0.01)
+    net(torch.randn(2, 3)).sum().backward()
+    opt.step()
+    ck = save_checkpoint(tmp_path / "ck", step=1, model=net, optimizer=opt)
+    report = inspect_checkpoint(ck)
+    settings = sorted(
+        (g["settings"]["lr"], g["parameters"], g["settings"]["betas"]) for g in report["optimizer_settings"]
+    )
+    assert settings == [(0.01, 2, [0.9, 0.999]), (0.1, 2, [0.9, 0.999])]
+    assert main(["inspect", str(ck)]) == 0
+    assert "optimizer settings of 2 parameters: amsgrad=False, betas=[0.9, 0.999]" in capsys.readouterr().out

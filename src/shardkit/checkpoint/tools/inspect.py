@@ -12,13 +12,15 @@ Example::
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from pathlib import Path
 from typing import Any, Union
 
 from shardkit.checkpoint.api import verify_checkpoint
-from shardkit.checkpoint.errors import CheckpointError
+from shardkit.checkpoint.errors import CheckpointError, CorruptCheckpointError
 from shardkit.checkpoint.tools.store import MODEL, CheckpointView
+from shardkit.checkpoint.universal.layout import LAYOUT, SIDE_DIR
 
 
 def inspect_checkpoint(directory: Union[str, Path], verify: bool = True) -> dict[str, Any]:
@@ -28,7 +30,8 @@ def inspect_checkpoint(directory: Union[str, Path], verify: bool = True) -> dict
     ``has_scaler``, ``shardkit_version``, ``torch_version``, ``files`` (count, bytes on disk, and each file with
     its size and SHA-256 as recorded), ``tensors``
     (per tensor: ``key``, ``part``, ``shape``, ``dtype``, ``bytes``, ``chunks``, ``where``), ``totals`` (tensors
-    and bytes per part, parameters in the model) and ``verification`` (``ok`` and, if not, the ``error``).
+    and bytes per part, parameters in the model), ``optimizer_settings`` (universal layout: each distinct param-group
+    setting with its number of parameters) and ``verification`` (``ok`` and, if not, the ``error``).
     """
     view = CheckpointView.open(directory)
     meta = view.meta
@@ -79,8 +82,42 @@ def inspect_checkpoint(directory: Union[str, Path], verify: bool = True) -> dict
             "parameters": sum(e.nbytes // e.dtype.itemsize for e in entries if e.part == MODEL),
             "by_part": {part: {"tensors": count[part], "bytes": by_part[part]} for part in sorted(count)},
         },
+        "optimizer_settings": optimizer_settings(view.directory) if meta.layout == LAYOUT else [],
         "verification": verification,
     }
+
+
+def optimizer_settings(directory: Path) -> list[dict[str, Any]]:
+    """The distinct param-group settings in a universal checkpoint's JSON side files, each with how many
+    parameters use it (empty for other layouts). Tuples and one-element tensors appear as JSON lists/numbers."""
+    found: list[dict[str, Any]] = []
+    for path in sorted((directory / SIDE_DIR).glob("*.json")):
+        try:
+            groups = json.loads(path.read_text()).get("groups", {})
+        except (OSError, ValueError, AttributeError) as err:
+            raise CorruptCheckpointError(f"{path} cannot be read as an optimizer side file ({err})") from None
+        for fqn, settings in groups.items():
+            plain = _plain(settings)
+            entry = next((e for e in found if e["settings"] == plain), None)
+            if entry is None:
+                entry = {"settings": plain, "parameters": []}
+                found.append(entry)
+            if fqn not in entry["parameters"]:
+                entry["parameters"].append(fqn)
+    return [{"settings": e["settings"], "parameters": len(e["parameters"])} for e in found]
+
+
+def _plain(value: Any) -> Any:
+    """Side-file JSON with its tagged tuples and tensors turned into plain lists and numbers."""
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        if "__tuple__" in value:
+            return [_plain(v) for v in value["__tuple__"]]
+        if "__tensor__" in value:
+            return value["__tensor__"]
+        return {k: _plain(v) for k, v in value.items()}
+    return value
 
 
 def _size(nbytes: int) -> str:
@@ -115,6 +152,9 @@ def format_report(report: dict[str, Any]) -> str:
     lines.append(
         f"total: {totals['tensors']} tensors, {_size(totals['bytes'])}; {totals['parameters']:,} model elements"
     )
+    for group in report["optimizer_settings"]:
+        settings = ", ".join(f"{k}={v}" for k, v in sorted(group["settings"].items()))
+        lines.append(f"optimizer settings of {group['parameters']} parameters: {settings}")
     verification = report["verification"]
     if verification["ok"] is None:
         lines.append("verification: skipped")
