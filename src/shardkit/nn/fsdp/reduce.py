@@ -11,8 +11,11 @@ Averaging: in FP32 the *shard* of the sum is divided by the world size after the
 ``1/world_size`` of the elements; in 16-bit the full gradient is divided first, so the sum cannot overflow.
 
 Replicas (hybrid sharding, NO_SHARD): when the unit has a replica group, the reduced shard is then all-reduced
-over it (the ranks holding the same shard on the other nodes), started as soon as the reduce-scatter is seen to
-have finished, so only shard-sized messages cross nodes. The average then runs over shard group x replica group.
+over it (the ranks holding the same shard on the other nodes), so only shard-sized messages cross nodes. The
+node-local reduce-scatter is waited for at once (fast link; on CUDA only the reduce stream waits) and the
+all-reduce started right behind it, so the slow part overlaps the next unit's backward, and every rank issues the
+all-reduces in one order (the order the units' gradients are ready). The average runs over shard group x replica
+group.
 """
 
 from __future__ import annotations
@@ -68,10 +71,10 @@ class PendingReduce:
         if self.work is not None and not self.work.is_completed():
             return False
         if self.replica is not None:
-            self._start_replica()
+            self.start_replica()
         return self._replica_work is None or self._replica_work.is_completed()
 
-    def _start_replica(self) -> None:
+    def start_replica(self) -> None:
         """All-reduce the reduced shard over the replica group, after the reduce-scatter (on CUDA, queued behind
         it on the reduce stream, so the compute stream never waits for it here)."""
         replica, self.replica = self.replica, None
@@ -96,7 +99,7 @@ class PendingReduce:
             self.work = None
         join(self.stream)
         if self.replica is not None:
-            self._start_replica()
+            self.start_replica()
         if self._replica_work is not None:
             self._replica_work.wait()
             self._replica_work = None
@@ -156,8 +159,10 @@ def start_reduce(
             grad_shard = torch.empty(grad.numel() // world_size, dtype=dtype, device=grad.device)
             work = _collectives.reduce_scatter_grads(grad_shard, grad, ctx.reduce_channel(group), label)
             kept = grad
-    # The replica all-reduce starts only from the queue (oldest first), so every rank issues them in one order.
-    return PendingReduce(shard, grad_shard, work, kept, stream, after, replica if replica_size > 1 else None, label)
+    pending = PendingReduce(shard, grad_shard, work, kept, stream, after, replica if replica_size > 1 else None, label)
+    if pending.replica is not None:
+        pending.start_replica()  # the reduce-scatter stays in the node: wait for it, send the slow part now
+    return pending
 
 
 class ReduceQueue:
@@ -177,9 +182,7 @@ class ReduceQueue:
 
     def poll(self) -> None:
         """Finish the reductions that already completed, oldest first, without waiting: their full gradients
-        are freed now instead of at the next unit's post-backward. The first one still in flight starts its
-        cross-node all-reduce if its reduce-scatter has landed (replicas: always oldest first, one order on
-        every rank)."""
+        are freed now instead of at the next unit's post-backward."""
         while self._pending and self._pending[0].done():
             self._finish(self._pending.popleft())
 
