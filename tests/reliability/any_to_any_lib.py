@@ -111,10 +111,10 @@ def build(family: str, rank: int, world_size: int, seed: int, mixed_precision: b
         else:
             model = FSDP(module, flatten_parameters=False, **options)
         return Run(family, model, _sgd(model.parameters()), rank, world_size)
-    if family == "smp":
+    if family in ("smp", "smp_p4"):
         import shardkit.modelparallel as smp
 
-        partitions = 1 if world_size == 1 else 2
+        partitions = 4 if family == "smp_p4" else 1 if world_size == 1 else 2
         smp.init({"partitions": partitions, "microbatches": 2, "ddp": True})
         model = smp.DistributedModel(module)
         return Run(family, model, smp.DistributedOptimizer(_sgd(model.parameters())), smp.dp_rank(), smp.dp_size())
@@ -130,7 +130,7 @@ def build(family: str, rank: int, world_size: int, seed: int, mixed_precision: b
 
 def release(run: Run) -> None:
     """Forget process-wide state (smp allows one model per process)."""
-    if run.family == "smp":
+    if run.family.startswith("smp"):
         import shardkit.modelparallel as smp
 
         smp.reset()
@@ -150,7 +150,7 @@ def _smp_step() -> Any:
 
 def train(run: Run, steps: range) -> None:
     """Train ``run`` on the global batches of ``steps`` (its data-parallel share of each)."""
-    smp_step = _smp_step() if run.family == "smp" else None
+    smp_step = _smp_step() if run.family.startswith("smp") else None
     for step in steps:
         x, y = batch(step)
         x, y = rows(x, run.dp_rank, run.dp_size), rows(y, run.dp_rank, run.dp_size)

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 
 import pytest
 import torch
-from any_to_any_lib import FAMILY_SIZES, build, difference, full_state, reference, release, train
+from any_to_any_lib import FAMILY_SIZES, TWO_NODES, build, difference, full_state, reference, release, train
 
 from shardkit.checkpoint import load_checkpoint, save_checkpoint
 from shardkit.testing import run_distributed
@@ -53,7 +53,16 @@ def _cases() -> list[Case]:
     return cases
 
 
-CASES = _cases()
+#: Beyond the pairs: four pipeline stages, and hybrid-sharded FSDP with CPU offload (world size 4 runs as two
+#: simulated nodes of two processes).
+EXTRA_CASES = [
+    Case("smp_p4", 4, "fsdp_noflat", 2, warm=False),
+    Case("oss_sdp", 2, "smp_p4", 4, warm=True),
+    Case("fsdp_hybrid", 4, "smp", 2, warm=False),
+    Case("ddp", 2, "fsdp_hybrid", 4, warm=True),
+]
+EXTRA_SIZES = {"smp_p4": 4, "fsdp_hybrid": 4}
+CASES = _cases() + EXTRA_CASES
 #: The strategy name each family's checkpoint records.
 STRATEGY_NAMES = {
     "plain": "plain",
@@ -64,6 +73,8 @@ STRATEGY_NAMES = {
     "fsdp_noflat": "fsdp",
     "smp": "smp",
     "slowmo": "slowmo",
+    "smp_p4": "smp",
+    "fsdp_hybrid": "fsdp",
 }
 MIXED_TARGETS = (("plain", 1), ("smp", 4))
 
@@ -75,6 +86,7 @@ def _directory(root: str, family: str, size: int, mixed: bool = False) -> Path:
 def _save_every_family(rank: int, world_size: int, root: str) -> dict[str, Any]:
     saved: dict[str, Any] = {}
     plans = [(family, False) for family, sizes in FAMILY_SIZES.items() if world_size in sizes]
+    plans += [(family, False) for family, size in EXTRA_SIZES.items() if size == world_size]
     if world_size == MIXED[1]:
         plans.append((MIXED[0], True))
     for family, mixed in plans:
@@ -119,12 +131,14 @@ def moved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     started = time.perf_counter()
     saved: dict[str, Any] = {}
     for size in SIZES:
-        saved.update(run_distributed(_save_every_family, size, root, timeout_s=170)[0])
+        env = TWO_NODES if size == 4 else None
+        saved.update(run_distributed(_save_every_family, size, root, timeout_s=170, rank_env=env)[0])
     mixed_cases = [Case("mixed", MIXED[1], target, size, warm=False) for target, size in MIXED_TARGETS]
     results: dict[str, Any] = {}
     for size in SIZES:
         mine = [c for c in CASES + mixed_cases if c.target_size == size]
-        for rank_result in run_distributed(_load_cases, size, root, mine, timeout_s=170):
+        env = TWO_NODES if size == 4 else None
+        for rank_result in run_distributed(_load_cases, size, root, mine, timeout_s=170, rank_env=env):
             for name, value in rank_result.items():
                 results.setdefault(name, []).append(value)
     print(f"any-to-any: {len(CASES) + len(mixed_cases)} moves in {time.perf_counter() - started:.1f} s")
@@ -144,15 +158,17 @@ def _tensors(arrays: dict[str, Any]) -> dict[str, torch.Tensor]:
 
 def test_every_family_saves_the_universal_layout(moved: dict[str, Any]) -> None:
     expected = {_directory("", f, s).name for f, sizes in FAMILY_SIZES.items() for s in sizes}
+    expected |= {_directory("", f, s).name for f, s in EXTRA_SIZES.items()}
     assert set(moved["layouts"]) == expected | {_directory("", *MIXED, mixed=True).name}
     assert set(moved["layouts"].values()) == {"universal"}
 
 
 def test_cases_cover_every_pair_and_every_world_size_both_ways() -> None:
     families = set(FAMILY_SIZES)
-    assert {(c.source, c.target) for c in CASES} == set(itertools.product(families, families))
-    assert {(c.source, c.source_size) for c in CASES} == {(f, s) for f in families for s in FAMILY_SIZES[f]}
-    assert {(c.target, c.target_size) for c in CASES} == {(f, s) for f in families for s in FAMILY_SIZES[f]}
+    pairs = CASES[: len(CASES) - len(EXTRA_CASES)]
+    assert {(c.source, c.target) for c in pairs} == set(itertools.product(families, families))
+    assert {(c.source, c.source_size) for c in pairs} == {(f, s) for f in families for s in FAMILY_SIZES[f]}
+    assert {(c.target, c.target_size) for c in pairs} == {(f, s) for f in families for s in FAMILY_SIZES[f]}
     assert any(c.warm and c.target == "smp" for c in CASES) and any(not c.warm and c.target == "smp" for c in CASES)
 
 
