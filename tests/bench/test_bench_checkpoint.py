@@ -22,6 +22,7 @@ def test_quick_run_reports_every_rank(tmp_path: Path, capsys: pytest.CaptureFixt
         for r in per_strategy:
             assert r["loaded_equal"] is True
             assert r["owned_bytes"] > 0 and r["save_s"] > 0 and r["old_rise"] is not None
+            assert r["async_stall_s"] is not None and r["async_rise"] is not None and r["async_total_s"] > 0
     assert list(tmp_path.glob("shardkit-bench-ckpt-*")) == []  # checkpoints removed
 
 

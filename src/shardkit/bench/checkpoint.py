@@ -96,6 +96,7 @@ class RankResult:
     async_stall_s: Optional[float] = None
     async_step_s: Optional[float] = None
     async_total_s: Optional[float] = None
+    async_rise: Optional[int] = None
     loaded_equal: bool = False
     notes: list[str] = field(default_factory=list)
 
@@ -191,6 +192,9 @@ def _measure(name: str, s: CheckpointBenchSettings, root: Path) -> RankResult:
         result.old_s = old_s
     _async(result, model, optimizer, s, root / f"{name}_async")
     C.barrier(None, "bench checkpoint: done")
+    if rank == 0:  # free the disk before the next strategy
+        for written in root.glob(f"{name}_*"):
+            shutil.rmtree(written, ignore_errors=True)
     return result
 
 
@@ -201,11 +205,16 @@ def _async(result: RankResult, model: nn.Module, optimizer: Any, s: CheckpointBe
         result.notes.append("save_checkpoint has no async_save here")
         return
     wait: Callable[[], Any] = checkpoint.wait_for_checkpoint
-    C.barrier(None, "bench checkpoint: async")
+    C.barrier(None, "bench checkpoint: async memory")
+    with PeakRSS() as peak:  # staging and background write alone: the staged copy lives until the write ends
+        checkpoint.save_checkpoint(path, step=2, model=model, optimizer=optimizer, async_save=True)
+        wait()
+    result.async_rise = peak.rise
+    C.barrier(None, "bench checkpoint: async stall")
     start = time.perf_counter()
-    checkpoint.save_checkpoint(path, step=2, model=model, optimizer=optimizer, async_save=True)
+    checkpoint.save_checkpoint(path, step=3, model=model, optimizer=optimizer, async_save=True)
     result.async_stall_s = time.perf_counter() - start
-    result.async_step_s = _step(model, optimizer, s, 3)
+    result.async_step_s = _step(model, optimizer, s, 3)  # runs while the background write goes on
     wait()
     result.async_total_s = time.perf_counter() - start
 
@@ -255,6 +264,7 @@ def report(per_rank: list[list[RankResult]], s: CheckpointBenchSettings, world_s
                 "-" if stall is None else f"{stall:.2f}",
                 ratio(stall, slowest.save_s),
                 "-" if ranks[0].async_step_s is None else f"{max(r.async_step_s or 0.0 for r in ranks):.2f}",
+                _mib(max((r.async_rise for r in ranks if r.async_rise is not None), default=None)),
                 "yes" if all(r.loaded_equal for r in ranks) else "NO",
             ]
         )
@@ -291,6 +301,7 @@ def report(per_rank: list[list[RankResult]], s: CheckpointBenchSettings, world_s
                     "async stall s",
                     "stall / save",
                     "step during async s",
+                    "async rise (max rank)",
                     "load restores",
                 ],
                 times,
@@ -299,7 +310,9 @@ def report(per_rank: list[list[RankResult]], s: CheckpointBenchSettings, world_s
             "rise: peak RSS during the call minus RSS just before it. holds: parameters + optimizer state this rank "
             "keeps between steps (FSDP: shards; OSS: all parameters + its optimizer partition). old way: FSDP's "
             "previous adapter (optimizer state gathered on rank 0) / OSS consolidate_state_dict + torch.save on "
-            "rank 0.",
+            "rank 0. async rise: the same rise from save_checkpoint(async_save=True) until wait_for_checkpoint() "
+            "returns (staging and background write, no training in between); async stall: time until the call "
+            "returns, after which a training step runs beside the background write.",
             *notes,
         ]
     )
