@@ -1,0 +1,104 @@
+"""FSDP checkpoints of a model with tied weights (stored once, the tie kept on both sides), and a checkpoint asked
+for while FSDP is inside a forward pass (refused on every rank, nothing written)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardkit.checkpoint import load_checkpoint, save_checkpoint
+from shardkit.checkpoint.adapters.fsdp import FSDPSource
+from shardkit.nn import FullyShardedDataParallel as FSDP
+from shardkit.testing import run_distributed
+
+
+class TiedNet(nn.Module):
+    """An embedding whose weight is also the output layer's, as in language models."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.emb = nn.Embedding(10, 4)
+        self.mid = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.mid(self.emb(tokens))))
+
+
+def _step(model: nn.Module, optimizer: torch.optim.Optimizer, rank: int, share: int) -> None:
+    """One step on ``share`` rows of the batch starting at row ``rank * share``."""
+    tokens = torch.arange(8).reshape(4, 2)[rank * share : (rank + 1) * share]
+    optimizer.zero_grad()
+    F.cross_entropy(model(tokens).reshape(-1, 10), tokens.reshape(-1)).backward()
+    optimizer.step()
+
+
+def _values(model: nn.Module) -> dict[str, Any]:
+    return {k: v.detach().clone().numpy() for k, v in model.state_dict().items()}
+
+
+def _ties(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    fsdp = FSDP(TiedNet(seed=0))
+    fsdp_opt = torch.optim.SGD(fsdp.parameters(), lr=0.1, momentum=0.9)
+    _step(fsdp, fsdp_opt, rank, share=2)
+    save_checkpoint(Path(root) / "fsdp", step=0, model=fsdp, optimizer=fsdp_opt)
+    plain = TiedNet(seed=1)
+    load_checkpoint(Path(root) / "fsdp", model=plain, optimizer=torch.optim.SGD(plain.parameters(), lr=0.1))
+    plain_loaded = _values(plain)
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+    _step(plain, plain_opt, 0, share=4)  # the whole batch: every rank's plain copy stays the same
+    save_checkpoint(Path(root) / "plain", step=1, model=plain, optimizer=plain_opt)
+    back = FSDP(TiedNet(seed=2))
+    load_checkpoint(Path(root) / "plain", model=back, optimizer=torch.optim.SGD(back.parameters(), lr=0.1))
+    return {
+        "aliases": FSDPSource(fsdp, fsdp_opt).aliases(),
+        "fsdp": _values(fsdp),
+        "plain_loaded": plain_loaded,
+        "plain": _values(plain),
+        "plain_still_tied": plain.head.weight is plain.emb.weight,
+        "back": _values(back),
+    }
+
+
+def test_tied_weights_are_stored_once_and_stay_tied(tmp_path: Path) -> None:
+    results = run_distributed(_ties, 2, str(tmp_path), timeout_s=120)
+    for result in results:
+        assert result["aliases"] == {"head.weight": "emb.weight"}
+        assert result["plain_still_tied"]
+        assert set(result["plain_loaded"]) == set(result["fsdp"]) == set(result["back"])
+        # FSDP -> plain (tie kept, then a plain step) -> FSDP: both directions carry every name.
+        for key, value in result["fsdp"].items():
+            assert torch.equal(torch.from_numpy(value), torch.from_numpy(result["plain_loaded"][key])), key
+        for key, value in result["back"].items():
+            assert torch.equal(torch.from_numpy(value), torch.from_numpy(result["plain"][key])), key
+        assert torch.equal(
+            torch.from_numpy(result["back"]["head.weight"]), torch.from_numpy(result["back"]["emb.weight"])
+        )
+
+
+def _save_in_forward(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    model = FSDP(nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 1)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    caught: dict[str, Any] = {}
+
+    def save_now(module: nn.Module, inputs: Any, output: Any) -> None:
+        try:
+            save_checkpoint(Path(root) / "mid_forward", step=0, model=model, optimizer=optimizer)
+        except Exception as err:
+            caught["error"] = f"{type(err).__name__}: {err}"
+
+    model.module[0].register_forward_hook(save_now)
+    model(torch.ones(2, 3)).sum().backward()
+    return {"error": caught.get("error"), "exists": (Path(root) / "mid_forward").exists()}
+
+
+def test_a_checkpoint_inside_forward_is_refused_on_every_rank(tmp_path: Path) -> None:
+    for rank, result in enumerate(run_distributed(_save_in_forward, 2, str(tmp_path), timeout_s=120)):
+        assert result["error"] is not None and "between training steps" in result["error"], f"rank {rank}"
+        assert "FORWARD" in result["error"] and not result["exists"]
