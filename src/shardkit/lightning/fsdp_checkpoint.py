@@ -156,10 +156,15 @@ def save_sharded(root: FullyShardedDataParallel, checkpoint: dict[str, Any], pat
 def load_sharded(root: FullyShardedDataParallel, path: Any, weights_only: Optional[bool]) -> dict[str, Any]:
     """Read a folder written by :func:`save_sharded` into a Lightning checkpoint holding this rank's shards."""
     from shardkit.checkpoint import safe_dcp
+    from shardkit.checkpoint.files import safe_load
 
     path = Path(path)
-    # Safe by default (as torch >= 2.6 and Lightning are): only an explicit weights_only=False unpickles objects.
-    meta: dict[str, Any] = torch.load(path / META_FILE, weights_only=weights_only is not False)
+    # Safe by default (as torch >= 2.6 and Lightning are): only an explicit weights_only=False unpickles objects;
+    # otherwise a meta.pt carrying pickled objects raises UnsafeCheckpointError without running them.
+    if weights_only is False:
+        meta: dict[str, Any] = torch.load(path / META_FILE, weights_only=False)
+    else:
+        meta = safe_load(path / META_FILE, "Lightning checkpoint metadata")
     param_groups = meta.pop(_PARAM_GROUPS)
     template = _template(root, path, len(param_groups))
     try:
@@ -185,15 +190,16 @@ def _template(root: FullyShardedDataParallel, path: Path, num_optimizers: int) -
     The model's come from its sharded state dict. Optimizer state is created lazily at the first step, so the
     optimizers may have none yet: those placeholders are built from the checkpoint's metadata instead.
     """
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     from torch.distributed.tensor import DTensor, Shard
 
+    from shardkit.checkpoint import safe_dcp
     from shardkit.nn.fsdp.state_dict import sharded_state_dict
 
+    # The index first, through the allow-list unpickler: a tampered one is refused before any collective.
+    metadata = safe_dcp.read_metadata(path).state_dict_metadata
     mesh = _mesh(root)
     template: dict[str, Any] = {_MODEL_KEY: dict(sharded_state_dict(root))}
-    metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
     world = dist.get_world_size()
     for index in range(num_optimizers):
         prefix = f"{_optim_key(index)}."
