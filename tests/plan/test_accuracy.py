@@ -8,10 +8,16 @@ import pytest
 from shardkit.plan.accuracy import compare
 from shardkit.plan.workloads import Workload
 
-ALL = ["ddp", "oss_ddp", "oss_sdp", "fsdp", "slowmo"]
+ALL = ["ddp", "oss_ddp", "oss_sdp", "fsdp", "slowmo", "smp"]
 
 CASES = [
     pytest.param(Workload.demo_lm(batch_size=4), ALL, 2, id="demo_lm-ws2"),
+    pytest.param(
+        Workload.demo_lm(batch_size=8, strategy_options={"partitions": 2, "microbatches": 4}),
+        ["smp"],
+        4,
+        id="demo_lm_pipeline-ws4",
+    ),
     pytest.param(
         Workload("bench_lm", overrides={"n_layers": 2, "d_model": 128}, batch_size=2, seq_len=64),
         ["ddp", "oss_sdp", "fsdp"],

@@ -66,7 +66,7 @@ def test_model_too_big_for_the_cpu_fallback_is_a_clear_error(monkeypatch: pytest
         ({"strategy": "fsdp", "world_size": 2, "strategy_options": {"reshard": 1}}, ValueError, "no option 'reshard'"),
         ({"strategy": "oss_sdp", "world_size": 2, "strategy_options": {"oss": {"bad": 1}}}, ValueError, "'bad'"),
         ({"strategy": "ddp", "world_size": 0}, ValueError, "positive"),
-        ({"strategy": "smp", "world_size": 2}, NotImplementedError, "smp"),
+        ({"strategy": "smp", "world_size": 3, "strategy_options": {"partitions": 2}}, ValueError, "divide world_size"),
     ],
 )
 def test_bad_arguments_name_what_to_change(kwargs: dict[str, Any], error: type, match: str) -> None:

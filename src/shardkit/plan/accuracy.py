@@ -25,6 +25,7 @@ import torch
 from shardkit.bench.comm import ddp_allreduce_bytes
 from shardkit.plan.api import estimate
 from shardkit.plan.measure import measure_real
+from shardkit.plan.strategies import PIPELINE
 from shardkit.plan.workloads import Workload
 
 #: Strategies whose gradients torch DDP reduces (invisible to the comm meter).
@@ -103,6 +104,9 @@ def compare(work: Workload, strategies: Sequence[str], world_size: int, label: s
     for name in strategies:
         est, ranks = planned[name], real[name]
         torch_bytes = ddp_bytes if name in TORCH_DDP else 0
+        if name == PIPELINE:  # the planner reports the pipeline stage with the highest peak: compare with that rank
+            worst = max(range(len(ranks)), key=lambda r: ranks[r].peak_bytes)
+            ranks = [ranks[worst]]
         rows.append(
             Row(
                 label or work.kind,

@@ -92,15 +92,15 @@ class Estimate:
         )
 
 
-def _check_args(strategy: str, world_size: int, nprocs_per_node: Optional[int]) -> None:
-    if strategy == PIPELINE:
-        raise NotImplementedError(
-            "shardkit.plan cannot plan strategy 'smp' yet: the pipeline runs its stages on different ranks, and "
-            "one peerless rank cannot stand for all of them; plan ddp, oss_ddp, oss_sdp, fsdp or slowmo"
-        )
-    get(strategy)
+def _check_args(strategy: str, world_size: int, nprocs_per_node: Optional[int], options: Mapping[str, Any]) -> None:
+    if strategy != PIPELINE:
+        get(strategy)
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if strategy == PIPELINE:
+        from shardkit.plan.pipeline import smp_config
+
+        smp_config(options, world_size)  # refuses partitions that do not divide the world
     if nprocs_per_node is not None and (
         not isinstance(nprocs_per_node, int) or nprocs_per_node < 1 or world_size % nprocs_per_node
     ):
@@ -129,8 +129,15 @@ def _plan_on(
     strategy_options: Mapping[str, Any],
     nprocs_per_node: Optional[int],
 ) -> RankRun:
-    builder = get(strategy).build
     limit = _host_limit() if device.type != "meta" else None
+    if strategy == PIPELINE:
+        from shardkit.plan.pipeline import plan_stages
+
+        return plan_stages(
+            device, model_fn, batch, loss_fn, world_size, optimizer, optimizer_options, strategy_options, limit,
+            nprocs_per_node,
+        )  # fmt: skip
+    builder = get(strategy).build
     return run_rank(
         device,
         model_fn,
@@ -226,7 +233,8 @@ def estimate(
     ``batch`` is one rank's inputs, passed as ``model(*batch)`` for a tuple, ``model(**batch)`` for a dict;
     ``loss_fn(output, batch)`` gives the loss (default: the output if it is a scalar). ``strategy_options`` are
     the strategy constructor's keyword arguments (for FSDP also ``auto_wrap_policy``; default: one unit per
-    block of the model's ``ModuleList``s; for ``oss_ddp``/``oss_sdp`` OSS's own under ``"oss"``). The process
+    block of the model's ``ModuleList``s; for ``oss_ddp``/``oss_sdp`` OSS's own under ``"oss"``; for ``smp`` the
+    ``smp.init`` config, planned once per pipeline stage, reporting the stage with the highest peak). The process
     group has ``world_size`` ranks and no other process behind it (:mod:`shardkit.plan.peerless`); if the caller
     has a process group of its own the plan runs in a child process. ``nprocs_per_node`` lays the ranks out in
     nodes of that many consecutive ranks: the comm meter then splits intra- from inter-node bytes, hybrid options
@@ -236,7 +244,7 @@ def estimate(
 
     Example: see the module docstring.
     """
-    _check_args(strategy, world_size, nprocs_per_node)
+    _check_args(strategy, world_size, nprocs_per_node, strategy_options or {})
     args = (
         model_fn, batch, loss_fn or default_loss, strategy, world_size, optimizer,
         dict(optimizer_options or {}), dict(strategy_options or {}), nprocs_per_node,

@@ -1,10 +1,10 @@
 """Measure a real multi-process run the way the planner predicts one, with an instrument independent of ours.
 
-Each gloo rank builds the model with the same builder the planner uses, trains the same steps, and reports its peak
-as torch's ``MemTracker`` (``torch.distributed._tools.mem_tracker``) saw it, its state (the storages of its
-parameters, gradients and optimizer state after the reported step, counted on the real tensors), and what
-shardkit's comm meter counted in the
-reported step. Used by the accuracy tests and ``shardkit bench plan``.
+Each gloo rank builds the model with the same builder the planner uses and trains the same steps. It reports its
+peak as torch's ``MemTracker`` (``torch.distributed._tools.mem_tracker``) saw it (for smp, whose micro-batches run
+each module several times per step, which MemTracker refuses: shardkit's ``MemoryTracker``); its state, the
+storages of its parameters, gradients and optimizer state after the reported step, counted on the real tensors;
+and what shardkit's comm meter counted in the reported step. Used by the accuracy tests and ``shardkit bench plan``.
 
 Example::
 
@@ -23,8 +23,9 @@ import torch.distributed as dist
 
 from shardkit.bench.memory import training_memory
 from shardkit.distributed import Topology, count_comm_bytes, set_topology
+from shardkit.plan.pipeline import builder, pipeline_forward_backward, smp_config
 from shardkit.plan.runner import WARMUP_STEPS, call_model
-from shardkit.plan.strategies import get
+from shardkit.plan.strategies import PIPELINE, get
 from shardkit.plan.workloads import Workload
 from shardkit.testing.harness import run_distributed
 
@@ -45,23 +46,75 @@ def _peak(snapshot: dict[Any, dict[str, int]]) -> int:
     return sum(int(per_device.get("Total", 0)) for per_device in snapshot.values())
 
 
-def _measure_one(workload: Workload, strategy: str, topology: Optional[Topology]) -> RealRank:
-    from torch.distributed._tools.mem_tracker import MemTracker
+class _TorchTracker:
+    """torch's ``MemTracker``: the peak over every step."""
 
+    def __init__(self) -> None:
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        self.tracker = MemTracker()
+
+    def __enter__(self) -> _TorchTracker:
+        self.tracker.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.tracker.__exit__(*exc)
+
+    def watch(self, model: torch.nn.Module, optimizer: Any) -> None:
+        # smp's DistributedOptimizer wraps a torch optimizer (its public .optimizer), which MemTracker can track.
+        self.tracker.track_external(model, getattr(optimizer, "optimizer", optimizer))
+
+    def step_done(self) -> None:
+        self.tracker.reset_mod_stats()  # MemTracker refuses a second forward of a module without it
+
+    def peak(self) -> int:
+        return _peak(self.tracker.get_tracker_snapshot("peak"))
+
+
+class _ShardkitTracker(_TorchTracker):
+    """shardkit's ``MemoryTracker``, for pipelines: MemTracker refuses a module running twice in one step (once per
+    micro-batch)."""
+
+    def __init__(self) -> None:
+        from shardkit.memory import MemoryTracker
+
+        self.tracker = MemoryTracker()  # type: ignore[assignment]
+
+    def watch(self, model: torch.nn.Module, optimizer: Any) -> None:
+        self.tracker.watch(model, getattr(optimizer, "optimizer", optimizer))  # type: ignore[attr-defined]
+
+    def step_done(self) -> None:
+        return None
+
+    def peak(self) -> int:
+        return int(self.tracker.peak.total)  # type: ignore[attr-defined]
+
+
+def _measure_one(workload: Workload, strategy: str, topology: Optional[Topology]) -> RealRank:
     torch.manual_seed(0)
     batch = workload.batch()
-    with MemTracker() as tracker:
+    options, optim_options = dict(workload.strategy_options), dict(workload.optimizer_options)
+    world_size = dist.get_world_size()
+    with _ShardkitTracker() if strategy == PIPELINE else _TorchTracker() as tracker:
         model = workload.build()
-        wrapped, optimizer, after_step = get(strategy).build(
-            model, workload.optimizer, dict(workload.optimizer_options), dict(workload.strategy_options), topology
-        )
-        tracker.track_external(wrapped, optimizer)
+        if strategy == PIPELINE:
+            build = builder(smp_config(options, world_size), workload.optimizer, optim_options)
+            wrapped, optimizer, after_step = build(model, topology)
+        else:
+            wrapped, optimizer, after_step = get(strategy).build(
+                model, workload.optimizer, optim_options, options, topology
+            )
+        tracker.watch(wrapped, optimizer)
         state = 0
         for step in range(WARMUP_STEPS + 1):
             with count_comm_bytes() as meter:
-                loss = workload.loss(call_model(wrapped, batch), batch)
-                loss.backward()
-                del loss
+                if strategy == PIPELINE:
+                    pipeline_forward_backward(wrapped, batch, workload.loss)
+                else:
+                    loss = workload.loss(call_model(wrapped, batch), batch)
+                    loss.backward()
+                    del loss
                 optimizer.step()
                 after_step()
             if step == WARMUP_STEPS:
@@ -69,8 +122,12 @@ def _measure_one(workload: Workload, strategy: str, topology: Optional[Topology]
                 # (rather than autograd accumulating them) under temporaries.
                 state = training_memory(wrapped, optimizer).total
             optimizer.zero_grad()
-            tracker.reset_mod_stats()  # MemTracker refuses a second forward of a module without it
-        peak = _peak(tracker.get_tracker_snapshot("peak"))
+            tracker.step_done()
+        peak = tracker.peak()
+    if strategy == PIPELINE:
+        import shardkit.modelparallel as smp
+
+        smp.reset()
     dist.barrier()
     return RealRank(peak, state, dict(meter.wire_bytes), dict(meter.inter_node_bytes))
 

@@ -26,7 +26,7 @@ from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -66,7 +66,41 @@ class TorchTraffic:
             self.calls.clear()
 
 
+class Mailbox:
+    """What planned ranks sent, for ranks planned after them (a pipeline's stages, planned one after another).
+
+    A rank planned on its own cannot receive what its peers would send: its receives and the broadcasts it does
+    not root would keep their own buffer (a mirror), which is wrong for messages only the sender knows (a
+    pipeline's activation shapes). So every data-carrying message (CPU tensors; meta ones carry nothing) a planned
+    rank sends or roots is kept here, in order per (source, destination or group); a rank planned later receives
+    them in the same order. One mailbox spans the runs of one plan.
+    """
+
+    def __init__(self) -> None:
+        self._messages: dict[tuple[Any, ...], list[torch.Tensor]] = defaultdict(list)
+        self._read: dict[tuple[Any, ...], int] = defaultdict(int)
+
+    def new_run(self) -> None:
+        """A new rank is planned: it reads every message from the start."""
+        self._read.clear()
+
+    def post(self, key: tuple[Any, ...], tensor: torch.Tensor) -> None:
+        if tensor.device.type != "meta":
+            self._messages[key].append(tensor.detach().clone())
+
+    def deliver(self, key: tuple[Any, ...], into: torch.Tensor) -> None:
+        """Copy the next message for ``key`` into ``into`` when there is one of its size; else leave it."""
+        if into.device.type == "meta":
+            return
+        queue, index = self._messages.get(key), self._read[key]
+        if queue and index < len(queue):
+            self._read[key] = index + 1
+            if queue[index].numel() == into.numel():
+                into.copy_(queue[index].view(into.shape))
+
+
 _TRAFFIC: list[TorchTraffic] = []  # the ledger of the open peerless_world (at most one per process)
+_MAIL: list[Mailbox] = []  # the mailbox of the open peerless_world
 
 
 def _done(result: Any) -> Any:
@@ -90,6 +124,21 @@ class PeerlessGroup(dist.ProcessGroup):
 
     def getBackendName(self) -> str:
         return BACKEND_NAME
+
+    # torch names every group it creates; a Python group keeps the name itself (destroying a subgroup reads it).
+    def _set_group_name(self, name: str) -> None:
+        self._name = name
+
+    @property
+    def group_name(self) -> str:  # type: ignore[override]
+        return getattr(self, "_name", "")
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._desc = desc
+
+    @property
+    def group_desc(self) -> str:
+        return getattr(self, "_desc", "")
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:  # type: ignore[override]
         _record(ALL_REDUCE, tensors)
@@ -134,8 +183,19 @@ class PeerlessGroup(dist.ProcessGroup):
             output.copy_(chunks[self._rank])
         return _done(outputs)
 
+    def _global(self, group_rank: int) -> int:
+        return int(dist.get_process_group_ranks(self)[group_rank])
+
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:  # type: ignore[override]
         _record(BROADCAST, tensors)
+        root = int(getattr(opts, "rootRank", 0))
+        if _MAIL:
+            key = ("broadcast", tuple(dist.get_process_group_ranks(self)), root)
+            for tensor in tensors:
+                if root == self._rank:
+                    _MAIL[-1].post(key, tensor)
+                else:
+                    _MAIL[-1].deliver(key, tensor)
         return _done(tensors)
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:  # type: ignore[override]
@@ -147,9 +207,15 @@ class PeerlessGroup(dist.ProcessGroup):
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Any:
         _record(SEND, tensors)
+        if _MAIL:
+            for tensor in tensors:
+                _MAIL[-1].post(("p2p", self._global(self._rank), self._global(dst), tag), tensor)
         return _done(tensors)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> Any:
+        if _MAIL:
+            for tensor in tensors:
+                _MAIL[-1].deliver(("p2p", self._global(src), self._global(self._rank), tag), tensor)
         return _done(tensors)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> Any:
@@ -197,10 +263,11 @@ class _NoStore(dist.Store):
 
 
 @contextlib.contextmanager
-def peerless_world(world_size: int, rank: int = 0) -> Iterator[TorchTraffic]:
+def peerless_world(world_size: int, rank: int = 0, mailbox: Optional[Mailbox] = None) -> Iterator[TorchTraffic]:
     """Initialise the default process group as a peerless group of ``world_size`` ranks for the block.
 
-    The caller's process must not have a default group of its own (:func:`shardkit.plan.estimate` runs in a
+    ``mailbox`` carries what earlier planned ranks sent (see :class:`Mailbox`). The caller's process must not have
+    a default group of its own (:func:`shardkit.plan.estimate` runs in a
     child process when it does). The group is destroyed when the block ends, whatever happens inside.
     """
     if dist.is_initialized():
@@ -213,13 +280,17 @@ def peerless_world(world_size: int, rank: int = 0) -> Iterator[TorchTraffic]:
     _register()
     traffic = TorchTraffic()
     _TRAFFIC.append(traffic)
+    mail = mailbox if mailbox is not None else Mailbox()
+    mail.new_run()
+    _MAIL.append(mail)
     try:
         dist.init_process_group(BACKEND_NAME, store=_NoStore(), rank=rank, world_size=world_size)
         yield traffic
     finally:
         _TRAFFIC.remove(traffic)
+        _MAIL.remove(mail)
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-__all__ = ["PeerlessGroup", "TorchTraffic", "peerless_world"]
+__all__ = ["Mailbox", "PeerlessGroup", "TorchTraffic", "peerless_world"]

@@ -24,7 +24,7 @@ from shardkit.bench.memory import optimizer_state_tensors
 from shardkit.distributed import CommMeter, NodeLayout, Topology, count_comm_bytes, set_topology
 from shardkit.distributed.node_traffic import active_layout, inter_node_share
 from shardkit.plan.accountant import STATE, Accountant, Category
-from shardkit.plan.peerless import TorchTraffic, peerless_world
+from shardkit.plan.peerless import Mailbox, TorchTraffic, peerless_world
 from shardkit.plan.strategies import Built
 
 PHASES = ("forward", "backward", "optimizer")
@@ -144,6 +144,10 @@ def _label_state(acct: Accountant, model: nn.Module, optimizer: torch.optim.Opti
     acct.label(optimizer_state_tensors(optimizer), Category.OPTIMIZER_STATE)
 
 
+#: A pipeline's forward and backward over every micro-batch, interleaved: ``(model, batch, loss_fn) -> None``.
+ForwardBackward = Callable[[nn.Module, Any, LossFn], None]
+
+
 def _step(
     acct: Accountant,
     built: Built,
@@ -151,8 +155,36 @@ def _step(
     loss_fn: LossFn,
     traffic: TorchTraffic,
     phases: dict[str, PhaseTraffic],
+    forward_backward: Optional[ForwardBackward],
 ) -> None:
     model, optimizer, after_step = built
+    if forward_backward is not None:
+        # The schedule interleaves micro-batches' forwards and backwards: one phase, counted as backward (the
+        # cost model overlaps its traffic with the whole step's compute, as a pipeline does).
+        with _phase(acct, "backward", traffic, phases):
+            acct.phase = "pipeline forward/backward"
+            forward_backward(model, batch, loss_fn)
+            _label_state(acct, model, optimizer)
+        phases.setdefault("forward", PhaseTraffic())
+    else:
+        _forward_backward(acct, model, optimizer, batch, loss_fn, traffic, phases)
+    with _phase(acct, "optimizer", traffic, phases):
+        optimizer.step()
+        after_step()
+        acct.phase = "optimizer"
+        _label_state(acct, model, optimizer)
+    acct.phase = "between steps"
+
+
+def _forward_backward(
+    acct: Accountant,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: Any,
+    loss_fn: LossFn,
+    traffic: TorchTraffic,
+    phases: dict[str, PhaseTraffic],
+) -> None:
     with _phase(acct, "forward", traffic, phases):
         # The output is not kept: like ``loss_fn(model(x), y)`` in a training loop, only what autograd saved
         # stays alive through backward.
@@ -163,12 +195,6 @@ def _step(
         loss.backward()
         del loss
         _label_state(acct, model, optimizer)
-    with _phase(acct, "optimizer", traffic, phases):
-        optimizer.step()
-        after_step()
-        acct.phase = "optimizer"
-        _label_state(acct, model, optimizer)
-    acct.phase = "between steps"
 
 
 def run_rank(
@@ -180,10 +206,18 @@ def run_rank(
     world_size: int,
     host_limit_bytes: Optional[int] = None,
     nprocs_per_node: Optional[int] = None,
+    rank: int = 0,
+    forward_backward: Optional[ForwardBackward] = None,
+    mailbox: Optional[Mailbox] = None,
 ) -> RankRun:
-    """Build, wrap and train one rank of ``world_size`` on ``device`` for a few steps; see the module docstring."""
-    with peerless_world(world_size) as traffic, _nodes(nprocs_per_node) as topology:
-        return _run_steps(device, build_model, wrap, batch, loss_fn, traffic, topology, host_limit_bytes)
+    """Build, wrap and train ``rank`` of ``world_size`` on ``device`` for a few steps; see the module docstring.
+
+    ``forward_backward`` replaces ``loss_fn(model(*batch), batch).backward()`` (a pipeline's schedule).
+    """
+    with peerless_world(world_size, rank, mailbox) as traffic, _nodes(nprocs_per_node) as topology:
+        return _run_steps(
+            device, build_model, wrap, batch, loss_fn, traffic, topology, host_limit_bytes, forward_backward
+        )
 
 
 @contextlib.contextmanager
@@ -217,6 +251,7 @@ def _run_steps(
     traffic: TorchTraffic,
     topology: Optional[Topology],
     host_limit_bytes: Optional[int],
+    forward_backward: Optional[ForwardBackward],
 ) -> RankRun:
     phases: dict[str, PhaseTraffic] = {}
     with Accountant(limit_bytes=host_limit_bytes) as acct:
@@ -228,12 +263,12 @@ def _run_steps(
         acct.name_modules(built[0])
         batch = _to_device(batch, device)
         for _ in range(WARMUP_STEPS):
-            _step(acct, built, batch, loss_fn, traffic, {})
+            _step(acct, built, batch, loss_fn, traffic, {}, forward_backward)
             built[1].zero_grad()
         flop_counter = FlopCounterMode(display=False)
         flops: dict[str, float] = {}
         with flop_counter:
-            _step(acct, built, batch, loss_fn, traffic, phases)
+            _step(acct, built, batch, loss_fn, traffic, phases, forward_backward)
         flops["total"] = float(flop_counter.get_total_flops())
         state_bytes = acct.state_bytes()
         state: dict[str, int] = {c.value: acct.totals[c] for c in STATE}
@@ -244,4 +279,14 @@ def _run_steps(
     )
 
 
-__all__ = ["PHASES", "WARMUP_STEPS", "PhaseTraffic", "PlanError", "RankRun", "call_model", "default_loss", "run_rank"]
+__all__ = [
+    "PHASES",
+    "WARMUP_STEPS",
+    "ForwardBackward",
+    "PhaseTraffic",
+    "PlanError",
+    "RankRun",
+    "call_model",
+    "default_loss",
+    "run_rank",
+]

@@ -1,0 +1,114 @@
+"""Planning the smp pipeline: one run per stage, each as the first rank holding that stage.
+
+A pipeline's ranks do not all hold the same thing: stage 0 keeps the embeddings and the most micro-batches in
+flight, the last stage the output layer and the loss. So the planner runs the real smp code once per stage, each
+time as the global rank smp places that stage on in the first model replica, and reports the stage with the
+highest peak (the one that decides whether the job fits), naming every stage's peak in the notes. ``smp.init``
+gets the strategy options as its config; ``ddp`` defaults to true when the world holds several replicas.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Callable, Optional, cast
+
+import torch
+from torch import nn
+
+from shardkit.plan.peerless import Mailbox
+from shardkit.plan.runner import Built, LossFn, RankRun, run_rank
+from shardkit.plan.strategies import OptionError
+
+
+def pipeline_forward_backward(model: nn.Module, batch: Any, loss_fn: LossFn) -> None:
+    """One ``@smp.step``: ``loss_fn(model(*micro_batch), micro_batch)`` and ``model.backward`` per micro-batch."""
+    import shardkit.modelparallel as smp
+
+    @smp.step
+    def train_step(model: Any, *inputs: torch.Tensor, **named: torch.Tensor) -> torch.Tensor:
+        loss = loss_fn(model(*inputs, **named), named if named else inputs)
+        model.backward(loss)
+        return loss
+
+    if isinstance(batch, Mapping):
+        train_step(model, **batch)
+    else:
+        train_step(model, *(batch if isinstance(batch, (tuple, list)) else (batch,)))
+
+
+def smp_config(options: Mapping[str, Any], world_size: int) -> dict[str, Any]:
+    """The ``smp.init`` config: the options, with ``ddp`` on when there are several replicas."""
+    config = {"partitions": 2, **options}
+    try:
+        partitions = int(config["partitions"])
+    except (TypeError, ValueError):
+        raise OptionError(f"smp partitions must be an int, got {config['partitions']!r}") from None
+    if partitions < 1 or world_size % partitions:
+        raise OptionError(f"smp partitions={partitions} must be at least 1 and divide world_size {world_size}")
+    config.setdefault("ddp", world_size > partitions)
+    return config
+
+
+def builder(config: Mapping[str, Any], optimizer: type, optimizer_options: Mapping[str, Any]) -> Any:
+    """``(model, topology) -> Built``: ``smp.init(config)``, the DistributedModel and DistributedOptimizer."""
+
+    def build(model: nn.Module, topology: Optional[Any]) -> Built:
+        import shardkit.modelparallel as smp
+
+        smp.init(dict(config))
+        wrapped = smp.DistributedModel(model, trace_device="gpu")  # "gpu": trace where the parameters are (meta)
+        opt = smp.DistributedOptimizer(optimizer(wrapped.parameters(), **optimizer_options))
+        # Not a torch Optimizer subclass, but it has what the runner uses: step, zero_grad, param_groups, state.
+        return wrapped, cast(torch.optim.Optimizer, opt), lambda: None
+
+    return build
+
+
+def plan_stages(
+    device: torch.device,
+    model_fn: Callable[[], nn.Module],
+    batch: Any,
+    loss_fn: LossFn,
+    world_size: int,
+    optimizer: type,
+    optimizer_options: Mapping[str, Any],
+    options: Mapping[str, Any],
+    host_limit: Optional[int],
+    nprocs_per_node: Optional[int],
+) -> RankRun:
+    """Run every stage's first rank; the run of the stage with the highest peak, every stage's peak in its notes."""
+    import shardkit.modelparallel as smp
+
+    config = smp_config(options, world_size)
+    partitions = int(config["partitions"])
+    spread = config.get("placement_strategy", "cluster") == "spread"
+    runs: list[RankRun] = []
+    mailbox = Mailbox()  # stage s receives what stages before it sent (activation shapes, shared objects)
+    for stage in range(partitions):
+        rank = stage * (world_size // partitions) if spread else stage  # where replica 0 holds this stage
+        try:
+            runs.append(
+                run_rank(
+                    device,
+                    model_fn,
+                    builder(config, optimizer, optimizer_options),
+                    batch,
+                    loss_fn,
+                    world_size,
+                    host_limit,
+                    nprocs_per_node,
+                    rank=rank,
+                    forward_backward=pipeline_forward_backward,
+                    mailbox=mailbox,
+                )
+            )
+        finally:
+            smp.reset()
+    worst = max(range(len(runs)), key=lambda i: runs[i].peak_bytes)
+    peaks = ", ".join(f"stage {i} {run.peak_bytes / 2**30:.2f} GiB" for i, run in enumerate(runs))
+    chosen = runs[worst]
+    chosen.notes = (*chosen.notes, f"pipeline stage {worst} has the highest peak ({peaks})")
+    return chosen
+
+
+__all__ = ["builder", "pipeline_forward_backward", "plan_stages", "smp_config"]
