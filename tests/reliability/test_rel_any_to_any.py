@@ -76,7 +76,9 @@ STRATEGY_NAMES = {
     "smp_p4": "smp",
     "fsdp_hybrid": "fsdp",
 }
-MIXED_TARGETS = (("plain", 1), ("smp", 4))
+#: Targets of the mixed-precision checkpoint; "+mixed": the target runs mixed precision too, warmed by one step so
+#: its buffers are already cast (the checkpoint's float32 buffer is cast back on load).
+MIXED_TARGETS = (("plain", 1), ("smp", 4), ("fsdp_nested+mixed", 4))
 
 
 def _directory(root: str, family: str, size: int, mixed: bool = False) -> Path:
@@ -104,7 +106,8 @@ def _save_every_family(rank: int, world_size: int, root: str) -> dict[str, Any]:
 def _load_cases(rank: int, world_size: int, root: str, cases: list[Case]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for case in cases:
-        run = build(case.target, rank, world_size, seed=1)
+        target, _, mixed_target = case.target.partition("+")
+        run = build(target, rank, world_size, seed=1, mixed_precision=bool(mixed_target))
         if case.warm:
             train(run, range(1))
         mixed = case.source == "mixed"
@@ -133,7 +136,7 @@ def moved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     for size in SIZES:
         env = TWO_NODES if size == 4 else None
         saved.update(run_distributed(_save_every_family, size, root, timeout_s=170, rank_env=env)[0])
-    mixed_cases = [Case("mixed", MIXED[1], target, size, warm=False) for target, size in MIXED_TARGETS]
+    mixed_cases = [Case("mixed", MIXED[1], t, size, warm=t.endswith("+mixed")) for t, size in MIXED_TARGETS]
     results: dict[str, Any] = {}
     for size in SIZES:
         mine = [c for c in CASES + mixed_cases if c.target_size == size]
@@ -188,7 +191,7 @@ def test_checkpoint_moves_between_strategies_and_training_continues(moved: dict[
 def test_mixed_precision_fsdp_checkpoint_holds_the_fp32_master_parameters(
     moved: dict[str, Any], target: tuple[str, int]
 ) -> None:
-    name = Case("mixed", MIXED[1], target[0], target[1], warm=False).name
+    name = Case("mixed", MIXED[1], target[0], target[1], warm=target[0].endswith("+mixed")).name
     master = _tensors(moved["mixed"])
     assert all(v.dtype == torch.float64 for v in master.values())
     for rank, result in enumerate(moved["results"][name]):
