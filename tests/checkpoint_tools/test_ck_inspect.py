@@ -120,3 +120,21 @@ def test_optimizer_settings_of_a_saved_checkpoint(tmp_path: Path, capsys: pytest
     assert settings == [(0.01, 2, [0.9, 0.999]), (0.1, 2, [0.9, 0.999])]
     assert main(["inspect", str(ck)]) == 0
     assert "optimizer settings of 2 parameters: amsgrad=False, betas=[0.9, 0.999]" in capsys.readouterr().out
+
+
+class _Trap:
+    def __reduce__(self):  # unpickling this would call print: a stand-in for code an attacker runs
+        return (print, ("this must never run",))
+
+
+def test_dcp_index_with_pickled_code_is_refused_unread(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    import pickle
+
+    model, optim = small_state()
+    ck = universal_checkpoint(tmp_path / "ck", model, optim)
+    (ck / "dcp" / ".metadata").write_bytes(pickle.dumps(_Trap()))
+    assert main(["inspect", str(ck), "--no-verify"]) == 2
+    captured = capsys.readouterr()
+    assert "builtins.print" in captured.err and "refused unread" in captured.err
+    assert "this must never run" not in captured.out
+    assert main(["export", str(ck), str(tmp_path / "m.safetensors")]) == 2
