@@ -66,3 +66,32 @@ def test_fsdp2_model_and_optimizer_state_by_name(tmp_path: Path) -> None:
         assert torch.equal(param.detach(), want["model"][name])
         for key, tensor in want["state"][name].items():
             assert torch.equal(opt.state[param][key], tensor), (name, key)
+
+
+def _load_into_shardkit_fsdp(rank: int, world_size: int, ck: str) -> dict:
+    from shardkit.checkpoint import load_checkpoint
+    from shardkit.nn import FullyShardedDataParallel as FSDP
+    from shardkit.nn.fsdp import state_dict as fsdp_state
+
+    torch.manual_seed(7)  # other weights than the source's
+    model = FSDP(nn.Sequential(FSDP(nn.Linear(5, 7)), nn.ReLU(), nn.Linear(7, 3)))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.02, betas=(0.8, 0.9))
+    load_checkpoint(ck, model=model, optimizer=opt)
+    full_optim = fsdp_state.gather_full_optim_state_dict(model, opt, recipient_rank=0)
+    return {"model": {k: v.clone() for k, v in model.state_dict().items()}, "optim": full_optim}
+
+
+def test_torch_fsdp2_checkpoint_resumes_in_shardkit_fsdp(tmp_path: Path) -> None:
+    from shardkit.checkpoint.cli import main
+
+    path = tmp_path / "torch_dcp"
+    want = run_distributed(_fsdp2_train_and_save, 2, str(path))[0]
+    assert main(["import", str(path), str(tmp_path / "ck"), "--step", "2"]) == 0
+    got = run_distributed(_load_into_shardkit_fsdp, 2, str(tmp_path / "ck"))[0]
+    for name, tensor in want["model"].items():
+        assert torch.equal(got["model"][name], tensor), name
+    names = list(want["model"])  # the unwrapped model's parameter order, which the full optimizer state uses
+    state = got["optim"]["state"]
+    for index, name in enumerate(names):
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(state[index][key].view(-1), want["state"][name][key].view(-1)), (name, key)
