@@ -6,6 +6,11 @@ directory; ``load_checkpoint`` restores it, at another world size where the stra
 ``latest_checkpoint`` finds the newest complete one, so a job restarted by torchrun's elastic agent resumes
 where it stopped.
 
+One layout for every strategy (:mod:`~.universal`): model and optimizer state as DCP shards keyed by the
+unwrapped model's names, each rank writing only what it holds, so any strategy loads any other's checkpoint at any
+world size without gathering on one rank. ``save_checkpoint(..., async_save=True)`` returns once this rank's share
+is staged in host memory (:func:`wait_for_checkpoint`). Checkpoints of the earlier layouts still load.
+
 Guarantees:
 
 - **Atomic.** Files are written into a hidden sibling directory, fsynced, indexed by ``meta.json`` (written last,
@@ -30,7 +35,8 @@ Example::
         if step % 50 == 0:
             save_checkpoint(step_directory(root, step), step=step, model=model, optimizer=optimizer, scaler=scaler)
 
-Pieces: :mod:`~.api` (the two entry points), :mod:`~.adapters` (one file per strategy), :mod:`~.metadata`
+Pieces: :mod:`~.api` (the two entry points), :mod:`~.universal` (the layout engine), :mod:`~.adapters` (one
+file per strategy: its universal source and its legacy reader), :mod:`~.metadata`
 (``meta.json``, :func:`latest_checkpoint`), :mod:`~.files` (durable writes, safe reads), :mod:`~.safe_dcp`
 (DCP with a safe reader), :mod:`~.validate` (key and shape checks), :mod:`~.rng`.
 """

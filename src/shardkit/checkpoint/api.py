@@ -1,7 +1,8 @@
 """``save_checkpoint`` and ``load_checkpoint``: the orchestration every strategy shares.
 
-Saving: rank 0 creates a hidden sibling directory ``.<name>.tmp-<id>``; every rank writes its part there (the
-strategy's files, its RNG states and data position; rank 0 also the scaler and ``extra``), fsyncing each file;
+Saving: rank 0 creates a hidden sibling directory ``.<name>.tmp-<id>``; every rank writes its part there (its
+share of the universal layout, or a legacy strategy's files; its RNG states and data position; rank 0 also the
+scaler and ``extra``), fsyncing each file;
 the ranks hash the files between them; rank 0 writes ``meta.json`` last, fsyncs the directories and renames the
 directory to its final name. A crash at any point leaves either the old checkpoint or the new complete one.
 
@@ -28,9 +29,11 @@ import shardkit
 from shardkit.checkpoint import _collectives as comm
 from shardkit.checkpoint import rng
 from shardkit.checkpoint.adapters import Adapter, PendingLoad, adapter_for
+from shardkit.checkpoint.checks import check_meta, held_and_names, verify_files
+from shardkit.checkpoint.checks import verify_checkpoint as verify_checkpoint  # re-exported: the public entry point
 from shardkit.checkpoint.errors import CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError
 from shardkit.checkpoint.files import check_weights_only, fsync_dir, safe_load, sha256, write_json_atomic, write_torch
-from shardkit.checkpoint.metadata import META_FILE, CheckpointInfo, CheckpointMeta, FileRecord, read_meta, resolve
+from shardkit.checkpoint.metadata import META_FILE, CheckpointInfo, CheckpointMeta, FileRecord, resolve
 from shardkit.checkpoint.universal import load as universal_load
 from shardkit.checkpoint.universal import save as universal_save
 from shardkit.checkpoint.universal.background import BACKGROUND, wait_for_checkpoint
@@ -308,13 +311,13 @@ def load_checkpoint(
     source = source_for(model, optimizer)
     found = comm.agreed(lambda: str(resolve(directory_or_root)) if rank == 0 else None, "load_checkpoint: find")
     path = Path(comm.broadcast_from_zero(found, "load_checkpoint: directory"))
-    meta = comm.agreed(lambda: _check_meta(path, adapter, source, world_size, scaler), "load_checkpoint: metadata")
+    meta = comm.agreed(lambda: check_meta(path, adapter, source, world_size, scaler), "load_checkpoint: metadata")
     if verify:
-        comm.agreed(lambda: _verify_files(path, meta, rank, world_size), "load_checkpoint: verify")
+        comm.agreed(lambda: verify_files(path, meta, rank, world_size), "load_checkpoint: verify")
     same_size = meta.world_size == world_size
     if meta.layout == LAYOUT:
         assert source is not None
-        held, names = comm.agreed(lambda: _held_and_names(source), "load_checkpoint: held")
+        held, names = comm.agreed(lambda: held_and_names(source), "load_checkpoint: held")
         job_names = {name for part in comm.all_gather(names, "load_checkpoint: names") for name in part}
 
         def read() -> PendingLoad:
@@ -346,83 +349,6 @@ def load_checkpoint(
         shardkit_version=meta.shardkit_version,
         torch_version=meta.torch_version,
     )
-
-
-def verify_checkpoint(directory: PathLike) -> CheckpointInfo:
-    """Check that ``directory`` is a complete checkpoint whose every file has its recorded size and SHA-256.
-
-    Reads no tensors and needs no process group (an fsck for checkpoints). Raises
-    :class:`CorruptCheckpointError` naming the first bad file; returns what the index records.
-
-    Example::
-
-        for path in sorted(Path("runs/exp1").glob("step_*")):
-            verify_checkpoint(path)
-    """
-    path = Path(directory)
-    meta = read_meta(path)
-    _verify_files(path, meta, rank=0, world_size=1)
-    return CheckpointInfo(
-        path=path,
-        step=meta.step,
-        data_position=None,
-        world_size=meta.world_size,
-        strategy=meta.strategy,
-        extra=None,
-        rng_restored=False,
-        shardkit_version=meta.shardkit_version,
-        torch_version=meta.torch_version,
-    )
-
-
-def _held_and_names(source: UniversalSource) -> tuple[list[Any], list[str]]:
-    held = source.held()
-    return held, universal_load.held_names(source, held)
-
-
-def _check_meta(
-    path: Path, adapter: Adapter, source: Optional[UniversalSource], world_size: int, scaler: Any
-) -> CheckpointMeta:
-    meta = read_meta(path)
-    if meta.layout == LAYOUT:
-        if source is None:
-            raise IncompatibleCheckpointError(
-                f"{path} is in the universal layout (saved by '{meta.strategy}'), which this run's "
-                f"'{adapter.strategy}' cannot read yet; load it with a strategy that has a universal source"
-            )
-    elif meta.layout != adapter.layout:
-        raise IncompatibleCheckpointError(
-            f"{path} was saved by strategy '{meta.strategy}' (layout '{meta.layout}'), which this run's "
-            f"'{adapter.strategy}' (layout '{adapter.layout}') cannot read; load it with the strategy that saved it"
-        )
-    elif meta.world_size != world_size and not (meta.resizable and adapter.resizable):
-        raise IncompatibleCheckpointError(
-            f"{path} was saved by '{meta.strategy}' at world size {meta.world_size}; its state is per rank, so it "
-            f"loads only at world size {meta.world_size}, not {world_size}. Restart with {meta.world_size} ranks."
-        )
-    if scaler is not None and not meta.has_scaler:
-        raise IncompatibleCheckpointError(f"{path} holds no scaler state; load it with scaler=None")
-    return meta
-
-
-def _verify_files(path: Path, meta: CheckpointMeta, rank: int, world_size: int) -> None:
-    for i, (name, record) in enumerate(meta.files.items()):
-        if i % world_size != rank:
-            continue
-        file = path / name
-        if not file.is_file():
-            raise CorruptCheckpointError(f"{file} is missing; the checkpoint was damaged after it was written")
-        size = file.stat().st_size
-        if size != record.bytes:
-            raise CorruptCheckpointError(
-                f"{file} has {size} bytes, {record.bytes} were written: it is truncated or damaged. "
-                "Load an earlier checkpoint."
-            )
-        if sha256(file) != record.sha256:
-            raise CorruptCheckpointError(
-                f"{file} does not match the SHA-256 recorded when it was written: it is damaged. "
-                "Load an earlier checkpoint."
-            )
 
 
 def _read_all(
