@@ -114,7 +114,8 @@ class UniversalLoadPlanner(LoadPlanner):
     def __init__(self, pieces: Sequence[Piece]) -> None:
         self._by_key: dict[str, list[Piece]] = defaultdict(list)
         for piece in pieces:
-            self._by_key[piece.key].append(piece)
+            if piece.numel:  # an empty box reads nothing (its key's presence and shape were checked)
+                self._by_key[piece.key].append(piece)
         self._metadata: Optional[Metadata] = None
 
     def set_up_planner(
@@ -128,7 +129,7 @@ class UniversalLoadPlanner(LoadPlanner):
         for key, pieces in self._by_key.items():
             entry = self._metadata.state_dict_metadata[key]
             assert isinstance(entry, TensorStorageMetadata)
-            chunks = [ChunkStorageMetadata(torch.Size(p.offsets), torch.Size(p.sizes)) for p in pieces if p.numel]
+            chunks = [ChunkStorageMetadata(torch.Size(p.offsets), torch.Size(p.sizes)) for p in pieces]
             items += create_read_items_for_chunk_list(key, entry, chunks)
         return LoadPlan(items)
 
@@ -142,10 +143,9 @@ class UniversalLoadPlanner(LoadPlanner):
         raise CorruptCheckpointError(f"entry {read_item.dest_index.fqn} is not a tensor; the universal layout has none")
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
-        nonempty = [p for p in self._by_key[read_item.dest_index.fqn] if p.numel]
-        index = read_item.dest_index.index
+        index = read_item.dest_index.index  # the position of the piece in its key's list (set by the plan)
         assert index is not None
-        view = nonempty[index].tensor
+        view = self._by_key[read_item.dest_index.fqn][index].tensor
         for dim, (offset, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
             view = view.narrow(dim, offset, length)
         return view
