@@ -69,3 +69,14 @@ def test_nodes_add_hybrid_settings_and_inter_node_bytes(tmp_path: Path) -> None:
     # Hybrid sharding gathers inside the node: fewer bytes cross nodes, more state stays per rank.
     assert 0 < sum(hybrid["inter_node_bytes"].values()) < sum(full["inter_node_bytes"].values())
     assert hybrid["state_bytes"] > full["state_bytes"]
+
+
+def test_pipeline_settings_train_the_same_global_batch(tmp_path: Path) -> None:
+    out_json = tmp_path / "plan.json"
+    argv = ["--lm", "demo", "--batch-size", "2", "--world-sizes", "4", "--strategies", "smp", "--json", str(out_json)]
+    assert main(argv) == 0
+    rows = json.loads(out_json.read_text())
+    labels = {r["setting"] for r in rows}
+    assert labels == {"pipeline (smp) 2 stages x 2 mb", "pipeline (smp) 2 stages x 4 mb",
+                      "pipeline (smp) 4 stages x 4 mb", "pipeline (smp) 4 stages x 8 mb"}  # fmt: skip
+    assert all("highest peak" in r["notes"][-1] for r in rows)

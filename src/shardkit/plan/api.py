@@ -230,8 +230,9 @@ def estimate(
 
     ``model_fn()`` builds the unwrapped model (it is called under ``torch.device("meta")``: a 70B model plans on a
     laptop; a model that cannot be built there is built on CPU if it fits in a quarter of this machine's memory);
-    ``batch`` is one rank's inputs, passed as ``model(*batch)`` for a tuple, ``model(**batch)`` for a dict;
-    ``loss_fn(output, batch)`` gives the loss (default: the output if it is a scalar). ``strategy_options`` are
+    ``batch`` is one rank's inputs (for ``smp``, one model replica's, which spans its ``partitions`` ranks),
+    passed as ``model(*batch)`` for a tuple, ``model(**batch)`` for a dict; ``loss_fn(output, batch)`` gives
+    the loss (default: the output if it is a scalar). ``strategy_options`` are
     the strategy constructor's keyword arguments (for FSDP also ``auto_wrap_policy``; default: one unit per
     block of the model's ``ModuleList``s; for ``oss_ddp``/``oss_sdp`` OSS's own under ``"oss"``; for ``smp`` the
     ``smp.init`` config, planned once per pipeline stage, reporting the stage with the highest peak). The process
@@ -250,7 +251,15 @@ def estimate(
         dict(optimizer_options or {}), dict(strategy_options or {}), nprocs_per_node,
     )  # fmt: skip
     run = _in_child(args) if dist.is_initialized() else _run(*args)
-    return _estimate_from(run, strategy, world_size, device or DeviceSpec(), link or LinkSpec(), nprocs_per_node)
+    bubble = 1.0
+    if strategy == PIPELINE:
+        from shardkit.plan.pipeline import smp_config
+
+        config = smp_config(strategy_options or {}, world_size)
+        micro, parts = int(config.get("microbatches", 1)), int(config["partitions"])
+        bubble = (micro + parts - 1) / micro
+    est = _estimate_from(run, strategy, world_size, device or DeviceSpec(), link or LinkSpec(), nprocs_per_node, bubble)
+    return est
 
 
 def _sum_kinds(per_phase: Mapping[str, Mapping[str, int]]) -> dict[str, int]:
@@ -262,13 +271,21 @@ def _sum_kinds(per_phase: Mapping[str, Mapping[str, int]]) -> dict[str, int]:
 
 
 def _estimate_from(
-    run: RankRun, strategy: str, world_size: int, device: DeviceSpec, link: LinkSpec, nprocs_per_node: Optional[int]
+    run: RankRun,
+    strategy: str,
+    world_size: int,
+    device: DeviceSpec,
+    link: LinkSpec,
+    nprocs_per_node: Optional[int],
+    bubble: float = 1.0,
 ) -> Estimate:
     by_phase = {name: wire_bytes(run.phases[name], world_size) for name in PHASES if name in run.phases}
     total = _sum_kinds(by_phase)
     with_nodes = nprocs_per_node is not None
     inter = _sum_kinds({name: run.phases[name].inter_node_bytes for name in by_phase}) if with_nodes else {}
-    seconds = step_seconds(run.flops["total"], run.phases, run.state_bytes, world_size, device, link, with_nodes)
+    seconds = step_seconds(
+        run.flops["total"], run.phases, run.state_bytes, world_size, device, link, with_nodes, bubble
+    )
     return Estimate(
         strategy=strategy,
         world_size=world_size,

@@ -68,6 +68,9 @@ class Setting:
     checkpointing: bool = False
     #: Only planned with a node layout (``--nprocs-per-node``): hybrid sharding.
     needs_nodes: bool = False
+    #: The batch is this many ranks' batches: a pipeline replica spans ``partitions`` ranks, so it takes their
+    #: batches together (every setting then trains the same global batch).
+    batch_ranks: int = 1
 
 
 SETTINGS = (
@@ -81,7 +84,26 @@ SETTINGS = (
     Setting("zero1 hybrid (oss_ddp)", "oss_ddp", {"hybrid": True}, needs_nodes=True),
     Setting("zero2 hybrid (oss_sdp)", "oss_sdp", {"hybrid": True}, needs_nodes=True),
     Setting("zero3 hybrid (fsdp)", "fsdp", {"sharding_strategy": "HYBRID_SHARD"}, needs_nodes=True),
+    Setting("pipeline (smp)", "smp", {}),  # expanded per world size by pipeline_settings
 )
+
+
+def pipeline_settings(world_size: int, batch_size: int) -> list[Setting]:
+    """smp settings for ``world_size``: 2, 4 and 8 partitions dividing it, micro-batches dividing the batch.
+
+    A replica of ``p`` stages trains the ``p`` ranks' batches together, so the global batch stays that of the
+    data-parallel settings.
+    """
+    out = []
+    for parts in (2, 4, 8):
+        if world_size % parts:
+            continue
+        for micro in (parts, 2 * parts):
+            if (batch_size * parts) % micro == 0:
+                config = {"partitions": parts, "microbatches": micro, "pipeline": "interleaved"}
+                label = f"pipeline (smp) {parts} stages x {micro} mb"
+                out.append(Setting(label, "smp", config, batch_ranks=parts))
+    return out
 
 
 def _checkpointed(build: Any) -> Any:
@@ -108,7 +130,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (--hf default 2048)")
     p.add_argument("--world-sizes", type=_ints, default=[8], help="comma-separated world sizes (default 8)")
     p.add_argument("--nprocs-per-node", type=int, default=None, help="ranks per node (intra/inter-node bytes)")
-    p.add_argument("--strategies", default=None, help="comma-separated subset: ddp,oss_ddp,oss_sdp,fsdp,slowmo")
+    p.add_argument("--strategies", default=None, help="comma-separated subset: ddp,oss_ddp,oss_sdp,fsdp,slowmo,smp")
     p.add_argument("--device-memory", type=parse_bytes, default=parse_bytes("80GiB"), help="memory per device")
     p.add_argument("--device-tflops", type=float, default=300.0, help="sustained TFLOP/s per device")
     p.add_argument("--link-gbytes", type=float, default=25.0, help="GB/s each rank sends between nodes")
@@ -158,13 +180,17 @@ def plan_all(
     loss = _factory_loss if work.kind == "factory" else work.loss
     for ws in world_sizes:
         per_node = nprocs_per_node if nprocs_per_node is not None and ws % nprocs_per_node == 0 else None
-        for setting in settings:
+        with_pipelines = [s for s in settings if s.strategy != "smp"]
+        if any(s.strategy == "smp" for s in settings):
+            with_pipelines += pipeline_settings(ws, work.batch_size)
+        for setting in with_pipelines:
             if setting.needs_nodes and (nprocs_per_node is None or nprocs_per_node in (1, ws)):
                 continue  # hybrid sharding needs several nodes of several ranks
-            build = _checkpointed(work.build) if setting.checkpointing else work.build
+            setting_work = replace(work, batch_size=work.batch_size * setting.batch_ranks)
+            build = _checkpointed(setting_work.build) if setting.checkpointing else setting_work.build
             try:
                 est = estimate(
-                    build, work.batch(), loss_fn=loss, strategy=setting.strategy, world_size=ws,
+                    build, setting_work.batch(), loss_fn=loss, strategy=setting.strategy, world_size=ws,
                     optimizer=work.optimizer, strategy_options=setting.options, device=device, link=link,
                     nprocs_per_node=per_node,
                 )  # fmt: skip
@@ -178,14 +204,14 @@ def plan_all(
 def _table(results: list[tuple[Setting, Estimate]], memory: int) -> str:
     gib = 2**30
     lines = [
-        f"{'world':>5}  {'setting':<26} {'peak GiB':>9} {'state GiB':>9} {'sends GiB':>9} {'inter GiB':>9} "
+        f"{'world':>5}  {'setting':<32} {'peak GiB':>9} {'state GiB':>9} {'sends GiB':>9} {'inter GiB':>9} "
         f"{'step ms':>9}  fits"
     ]
     for setting, est in sorted(results, key=lambda r: (r[1].world_size, not r[1].fits(memory), r[1].step_seconds)):
         sends = sum(est.comm_bytes.values()) / gib
         inter = f"{sum(est.inter_node_bytes.values()) / gib:>9.3f}" if est.nprocs_per_node else f"{'-':>9}"
         lines.append(
-            f"{est.world_size:>5}  {setting.label:<26} {est.peak_bytes / gib:>9.2f} {est.state_bytes / gib:>9.2f} "
+            f"{est.world_size:>5}  {setting.label:<32} {est.peak_bytes / gib:>9.2f} {est.state_bytes / gib:>9.2f} "
             f"{sends:>9.3f} {inter} {est.step_seconds * 1e3:>9.1f}  {'yes' if est.fits(memory) else 'no'}"
         )
     return "\n".join(lines)
@@ -242,7 +268,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     names = set(args.strategies.split(",")) if args.strategies else None
     settings = [s for s in SETTINGS if names is None or s.strategy in names]
     if names is not None and not settings:
-        parser.error(f"no known strategy in {args.strategies!r}; choose from ddp,oss_ddp,oss_sdp,fsdp,slowmo")
+        parser.error(f"no known strategy in {args.strategies!r}; choose from ddp,oss_ddp,oss_sdp,fsdp,slowmo,smp")
     device = DeviceSpec(flops_per_s=args.device_tflops * 1e12, memory_bytes=args.device_memory)
     link = LinkSpec(
         bytes_per_s=args.link_gbytes * 1e9,
@@ -258,7 +284,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     for line in failed:
         print(f"not planned: {line}")
     hybrid = "" if args.nprocs_per_node else ", hybrid sharding (give --nprocs-per-node)"
-    print(f"not planned here: pipeline (smp) partitions and micro-batches, CPU offload{hybrid}")
+    print(f"not planned here: CPU offload (it would allocate the offloaded state in this machine's memory){hybrid}")
     for ws in args.world_sizes:
         print(recommend(results, args.device_memory, ws))
     if args.json:

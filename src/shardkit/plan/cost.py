@@ -11,6 +11,9 @@ collectives it issued (bytes each rank sends, ring model, and how many calls) an
 - forward and backward collectives overlap their phase's compute (every shardkit strategy and torch DDP issue
   them asynchronously: gathers are prefetched, reductions run while earlier layers compute), so a phase costs
   ``max(compute, communication)``; nothing overlaps across phases;
+- a pipeline (smp) runs one stage's FLOPs per rank, stretched by its bubble: with ``p`` partitions and ``m``
+  micro-batches every stage idles ``p - 1`` micro-batch slots, so forward and backward take ``(m + p - 1) / m``
+  times their busy time;
 - the optimizer phase is memory-bound: it reads and writes the rank's parameters, gradients and optimizer state
   once at ``DeviceSpec.memory_bytes_per_s``, then its collectives (OSS's parameter exchange) run exposed.
 
@@ -107,13 +110,17 @@ def step_seconds(
     device: DeviceSpec,
     link: LinkSpec,
     with_nodes: bool = False,
+    bubble: float = 1.0,
 ) -> dict[str, float]:
-    """Predicted seconds per phase and in total (``"step"``), by the model in the module docstring."""
+    """Predicted seconds per phase and in total (``"step"``), by the model in the module docstring.
+
+    ``bubble`` stretches forward and backward for a pipeline: ``(microbatches + partitions - 1) / microbatches``.
+    """
     compute = {"forward": flops / 3 / device.flops_per_s, "backward": 2 * flops / 3 / device.flops_per_s}
     out: dict[str, float] = {}
     for name in ("forward", "backward"):
         comm = comm_seconds(phases[name], world_size, link, with_nodes) if name in phases else 0.0
-        out[name] = max(compute[name], comm)
+        out[name] = max(compute[name], comm) * bubble
     optimizer_comm = comm_seconds(phases["optimizer"], world_size, link, with_nodes) if "optimizer" in phases else 0.0
     out["optimizer"] = 2 * state_bytes / device.memory_bytes_per_s + optimizer_comm
     out["step"] = out["forward"] + out["backward"] + out["optimizer"]
