@@ -1,1 +1,13 @@
-"""The universal checkpoint layout: every strategy's state as DCP shards keyed by the unwrapped model's names."""
+"""The universal checkpoint layout: every strategy's state as DCP shards keyed by the unwrapped model's names.
+
+A strategy says what a rank holds (:mod:`.source`: :class:`~.source.Held` tensors made of
+:class:`~.source.Span` flat ranges of named full tensors); the engine does the rest, the same for every strategy:
+
+- :mod:`.placement`: the contract: keys, flat ranges as memory-contiguous boxes;
+- :mod:`.plans`: DCP save and load planners (one chunk per box; reads exactly the boxes a rank needs);
+- :mod:`.optim_state` and :mod:`.side`: optimizer state by parameter name, settings in JSON side files;
+- :mod:`.save`, :mod:`.load`: staging and writing; validating and reading in place;
+- :mod:`.background`: asynchronous saves; :mod:`.registry`: which source serves a model;
+- :mod:`.whole`: sources of whole tensors (plain, DDP, OSS); :mod:`.write`: writing tensors in hand (tools);
+- :mod:`.layout`: file names inside a checkpoint.
+"""
