@@ -1,7 +1,8 @@
 """``shardkit bench plan``: how exact ``shardkit plan`` is, and how fast.
 
 1. **Accuracy.** For the bench LM, the demo LM and a transformers GPT-2 config at world sizes 2 and 4, every
-   strategy is planned for rank 0 (meta device, peerless group) and then trained for real on gloo processes:
+   strategy (smp: 2 partitions, 2 micro-batches per replica of the same batch) is planned for rank 0 (for smp, the
+   stage with the highest peak) on the meta device with a peerless group, then trained for real on gloo processes:
    planned peak against torch's ``MemTracker``, planned state against the real tensors, planned bytes sent
    against shardkit's comm meter (see :mod:`shardkit.plan.accuracy` for the conventions).
 2. **Speed.** ``shardkit plan`` of a 7B Llama-style config (hidden 4096, 32 layers, intermediate 11008,
@@ -19,11 +20,14 @@ import resource
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 from shardkit.plan.accuracy import HEADER, compare
 from shardkit.plan.workloads import Workload
 
 STRATEGIES = ["ddp", "oss_ddp", "oss_sdp", "fsdp", "slowmo"]
+#: smp's settings in the accuracy table.
+PIPELINE_OPTIONS = {"partitions": 2, "microbatches": 2}
 LLAMA_7B = "hidden_size=4096,num_hidden_layers=32,intermediate_size=11008,vocab_size=32000,num_attention_heads=32"
 
 
@@ -66,7 +70,9 @@ def run(argv: list[str]) -> None:
     unequal = 0
     for label, work in _workloads(args.quick):
         for world_size in sizes:
-            for row in compare(work, STRATEGIES, world_size, label):
+            pipeline = replace(work, strategy_options=PIPELINE_OPTIONS)
+            rows = compare(work, STRATEGIES, world_size, label) + compare(pipeline, ["smp"], world_size, label)
+            for row in rows:
                 print(row.format(), flush=True)
                 worst_peak = max(worst_peak, abs(row.peak_error))
                 worst_state = max(worst_state, abs(row.state_error))

@@ -3,7 +3,9 @@
 A pipeline's ranks do not all hold the same thing: stage 0 keeps the embeddings and the most micro-batches in
 flight, the last stage the output layer and the loss. So the planner runs the real smp code once per stage, each
 time as the global rank smp places that stage on in the first model replica, and reports the stage with the
-highest peak (the one that decides whether the job fits), naming every stage's peak in the notes. ``smp.init``
+highest peak (the one that decides whether the job fits), naming every planned stage's peak in the notes. With
+more than three stages, stage 1 stands for the middle ones (they hold the same kind of layers and fewer
+micro-batches in flight than stage 0), which keeps an 8-stage plan at three runs. ``smp.init``
 gets the strategy options as its config; ``ddp`` defaults to true when the world holds several replicas.
 """
 
@@ -84,7 +86,8 @@ def plan_stages(
     spread = config.get("placement_strategy", "cluster") == "spread"
     runs: list[RankRun] = []
     mailbox = Mailbox()  # stage s receives what stages before it sent (activation shapes, shared objects)
-    for stage in range(partitions):
+    stages = sorted({0, 1, partitions - 1}) if partitions > 3 else list(range(partitions))
+    for stage in stages:
         rank = stage * (world_size // partitions) if spread else stage  # where replica 0 holds this stage
         try:
             runs.append(
@@ -105,9 +108,9 @@ def plan_stages(
         finally:
             smp.reset()
     worst = max(range(len(runs)), key=lambda i: runs[i].peak_bytes)
-    peaks = ", ".join(f"stage {i} {run.peak_bytes / 2**30:.2f} GiB" for i, run in enumerate(runs))
+    peaks = ", ".join(f"stage {stage} {run.peak_bytes / 2**30:.2f} GiB" for stage, run in zip(stages, runs))
     chosen = runs[worst]
-    chosen.notes = (*chosen.notes, f"pipeline stage {worst} has the highest peak ({peaks})")
+    chosen.notes = (*chosen.notes, f"pipeline stage {stages[worst]} has the highest peak ({peaks})")
     return chosen
 
 
