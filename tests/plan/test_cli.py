@@ -80,3 +80,17 @@ def test_pipeline_settings_train_the_same_global_batch(tmp_path: Path) -> None:
     assert labels == {"pipeline (smp) 2 stages x 2 mb", "pipeline (smp) 2 stages x 4 mb",
                       "pipeline (smp) 4 stages x 4 mb", "pipeline (smp) 4 stages x 8 mb"}  # fmt: skip
     assert all("highest peak" in r["notes"][-1] for r in rows)
+
+
+def test_factory_model_with_batch_shape(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = [
+        "shardkit.testing.models:TransformerLM",
+        "--batch-shape",
+        "2,16",
+        "--strategies",
+        "fsdp",
+        "--world-sizes",
+        "4",
+    ]
+    assert main(argv) == 0
+    assert "world size 4: recommended zero3" in capsys.readouterr().out
