@@ -25,7 +25,7 @@ from torch.distributed.checkpoint import CheckpointException, FileSystemReader, 
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
-from shardkit.checkpoint.errors import CorruptCheckpointError, UnsafeCheckpointError
+from shardkit.checkpoint.errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
 
 _METADATA_FILE = ".metadata"
 _DCP_META = "torch.distributed.checkpoint.metadata"
@@ -135,6 +135,26 @@ def load(state: dict[str, Any], path: Path) -> None:
         raise _explain(err, path) from err
 
 
+def save_planned(path: Path, planner: Any, process_group: Any = None) -> None:
+    """Run DCP's save into ``path`` with ``planner`` (which says what to write); files are fsynced.
+
+    Collective over ``process_group`` (default: the world; without a process group, this process alone). DCP
+    gathers every rank's failure; it is raised on every rank as a :class:`CheckpointError`."""
+    try:
+        with _single_process_is_intended():
+            dcp.save(
+                {},
+                storage_writer=FileSystemWriter(path, sync_files=True),
+                planner=planner,
+                process_group=process_group,
+                no_dist=_no_dist(),
+            )
+    except CheckpointException as err:
+        failures = [f[0] if isinstance(f, tuple) else f for f in err.failures.values()]
+        first = failures[0] if failures else err
+        raise CheckpointError(f"writing {path} failed: {type(first).__name__}: {first}") from err
+
+
 def load_planned(path: Path, planner: Any, process_group: Any = None) -> None:
     """Run DCP's load of ``path`` with ``planner`` (which says what to read and where) through the safe reader.
 
@@ -173,4 +193,13 @@ def _single_process_is_intended() -> Iterator[None]:
         yield
 
 
-__all__ = ["SafeFileSystemReader", "SafeLoadPlanner", "global_shapes", "load", "load_planned", "read_metadata", "save"]
+__all__ = [
+    "SafeFileSystemReader",
+    "SafeLoadPlanner",
+    "global_shapes",
+    "load",
+    "load_planned",
+    "read_metadata",
+    "save",
+    "save_planned",
+]

@@ -8,19 +8,15 @@ orchestration in :mod:`shardkit.checkpoint.api` hashes and publishes.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import warnings
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import CheckpointException, FileSystemWriter
 
+from shardkit.checkpoint import safe_dcp
 from shardkit.checkpoint.errors import CheckpointError
 from shardkit.checkpoint.universal.layout import DCP_DIR
 from shardkit.checkpoint.universal.optim_state import optimizer_placements, spanned_placements
@@ -97,21 +93,7 @@ def write_staged(directory: Path, staged: Staged, group: Optional[dist.ProcessGr
 
     Every rank must reach it (run :func:`write_local` inside an agreement first); DCP itself gathers any rank's
     failure and raises on all of them."""
-    store = directory / DCP_DIR
-    writer = FileSystemWriter(store, sync_files=True)
-    try:
-        with _single_process_is_intended():
-            dcp.save(
-                {},
-                storage_writer=writer,
-                planner=UniversalSavePlanner(staged.pieces),
-                process_group=group,
-                no_dist=not (dist.is_available() and dist.is_initialized()),
-            )
-    except CheckpointException as err:
-        failures = [f[0] if isinstance(f, tuple) else f for f in err.failures.values()]
-        first = failures[0] if failures else err
-        raise CheckpointError(f"writing {store} failed: {type(first).__name__}: {first}") from err
+    safe_dcp.save_planned(directory / DCP_DIR, UniversalSavePlanner(staged.pieces), group)
 
 
 def write_local(directory: Path, staged: Staged, rank: int) -> None:
@@ -119,10 +101,3 @@ def write_local(directory: Path, staged: Staged, rank: int) -> None:
     (directory / DCP_DIR).mkdir(parents=True, exist_ok=True)
     if staged.side is not None:
         staged.side.write(directory, rank)
-
-
-@contextlib.contextmanager
-def _single_process_is_intended() -> Iterator[None]:
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        yield
