@@ -63,10 +63,9 @@ def test_a_rank_holding_only_padding_gets_no_piece() -> None:
     assert total < 64 and flat_param_pieces("", meta) == []
 
 
-def test_replicas_of_hybrid_units() -> None:
-    assert unit_replicas(0, 4, 4) == (0, 1)
-    assert unit_replicas(3, 4, 2) == (1, 2)
-    assert unit_replicas(5, 8, 4) == (1, 2)
-    assert [unit_replicas(r, 4, 1) for r in range(4)] == [(0, 4), (1, 4), (2, 4), (3, 4)]
-    with pytest.raises(ValueError, match="does not divide the world size 4"):
-        unit_replicas(0, 4, 3)
+def test_replicas_of_hybrid_units_and_units_over_part_of_the_job() -> None:
+    assert unit_replicas("", 4, 0, 1, 4) == (0, 1)
+    assert unit_replicas("blocks.0", 2, 1, 2, 4) == (1, 2)  # hybrid: two nodes of two
+    assert unit_replicas("", 1, 3, 4, 4) == (3, 4)  # NO_SHARD: every rank a replica
+    with pytest.raises(ValueError, match=r"'experts\.1' is sharded over 1 ranks with 1 replica"):
+        unit_replicas("experts.1", 1, 0, 1, 4)  # per-rank units: their values may differ

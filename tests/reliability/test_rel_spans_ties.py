@@ -1,5 +1,5 @@
-"""FSDP checkpoints of a model with tied weights (stored once, the tie kept on both sides), and a checkpoint asked
-for while FSDP is inside a forward pass (refused on every rank, nothing written)."""
+"""FSDP checkpoints of a model with tied weights (stored once, the tie kept on both sides); checkpoints refused on
+every rank with nothing written: asked for inside a forward pass, or of a unit sharded over part of the job only."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -102,3 +103,22 @@ def test_a_checkpoint_inside_forward_is_refused_on_every_rank(tmp_path: Path) ->
     for rank, result in enumerate(run_distributed(_save_in_forward, 2, str(tmp_path), timeout_s=120)):
         assert result["error"] is not None and "between training steps" in result["error"], f"rank {rank}"
         assert "FORWARD" in result["error"] and not result["exists"]
+
+
+def _per_rank_unit(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    own = [dist.new_group([r]) for r in range(world_size)][rank]  # every rank creates every group, in order
+    model = FSDP(nn.Sequential(FSDP(nn.Linear(3, 3), process_group=own), nn.Tanh(), nn.Linear(3, 1)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.full((2, 3), float(rank))).sum().backward()  # the inner unit's values now differ per rank
+    optimizer.step()
+    try:
+        save_checkpoint(Path(root) / "per_rank", step=0, model=model, optimizer=optimizer)
+    except Exception as err:
+        return {"error": f"{type(err).__name__}: {err}", "exists": (Path(root) / "per_rank").exists()}
+    return {"error": None, "exists": True}
+
+
+def test_a_unit_sharded_over_part_of_the_job_is_refused_on_every_rank(tmp_path: Path) -> None:
+    for rank, result in enumerate(run_distributed(_per_rank_unit, 2, str(tmp_path), timeout_s=120)):
+        assert result["error"] is not None and "sharded over 1 ranks with 1 replica" in result["error"], rank
+        assert "HYBRID_SHARD" in result["error"] and not result["exists"]

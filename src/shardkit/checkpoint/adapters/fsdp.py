@@ -54,13 +54,13 @@ def _unit_modules(model: nn.Module) -> list[tuple[str, Any]]:
     return [(path, m) for path, _, m in walk_modules(model) if isinstance(m, UnitModule)]
 
 
-def _replicas(unit: Any, rank: int, world: int) -> tuple[int, int]:
-    """This rank's index among the ranks holding the same shards of ``unit``, and their number: the unit's replica
-    group when it has one (hybrid sharding, NO_SHARD), else contiguous groups of the unit's size."""
-    replica_group = getattr(unit, "replica_group", None)
-    if replica_group is not None:
-        return group_rank(replica_group), group_size(replica_group)
-    return unit_replicas(rank, world, unit.world_size)
+def _replicas(path: str, unit: Any, world: int) -> tuple[int, int]:
+    """This rank's index among the ranks holding the same shards of ``unit`` (its replica group under hybrid
+    sharding and NO_SHARD), and their number."""
+    replica_group = unit.replica_group
+    if replica_group is None:
+        return unit_replicas(path or "<root>", unit.world_size, 0, 1, world)
+    return unit_replicas(path or "<root>", unit.world_size, group_rank(replica_group), group_size(replica_group), world)
 
 
 class FSDPSource(UniversalSource):
@@ -96,7 +96,7 @@ class FSDPSource(UniversalSource):
         rank, world = rank_and_size()
         out: list[Held] = []
         for path, unit in _unit_modules(self.model):
-            replica_rank, replica_count = _replicas(unit, rank, world)
+            replica_rank, replica_count = _replicas(path, unit, world)
             for shard, meta in zip(unit.flat_params, unit.flat_param_metas):
                 spans = tuple(
                     Span(p.fqn, p.shape, p.start, p.stop, p.local_offset) for p in flat_param_pieces(path, meta)

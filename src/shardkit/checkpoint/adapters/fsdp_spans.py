@@ -56,24 +56,28 @@ def flat_param_aliases(prefix: str, meta: FlatParamMeta) -> dict[str, str]:
     return {join_name(prefix, s.fqn): join_name(prefix, meta.params[s.primary].fqn) for s in meta.shared}
 
 
-def unit_replicas(global_rank: int, global_world: int, group_size: int) -> tuple[int, int]:
-    """``(replica_rank, replica_count)`` of a unit sharded over groups of ``group_size`` ranks.
+def unit_replicas(
+    unit_name: str, shard_size: int, replica_rank: int, replica_count: int, world_size: int
+) -> tuple[int, int]:
+    """``(replica_rank, replica_count)`` of a unit whose shard group has ``shard_size`` ranks, checked.
 
-    Hybrid sharding shards inside a node and replicates across nodes; torchrun numbers the ranks of a node
-    contiguously, so the ranks holding the same chunk are ``group_size`` apart and this rank's replica index is
-    its node index. A unit over the whole world has one replica.
+    The ranks holding the same shards are the unit's replica group (hybrid sharding: the same local rank on every
+    node; NO_SHARD: every rank); without one, the unit must shard over the whole job. Anything else (a unit over a
+    subgroup with no replicas, e.g. per-rank experts) may hold different values per group, which one checkpoint key
+    cannot: refused.
 
     Example::
 
-        >>> unit_replicas(5, 8, 4)   # rank 5 of 8, nodes of 4: the second node's copy of chunk 1
+        >>> unit_replicas("blocks.0", 4, 1, 2, 8)   # hybrid: node 1's copy of 4-way shards, 2 nodes
         (1, 2)
     """
-    if group_size < 1 or global_world % group_size:
+    if shard_size * replica_count != world_size:
         raise ValueError(
-            f"an FSDP unit is sharded over {group_size} ranks, which does not divide the world size {global_world}; "
-            "the checkpoint cannot tell which ranks hold the same shard. Shard each unit over the whole world or "
-            "over equal node groups"
+            f"FSDP unit '{unit_name}' is sharded over {shard_size} ranks with {replica_count} replica(s), which is "
+            f"not the {world_size} ranks of this job: its groups may hold different values (e.g. per-rank experts), "
+            "which one checkpoint cannot store. Shard every unit over the whole job, or use "
+            "sharding_strategy=HYBRID_SHARD for replicas across nodes"
         )
-    if not 0 <= global_rank < global_world:
-        raise ValueError(f"rank {global_rank} is outside a world of {global_world} ranks")
-    return global_rank // group_size, global_world // group_size
+    if not 0 <= replica_rank < replica_count:
+        raise ValueError(f"FSDP unit '{unit_name}': replica rank {replica_rank} is outside 0..{replica_count - 1}")
+    return replica_rank, replica_count
