@@ -162,10 +162,12 @@ def _uneven_nodes(rank: int, world_size: int) -> str:
     return str(info.value)
 
 
-def test_node_size_not_dividing_the_world_raises_everywhere() -> None:
-    env = [{"LOCAL_WORLD_SIZE": "3"} for _ in range(4)]
+@pytest.mark.parametrize("sizes", [("3", "3", "3", "3"), ("2", "2", "1", "1")])
+def test_node_sizes_that_cannot_work_raise_everywhere(sizes: tuple[str, ...]) -> None:
+    # A node size that does not divide the world, and nodes started with different --nproc-per-node.
+    env = [{"LOCAL_WORLD_SIZE": size} for size in sizes]
     messages = run_distributed(_uneven_nodes, 4, rank_env=env)
-    assert len(set(messages)) == 1 and "3" in messages[0]
+    assert len(set(messages)) == 1 and "LOCAL_WORLD_SIZE" in messages[0]
 
 
 def _dcp_round_trip(rank: int, world_size: int, path: str) -> dict[str, Any]:
