@@ -71,8 +71,9 @@ class FSDPSource(UniversalSource):
     def __init__(self, model: nn.Module, optimizer: Optional[Any]) -> None:
         self.model = model
         self.optimizer = optimizer
-        #: ``(staging copy in the original dtype, the buffer)`` for buffers mixed precision cast.
-        self._staged: list[tuple[torch.Tensor, torch.Tensor]] = []
+        #: id(buffer) -> (staging copy in the original dtype, the buffer), for buffers mixed precision cast; made
+        #: once per source, so every held() hands out the same copy the engine reads or fills.
+        self._staged: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @staticmethod
     def handles(model: nn.Module, optimizer: Optional[Any]) -> bool:
@@ -110,7 +111,6 @@ class FSDPSource(UniversalSource):
         from shardkit.nn.fsdp.unit_module import UnitModule, walk_modules
 
         original = dict(getattr(self.model, "buffer_original_dtypes", {}))
-        self._staged = []
         out: list[Held] = []
         seen: set[int] = set()
         for path, _, module in walk_modules(self.model, once=False):
@@ -124,8 +124,9 @@ class FSDPSource(UniversalSource):
                 tensor = buf
                 dtype = original.get(fqn)
                 if dtype is not None and dtype != buf.dtype:
-                    tensor = buf.detach().to(dtype)
-                    self._staged.append((tensor, buf))
+                    if id(buf) not in self._staged:
+                        self._staged[id(buf)] = (buf.detach().to(dtype), buf)
+                    tensor = self._staged[id(buf)][0]
                 out.append(Held(tensor, (Span(fqn, buf.shape, 0, buf.numel(), 0),), rank, world))
         return out
 
@@ -170,9 +171,9 @@ class FSDPSource(UniversalSource):
     def after_load(self) -> None:
         """Cast staged buffers back into the model's buffers and drop stale gathered copies."""
         with torch.no_grad():
-            for staged, buf in self._staged:
+            for staged, buf in self._staged.values():
                 buf.copy_(staged)
-        self._staged = []
+        self._staged = {}
         for _, unit in _unit_modules(self.model):
             unit.fsdp_unit.group.reshard()
 
