@@ -13,6 +13,7 @@ from torch import nn
 
 from shardkit.checkpoint import load_checkpoint, save_checkpoint
 from shardkit.checkpoint.adapters.fsdp import FSDPSource
+from shardkit.checkpoint.adapters.smp import SMPSource
 from shardkit.nn import FullyShardedDataParallel as FSDP
 from shardkit.testing import run_distributed
 
@@ -122,3 +123,61 @@ def test_a_unit_sharded_over_part_of_the_job_is_refused_on_every_rank(tmp_path: 
     for rank, result in enumerate(run_distributed(_per_rank_unit, 2, str(tmp_path), timeout_s=120)):
         assert result["error"] is not None and "sharded over 1 ranks with 1 replica" in result["error"], rank
         assert "HYBRID_SHARD" in result["error"] and not result["exists"]
+
+
+class StagedTiedNet(TiedNet):
+    """:class:`TiedNet` with the embedding on pipeline stage 0 and the rest (the tied head) on stage 1."""
+
+    def __init__(self, seed: int) -> None:
+        import shardkit.modelparallel as smp
+
+        nn.Module.__init__(self)
+        torch.manual_seed(seed)
+        self.emb = nn.Embedding(10, 4)
+        with smp.partition(1):
+            self.mid = nn.Linear(4, 4)
+            self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.emb.weight
+
+
+def _smp_ties(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    import shardkit.modelparallel as smp
+
+    smp.init({"partitions": 2, "microbatches": 2, "auto_partition": False, "default_partition": 0})
+    net = StagedTiedNet(seed=0)
+    model = smp.DistributedModel(net)
+    optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+
+    @smp.step
+    def step(model: Any, tokens: torch.Tensor) -> torch.Tensor:
+        loss = F.cross_entropy(model(tokens).reshape(-1, 10), tokens.reshape(-1))
+        model.backward(loss)
+        return loss
+
+    step(model, torch.arange(8).reshape(4, 2))
+    optimizer.step()
+    stages = model.holding_stages("emb.weight")
+    replicas = [
+        (h.replica_rank, h.replica_count) for h in SMPSource(model, optimizer).held() if h.spans[0].fqn == "emb.weight"
+    ]
+    save_checkpoint(Path(root) / "smp", step=0, model=model, optimizer=optimizer)
+    gathered = {k: v.detach().clone().numpy() for k, v in model.state_dict().items()}
+    smp.reset()
+    plain = TiedNet(seed=1)
+    load_checkpoint(Path(root) / "smp", model=plain, optimizer=torch.optim.SGD(plain.parameters(), lr=0.1))
+    return {
+        "stages": stages,
+        "replicas": replicas,
+        "smp": gathered,
+        "plain": _values(plain),
+        "tied": plain.head.weight is plain.emb.weight,
+    }
+
+
+def test_smp_weights_tied_across_stages_are_written_once_and_load_tied(tmp_path: Path) -> None:
+    for rank, result in enumerate(run_distributed(_smp_ties, 2, str(tmp_path), timeout_s=120)):
+        assert result["stages"] == (0, 1), f"rank {rank}: the tied weight should live on both stages"
+        assert result["replicas"] == [(rank, 2)], "each stage writes half of the tied weight"
+        assert result["tied"] and set(result["plain"]) == set(result["smp"])
+        for key, value in result["smp"].items():
+            assert torch.equal(torch.from_numpy(value), torch.from_numpy(result["plain"][key])), key
