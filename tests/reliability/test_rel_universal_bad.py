@@ -107,6 +107,21 @@ def _job(rank: int, world_size: int, root: str) -> dict[str, Any]:
         out["missing"] = str(err)
     out["missing_unchanged"] = all(torch.equal(before[k], v) for k, v in target.state_dict().items())
     out["ran"] = marker.exists()
+
+    # Replicas whose buffers (or, without DDP, whole models) differ: the checkpoint keeps rank 0's copy.
+    torch.manual_seed(0)
+    bn = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)))
+    bn(torch.randn(8, 4) * (rank + 1))  # running statistics now differ between the ranks
+    torch.manual_seed(rank)
+    mine = torch.nn.Linear(4, 4)
+    save_checkpoint(base / "bn", step=1, model=bn)
+    save_checkpoint(base / "plain", step=1, model=mine)
+    out["bn_mine"] = {k: v.clone() for k, v in bn.module.state_dict().items()}
+    out["plain_mine"] = {k: v.clone() for k, v in mine.state_dict().items()}
+    load_checkpoint(base / "bn", model=bn)
+    load_checkpoint(base / "plain", model=mine)
+    out["bn_loaded"] = {k: v.clone() for k, v in bn.module.state_dict().items()}
+    out["plain_loaded"] = {k: v.clone() for k, v in mine.state_dict().items()}
     return out
 
 
@@ -134,6 +149,11 @@ def test_bad_universal_checkpoints_fail_on_every_rank_and_change_nothing(tmp_pat
             and out["missing_unchanged"]
         ), rank
         assert not out["ran"]
+    for what in ("bn", "plain"):
+        rank0, rank1 = results[0][f"{what}_mine"], results[1][f"{what}_mine"]
+        assert any(not torch.equal(rank0[k], rank1[k]) for k in rank0), what  # the ranks really differed
+        for out in results:
+            assert all(torch.equal(out[f"{what}_loaded"][k], rank0[k]) for k in rank0), what
 
 
 @pytest.mark.parametrize("what", ["settings", "no_index"])

@@ -40,8 +40,9 @@ class PlainAdapter(FullStateAdapter):
 class PlainSource(UniversalSource):
     """A plain module or torch DDP with any ``torch.optim`` optimizer: whole tensors on every rank.
 
-    Under DDP the replicas split the writing (each rank writes ``1 / world`` of every tensor); a plain module in a
-    job with a process group is taken to be the same on every rank (as it is when trained identically).
+    Under DDP the replicas split the writing (each rank writes ``1 / world`` of every parameter; buffers come from
+    rank 0). A plain module in a job with a process group may differ between ranks, so rank 0's copy is saved,
+    as before the universal layout.
 
     Example::
 
@@ -52,8 +53,9 @@ class PlainSource(UniversalSource):
     def __init__(self, model: nn.Module, optimizer: Optional[Any]) -> None:
         self.model, self.optimizer = model, optimizer
         self.strategy = "ddp" if isinstance(model, DistributedDataParallel) else "plain"
-        group = model.process_group if isinstance(model, DistributedDataParallel) else None
-        rank, size = (group_rank(group), group_size(group)) if dist.is_available() and dist.is_initialized() else (0, 1)
+        rank, size = 0, 1  # a plain module: every rank plans all of it, the lowest rank's copy is kept
+        if isinstance(model, DistributedDataParallel) and dist.is_available() and dist.is_initialized():
+            rank, size = group_rank(model.process_group), group_size(model.process_group)
         module = model.module if isinstance(model, DistributedDataParallel) else model
         self._held, self._aliases = whole_tensors(module, rank, size)
 

@@ -77,7 +77,9 @@ class UniversalSavePlanner(DefaultSavePlanner):
     """Writes exactly the given pieces, each as a DCP chunk of its key (the state dict handed to DCP is empty)."""
 
     def __init__(self, pieces: Sequence[Piece]) -> None:
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        # A box several ranks write (buffers, whose replicas may differ: BatchNorm statistics after a local
+        # forward) is kept from the lowest rank, as a save from rank 0 would; distinct boxes are unaffected.
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False, dedup_save_to_lowest_rank=True)
         self._pieces = {(p.key, tuple(p.offsets)): p for p in pieces}
         if len(self._pieces) != len(pieces):
             raise ValueError("two pieces of the same key start at the same offsets: the placements overlap")

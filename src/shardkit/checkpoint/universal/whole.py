@@ -11,9 +11,13 @@ from shardkit.checkpoint.universal.source import Held, Span
 def whole_tensors(module: nn.Module, replica_rank: int, replica_count: int) -> tuple[list[Held], dict[str, str]]:
     """Every tensor of ``module.state_dict()`` as one whole span, and the tied names.
 
-    A tensor reachable under several names (tied weights) is held once, under its first name; the other names
-    become aliases of it, so every strategy stores a tie once, whichever name it keeps.
+    Parameters get ``(replica_rank, replica_count)``: data-parallel replicas hold identical parameters, so they
+    split the writing. Buffers are written by the lowest rank alone (replica ``(0, 1)`` everywhere): replicas
+    may hold different ones (BatchNorm statistics after a local forward), and a checkpoint keeps rank 0's, as a
+    save from rank 0 would. A tensor reachable under several names (tied weights) is held once, under its first
+    name; the other names become aliases of it, so every strategy stores a tie once, whichever name it keeps.
     """
+    params = {id(p) for p in module.parameters()}
     held: list[Held] = []
     aliases: dict[str, str] = {}
     first_name: dict[int, str] = {}
@@ -29,5 +33,6 @@ def whole_tensors(module: nn.Module, replica_rank: int, replica_count: int) -> t
             continue
         first_name[id(value)] = name
         span = Span(name, value.shape, 0, value.numel())
-        held.append(Held(value, (span,), replica_rank, replica_count))
+        replicas = (replica_rank, replica_count) if id(value) in params else (0, 1)
+        held.append(Held(value, (span,), *replicas))
     return held, aliases
