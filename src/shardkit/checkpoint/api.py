@@ -333,7 +333,7 @@ def load_checkpoint(
         lambda: _read_all(path, read, rank if same_size else 0, scaler), "load_checkpoint: read"
     )
     comm.agreed(pending.fetch, "load_checkpoint: fetch")
-    pending.apply()
+    comm.agreed(pending.apply, "load_checkpoint: apply")  # a failure here still reaches every rank
     if scaler is not None:
         scaler.load_state_dict(common["scaler"])
     if same_size:
