@@ -89,7 +89,7 @@ SETTINGS = (
 
 
 def pipeline_settings(world_size: int, batch_size: int) -> list[Setting]:
-    """smp settings for ``world_size``: 2, 4 and 8 partitions dividing it, micro-batches dividing the batch.
+    """smp settings for ``world_size``: 2, 4 and 8 partitions dividing it, with two micro-batches per stage.
 
     A replica of ``p`` stages trains the ``p`` ranks' batches together, so the global batch stays that of the
     data-parallel settings.
@@ -98,11 +98,10 @@ def pipeline_settings(world_size: int, batch_size: int) -> list[Setting]:
     for parts in (2, 4, 8):
         if world_size % parts:
             continue
-        for micro in (parts, 2 * parts):
-            if (batch_size * parts) % micro == 0:
-                config = {"partitions": parts, "microbatches": micro, "pipeline": "interleaved"}
-                label = f"pipeline (smp) {parts} stages x {micro} mb"
-                out.append(Setting(label, "smp", config, batch_ranks=parts))
+        # Two micro-batches per stage when the batch allows (bubble (3p-1)/2p), else one each.
+        micro = 2 * parts if (batch_size * parts) % (2 * parts) == 0 else parts
+        config = {"partitions": parts, "microbatches": micro, "pipeline": "interleaved"}
+        out.append(Setting(f"pipeline (smp) {parts} stages x {micro} mb", "smp", config, batch_ranks=parts))
     return out
 
 
