@@ -181,3 +181,24 @@ def test_smp_weights_tied_across_stages_are_written_once_and_load_tied(tmp_path:
         assert result["tied"] and set(result["plain"]) == set(result["smp"])
         for key, value in result["smp"].items():
             assert torch.equal(torch.from_numpy(value), torch.from_numpy(result["plain"][key])), key
+
+
+def _smp_cold_load(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    from any_to_any_lib import build, release, train
+
+    source = build("plain", rank, world_size, seed=0)  # the same plain model and batches on both ranks
+    train(source, range(2))
+    save_checkpoint(Path(root) / "plain", step=1, model=source.model, optimizer=source.optimizer)
+    run = build("smp", rank, world_size, seed=1)
+    load_checkpoint(Path(root) / "plain", model=run.model, optimizer=run.optimizer)  # before the partition
+    train(run, range(2, 3))
+    inner = run.optimizer.optimizer
+    held = {id(p) for p in run.model.local_parameters()}
+    with_state = {id(p) for p in inner.state}
+    release(run)
+    return {"held": len(held), "with_state": len(with_state), "only_held": with_state <= held}
+
+
+def test_smp_loaded_before_the_partition_keeps_only_its_stages_optimizer_state(tmp_path: Path) -> None:
+    for rank, result in enumerate(run_distributed(_smp_cold_load, 2, str(tmp_path), timeout_s=120)):
+        assert result["only_held"] and result["with_state"] == result["held"] > 0, f"rank {rank}: {result}"

@@ -147,6 +147,14 @@ class SMPSource(UniversalSource):
             self._stage_view = stage_view(inner, {id(p) for p in self.model.local_parameters()})
         return self._stage_view
 
+    def load_optimizer(self, state_dict: dict[str, Any]) -> None:
+        """Before the partition hand the state to the DistributedOptimizer, which keeps it until the partition and
+        then loads only this stage's part (as it does for full state dicts); after it, load the stage's view."""
+        if self.optimizer is not None and not self.model.partitioned:
+            self.optimizer.load_state_dict(state_dict)
+            return
+        super().load_optimizer(state_dict)
+
     def group_fqns(self) -> Optional[list[list[str]]]:
         """Per optimizer parameter group, the names of all its parameters (on every stage)."""
         if self.optimizer is None:
