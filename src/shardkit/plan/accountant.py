@@ -182,8 +182,8 @@ class Accountant(TorchDispatchMode):
         return out
 
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
-        self.label(module._parameters.values(), Category.PARAMETERS)
-        self.label(module._buffers.values(), Category.PARAMETERS)
+        self.label(module.parameters(recurse=False), Category.PARAMETERS)
+        self.label(module.buffers(recurse=False), Category.PARAMETERS)
         self._stack.append(self._names.get(id(module), type(module).__name__))
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -72,23 +72,30 @@ class _TorchTracker:
         return _peak(self.tracker.get_tracker_snapshot("peak"))
 
 
-class _ShardkitTracker(_TorchTracker):
+class _ShardkitTracker:
     """shardkit's ``MemoryTracker``, for pipelines: MemTracker refuses a module running twice in one step (once per
     micro-batch)."""
 
     def __init__(self) -> None:
         from shardkit.memory import MemoryTracker
 
-        self.tracker = MemoryTracker()  # type: ignore[assignment]
+        self.tracker = MemoryTracker()
+
+    def __enter__(self) -> _ShardkitTracker:
+        self.tracker.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.tracker.__exit__(*exc)
 
     def watch(self, model: torch.nn.Module, optimizer: Any) -> None:
-        self.tracker.watch(model, getattr(optimizer, "optimizer", optimizer))  # type: ignore[attr-defined]
+        self.tracker.watch(model, getattr(optimizer, "optimizer", optimizer))
 
     def step_done(self) -> None:
         return None
 
     def peak(self) -> int:
-        return int(self.tracker.peak.total)  # type: ignore[attr-defined]
+        return int(self.tracker.peak.total)
 
 
 def _measure_one(workload: Workload, strategy: str, topology: Optional[Topology]) -> RealRank:
@@ -96,7 +103,8 @@ def _measure_one(workload: Workload, strategy: str, topology: Optional[Topology]
     batch = workload.batch()
     options, optim_options = dict(workload.strategy_options), dict(workload.optimizer_options)
     world_size = dist.get_world_size()
-    with _ShardkitTracker() if strategy == PIPELINE else _TorchTracker() as tracker:
+    tracker: Union[_ShardkitTracker, _TorchTracker] = _ShardkitTracker() if strategy == PIPELINE else _TorchTracker()
+    with tracker:
         model = workload.build()
         if strategy == PIPELINE:
             build = builder(smp_config(options, world_size), workload.optimizer, optim_options)
