@@ -16,6 +16,7 @@ def test_quick_run_reports_every_rank(tmp_path: Path, capsys: pytest.CaptureFixt
     run(["--quick", "--world-size", "2", "--json", str(out), "--dir", str(tmp_path)])
     text = capsys.readouterr().out
     assert "fsdp rank 1" in text and "oss_sdp rank 1" in text and "load restores" in text
+    assert "fsdp: shardkit checkpoint export of the model" in text
     ranks = json.loads(out.read_text())["ranks"]
     assert len(ranks) == 2 and [r["strategy"] for r in ranks[0]] == ["fsdp", "oss_sdp"]
     for per_strategy in ranks:
@@ -23,6 +24,7 @@ def test_quick_run_reports_every_rank(tmp_path: Path, capsys: pytest.CaptureFixt
             assert r["loaded_equal"] is True
             assert r["owned_bytes"] > 0 and r["save_s"] > 0 and r["old_rise"] is not None
             assert r["async_stall_s"] is not None and r["async_rise"] is not None and r["async_total_s"] > 0
+            assert (r["export_rise"] is not None) == (r["rank"] == 0)
     assert list(tmp_path.glob("shardkit-bench-ckpt-*")) == []  # checkpoints removed
 
 

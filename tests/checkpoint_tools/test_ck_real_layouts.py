@@ -36,11 +36,19 @@ def _fsdp_saves(rank: int, world_size: int, root: str) -> dict:
     if rank == 0:
         write_meta(legacy, "fsdp-dcp", strategy="fsdp", world_size=world_size)
     save_checkpoint(Path(root) / "universal", step=1, model=model, optimizer=opt)
-    return {k: v.clone() for k, v in model.state_dict().items()}
+    full = {k: v.clone() for k, v in model.state_dict().items()}
+    if rank == 0:  # one rank alone, inside the job: the tools' reads must not become collectives
+        from shardkit.checkpoint.tools.export import export_safetensors
+
+        export_safetensors(Path(root) / "universal", Path(root) / "in_job.safetensors")
+    dist.barrier()
+    return full
 
 
 def test_real_fsdp_checkpoints_inspect_and_export(tmp_path: Path) -> None:
-    full = run_distributed(_fsdp_saves, 2, str(tmp_path))[0]
+    full = run_distributed(_fsdp_saves, 2, str(tmp_path), timeout_s=120)[0]
+    in_job = load_file(tmp_path / "in_job.safetensors")
+    assert all(torch.equal(in_job[k], v) for k, v in full.items())
     for name in ("legacy", "universal"):
         ck = tmp_path / name
         report = inspect_checkpoint(ck)

@@ -47,6 +47,7 @@ from shardkit.utils.checks import at_least
 
 STRATEGIES = ("fsdp", "oss_sdp")
 SLACK_BYTES = 256 * 1024**2
+EXPORT_SHARD_BYTES = 256 * 1024**2
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,9 @@ class RankResult:
     async_total_s: Optional[float] = None
     async_rise: Optional[int] = None
     loaded_equal: bool = False
+    #: Rank 0 only: ``shardkit checkpoint export`` of the model into shards of ``EXPORT_SHARD_BYTES``.
+    export_rise: Optional[int] = None
+    export_s: Optional[float] = None
     notes: list[str] = field(default_factory=list)
 
 
@@ -179,6 +183,7 @@ def _measure(name: str, s: CheckpointBenchSettings, root: Path) -> RankResult:
     saved = _snapshot(model)
     path = root / f"{name}_sync"
     result.save_s, result.save_rise = _timed(lambda: save_checkpoint(path, step=1, model=model, optimizer=optimizer))
+    _export(result, path, root / f"{name}_export")
     _step(model, optimizer, s, 2)  # move away from the saved state, so the load has something to restore
     result.load_s, result.load_rise = _timed(lambda: load_checkpoint(path, model=model, optimizer=optimizer))
     result.loaded_equal = all(torch.equal(a, b) for a, b in zip(_snapshot(model), saved))
@@ -196,6 +201,21 @@ def _measure(name: str, s: CheckpointBenchSettings, root: Path) -> RankResult:
         for written in root.glob(f"{name}_*"):
             shutil.rmtree(written, ignore_errors=True)
     return result
+
+
+def _export(result: RankResult, path: Path, out: Path) -> None:
+    """Rank 0 exports the checkpoint's model as safetensors shards (the others wait): memory stays at a shard."""
+    from shardkit.checkpoint.tools.export import export_safetensors
+
+    C.barrier(None, "bench checkpoint: export")
+    if result.rank == 0:
+        with PeakRSS() as peak:
+            start = time.perf_counter()
+            export_safetensors(path, out, max_shard_bytes=EXPORT_SHARD_BYTES)
+            result.export_s = time.perf_counter() - start
+        result.export_rise = peak.rise
+        shutil.rmtree(out, ignore_errors=True)
+    C.barrier(None, "bench checkpoint: export done")
 
 
 def _async(result: RankResult, model: nn.Module, optimizer: Any, s: CheckpointBenchSettings, path: Path) -> None:
@@ -273,6 +293,14 @@ def report(per_rank: list[list[RankResult]], s: CheckpointBenchSettings, world_s
         f"parameters + Adam ({s.parameters * 8 / 1e9:.2f} GB), world size {world_size} (gloo, CPU)"
     )
     notes = sorted({n for ranks in per_rank for r in ranks for n in r.notes})
+    for index, name in enumerate(s.strategies):
+        first = per_rank[0][index]
+        if first.export_rise is not None and first.export_s is not None:
+            notes.append(
+                f"{name}: shardkit checkpoint export of the model into {format_bytes(EXPORT_SHARD_BYTES)} safetensors "
+                f"shards (rank 0): {first.export_s:.1f} s, RSS rise {format_bytes(first.export_rise)} "
+                f"(model {format_bytes(s.parameters * 4)})"
+            )
     return "\n".join(
         [
             header,

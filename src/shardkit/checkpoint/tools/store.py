@@ -24,16 +24,18 @@ Example::
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from shardkit.checkpoint import safe_dcp
-from shardkit.checkpoint.errors import CorruptCheckpointError
+from shardkit.checkpoint.errors import CheckpointError, CorruptCheckpointError
 from shardkit.checkpoint.metadata import CheckpointMeta, read_meta, resolve
 from shardkit.checkpoint.universal.placement import MODEL_PREFIX
 
@@ -71,11 +73,32 @@ def dcp_stores(directory: Path) -> list[Path]:
     return found
 
 
+def load_in_this_process(target: dict[str, Any], store: Path) -> None:
+    """Fill ``target`` from the DCP store ``store`` in this process alone, even inside a job with a process group
+    (the tools must not turn a read into a collective other ranks never join). The index goes through the
+    allow-list unpickler and tensors through ``torch.load(weights_only=True)``, as in :mod:`safe_dcp`."""
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            dcp.load(
+                target,
+                storage_reader=safe_dcp.SafeFileSystemReader(store),
+                planner=safe_dcp.SafeLoadPlanner(),
+                no_dist=True,
+            )
+    except dcp.CheckpointException as err:
+        failures = [f[0] if isinstance(f, tuple) else f for f in err.failures.values()]
+        first = failures[0] if failures else err
+        if isinstance(first, CheckpointError):
+            raise type(first)(f"{store}: {first}") from err
+        raise CorruptCheckpointError(f"{store} cannot be read: {type(first).__name__}: {first}") from err
+
+
 def read_dcp_tensors(store: Path, entries: list[TensorEntry]) -> dict[str, torch.Tensor]:
     """The full tensors of ``entries`` (all in the DCP store ``store``), assembled from whatever chunks were saved
     (any saving world size), in one pass over the store."""
-    target = {e.key: torch.empty(e.shape, dtype=e.dtype) for e in entries}
-    safe_dcp.load(target, store)  # allow-list index reader, tensors with weights_only=True
+    target: dict[str, Any] = {e.key: torch.empty(e.shape, dtype=e.dtype) for e in entries}
+    load_in_this_process(target, store)
     return target
 
 

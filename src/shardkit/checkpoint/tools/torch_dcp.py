@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 from shardkit.checkpoint import safe_dcp
 from shardkit.checkpoint.errors import CorruptCheckpointError
 from shardkit.checkpoint.tools.sources import ImportedState, clean_name
+from shardkit.checkpoint.tools.store import load_in_this_process
 
 _STATE, _GROUPS = "optim.state.", "optim.param_groups."
 
@@ -36,7 +37,7 @@ def read_torch_dcp(path: Path) -> ImportedState:
     target.update(
         {k: None for k, v in entries.items() if isinstance(v, BytesStorageMetadata) and k.startswith(_GROUPS)}
     )
-    safe_dcp.load(target, path)
+    load_in_this_process(target, path)
     model = {clean_name(k[len("model.") :] if prefixed else k): target[k] for k in model_keys}
     state: dict[str, dict[str, torch.Tensor]] = {}
     for key in tensors:
