@@ -16,8 +16,9 @@ Lifecycle of one synchronised backward pass (a *round*):
    (what torch DDP does with ``find_unused_parameters=True``); non-owners are left with ``.grad = None``.
 
 Hybrid sharding (``replica`` group: the same local rank on the other nodes): the reduce to the owner runs
-inside the node; as each owned unit's reduce lands (in plan order, so every replica issues the same sequence)
-its owner all-reduces the node's sum with the owners on the other nodes, and the average runs over all nodes.
+inside the node; the owner waits for it as it launches it (fast link) and at once starts all-reducing the node's
+sum with the owners on the other nodes, in plan order, so every replica issues the same sequence and the slow
+part overlaps the rest of backward. The average runs over all nodes.
 
 Under ``no_sync`` the hooks only record that local gradients are pending; :meth:`GradReducer.reduce_now` then
 runs steps 2-3 by hand over whatever the parameters hold (fairscale's ``ShardedDataParallel.reduce()``).
@@ -245,6 +246,11 @@ class GradReducer:
             tensor, unit.owner, group=self.group, async_op=True, label=label, by_sends=self._direct(tensor)
         )
         self._stats.bytes_reduced += unit.nbytes
+        if self.replica is not None and unit.owner == self.dp_rank:
+            # Hybrid: the node's sum arrives over the fast link; send it across nodes at once, so the slow
+            # all-reduce overlaps the rest of backward (launches run in plan order: one order on every replica).
+            unit_round.handle.wait()
+            self._replicate(unit_round)
 
     def _direct(self, tensor: torch.Tensor) -> bool:
         """Reduce by a direct send to the owner: for CPU tensors (gloo) between two ranks.
