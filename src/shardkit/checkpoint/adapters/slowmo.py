@@ -28,6 +28,7 @@ from shardkit.checkpoint.adapters.slowmo_average import average_params, averaged
 from shardkit.checkpoint.errors import CorruptCheckpointError, IncompatibleCheckpointError
 from shardkit.checkpoint.files import safe_load, write_torch
 from shardkit.checkpoint.metadata import CheckpointMeta
+from shardkit.checkpoint.universal.placement import replica_share
 from shardkit.checkpoint.universal.source import Held, Span, UniversalSource
 from shardkit.utils.tensors import to_cpu
 
@@ -130,9 +131,10 @@ class SlowMoAdapter(Adapter):
 class SlowMoSource(UniversalSource):
     """SlowMo in the universal layout (the cross-rank average, loadable anywhere) plus per-rank files.
 
-    Save: :meth:`before_save` averages the parameters (push-sum weighted) and optimizer state over every rank into
-    copies and takes rank 0's buffers (see :mod:`.slowmo_average`); those copies are what the universal part holds,
-    written by all ranks together. The live model and optimizer never change. Each rank also writes today's
+    Save: :meth:`before_save` averages the parameters (push-sum weighted) and optimizer state over every rank and
+    takes rank 0's buffers (see :mod:`.slowmo_average`); each rank keeps, in copies, only the flat range of every
+    tensor it writes, so the ranks' copies together are one model and one optimizer state. The live model and
+    optimizer never change. Each rank also writes today's
     per-rank file (:class:`SlowMoAdapter`'s ``slowmo/rank_<r>.pt``: its own parameters, push-sum weight, optimizer
     state, counters, gossip round and slow-momentum buffers).
 
@@ -152,8 +154,9 @@ class SlowMoSource(UniversalSource):
         self.model: Any = model
         self.optimizer = optimizer
         self._legacy = SlowMoAdapter(model, optimizer)
-        #: Averaged copies (parameters, buffers) and the optimizer over them, between before_save and the save.
-        self._copies: Optional[tuple[list[torch.Tensor], list[torch.Tensor], Optional[torch.optim.Optimizer]]] = None
+        #: While saving (from before_save to after_save): this rank's shares of the averaged tensors, and the
+        #: optimizer over them.
+        self._copies: Optional[tuple[list[Held], Optional[torch.optim.Optimizer]]] = None
         #: Whether the load restored this rank's own state from its per-rank file.
         self._restored_own = False
 
@@ -170,19 +173,18 @@ class SlowMoSource(UniversalSource):
         return params, buffers
 
     def held(self) -> list[Held]:
-        """The averaged copies while saving, the live parameters and buffers otherwise; every rank holds all."""
+        """While saving, this rank's share of each averaged tensor (the ranks' shares tile it); otherwise the live
+        parameters and buffers, which every rank holds whole."""
+        if self._copies is not None:
+            return self._copies[0]
         rank, world = rank_and_size()
         params, buffers = self._named()
-        tensors = [t for _, t in params + buffers]
-        if self._copies is not None:
-            tensors = self._copies[0] + self._copies[1]
-        names = [n for n, _ in params + buffers]
-        return [Held(t, (Span(n, t.shape, 0, t.numel(), 0),), rank, world) for n, t in zip(names, tensors)]
+        return [Held(t, (Span(n, t.shape, 0, t.numel(), 0),), rank, world) for n, t in params + buffers]
 
     def local_optimizer(self) -> Optional[torch.optim.Optimizer]:
         """The optimizer over the averaged copies while saving, the live optimizer otherwise."""
         if self._copies is not None:
-            return self._copies[2]
+            return self._copies[1]
         return self.optimizer
 
     def aliases(self) -> dict[str, str]:
@@ -196,19 +198,28 @@ class SlowMoSource(UniversalSource):
         return out
 
     def before_save(self) -> None:
-        """Average parameters and optimizer state over the ranks into copies (collective)."""
+        """Average parameters and optimizer state over the ranks; keep this rank's share of each (collective)."""
         self._legacy.check_idle()
         model = self.model
         group, device = model.groups.global_group, model.comm_device
+        rank, world = rank_and_size()
         params, buffers = self._named()
+        param_shares = [replica_share(p.numel(), rank, world) for _, p in params]
+        buffer_shares = [replica_share(b.numel(), rank, world) for _, b in buffers]
         push_sum = model.push_sum_state
         weight = 1.0 if push_sum is None else push_sum.weight
         numerators = push_sum is None or push_sum.form.value == "numerator"
-        copies = average_params([p for _, p in params], weight, numerators, group, device)
-        buffer_copies = broadcast_copies([b for _, b in buffers], group, device)
-        copy_of = {id(p): c for (_, p), c in zip(params, copies)}
+        copies = average_params([p for _, p in params], param_shares, weight, numerators, group, device)
+        buffer_copies = broadcast_copies([b for _, b in buffers], buffer_shares, group, device)
+        held = [
+            Held(copy_, (Span(name, t.shape, lo, hi, 0),))
+            for (name, t), copy_, (lo, hi) in zip(
+                params + buffers, copies + buffer_copies, param_shares + buffer_shares
+            )
+        ]
+        copy_of = {id(p): (c, share) for (_, p), c, share in zip(params, copies, param_shares)}
         shadow = None if self.optimizer is None else averaged_optimizer(self.optimizer, copy_of, group, device)
-        self._copies = (copies, buffer_copies, shadow)
+        self._copies = (held, shadow)
 
     def after_save(self) -> None:
         """Drop the averaged copies."""
