@@ -68,6 +68,7 @@ def test_held_spans_cover_the_model_once_with_its_values(family: str, world_size
     results = run_distributed(_listing, world_size, family, timeout_s=120, rank_env=env)
     covered: dict[str, torch.Tensor] = {k: torch.zeros(v.numel(), dtype=torch.int64) for k, v in expected.items()}
     written: dict[str, torch.Tensor] = {k: torch.zeros(v.numel(), dtype=torch.int64) for k, v in expected.items()}
+    boxes_written: set[tuple[str, int, int]] = set()
     for rank, result in enumerate(results):
         assert result["optimizer_on_held"] and result["momentum_shapes_fit"], f"rank {rank}"
         assert result["aliases"] == {}
@@ -80,7 +81,9 @@ def test_held_spans_cover_the_model_once_with_its_values(family: str, world_size
             assert torch.allclose(got, want.reshape(-1)[start:stop], rtol=1e-5, atol=1e-6), f"rank {rank}: {fqn}"
             covered[fqn][start:stop] += 1
             lo, hi = replica_share(stop - start, replica_rank, replica_count)
-            written[fqn][start + lo : start + hi] += 1
+            if (fqn, start + lo, start + hi) not in boxes_written:  # DCP keeps one copy of a box several ranks write
+                boxes_written.add((fqn, start + lo, start + hi))
+                written[fqn][start + lo : start + hi] += 1
     for fqn in expected:
         assert bool((covered[fqn] > 0).all()), f"{fqn}: some elements are held by no rank"
         assert bool((written[fqn] == 1).all()), f"{fqn}: elements written {written[fqn].tolist()} times"

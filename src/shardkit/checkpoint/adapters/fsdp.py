@@ -15,7 +15,8 @@ load, whatever strategy and world size wrote the checkpoint. The optimizer state
 - **Hybrid sharding / NO_SHARD**: a unit sharded over groups of ``world_size`` ranks has
   ``world // world_size`` replicas, which split the writing of their common shard.
 - **Tied parameters** are stored once, under the first name; later names are aliases.
-- Buffers are held whole by every rank (replicas ``(rank, world)``).
+- Buffers are held whole by every rank and written by the lowest rank alone (replica ``(0, 1)``): replicas may
+  differ (BatchNorm statistics after a local forward), as a save from rank 0 would keep them.
 
 The legacy ``fsdp-dcp`` layout is read and written by :class:`FSDPAdapter` (see :mod:`.fsdp_legacy`).
 
@@ -94,7 +95,7 @@ class FSDPSource(UniversalSource):
     def held(self) -> list[Held]:
         """Every unit's flat parameter shards with the ranges they hold, then every buffer whole."""
         self._check_idle()
-        rank, world = rank_and_size()
+        _, world = rank_and_size()
         out: list[Held] = []
         for path, unit in _unit_modules(self.model):
             replica_rank, replica_count = _replicas(path, unit, world)
@@ -104,10 +105,10 @@ class FSDPSource(UniversalSource):
                 )
                 # A shard of padding only has no span, but stays listed: the optimizer steps it.
                 out.append(Held(shard, spans, replica_rank, replica_count))
-        out.extend(self._buffers(rank, world))
+        out.extend(self._buffers())
         return out
 
-    def _buffers(self, rank: int, world: int) -> list[Held]:
+    def _buffers(self) -> list[Held]:
         from shardkit.nn.fsdp.unit_module import UnitModule, walk_modules
 
         original = dict(getattr(self.model, "buffer_original_dtypes", {}))
@@ -127,7 +128,7 @@ class FSDPSource(UniversalSource):
                     if id(buf) not in self._staged:
                         self._staged[id(buf)] = (buf.detach().to(dtype), buf)
                     tensor = self._staged[id(buf)][0]
-                out.append(Held(tensor, (Span(fqn, buf.shape, 0, buf.numel(), 0),), rank, world))
+                out.append(Held(tensor, (Span(fqn, buf.shape, 0, buf.numel(), 0),), 0, 1))
         return out
 
     def local_optimizer(self) -> Optional[torch.optim.Optimizer]:
