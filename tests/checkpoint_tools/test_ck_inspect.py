@@ -138,3 +138,15 @@ def test_dcp_index_with_pickled_code_is_refused_unread(tmp_path: Path, capsys: p
     assert "builtins.print" in captured.err and "refused unread" in captured.err
     assert "this must never run" not in captured.out
     assert main(["export", str(ck), str(tmp_path / "m.safetensors")]) == 2
+
+
+def test_the_shardkit_command_delegates(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from shardkit.cli import main as shardkit_main
+
+    model, optim = small_state()
+    ck = universal_checkpoint(tmp_path / "ck", model, optim)
+    assert shardkit_main(["checkpoint", "inspect", str(ck), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["totals"]["tensors"] == 6
+    with pytest.raises(SystemExit) as exited:
+        shardkit_main(["checkpoint", "--help"])
+    assert exited.value.code == 0 and "inspect" in capsys.readouterr().out
