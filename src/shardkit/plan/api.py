@@ -29,7 +29,7 @@ from torch import nn
 
 from shardkit.plan.accountant import HostMemoryExceeded
 from shardkit.plan.cost import DeviceSpec, LinkSpec, step_seconds, wire_bytes
-from shardkit.plan.runner import PHASES, LossFn, PlanError, RankRun, default_loss, run_rank
+from shardkit.plan.runner import PHASES, LossFn, PlanError, RankRun, default_loss, run_rank, warmup_steps
 from shardkit.plan.strategies import PIPELINE, OptionError, get
 
 #: Share of this machine's memory a CPU fallback run may use.
@@ -147,6 +147,7 @@ def _plan_on(
         world_size,
         limit,
         nprocs_per_node,
+        warmup=warmup_steps(strategy),
     )
 
 

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from shardkit.bench.memory import training_memory
 from shardkit.distributed import Topology, count_comm_bytes, set_topology
 from shardkit.plan.pipeline import builder, pipeline_forward_backward, smp_config
-from shardkit.plan.runner import WARMUP_STEPS, call_model
+from shardkit.plan.runner import call_model, warmup_steps
 from shardkit.plan.strategies import PIPELINE, get
 from shardkit.plan.workloads import Workload
 from shardkit.testing.harness import run_distributed
@@ -115,7 +115,8 @@ def _measure_one(workload: Workload, strategy: str, topology: Optional[Topology]
             )
         tracker.watch(wrapped, optimizer)
         state = 0
-        for step in range(WARMUP_STEPS + 1):
+        warmup = warmup_steps(strategy)
+        for step in range(warmup + 1):
             with count_comm_bytes() as meter:
                 if strategy == PIPELINE:
                     pipeline_forward_backward(wrapped, batch, workload.loss)
@@ -125,7 +126,7 @@ def _measure_one(workload: Workload, strategy: str, topology: Optional[Topology]
                     del loss
                 optimizer.step()
                 after_step()
-            if step == WARMUP_STEPS:
+            if step == warmup:
                 # Counted on the real tensors themselves: MemTracker files gradients that a strategy assigns
                 # (rather than autograd accumulating them) under temporaries.
                 state = training_memory(wrapped, optimizer).total

@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from shardkit.plan.peerless import Mailbox
-from shardkit.plan.runner import Built, LossFn, RankRun, run_rank
-from shardkit.plan.strategies import OptionError
+from shardkit.plan.runner import Built, LossFn, RankRun, run_rank, warmup_steps
+from shardkit.plan.strategies import PIPELINE, OptionError
 
 
 def pipeline_forward_backward(model: nn.Module, batch: Any, loss_fn: LossFn) -> None:
@@ -103,6 +103,7 @@ def plan_stages(
                     rank=rank,
                     forward_backward=pipeline_forward_backward,
                     mailbox=mailbox,
+                    warmup=warmup_steps(PIPELINE),
                 )
             )
         finally:

@@ -1,11 +1,12 @@
 """Run one rank of a real strategy for a few training steps and record what it held, sent and computed.
 
-The first :data:`WARMUP_STEPS` steps are warm-up (optimizers create their state lazily in the first, torch DDP
-rebuilds its buckets in the order gradients arrived, with a broadcast, in the second); the next is the one
-reported: the state left after it, its collectives per phase and its FLOPs. The peak is the highest over all
-steps (in practice the reported one, which runs with the optimizer state already allocated). The run happens
-inside :func:`~shardkit.plan.peerless.peerless_world` and under one :class:`~shardkit.plan.accountant.Accountant`
-opened before the model is built, so every byte the model and the strategy create is seen.
+The first steps are warm-up (:func:`warmup_steps`: optimizers create their state lazily in the first; torch DDP
+rebuilds its buckets in the order gradients arrived, with a broadcast, in the second, so strategies built on it
+warm up twice); the next is the one reported: the state left after it, its collectives per phase and its FLOPs.
+The peak is the highest over all steps (in practice the reported one, which runs with the optimizer state already
+allocated). The run happens inside :func:`~shardkit.plan.peerless.peerless_world` and under one
+:class:`~shardkit.plan.accountant.Accountant` opened before the model is built, so every byte the model and the
+strategy create is seen.
 """
 
 from __future__ import annotations
@@ -28,8 +29,16 @@ from shardkit.plan.peerless import Mailbox, TorchTraffic, peerless_world
 from shardkit.plan.strategies import Built
 
 PHASES = ("forward", "backward", "optimizer")
-#: Steps run before the reported one.
-WARMUP_STEPS = 2
+#: Strategies that warm up for two steps (torch DDP's bucket rebuild; SlowMo's averaging every third step);
+#: the others are in their steady state from the second step on.
+TWO_WARMUP_STEPS = ("ddp", "oss_ddp", "slowmo")
+
+
+def warmup_steps(strategy: str) -> int:
+    """Steps run before the reported one for ``strategy`` (the planner and the real-run measurement agree)."""
+    return 2 if strategy in TWO_WARMUP_STEPS else 1
+
+
 LossFn = Callable[[Any, Any], torch.Tensor]
 
 
@@ -209,6 +218,7 @@ def run_rank(
     rank: int = 0,
     forward_backward: Optional[ForwardBackward] = None,
     mailbox: Optional[Mailbox] = None,
+    warmup: int = 2,
 ) -> RankRun:
     """Build, wrap and train ``rank`` of ``world_size`` on ``device`` for a few steps; see the module docstring.
 
@@ -216,7 +226,7 @@ def run_rank(
     """
     with peerless_world(world_size, rank, mailbox) as traffic, _nodes(nprocs_per_node) as topology:
         return _run_steps(
-            device, build_model, wrap, batch, loss_fn, traffic, topology, host_limit_bytes, forward_backward
+            device, build_model, wrap, batch, loss_fn, traffic, topology, host_limit_bytes, forward_backward, warmup
         )
 
 
@@ -252,6 +262,7 @@ def _run_steps(
     topology: Optional[Topology],
     host_limit_bytes: Optional[int],
     forward_backward: Optional[ForwardBackward],
+    warmup: int,
 ) -> RankRun:
     phases: dict[str, PhaseTraffic] = {}
     with Accountant(limit_bytes=host_limit_bytes) as acct:
@@ -262,7 +273,7 @@ def _run_steps(
         built = wrap(model, topology)
         acct.name_modules(built[0])
         batch = _to_device(batch, device)
-        for _ in range(WARMUP_STEPS):
+        for _ in range(warmup):
             _step(acct, built, batch, loss_fn, traffic, {}, forward_backward)
             built[1].zero_grad()
         flop_counter = FlopCounterMode(display=False)
@@ -281,7 +292,6 @@ def _run_steps(
 
 __all__ = [
     "PHASES",
-    "WARMUP_STEPS",
     "ForwardBackward",
     "PhaseTraffic",
     "PlanError",
@@ -289,4 +299,5 @@ __all__ = [
     "call_model",
     "default_loss",
     "run_rank",
+    "warmup_steps",
 ]
