@@ -166,7 +166,8 @@ def _old_save(name: str, model: nn.Module, optimizer: Any, directory: Path) -> N
         return
     optimizer.consolidate_state_dict(recipient_rank=0)
     if rank == 0:
-        net: nn.Module = model.module  # type: ignore[assignment]
+        net = model.module  # ShardedDataParallel's wrapped model
+        assert isinstance(net, nn.Module)
         torch.save({"model": net.state_dict(), "optimizer": optimizer.state_dict()}, directory / "old.pt")
 
 
