@@ -126,3 +126,49 @@ def test_fairscale_missing_rank_and_consolidated_file(tmp_path: Path) -> None:
 def test_clean_name() -> None:
     assert clean_name("_fsdp_wrapped_module.layers.0._fpw_module.w") == "layers.0.w"
     assert clean_name("blocks.0._checkpoint_wrapped_module.attn.weight") == "blocks.0.attn.weight"
+
+
+def test_fairscale_shared_params_and_unsharded_units(tmp_path: Path) -> None:
+    # unit "": enc.weight (2x3) and enc.bias (2) flattened (8 elements) over 3 ranks: chunks 3, 3, 2 + 1 padding;
+    # dec.weight is tied to enc.weight (shared_param_info); unit "expert" keeps a whole, different copy per rank
+    # (no_broadcast_optim_state, as fairscale does for MoE experts): rank 0's is the one consolidated.
+    enc_w, enc_b = torch.arange(6.0).view(2, 3), torch.tensor([10.0, 11.0])
+    flat = torch.cat([enc_w.view(-1), enc_b])
+    pieces = [flat[0:3], flat[3:6], torch.cat([flat[6:8], torch.zeros(1)])]
+    for rank in range(3):
+        expert = torch.full((4,), float(rank))
+        weights = {
+            "_fsdp_wrapped_module.flat_param_0": pieces[rank],
+            "expert._fsdp_wrapped_module.flat_param_0": expert,
+        }
+        unit = {
+            "names": ["enc.weight", "enc.bias"],
+            "shapes": [torch.Size([2, 3]), torch.Size([2])],
+            "numels": [6, 2],
+            "padding": 1 if rank == 2 else 0,
+        }
+        meta = {
+            "param_metadata": [
+                {
+                    "fsdp_path": "",
+                    "params": {"flat_param_0": unit},
+                    "no_broadcast_optim_state": False,
+                    "shared_param_info": [("enc.weight", "dec.weight")],
+                },
+                {
+                    "fsdp_path": "expert",
+                    "params": {
+                        "flat_param_0": {"names": ["w"], "shapes": [torch.Size([4])], "numels": [4], "padding": 0}
+                    },
+                    "no_broadcast_optim_state": True,
+                    "shared_param_info": [],
+                },
+            ],
+            "buffer_names": [],
+        }
+        torch.save({"weights": weights, "meta": meta}, tmp_path / f"rank-{rank}.pt")
+    got = read_source(tmp_path).model
+    assert set(got) == {"enc.weight", "enc.bias", "dec.weight", "expert.w"}
+    assert torch.equal(got["enc.weight"], enc_w) and torch.equal(got["enc.bias"], enc_b)
+    assert got["dec.weight"] is got["enc.weight"]  # one tensor under both names, as fairscale gives it
+    assert torch.equal(got["expert.w"], torch.zeros(4))
