@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from shardkit.checkpoint import safe_dcp
 from shardkit.checkpoint.errors import CheckpointError, CorruptCheckpointError
 from shardkit.checkpoint.metadata import CheckpointMeta, read_meta, resolve
-from shardkit.checkpoint.universal.placement import MODEL_PREFIX
+from shardkit.checkpoint.universal.placement import MODEL_PREFIX, OPTIM_PREFIX
 
 #: Which part of the training state a tensor belongs to.
 MODEL, OPTIMIZER, OTHER = "model", "optimizer", "other"
@@ -113,7 +113,7 @@ def dcp_entries(where: str, metadata: Metadata, strip_prefix: bool) -> list[Tens
             if key.startswith(MODEL_PREFIX):
                 name = key[len(MODEL_PREFIX) :]
             else:
-                part = OPTIMIZER if key.startswith("optim/") else OTHER
+                part = OPTIMIZER if key.startswith(OPTIM_PREFIX) else OTHER
         out.append(TensorEntry(key, name, part, tuple(item.size), item.properties.dtype, len(item.chunks), where))
     return out
 
