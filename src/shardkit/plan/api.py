@@ -181,12 +181,18 @@ def _run(*args: Any) -> RankRun:
 def child_main() -> None:
     """Entry point of the planning child process: pickled arguments on stdin, pickled outcome on stdout."""
     args = pickle.load(sys.stdin.buffer)
+    result_stream = sys.stdout.buffer
+    sys.stdout = sys.stderr  # whatever the model prints must not corrupt the pickled result
     try:
         outcome: tuple[str, Any] = ("ok", _run(*args))
     except Exception as exc:  # sent back and re-raised in the caller
         outcome = ("error", exc)
-    sys.stdout.buffer.write(pickle.dumps(outcome))
-    sys.stdout.buffer.flush()
+    try:
+        payload = pickle.dumps(outcome)
+    except Exception:  # an exception that does not pickle: its message is enough
+        payload = pickle.dumps(("error", PlanError(f"{type(outcome[1]).__name__}: {outcome[1]}")))
+    result_stream.write(payload)
+    result_stream.flush()
 
 
 def _in_child(args: tuple[Any, ...]) -> RankRun:
