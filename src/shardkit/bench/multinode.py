@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
-import threading
 import time
 from dataclasses import dataclass, field, replace
 from statistics import median
@@ -33,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardkit.bench.ddp_hook import labelled_allreduce_hook
 from shardkit.bench.report import format_table, write_json
 from shardkit.bench.runner import paired_ratio
 from shardkit.bench.zero import QUICK_LM, load_text
@@ -102,31 +102,6 @@ class NodeResult:
     error: Optional[str] = None
 
 
-def allreduce_hook(group: dist.ProcessGroup, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP comm hook averaging a gradient bucket with shardkit's all-reduce (counted by the meter, slowed by
-    ``comm_delay``); a waiter thread completes DDP's future so the all-reduce overlaps backward as DDP's own."""
-    tensor = bucket.buffer().div_(group.size())
-    handle = collectives.all_reduce(tensor, group=group, async_op=True, label="ddp.grad_bucket")
-    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-
-    def finish() -> None:
-        try:
-            handle.wait()
-            future.set_result(tensor)
-        except BaseException as exc:
-            future.set_exception(exc)  # type: ignore[arg-type]
-
-    threading.Thread(target=finish, daemon=True).start()
-    return future
-
-
-# DDP checks a hook's annotations against the real classes; with postponed annotations they would be strings.
-allreduce_hook.__annotations__ = {
-    "group": dist.ProcessGroup,
-    "bucket": dist.GradBucket,
-    "return": torch.futures.Future[torch.Tensor],
-}
-
 Built = tuple[nn.Module, torch.optim.Optimizer, Callable[[], None]]
 
 
@@ -160,7 +135,7 @@ def build(name: str, model: nn.Module, group: dist.ProcessGroup, settings: Multi
     nodes = Topology.from_env(group, nprocs_per_node=settings.nproc_per_node)
     if name == "ddp":
         ddp = nn.parallel.DistributedDataParallel(model, process_group=group)
-        ddp.register_comm_hook(group, allreduce_hook)
+        ddp.register_comm_hook(group, labelled_allreduce_hook)
         return ddp, adamw(ddp.parameters(), lr=settings.lr), nothing
     if name in ("fsdp", "fsdp_hybrid"):
         hybrid = name == "fsdp_hybrid"

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import threading
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
@@ -28,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from shardkit.bench.ddp_hook import labelled_allreduce_hook
 from shardkit.bench.report import format_table, ratio, write_json
 from shardkit.bench.runner import quiet_torch_deprecations
 from shardkit.demo.task import MarkovTask
@@ -87,35 +87,6 @@ class Measured:
     slow_step_s: float = float("nan")
 
 
-def _labelled_allreduce_hook(group: dist.ProcessGroup, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP comm hook: average the bucket with shardkit's labelled all-reduce (counted, and slowed by comm_delay).
-
-    A waiter thread completes DDP's future, so the all-reduce (and its simulated delay) overlaps the rest of
-    backward exactly as DDP's own asynchronous all-reduce would.
-    """
-    tensor = bucket.buffer().div_(group.size())
-    handle = C.all_reduce(tensor, group=group, async_op=True, label="ddp.grad_bucket")
-    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-
-    def finish() -> None:
-        try:
-            handle.wait()
-            future.set_result(tensor)
-        except BaseException as exc:
-            future.set_exception(exc)  # type: ignore[arg-type]
-
-    threading.Thread(target=finish, daemon=True).start()
-    return future
-
-
-# DDP checks a hook's annotations against the real classes; with postponed annotations they would be strings.
-_labelled_allreduce_hook.__annotations__ = {
-    "group": dist.ProcessGroup,
-    "bucket": dist.GradBucket,
-    "return": torch.futures.Future[torch.Tensor],
-}
-
-
 class _Trainer:
     """One strategy on this rank: wrapped model, AdamW, and what to call after ``optimizer.step()``."""
 
@@ -131,7 +102,7 @@ class _Trainer:
     def _wrap(self, name: str, model: nn.Module, s: SlowMoBenchSettings) -> tuple[nn.Module, Callable[[], None]]:
         if name == "ddp":
             ddp = DistributedDataParallel(model, process_group=self.group)
-            ddp.register_comm_hook(self.group, _labelled_allreduce_hook)
+            ddp.register_comm_hook(self.group, labelled_allreduce_hook)
             return ddp, lambda: None
         base = dict(nprocs_per_node=1, global_group=self.group, localsgd_frequency=s.localsgd_frequency)
         if name == "localsgd":

@@ -8,7 +8,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from test_slowmo_reference import make_batch, make_model
 
-from shardkit.bench.slowmo import Measured, _labelled_allreduce_hook, _verdict, parse_args, settings_from_args
+from shardkit.bench.ddp_hook import labelled_allreduce_hook
+from shardkit.bench.slowmo import Measured, _verdict, parse_args, settings_from_args
 from shardkit.distributed import count_comm_bytes
 from shardkit.testing import run_distributed
 
@@ -29,7 +30,7 @@ def _hook_on_gradients(rank: int, world_size: int) -> dict[str, object]:
     F.mse_loss(model(x), y).backward()
     flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
     with count_comm_bytes() as meter:
-        averaged = _labelled_allreduce_hook(dist.group.WORLD, _Bucket(flat.clone())).wait()  # type: ignore[arg-type]
+        averaged = labelled_allreduce_hook(dist.group.WORLD, _Bucket(flat.clone())).wait()  # type: ignore[arg-type]
     reference = make_model()
     for r in range(world_size):
         F.mse_loss(reference(make_batch(r, 0)[0]), make_batch(r, 0)[1]).backward()
