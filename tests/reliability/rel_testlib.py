@@ -325,3 +325,41 @@ def stored_tensors(directory: Path) -> dict[str, torch.Tensor]:
 def distcp_file(directory: Path) -> Path:
     """The first ``.distcp`` data file of a universal checkpoint."""
     return sorted((directory / "dcp").glob("*.distcp"))[0]
+
+
+def write_legacy_parts(directory: Path, adapter: Any, rank: int, data_position: Any = None) -> None:
+    """This rank's part of a checkpoint in ``adapter``'s (pre-universal) layout: its files and its rank file."""
+    from shardkit.checkpoint import rng
+    from shardkit.checkpoint.files import write_torch
+
+    directory.mkdir(parents=True, exist_ok=True)
+    adapter.save(directory, rank)
+    write_torch(directory / "ranks" / f"rank_{rank:05d}.pt", {"rng": rng.capture(), "data_position": data_position})
+
+
+def publish_legacy(directory: Path, adapter: Any, *, step: int, world_size: int, has_optimizer: bool) -> None:
+    """Rank 0: the common file and a ``meta.json`` listing every file, as save_checkpoint wrote them before the
+    universal layout (so tests can check that such checkpoints still load)."""
+    import shardkit
+    from shardkit.checkpoint.files import sha256, write_json_atomic, write_torch
+    from shardkit.checkpoint.metadata import META_FILE, CheckpointMeta, FileRecord
+
+    write_torch(directory / "common.pt", {"scaler": None, "extra": None})
+    files = {
+        str(p.relative_to(directory)): FileRecord(p.stat().st_size, sha256(p))
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }
+    meta = CheckpointMeta(
+        step=step,
+        world_size=world_size,
+        strategy=adapter.strategy,
+        layout=adapter.layout,
+        resizable=adapter.resizable,
+        has_optimizer=has_optimizer,
+        has_scaler=False,
+        shardkit_version=shardkit.__version__,
+        torch_version=torch.__version__,
+        files=files,
+    )
+    write_json_atomic(directory / META_FILE, meta.to_json())

@@ -12,43 +12,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from any_to_any_lib import build, release, train
+from rel_testlib import publish_legacy, write_legacy_parts
 
-import shardkit
-from shardkit.checkpoint import load_checkpoint, rng
+from shardkit.checkpoint import load_checkpoint
 from shardkit.checkpoint.adapters import Adapter
 from shardkit.checkpoint.adapters.slowmo import SlowMoAdapter
 from shardkit.checkpoint.adapters.smp import SMPAdapter
-from shardkit.checkpoint.files import sha256, write_json_atomic, write_torch
-from shardkit.checkpoint.metadata import META_FILE, CheckpointMeta, FileRecord
 from shardkit.testing import run_distributed
 
 
 def _write_legacy(directory: Path, adapter: Adapter, rank: int, world_size: int, step: int) -> None:
     """Every rank: the adapter's files and its rank file; rank 0 then the common file and meta.json."""
-    directory.mkdir(parents=True, exist_ok=True)
-    adapter.save(directory, rank)  # collective for smp (gathers the stages)
-    write_torch(directory / "ranks" / f"rank_{rank:05d}.pt", {"rng": rng.capture(), "data_position": None})
+    write_legacy_parts(directory, adapter, rank)  # collective for smp (gathers the stages)
     dist.barrier()
     if rank == 0:
-        write_torch(directory / "common.pt", {"scaler": None, "extra": None})
-        files = {
-            str(p.relative_to(directory)): FileRecord(p.stat().st_size, sha256(p))
-            for p in sorted(directory.rglob("*"))
-            if p.is_file()
-        }
-        meta = CheckpointMeta(
-            step=step,
-            world_size=world_size,
-            strategy=adapter.strategy,
-            layout=adapter.layout,
-            resizable=adapter.resizable,
-            has_optimizer=True,
-            has_scaler=False,
-            shardkit_version=shardkit.__version__,
-            torch_version=torch.__version__,
-            files=files,
-        )
-        write_json_atomic(directory / META_FILE, meta.to_json())
+        publish_legacy(directory, adapter, step=step, world_size=world_size, has_optimizer=True)
     dist.barrier()
 
 

@@ -10,42 +10,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from rel_testlib import fsdp_model, tiny_net
+from rel_testlib import fsdp_model, publish_legacy, tiny_net, write_legacy_parts
 from universal_lib import build, optimizer_state, state, train
 
-import shardkit
-from shardkit.checkpoint import load_checkpoint, rng
+from shardkit.checkpoint import load_checkpoint
 from shardkit.checkpoint.adapters import Adapter, PlainAdapter
 from shardkit.checkpoint.adapters.fsdp_legacy import FSDPAdapter
-from shardkit.checkpoint.files import sha256, write_json_atomic, write_torch
-from shardkit.checkpoint.metadata import META_FILE, CheckpointMeta, FileRecord
 from shardkit.distributed import DummyProcessGroup
 
 
 def _write_legacy(directory: Path, adapter: Adapter, step: int, has_optimizer: bool) -> Path:
     """A complete checkpoint in ``adapter``'s layout, as save_checkpoint wrote them before the universal layout."""
-    directory.mkdir(parents=True)
-    adapter.save(directory, 0)
-    write_torch(directory / "ranks" / "rank_00000.pt", {"rng": rng.capture(), "data_position": {"batch": step}})
-    write_torch(directory / "common.pt", {"scaler": None, "extra": None})
-    files = {
-        str(p.relative_to(directory)): FileRecord(p.stat().st_size, sha256(p))
-        for p in sorted(directory.rglob("*"))
-        if p.is_file()
-    }
-    meta = CheckpointMeta(
-        step=step,
-        world_size=1,
-        strategy=adapter.strategy,
-        layout=adapter.layout,
-        resizable=adapter.resizable,
-        has_optimizer=has_optimizer,
-        has_scaler=False,
-        shardkit_version=shardkit.__version__,
-        torch_version=torch.__version__,
-        files=files,
-    )
-    write_json_atomic(directory / META_FILE, meta.to_json())
+    write_legacy_parts(directory, adapter, 0, data_position={"batch": step})
+    publish_legacy(directory, adapter, step=step, world_size=1, has_optimizer=has_optimizer)
     return directory
 
 
