@@ -123,7 +123,8 @@ class OSSSource(UniversalSource):
             settings = {k: v for k, v in saved.items() if k != "params"}
             global_groups.append({**settings, "params": [position[id(p)] for p in group["params"]]})
         state = {position[id(local[i])]: value for i, value in state_dict["state"].items()}
-        oss.load_state_dict({"state": state, "param_groups": global_groups})
+        # the engine built these tensors for this load alone: OSS adopts them rather than copying its whole state
+        oss.load_state_dict({"state": state, "param_groups": global_groups}, copy_state=False)
 
 
 def _unwrapped(model: nn.Module) -> nn.Module:

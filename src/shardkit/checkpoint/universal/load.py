@@ -7,9 +7,13 @@ files it needs, and the optimizer's groups and state, and returns a :class:`Pend
 collective) reads the boxes straight into the held tensors and the optimizer buffers, and whose ``apply`` loads the
 optimizer and runs the source's hooks.
 
+Nothing is staged beyond DCP's per-chunk read buffer: parameters are read into their own storage, and optimizer
+state into the optimizer's current state tensors where it has them (resuming), else into fresh buffers.
+
 An I/O error during ``fetch`` (a disk failing after validation; with ``verify=True`` every file's digest was
-already checked) raises :class:`CorruptCheckpointError` on every rank and leaves the model partially read: load
-again or start from another checkpoint. The optimizer, scaler and RNG are untouched in that case.
+already checked) raises :class:`CorruptCheckpointError` on every rank and leaves the model, and the optimizer state
+tensors it already had, partially read: load again or start from another checkpoint. The optimizer's settings,
+scaler and RNG are untouched in that case.
 """
 
 from __future__ import annotations
@@ -121,6 +125,8 @@ def plan_load(
     after_extra = source.read_extra(directory, meta, rank)
 
     def fetch() -> None:
+        if optimizer_plan is not None:
+            optimizer_plan.prepare()
         safe_dcp.load_planned(store, UniversalLoadPlanner(pieces), group)
 
     def apply() -> None:

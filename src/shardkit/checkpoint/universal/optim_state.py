@@ -4,8 +4,10 @@ Saving, each parameter of the local optimizer is found among the held tensors by
 the parameter's numel shares its spans (``optim/<fqn>/<name>``), a one-element state tensor of another shape (Adam's
 ``step``) is stored once per name (by the holder of the name's first element, replica 0), and non-tensor values and
 the groups' settings go into the JSON side file. Loading builds the target optimizer's ``state_dict()``: state
-buffers shaped like the local parameter, filled through its spans (padding stays zero), and each group's settings
-from its parameters' names, refused if one group would get two different saved settings.
+buffers shaped like the local parameter, filled through its spans (padding zero), and each group's settings from
+its parameters' names, refused if one group would get two different saved settings. Where the optimizer already
+holds a per-element state tensor of the same size, dtype and layout (resuming after training steps), that tensor is
+the buffer read into, so a load never holds the optimizer state twice.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import math
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
@@ -144,10 +146,21 @@ class OptimizerLoadPlan:
     """The buffers to fill (as placements) and how to build the state dict once they are filled."""
 
     placements: list[Placement] = field(default_factory=list)
+    #: Live optimizer state tensors (flat) read into in place, with the flat ranges no span covers (padding).
+    reused: list[tuple[torch.Tensor, list[tuple[int, int]]]] = field(default_factory=list)
     #: layout key -> how to name it in an error.
     what: dict[str, str] = field(default_factory=dict)
     state: dict[int, dict[str, Any]] = field(default_factory=dict)
     param_groups: list[dict[str, Any]] = field(default_factory=list)
+
+    def prepare(self) -> None:
+        """Zero the padding of the live buffers about to be read into (a fresh buffer's padding is zero too).
+
+        Part of the load's fetch: it changes the optimizer, so it runs only once the load was validated."""
+        with torch.no_grad():
+            for flat, gaps in self.reused:
+                for lo, hi in gaps:
+                    flat[lo:hi].zero_()
 
     def state_dict(self) -> dict[str, Any]:
         """The ``torch.optim`` state dict for the local optimizer (valid after the placements were filled)."""
@@ -173,7 +186,7 @@ def plan_optimizer_load(
         indices = []
         for param in group["params"]:
             holder = _holder(by_id, param, "the optimizer")
-            state = _plan_param(plan, holder, param, saved, side, stored)
+            state = _plan_param(plan, holder, param, saved, side, stored, optimizer.state.get(param, {}))
             if state:
                 plan.state[index] = state
             indices.append(index)
@@ -189,6 +202,7 @@ def _plan_param(
     saved: dict[str, dict[str, TensorStorageMetadata]],
     side: SideState,
     stored: Callable[[str], str],
+    current: Any,
 ) -> dict[str, Any]:
     fqns = [stored(span.fqn) for span in holder.spans]
     kinds = {f: (frozenset(saved.get(f, {})), frozenset(side.state.get(f, {}))) for f in fqns}
@@ -205,7 +219,11 @@ def _plan_param(
     for name in sorted(tensor_names):
         entry = saved[fqns[0]][name]
         if _is_full_shaped(holder, fqns, saved, name):
-            buffer = torch.zeros(param.numel(), dtype=entry.properties.dtype)
+            buffer = _reusable(current.get(name), param, entry.properties.dtype, plan)
+            if buffer is None:
+                buffer = torch.zeros(param.numel(), dtype=entry.properties.dtype)
+            else:
+                plan.reused.append((buffer, _gaps(param.numel(), holder)))
             for span, fqn in zip(holder.spans, fqns):
                 key = optim_key(fqn, name)
                 plan.placements.append(
@@ -227,6 +245,33 @@ def _plan_param(
     for name in sorted(other_names):
         state[name] = decode(side.state[fqns[0]][name])
     return state
+
+
+def _reusable(value: Any, param: torch.Tensor, dtype: torch.dtype, plan: OptimizerLoadPlan) -> Optional[torch.Tensor]:
+    """``value`` (the optimizer's current state tensor) as a flat buffer to read into, or None for a fresh one.
+
+    Only a contiguous tensor of the parameter's size, device and the saved dtype that no other buffer of this load
+    shares memory with: anything else gets a fresh buffer, as before."""
+    if not isinstance(value, torch.Tensor) or value.numel() != param.numel() or value.numel() == 0:
+        return None
+    if value.dtype != dtype or value.device != param.device or not value.is_contiguous():
+        return None
+    pointer = value.untyped_storage().data_ptr()
+    if any(flat.untyped_storage().data_ptr() == pointer for flat, _ in plan.reused):
+        return None
+    return value.detach().view(-1)
+
+
+def _gaps(numel: int, holder: Held) -> list[tuple[int, int]]:
+    """The flat ranges of a held tensor of ``numel`` elements that none of its spans covers."""
+    gaps, at = [], 0
+    for lo, hi in sorted((s.local_offset, s.local_offset + s.numel) for s in holder.spans):
+        if lo > at:
+            gaps.append((at, lo))
+        at = max(at, hi)
+    if at < numel:
+        gaps.append((at, numel))
+    return gaps
 
 
 def _is_full_shaped(

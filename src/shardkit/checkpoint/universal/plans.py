@@ -107,7 +107,34 @@ class UniversalSavePlanner(DefaultSavePlanner):
         return self.plan
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
-        return self._pieces[(write_item.index.fqn, tuple(write_item.index.offset or ()))].tensor
+        return exact_storage(self._pieces[(write_item.index.fqn, tuple(write_item.index.offset or ()))].tensor)
+
+
+def exact_storage(view: torch.Tensor) -> torch.Tensor:
+    """``view`` as a tensor whose storage is exactly its own bytes, sharing memory with it (no copy).
+
+    DCP's writer clones every tensor whose storage is larger than the tensor (``torch.save`` of a view would write
+    the whole storage) and keeps each clone alive until the rank's file is closed: for boxes that are views into a
+    flat shard (FSDP) or a replica's share of a parameter (OSS), that was a second copy of everything the rank
+    writes. An alias built over the view's own bytes gives DCP nothing to clone. Host tensors only (a CUDA tensor
+    is copied to the host by DCP anyway); returns ``view`` itself where no alias can be built.
+
+    Example::
+
+        >>> flat = torch.arange(12.0)
+        >>> box = exact_storage(flat[4:10].view(2, 3))
+        >>> box.untyped_storage().nbytes(), box.data_ptr() == flat[4:].data_ptr()
+        (24, True)
+    """
+    if view.device.type != "cpu" or not view.is_contiguous() or view.untyped_storage().nbytes() == view.nbytes:
+        return view
+    if view.numel() == 0:
+        return view.detach().clone()
+    try:
+        as_bytes = view.detach().reshape(-1).view(torch.uint8).numpy()
+    except (RuntimeError, TypeError):  # no numpy, or a dtype numpy cannot show as bytes: let DCP clone it
+        return view
+    return torch.from_numpy(as_bytes).view(view.dtype).view(view.shape)
 
 
 class UniversalLoadPlanner(LoadPlanner):

@@ -351,10 +351,13 @@ class OSS(Optimizer):
                 state_dict = result
         return state_dict
 
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state_dict: Mapping[str, Any], *, copy_state: bool = True) -> None:
         """Load a plain ``torch.optim`` state dict (from any world size, or from the unwrapped optimizer).
 
-        Hyperparameters apply to every rank; each rank keeps the state of the parameters it owns.
+        Hyperparameters apply to every rank; each rank keeps the state of the parameters it owns. The owned state
+        is copied (the optimizer updates it in place); ``copy_state=False`` adopts the given tensors instead, for a
+        caller that built the dict for this call alone and will not use it again (the checkpoint loader: a copy
+        there would hold the optimizer state twice).
         """
         check_plain_state_dict(state_dict, self.param_groups)
         saved_groups = copy.deepcopy(list(state_dict["param_groups"]))
@@ -363,7 +366,9 @@ class OSS(Optimizer):
         # Copy what this rank keeps: the optimizer updates state in place and must not write into the caller's dict.
         owned = {self._partition.index_of()[p] for p in self._partition.owned(self.rank)}
         global_state = {
-            position[pid]: copy.deepcopy(value) for pid, value in state_dict["state"].items() if position[pid] in owned
+            position[pid]: copy.deepcopy(value) if copy_state else dict(value)
+            for pid, value in state_dict["state"].items()
+            if position[pid] in owned
         }
         # Build and fill the new local optimizer before touching anything, so a bad dict changes nothing.
         local = self._make_local_optim(self._partition, settings=saved_groups)
