@@ -122,3 +122,21 @@ def test_resuming_reads_optimizer_state_into_its_own_tensors(tmp_path: Path) -> 
             assert out["tensors"] > 0, (family, rank)
             assert out["equal"] and out["same_keys"], (family, rank, out)
             assert out["same_storage"], (family, rank, "the load made new optimizer state tensors")
+
+
+def test_large_boxes_are_saved_as_chunks_of_bounded_size(tmp_path: Path) -> None:
+    full = torch.randn(7, 3, 10)
+    shard = torch.cat([torch.zeros(2), full.reshape(-1)[13:170]])  # boxes: part of a row, whole rows, part of one
+    saved = [Placement("model/t", full.shape, full.dtype, 13, 170, shard, 2)]
+    store = tmp_path / "dcp"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        planner = UniversalSavePlanner(pieces_for(saved), max_chunk_bytes=50)
+        dcp.save({}, storage_writer=FileSystemWriter(store), planner=planner, no_dist=True)
+    chunks = safe_dcp.read_metadata(store).state_dict_metadata["model/t"].chunks  # type: ignore[union-attr]
+    assert len(chunks) > 3 and all(4 * torch.Size(c.sizes).numel() <= 50 for c in chunks)
+    into = torch.full((170 - 13,), -1.0)
+    safe_dcp.load_planned(
+        store, UniversalLoadPlanner(pieces_for([Placement("model/t", full.shape, full.dtype, 13, 170, into)]))
+    )
+    assert torch.equal(into, full.reshape(-1)[13:170])

@@ -5,7 +5,8 @@ writes becomes a ``WriteItem`` whose chunk carries the box's offsets and sizes a
 store is an ordinary DCP checkpoint of full-shaped tensors. Loading, every piece a rank needs is matched against
 whatever chunks were saved (any world size, any strategy) with torch's chunk-overlap helper, and DCP copies each
 overlap straight into the piece's view: no rank ever builds a full tensor it does not hold; DCP's per-item read
-buffer is the only staging.
+buffer is the only staging. Saved chunks are at most :data:`MAX_CHUNK_BYTES`, so that buffer stays small whatever
+the size of one tensor (DCP's reader keeps at most two chunks alive at once).
 """
 
 from __future__ import annotations
@@ -68,20 +69,55 @@ def pieces_of(placement: Placement) -> list[Piece]:
     ]
 
 
+#: The largest DCP chunk a save writes; a larger box is split along its outermost dimension (a loader reads a chunk
+#: at a time into a buffer of its size).
+MAX_CHUNK_BYTES = 32 * 2**20
+
+
+def split_piece(piece: Piece, max_bytes: int = MAX_CHUNK_BYTES) -> list[Piece]:
+    """``piece`` as boxes of at most ``max_bytes`` each (itself when it is small enough), each still contiguous.
+
+    The box is cut along its first dimension longer than one (the dimensions before it have size one, so every
+    part is a contiguous run of the view); a part whose single slice is still too large is cut further inside.
+
+    Example::
+
+        >>> parts = split_piece(Piece("model/w", torch.Size([8, 4]), (0, 0), (8, 4), torch.zeros(8, 4)), 48)
+        >>> [(p.offsets, p.sizes) for p in parts]
+        [((0, 0), (3, 4)), ((3, 0), (3, 4)), ((6, 0), (2, 4))]
+    """
+    element = piece.tensor.element_size()
+    if piece.numel * element <= max_bytes:
+        return [piece]
+    dim = next(d for d, size in enumerate(piece.sizes) if size > 1)
+    slice_bytes = math.prod(piece.sizes[dim + 1 :]) * element
+    step = max(1, max_bytes // slice_bytes)
+    parts: list[Piece] = []
+    for lo in range(0, piece.sizes[dim], step):
+        length = min(step, piece.sizes[dim] - lo)
+        offsets = (*piece.offsets[:dim], piece.offsets[dim] + lo, *piece.offsets[dim + 1 :])
+        sizes = (*piece.sizes[:dim], length, *piece.sizes[dim + 1 :])
+        part = Piece(piece.key, piece.shape, offsets, sizes, piece.tensor.narrow(dim, lo, length))
+        parts += split_piece(part, max_bytes)
+    return parts
+
+
 def pieces_for(placements: Iterable[Placement]) -> list[Piece]:
     """Every box of every placement."""
     return [piece for placement in placements for piece in pieces_of(placement)]
 
 
 class UniversalSavePlanner(DefaultSavePlanner):
-    """Writes exactly the given pieces, each as a DCP chunk of its key (the state dict handed to DCP is empty)."""
+    """Writes exactly the given pieces as DCP chunks of their keys, each at most ``max_chunk_bytes`` (larger pieces
+    are split; the state dict handed to DCP is empty)."""
 
-    def __init__(self, pieces: Sequence[Piece]) -> None:
+    def __init__(self, pieces: Sequence[Piece], max_chunk_bytes: int = MAX_CHUNK_BYTES) -> None:
         # A box several ranks write (buffers, whose replicas may differ: BatchNorm statistics after a local
         # forward) is kept from the lowest rank, as a save from rank 0 would; distinct boxes are unaffected.
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False, dedup_save_to_lowest_rank=True)
-        self._pieces = {(p.key, tuple(p.offsets)): p for p in pieces}
-        if len(self._pieces) != len(pieces):
+        parts = [part for piece in pieces for part in split_piece(piece, max_chunk_bytes)]
+        self._pieces = {(p.key, tuple(p.offsets)): p for p in parts}
+        if len(self._pieces) != len(parts):
             raise ValueError("two pieces of the same key start at the same offsets: the placements overlap")
 
     def set_up_planner(self, state_dict: Any, storage_meta: Any = None, is_coordinator: bool = False) -> None:
