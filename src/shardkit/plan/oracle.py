@@ -21,6 +21,10 @@ from typing import Any, Optional
 import torch
 
 aten = torch.ops.aten
+# The two aten operators that read a tensor's data (``.item()`` and a copy to another device), matched by their
+# registered names: ``OpOverload.name()`` is the public handle on an operator whose Python name is underscored.
+_SCALAR_READ = "aten::_local_scalar_dense"
+_COPY_TO = "aten::_to_copy"
 
 
 class MetaData:
@@ -54,10 +58,10 @@ class MetaData:
 
     def intercept(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[bool, Any]:
         """``(True, result)`` when this object answers ``func`` (a meta data read or write), else ``(False, None)``."""
-        if func is aten._local_scalar_dense.default and _is_meta(args[0]):
+        if func.name() == _SCALAR_READ and _is_meta(args[0]):
             value = self._read(args[0], args[0].dtype, "cpu")
             return True, value.item()
-        if func is aten._to_copy.default and isinstance(args[0], torch.Tensor):
+        if func.name() == _COPY_TO and isinstance(args[0], torch.Tensor):
             src = args[0]
             target = kwargs.get("device")
             dst_meta = target is not None and torch.device(target).type == "meta"
