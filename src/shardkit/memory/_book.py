@@ -71,7 +71,9 @@ class StorageBook:
         self.current = 0
         self.peak = 0
         self._peak_totals: dict[Category, int] = dict(self._totals)
-        self._lock = threading.Lock()
+        # Re-entrant: a weakref callback (a storage freed by a garbage collection that a dict insert or
+        # weakref.ref() under the lock happens to trigger) takes the lock again on the same thread.
+        self._lock = threading.RLock()
 
     def track(self, storage: torch.UntypedStorage, category: Category, override: bool = False) -> None:
         """Count ``storage`` under ``category`` (or, if known, refresh its size; ``override`` re-labels it)."""

@@ -89,7 +89,9 @@ class Accountant(TorchDispatchMode):
         self.phase = "setup"
         self._stack: list[str] = []
         self._names: dict[int, str] = {}
-        self._lock = threading.Lock()
+        # Re-entrant: a weakref callback (a storage freed by a garbage collection that a dict insert or
+        # weakref.ref() under the lock happens to trigger) takes the lock again on the same thread.
+        self._lock = threading.RLock()
         self._orig_resize: Any = None
         self._handles: list[Any] = []
 
