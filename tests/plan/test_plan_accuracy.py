@@ -24,6 +24,12 @@ CASES = [
         4,
         id="bench_lm_2layers-ws4",
     ),
+    pytest.param(  # ShardedDataParallel reduces by direct sends at two ranks on gloo: the owner's receive buffers
+        Workload("bench_lm", overrides={"n_layers": 2, "d_model": 512}, batch_size=2, seq_len=64),
+        ["oss_sdp"],
+        2,
+        id="bench_lm_wide-ws2-sdp_sends",
+    ),
     pytest.param(
         Workload.hf("gpt2", {"n_layer": 2, "n_embd": 64, "n_head": 4, "n_positions": 32}, batch_size=2, seq_len=32),
         ["oss_ddp", "fsdp"],

@@ -35,6 +35,18 @@ def test_sharding_divides_state_and_fsdp_reports_where_the_peak_is() -> None:
     assert fsdp8.step_seconds > 0 and fsdp8.flops > 0
 
 
+def test_a_gloo_plan_counts_the_receive_buffers_of_direct_sends() -> None:
+    # At two ranks on gloo, ShardedDataParallel reduces each gradient by one send to its owner, which receives into
+    # a buffer of its own: held while the transfer runs, so the owner's half of the gradients on top of the rest.
+    nccl, gloo = _plan("oss_sdp", 2), _plan("oss_sdp", 2, backend="gloo")
+    assert nccl.comm_bytes.keys() >= {"reduce"} and "send" not in nccl.comm_bytes
+    assert gloo.comm_bytes["send"] > 0  # OSS's parameters go out by direct sends too
+    param_bytes = sum(p.numel() * p.element_size() for p in WORK.build().parameters())
+    assert gloo.peak_breakdown["comm_buffers"] - nccl.peak_breakdown["comm_buffers"] >= 0.4 * param_bytes
+    assert gloo.peak_bytes > nccl.peak_bytes
+    assert gloo.state_bytes == nccl.state_bytes
+
+
 class _NeedsData(nn.Module):
     """Loads a table from host data (as models with pretrained tables do), which stays on the CPU under meta."""
 
@@ -67,6 +79,7 @@ def test_model_too_big_for_the_cpu_fallback_is_a_clear_error(monkeypatch: pytest
         ({"strategy": "oss_sdp", "world_size": 2, "strategy_options": {"oss": {"bad": 1}}}, ValueError, "'bad'"),
         ({"strategy": "ddp", "world_size": 0}, ValueError, "positive"),
         ({"strategy": "smp", "world_size": 3, "strategy_options": {"partitions": 2}}, ValueError, "divide world_size"),
+        ({"strategy": "ddp", "world_size": 2, "backend": "mpi"}, ValueError, "backend must be one of.*gloo"),
     ],
 )
 def test_bad_arguments_name_what_to_change(kwargs: dict[str, Any], error: type, match: str) -> None:

@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 from shardkit.distributed import collectives, count_comm_bytes
+from shardkit.distributed.groups import planned_on_gloo
 from shardkit.distributed.objects import all_gather_objects
 from shardkit.plan.peerless import peerless_world
 
@@ -39,3 +40,27 @@ def test_meta_tensors_cost_nothing_and_the_group_is_restored_after_an_error() ->
 def test_refuses_a_process_that_has_its_own_group() -> None:
     with peerless_world(world_size=2), pytest.raises(RuntimeError, match="child process"), peerless_world(2):
         pass
+
+
+def test_a_gloo_plan_holds_transfers_until_waited_and_stands_for_gloo() -> None:
+    meta = torch.empty(4, device="meta")
+    with peerless_world(world_size=2, backend="gloo"):
+        assert planned_on_gloo(None, meta) and not planned_on_gloo(None, torch.empty(4))
+        assert planned_on_gloo(dist.new_group([0, 1]), meta)  # groups made inside the plan stand for gloo too
+        arrived = torch.full((4,), 7.0)
+        work = dist.irecv(arrived, src=1)
+        assert work is not None
+        assert arrived.tolist() == [1.0] * 4  # what no planned rank sent reads as ones, not as stale memory
+        assert not work.is_completed()  # on gloo a transfer may still be running when code polls it
+        work.wait()
+        assert work.is_completed()
+    with peerless_world(world_size=2):  # accelerator plans: collectives, transfers done at once
+        assert not planned_on_gloo(None, meta)
+        sent = dist.isend(torch.ones(2), dst=1)
+        assert sent is not None and sent.is_completed()
+
+
+def test_refuses_an_unknown_backend() -> None:
+    with pytest.raises(ValueError, match="'nccl' or 'gloo'"), peerless_world(world_size=2, backend="mpi"):
+        pass
+    assert not dist.is_initialized()

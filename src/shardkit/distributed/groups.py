@@ -74,6 +74,22 @@ def global_rank(group: Optional[GroupLike], rank_in_group: int) -> int:
     return dist.get_global_rank(group, rank_in_group)
 
 
+def planned_on_gloo(group: Optional[GroupLike], tensor: object) -> bool:
+    """True for a meta ``tensor`` on a group that stands in for gloo in a planned run (nothing allocated).
+
+    Strategies send CPU tensors by direct sends where gloo's collectives are slow; ``shardkit.plan`` runs their
+    code on meta tensors against a group with no peers, which sets ``plans_backend = "gloo"`` when it plans a CPU
+    run, so the plan takes the path the real run takes. Example::
+
+        direct = tensor.device.type == "cpu" or planned_on_gloo(group, tensor)
+    """
+    device = getattr(tensor, "device", None)
+    if device is None or device.type != "meta" or is_dummy(group):
+        return False
+    pg = group if group is not None else (dist.group.WORLD if dist.is_initialized() else None)
+    return getattr(pg, "plans_backend", None) == "gloo"
+
+
 def torch_group(group: Optional[GroupLike], who: str = "shardkit") -> dist.ProcessGroup:
     """``group`` (the world when None) as the ``torch.distributed.ProcessGroup`` torch's collectives take.
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from shardkit.distributed.groups import GroupLike
+from shardkit.distributed.groups import GroupLike, group_size
 from shardkit.distributed.node_layout import NodeLayout
 from shardkit.distributed.topology_build import build_from_env, build_from_groups, build_from_mesh
 
@@ -44,7 +44,8 @@ class Topology:
 
     ``intra_group`` holds this process's node (group rank = :attr:`local_rank`); ``inter_group`` holds the ranks
     with the same local rank on every node (for torchrun's contiguous ranks, group rank = :attr:`node_rank`).
-    Build it with :meth:`from_env`, :meth:`from_groups` or :meth:`from_mesh`, never directly.
+    Build it with :meth:`from_env`, :meth:`from_groups`, :meth:`from_mesh` or (a layout decided without asking
+    peers) :meth:`planned`, never directly.
 
     Example::
 
@@ -116,6 +117,30 @@ class Topology:
         what torch FSDP's ``HYBRID_SHARD`` takes. The mesh must cover exactly the world group's ranks.
         """
         return cls(*build_from_mesh(mesh, group))
+
+    @classmethod
+    def planned(
+        cls, layout: NodeLayout, rank: int, world_group: GroupLike, intra_group: GroupLike, inter_group: GroupLike
+    ) -> Topology:
+        """A layout known in advance, with its groups already made: nothing is asked of the peers.
+
+        For callers that decide the layout themselves, such as ``shardkit.plan``, whose peers only mirror the
+        planned rank and cannot answer the all-gather the other constructors start with. The group sizes are
+        checked against the layout (every rank's view is the caller's to keep consistent).
+
+        Example::
+
+            layout = NodeLayout.contiguous(dist.get_world_size(), 8)
+            topo = Topology.planned(layout, dist.get_rank(), dist.group.WORLD, node_group, cross_node_group)
+        """
+        sizes = (group_size(world_group), group_size(intra_group), group_size(inter_group))
+        wanted = (layout.world_size, layout.nprocs_per_node, layout.num_nodes)
+        if not 0 <= rank < layout.world_size or sizes != wanted:
+            raise ValueError(
+                f"Topology.planned: rank {rank} and group sizes (world, intra, inter) {sizes} do not fit the layout "
+                f"{wanted}: pass this rank's node group and the group of its local rank across nodes"
+            )
+        return cls(layout, rank, world_group, intra_group, inter_group)
 
 
 __all__ = ["NodeLayout", "Topology"]

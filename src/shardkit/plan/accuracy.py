@@ -3,11 +3,9 @@
 Memory is compared with torch's ``MemTracker`` (peak) and the real tensors (state). Traffic is compared with
 shardkit's comm meter in the real run, plus, for the strategies built on torch DDP, DDP's own gradient
 all-reduce (which the meter cannot see; :func:`shardkit.bench.comm.ddp_allreduce_bytes`, the volume the
-benchmarks add for it). On CPU, OSS exchanges parameters by direct sends from each owner (gloo runs them
-concurrently) where a GPU run broadcasts: the owner then sends ``n-1`` copies of its own shard, so one rank's
-bytes depend on what it owns, while their mean over the ranks is the broadcast's ring volume the planner predicts
-for every rank. The planner plans a GPU run, so the real run's direct sends are taken as their mean over ranks,
-everything else as rank 0 sent it.
+benchmarks add for it). The real run is on gloo, so the planner plans a gloo run (``backend="gloo"``): it takes
+the CPU paths the real ranks take (OSS's parameter sends from each owner, ShardedDataParallel's reduce by sends
+at two ranks, FSDP's direct exchanges), with their receive buffers, and rank 0 sends what the real rank 0 sends.
 
 Example::
 
@@ -44,7 +42,7 @@ class Row:
     planned_state: int
     real_state: int
     planned_comm: int
-    #: The real run's bytes sent per step: rank 0's, or the mean over ranks where OSS sent directly.
+    #: The real run's bytes sent per step by rank 0.
     real_comm: int
     plan_seconds: float
     #: Inter-node bytes sent per step, planned and real (rank 0), when the workload has a node layout.
@@ -76,11 +74,9 @@ HEADER = (
 )
 
 
-def _real_comm(per_rank: Sequence[dict[str, int]], torch_bytes: int) -> int:
-    """Rank 0's bytes sent, with OSS's direct sends (``send``) taken as their mean over the ranks."""
-    own = sum(nbytes for kind, nbytes in per_rank[0].items() if kind != "send")
-    sends = [wire.get("send", 0) for wire in per_rank]
-    return own + round(sum(sends) / len(sends)) + torch_bytes
+def _real_comm(rank0: dict[str, int], torch_bytes: int) -> int:
+    """Rank 0's bytes sent: the comm meter's count plus torch DDP's own all-reduce (``torch_bytes``)."""
+    return sum(rank0.values()) + torch_bytes
 
 
 def compare(work: Workload, strategies: Sequence[str], world_size: int, label: str = "") -> list[Row]:
@@ -94,7 +90,7 @@ def compare(work: Workload, strategies: Sequence[str], world_size: int, label: s
         planned[name] = estimate(
             work.build, work.batch(), loss_fn=work.loss, strategy=name, world_size=world_size,
             optimizer=work.optimizer, optimizer_options=work.optimizer_options,
-            strategy_options=work.strategy_options, nprocs_per_node=work.nprocs_per_node,
+            strategy_options=work.strategy_options, nprocs_per_node=work.nprocs_per_node, backend="gloo",
         )  # fmt: skip
         seconds[name] = time.perf_counter() - start
     real = measure_real(work, strategies, world_size)
@@ -117,7 +113,7 @@ def compare(work: Workload, strategies: Sequence[str], world_size: int, label: s
                 est.state_bytes,
                 ranks[0].state_bytes,
                 sum(est.comm_bytes.values()),
-                _real_comm([r.comm_wire_bytes for r in ranks], torch_bytes),
+                _real_comm(ranks[0].comm_wire_bytes, torch_bytes),
                 seconds[name],
                 sum(est.inter_node_bytes.values()),
                 sum(ranks[0].inter_node_bytes.values()),

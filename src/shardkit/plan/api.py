@@ -29,6 +29,7 @@ from torch import nn
 
 from shardkit.plan.accountant import HostMemoryExceeded
 from shardkit.plan.cost import DeviceSpec, LinkSpec, step_seconds, wire_bytes
+from shardkit.plan.peerless import PLANNED_BACKENDS
 from shardkit.plan.runner import PHASES, LossFn, PlanError, RankRun, default_loss, run_rank, warmup_steps
 from shardkit.plan.strategies import PIPELINE, OptionError, get
 
@@ -128,6 +129,7 @@ def _plan_on(
     optimizer_options: Mapping[str, Any],
     strategy_options: Mapping[str, Any],
     nprocs_per_node: Optional[int],
+    backend: str,
 ) -> RankRun:
     limit = _host_limit() if device.type != "meta" else None
     if strategy == PIPELINE:
@@ -135,7 +137,7 @@ def _plan_on(
 
         return plan_stages(
             device, model_fn, batch, loss_fn, world_size, optimizer, optimizer_options, strategy_options, limit,
-            nprocs_per_node,
+            nprocs_per_node, backend,
         )  # fmt: skip
     builder = get(strategy).build
     return run_rank(
@@ -148,6 +150,7 @@ def _plan_on(
         limit,
         nprocs_per_node,
         warmup=warmup_steps(strategy),
+        backend=backend,
     )
 
 
@@ -232,6 +235,7 @@ def estimate(
     nprocs_per_node: Optional[int] = None,
     device: Optional[DeviceSpec] = None,
     link: Optional[LinkSpec] = None,
+    backend: str = "nccl",
 ) -> Estimate:
     """Run one training step of ``strategy``'s real code for one rank of ``world_size`` and report its cost.
 
@@ -248,14 +252,19 @@ def estimate(
     nodes of that many consecutive ranks: the comm meter then splits intra- from inter-node bytes, hybrid options
     (FSDP's ``sharding_strategy="HYBRID_SHARD"``, ``hybrid=True`` for ``oss_ddp``/``oss_sdp``) shard inside a
     node, and SlowMo averages inside a node every step. ``device`` and ``link`` feed the step-time model
-    (:mod:`shardkit.plan.cost`).
+    (:mod:`shardkit.plan.cost`). ``backend`` is the planned run's: ``"nccl"`` (accelerators, the default) or
+    ``"gloo"`` (a CPU run, where strategies exchange some tensors by direct sends whose receive buffers count).
 
     Example: see the module docstring.
     """
     _check_args(strategy, world_size, nprocs_per_node, strategy_options or {})
+    if backend not in PLANNED_BACKENDS:
+        raise ValueError(
+            f"backend must be one of {PLANNED_BACKENDS} (the planned run's: 'gloo' for a CPU run), got {backend!r}"
+        )
     args = (
         model_fn, batch, loss_fn or default_loss, strategy, world_size, optimizer,
-        dict(optimizer_options or {}), dict(strategy_options or {}), nprocs_per_node,
+        dict(optimizer_options or {}), dict(strategy_options or {}), nprocs_per_node, backend,
     )  # fmt: skip
     run = _in_child(args) if dist.is_initialized() else _run(*args)
     bubble = 1.0

@@ -135,6 +135,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--link-gbytes", type=float, default=25.0, help="GB/s each rank sends between nodes")
     p.add_argument("--intra-gbytes", type=float, default=150.0, help="GB/s each rank sends inside its node")
     p.add_argument("--link-latency-us", type=float, default=30.0, help="microseconds per collective")
+    p.add_argument(
+        "--backend",
+        choices=("nccl", "gloo"),
+        default="nccl",
+        help="the planned run's backend: nccl (accelerators, default) or gloo (a CPU run's direct-send paths)",
+    )
     p.add_argument("--json", metavar="PATH", help="write every estimate as JSON")
     p.add_argument("--plot", metavar="PATH", help="write a PNG: peak memory per rank against world size")
     return p
@@ -172,8 +178,10 @@ def plan_all(
     device: DeviceSpec,
     link: LinkSpec,
     nprocs_per_node: Optional[int] = None,
+    backend: str = "nccl",
 ) -> tuple[list[tuple[Setting, Estimate]], list[str]]:
-    """Every setting at every world size; estimates, and lines for the ones that could not be planned."""
+    """Every setting at every world size (planning a run on ``backend``); estimates, and lines for the ones that
+    could not be planned."""
     results: list[tuple[Setting, Estimate]] = []
     failed: list[str] = []
     loss = _factory_loss if work.kind == "factory" else work.loss
@@ -191,7 +199,7 @@ def plan_all(
                 est = estimate(
                     build, setting_work.batch(), loss_fn=loss, strategy=setting.strategy, world_size=ws,
                     optimizer=work.optimizer, strategy_options=setting.options, device=device, link=link,
-                    nprocs_per_node=per_node,
+                    nprocs_per_node=per_node, backend=backend,
                 )  # fmt: skip
             except PlanError as exc:
                 failed.append(f"{setting.label} x{ws}: {exc}")
@@ -275,7 +283,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         latency_s=args.link_latency_us * 1e-6,
     )
     try:
-        results, failed = plan_all(work, args.world_sizes, settings, device, link, args.nprocs_per_node)
+        results, failed = plan_all(work, args.world_sizes, settings, device, link, args.nprocs_per_node, args.backend)
     except (ValueError, TypeError, NotImplementedError) as exc:
         print(f"shardkit plan: {exc}", file=sys.stderr)
         return 2

@@ -88,15 +88,17 @@ class Mailbox:
         if tensor.device.type != "meta":
             self._messages[key].append(tensor.detach().clone())
 
-    def deliver(self, key: tuple[Any, ...], into: torch.Tensor) -> None:
-        """Copy the next message for ``key`` into ``into`` when there is one of its size; else leave it."""
+    def deliver(self, key: tuple[Any, ...], into: torch.Tensor) -> bool:
+        """Copy the next message for ``key`` into ``into`` when there is one of its size (True); else leave it."""
         if into.device.type == "meta":
-            return
+            return True
         queue, index = self._messages.get(key), self._read[key]
         if queue and index < len(queue):
             self._read[key] = index + 1
             if queue[index].numel() == into.numel():
                 into.copy_(queue[index].view(into.shape))
+                return True
+        return False
 
 
 _TRAFFIC: list[TorchTraffic] = []  # the ledger of the open peerless_world (at most one per process)
@@ -109,6 +111,31 @@ def _done(result: Any) -> Any:
     return _create_work_from_future(future)
 
 
+class _InFlight(dist.Work):
+    """A point-to-point transfer of a planned gloo run: not completed until someone waits for it.
+
+    On gloo, a send or receive runs on the backend's threads while the rank goes on computing; code that polls
+    (``is_completed``) before waiting keeps its buffers until the transfer ends. The planner cannot know when a
+    real peer would get there, so it plans the longest hold: a transfer ends when it is waited for. Every
+    strategy waits for what it polls, so this never hangs.
+    """
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        super().__init__()
+        self._tensors = tensors
+        self._finished = False
+
+    def wait(self, timeout: Any = None) -> bool:
+        self._finished = True
+        return True
+
+    def is_completed(self) -> bool:
+        return self._finished
+
+    def result(self) -> list[torch.Tensor]:
+        return self._tensors
+
+
 def _record(kind: str, tensors: list[torch.Tensor]) -> None:
     if _TRAFFIC:
         _TRAFFIC[-1].record(kind, tensors)
@@ -117,10 +144,13 @@ def _record(kind: str, tensors: list[torch.Tensor]) -> None:
 class PeerlessGroup(dist.ProcessGroup):
     """A ``torch.distributed`` process group whose other members mirror this rank (see the module docstring)."""
 
-    def __init__(self, rank: int, size: int) -> None:
+    def __init__(self, rank: int, size: int, plans_backend: str = "nccl") -> None:
         super().__init__(rank, size)  # type: ignore[call-arg]  # the store-less constructor Python groups use
         self._rank = rank
         self._size = size
+        #: The backend of the run being planned; strategies pick gloo's direct-send paths for meta tensors when it
+        #: is ``"gloo"`` (:func:`shardkit.distributed.groups.planned_on_gloo`), so their receive buffers are counted.
+        self.plans_backend = plans_backend
 
     def getBackendName(self) -> str:
         return BACKEND_NAME
@@ -205,18 +235,24 @@ class PeerlessGroup(dist.ProcessGroup):
     def barrier(self, opts: Any = None) -> Any:
         return _done([])
 
+    def _p2p_work(self, tensors: list[torch.Tensor]) -> Any:
+        return _InFlight(tensors) if self.plans_backend == "gloo" else _done(tensors)
+
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Any:
         _record(SEND, tensors)
         if _MAIL:
             for tensor in tensors:
                 _MAIL[-1].post(("p2p", self._global(self._rank), self._global(dst), tag), tensor)
-        return _done(tensors)
+        return self._p2p_work(tensors)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> Any:
-        if _MAIL:
-            for tensor in tensors:
-                _MAIL[-1].deliver(("p2p", self._global(src), self._global(self._rank), tag), tensor)
-        return _done(tensors)
+        # What no planned rank sent (a mirrored peer's message, such as its gradient for a reduce by sends) reads
+        # as ones, as meta data does, rather than whatever the buffer held.
+        key = ("p2p", self._global(src), self._global(self._rank), tag)
+        for tensor in tensors:
+            if not (_MAIL and _MAIL[-1].deliver(key, tensor)) and tensor.device.type != "meta":
+                tensor.fill_(1)
+        return self._p2p_work(tensors)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> Any:
         return _done(tensors)
@@ -244,8 +280,14 @@ class PeerlessGroup(dist.ProcessGroup):
         return _done([output])
 
 
+_PLANS: list[str] = []  # the planned backend of the open peerless_world, for every group created in it
+
+#: Backends a plan can stand for: the accelerator's collectives, or gloo's CPU paths (direct sends).
+PLANNED_BACKENDS = ("nccl", "gloo")
+
+
 def _create(store: Any, rank: int, size: int, timeout: timedelta) -> PeerlessGroup:
-    return PeerlessGroup(rank, size)
+    return PeerlessGroup(rank, size, _PLANS[-1] if _PLANS else "nccl")
 
 
 _registered = False
@@ -263,10 +305,15 @@ class _NoStore(dist.Store):
 
 
 @contextlib.contextmanager
-def peerless_world(world_size: int, rank: int = 0, mailbox: Optional[Mailbox] = None) -> Iterator[TorchTraffic]:
+def peerless_world(
+    world_size: int, rank: int = 0, mailbox: Optional[Mailbox] = None, backend: str = "nccl"
+) -> Iterator[TorchTraffic]:
     """Initialise the default process group as a peerless group of ``world_size`` ranks for the block.
 
-    ``mailbox`` carries what earlier planned ranks sent (see :class:`Mailbox`). The caller's process must not have
+    ``mailbox`` carries what earlier planned ranks sent (see :class:`Mailbox`). ``backend`` is the backend of the
+    run being planned: ``"nccl"`` (accelerators: strategies issue collectives) or ``"gloo"`` (a CPU run: where
+    strategies exchange CPU tensors by direct sends, they do so on meta tensors too, and the receive buffers those
+    sends need are counted). The caller's process must not have
     a default group of its own (:func:`shardkit.plan.estimate` runs in a
     child process when it does). The group is destroyed when the block ends, whatever happens inside.
     """
@@ -277,20 +324,24 @@ def peerless_world(world_size: int, rank: int = 0, mailbox: Optional[Mailbox] = 
         )
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"peerless_world needs world_size >= 1 and 0 <= rank < world_size, got {world_size}, {rank}")
+    if backend not in PLANNED_BACKENDS:
+        raise ValueError(f"peerless_world plans backend 'nccl' or 'gloo', got {backend!r}")
     _register()
     traffic = TorchTraffic()
     _TRAFFIC.append(traffic)
     mail = mailbox if mailbox is not None else Mailbox()
     mail.new_run()
     _MAIL.append(mail)
+    _PLANS.append(backend)
     try:
         dist.init_process_group(BACKEND_NAME, store=_NoStore(), rank=rank, world_size=world_size)
         yield traffic
     finally:
         _TRAFFIC.remove(traffic)
         _MAIL.remove(mail)
+        _PLANS.pop()
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-__all__ = ["Mailbox", "PeerlessGroup", "TorchTraffic", "peerless_world"]
+__all__ = ["PLANNED_BACKENDS", "Mailbox", "PeerlessGroup", "TorchTraffic", "peerless_world"]

@@ -77,6 +77,7 @@ def plan_stages(
     options: Mapping[str, Any],
     host_limit: Optional[int],
     nprocs_per_node: Optional[int],
+    backend: str = "nccl",
 ) -> RankRun:
     """Run every stage's first rank; the run of the stage with the highest peak, every stage's peak in its notes."""
     import shardkit.modelparallel as smp
@@ -104,6 +105,7 @@ def plan_stages(
                     forward_backward=pipeline_forward_backward,
                     mailbox=mailbox,
                     warmup=warmup_steps(PIPELINE),
+                    backend=backend,
                 )
             )
         finally:

@@ -219,12 +219,14 @@ def run_rank(
     forward_backward: Optional[ForwardBackward] = None,
     mailbox: Optional[Mailbox] = None,
     warmup: int = 2,
+    backend: str = "nccl",
 ) -> RankRun:
     """Build, wrap and train ``rank`` of ``world_size`` on ``device`` for a few steps; see the module docstring.
 
-    ``forward_backward`` replaces ``loss_fn(model(*batch), batch).backward()`` (a pipeline's schedule).
+    ``forward_backward`` replaces ``loss_fn(model(*batch), batch).backward()`` (a pipeline's schedule);
+    ``backend`` is the planned run's (see :func:`~shardkit.plan.peerless.peerless_world`).
     """
-    with peerless_world(world_size, rank, mailbox) as traffic, _nodes(nprocs_per_node) as topology:
+    with peerless_world(world_size, rank, mailbox, backend) as traffic, _nodes(nprocs_per_node) as topology:
         return _run_steps(
             device, build_model, wrap, batch, loss_fn, traffic, topology, host_limit_bytes, forward_backward, warmup
         )
@@ -244,7 +246,7 @@ def _nodes(nprocs_per_node: Optional[int]) -> Iterator[Optional[Topology]]:
     rank = dist.get_rank()
     layout = NodeLayout.contiguous(dist.get_world_size(), nprocs_per_node)
     mine = [dist.new_group(list(ranks)) for ranks in (*layout.nodes, *layout.inter_node_ranks()) if rank in ranks]
-    topology = Topology(layout, rank, world, mine[0], mine[1])
+    topology = Topology.planned(layout, rank, world, mine[0], mine[1])
     set_topology(topology)
     try:
         yield topology

@@ -21,12 +21,14 @@ import torch
 import torch.distributed as dist
 
 from shardkit.distributed import collectives as c
-from shardkit.distributed.groups import GroupLike, group_size, is_dummy, torch_group
+from shardkit.distributed.groups import GroupLike, group_size, is_dummy, planned_on_gloo, torch_group
 from shardkit.distributed.objects import all_gather_objects
 
 
 def _by_sends(group: GroupLike, tensor: torch.Tensor) -> bool:
     """True when the direct exchange replaces gloo's collective (CPU tensors on a real gloo group of 2+ ranks)."""
+    if planned_on_gloo(group, tensor):  # shardkit.plan planning a gloo run on meta tensors
+        return needs_channel(group)
     return (
         tensor.device.type == "cpu"
         and needs_channel(group)
