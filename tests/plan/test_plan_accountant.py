@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -37,3 +38,18 @@ def test_follows_storage_resizes_and_reads_meta_values_as_known_or_ones() -> Non
         shapes = torch.tensor([3, 5]).to("meta")  # data that reached a meta tensor is remembered
         assert shapes.tolist() == [3, 5]
         assert torch.empty(2, device="meta").sum().item() == 1.0  # anything computed on meta reads as one
+
+
+def test_resize_watch_is_undone_and_an_exclusive_one_refuses_a_second() -> None:
+    from shardkit.memory.resize_watch import watch_resizes
+
+    original = torch.UntypedStorage.resize_
+    seen: list[int] = []
+    undo = watch_resizes(lambda storage: seen.append(storage.nbytes()), mark="_test_mark")
+    try:
+        torch.empty(4).untyped_storage().resize_(8)
+        with pytest.raises(RuntimeError, match="busy: one at a time"):
+            watch_resizes(lambda storage: None, mark="_test_mark", busy="busy: one at a time")
+    finally:
+        undo()
+    assert seen == [8] and torch.UntypedStorage.resize_ is original

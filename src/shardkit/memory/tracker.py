@@ -29,8 +29,7 @@ Example::
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
@@ -45,6 +44,7 @@ from torch.utils._python_dispatch import (
 from torch.utils._pytree import tree_flatten
 
 from shardkit.memory._book import Category, MemorySnapshot, StorageBook
+from shardkit.memory.resize_watch import watch_resizes
 from shardkit.utils.autograd import backward_running
 
 _PATCH_MARK = "_shardkit_memory_tracker"
@@ -104,7 +104,7 @@ class MemoryTracker(TorchDispatchMode):
         #: Per-module forward statistics, by module name.
         self.modules: dict[str, ModuleMemory] = {}
         self._handles: list[Any] = []
-        self._orig_resize: Any = None
+        self._unwatch: Callable[[], None] = lambda: None
 
     # ------------------------------------------------------------------ public API
     def watch(
@@ -243,20 +243,13 @@ class MemoryTracker(TorchDispatchMode):
         self._in_optimizer = max(0, self._in_optimizer - 1)
         self._label_optimizer(optimizer)
 
-    def _resize(self, storage: torch.UntypedStorage, size: int) -> Any:
-        result = self._orig_resize(storage, size)
+    def _resized(self, storage: torch.UntypedStorage) -> None:
         if storage.device.type != "meta" and (self._device is None or storage.device.type == self._device.type):
             self._book.resized(storage)
-        return result
 
     def __enter__(self) -> MemoryTracker:
-        current = torch.UntypedStorage.resize_
-        if getattr(current, _PATCH_MARK, False):
-            raise RuntimeError("another MemoryTracker is already active in this process; use one at a time")
-        self._orig_resize = current
-        patched = functools.wraps(current)(lambda storage, size: self._resize(storage, size))
-        setattr(patched, _PATCH_MARK, True)
-        torch.UntypedStorage.resize_ = patched  # type: ignore[method-assign, assignment]
+        busy = "another MemoryTracker is already active in this process; use one at a time"
+        self._unwatch = watch_resizes(self._resized, _PATCH_MARK, busy)
         hooks = torch.nn.modules.module
         self._handles = [
             hooks.register_module_forward_pre_hook(self._pre_forward),
@@ -271,7 +264,7 @@ class MemoryTracker(TorchDispatchMode):
 
     def __exit__(self, *exc: Any) -> None:
         super().__exit__(*exc)
-        torch.UntypedStorage.resize_ = self._orig_resize  # type: ignore[method-assign]
+        self._unwatch()
         for handle in self._handles:
             handle.remove()
         self._handles = []

@@ -19,7 +19,7 @@ import enum
 import functools
 import threading
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -28,6 +28,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from shardkit.memory.resize_watch import watch_resizes
 from shardkit.plan.oracle import MetaData
 
 
@@ -92,7 +93,7 @@ class Accountant(TorchDispatchMode):
         # Re-entrant: a weakref callback (a storage freed by a garbage collection that a dict insert or
         # weakref.ref() under the lock happens to trigger) takes the lock again on the same thread.
         self._lock = threading.RLock()
-        self._orig_resize: Any = None
+        self._unwatch: Callable[[], None] = lambda: None
         self._handles: list[Any] = []
 
     # ---------------------------------------------------------------- bookkeeping
@@ -192,20 +193,16 @@ class Accountant(TorchDispatchMode):
         if self._stack:
             self._stack.pop()
 
-    def _resize_storage(self, storage: torch.UntypedStorage, size: int) -> Any:
-        result = self._orig_resize(storage, size)
+    def _resized(self, storage: torch.UntypedStorage) -> None:
         record = self._records.get(id(storage))
         if record is not None:
             with self._lock:
                 self._resize(record, storage.nbytes())
         else:
             self._track(storage, self._category_now())
-        return result
 
     def __enter__(self) -> Accountant:
-        self._orig_resize = torch.UntypedStorage.resize_
-        patched = functools.wraps(self._orig_resize)(lambda storage, size: self._resize_storage(storage, size))
-        torch.UntypedStorage.resize_ = patched  # type: ignore[method-assign, assignment]
+        self._unwatch = watch_resizes(self._resized)
         hooks = torch.nn.modules.module
         self._handles = [
             hooks.register_module_forward_pre_hook(self._pre_forward),
@@ -216,7 +213,7 @@ class Accountant(TorchDispatchMode):
 
     def __exit__(self, *exc: Any) -> None:
         super().__exit__(*exc)
-        torch.UntypedStorage.resize_ = self._orig_resize  # type: ignore[method-assign]
+        self._unwatch()
         for handle in self._handles:
             handle.remove()
         self._handles = []

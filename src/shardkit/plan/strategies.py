@@ -77,6 +77,21 @@ def _build_ddp(
     return wrapped, optim(wrapped.parameters(), **optim_opts), _nothing
 
 
+def _oss_options(
+    name: str, wrapper_init: Any, opts: Mapping[str, Any], topology: Optional[Any]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The wrapper's options and OSS's (``opts["oss"]``), both checked; OSS shards inside the node when hybrid."""
+    from shardkit.optim import OSS
+
+    wrapper_opts, oss_opts = _split(opts, "oss")
+    nodes = _hybrid_group(name, wrapper_opts, topology)
+    _check_options(name, wrapper_init, wrapper_opts, ("oss",))
+    _check_options(f"{name} (oss=...)", OSS.__init__, oss_opts)
+    if nodes is not None:
+        oss_opts["group"] = nodes
+    return wrapper_opts, oss_opts
+
+
 def _build_oss_ddp(
     model: nn.Module,
     optim: type,
@@ -88,12 +103,7 @@ def _build_oss_ddp(
 
     from shardkit.optim import OSS
 
-    ddp_opts, oss_opts = _split(opts, "oss")
-    nodes = _hybrid_group("oss_ddp", ddp_opts, topology)
-    _check_options("oss_ddp", DistributedDataParallel.__init__, ddp_opts, ("oss",))
-    _check_options("oss_ddp (oss=...)", OSS.__init__, oss_opts)
-    if nodes is not None:
-        oss_opts["group"] = nodes
+    ddp_opts, oss_opts = _oss_options("oss_ddp", DistributedDataParallel.__init__, opts, topology)
     wrapped = DistributedDataParallel(model, **ddp_opts)
     return wrapped, OSS(wrapped.parameters(), optim=optim, **oss_opts, **optim_opts), _nothing
 
@@ -108,12 +118,7 @@ def _build_oss_sdp(
     from shardkit.nn import ShardedDataParallel
     from shardkit.optim import OSS
 
-    sdp_opts, oss_opts = _split(opts, "oss")
-    nodes = _hybrid_group("oss_sdp", sdp_opts, topology)
-    _check_options("oss_sdp", ShardedDataParallel.__init__, sdp_opts, ("oss",))
-    _check_options("oss_sdp (oss=...)", OSS.__init__, oss_opts)
-    if nodes is not None:
-        oss_opts["group"] = nodes
+    sdp_opts, oss_opts = _oss_options("oss_sdp", ShardedDataParallel.__init__, opts, topology)
     sharded = OSS(model.parameters(), optim=optim, **oss_opts, **optim_opts)
     return ShardedDataParallel(model, sharded, **sdp_opts), sharded, _nothing
 
