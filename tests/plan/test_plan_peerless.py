@@ -64,3 +64,16 @@ def test_refuses_an_unknown_backend() -> None:
     with pytest.raises(ValueError, match="'nccl' or 'gloo'"), peerless_world(world_size=2, backend="mpi"):
         pass
     assert not dist.is_initialized()
+
+
+def test_a_planned_topology_checks_its_groups_against_the_layout() -> None:
+    from shardkit.distributed import NodeLayout, Topology
+
+    with peerless_world(world_size=4):
+        world = dist.group.WORLD
+        assert world is not None
+        node, across = dist.new_group([0, 1]), dist.new_group([0, 2])
+        topo = Topology.planned(NodeLayout.contiguous(4, 2), 0, world, node, across)
+        assert (topo.num_nodes, topo.local_rank, topo.node_rank) == (2, 0, 0)
+        with pytest.raises(ValueError, match="do not fit the layout"):
+            Topology.planned(NodeLayout.contiguous(4, 2), 0, world, across, world)  # groups swapped for sizes
