@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
+from rel_testlib import smp_mse_step
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -136,21 +137,9 @@ def release(run: Run) -> None:
         smp.reset()
 
 
-def _smp_step() -> Any:
-    import shardkit.modelparallel as smp
-
-    @smp.step
-    def step(model: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = F.mse_loss(model(x), y)
-        model.backward(loss)
-        return loss
-
-    return step
-
-
 def train(run: Run, steps: range) -> None:
     """Train ``run`` on the global batches of ``steps`` (its data-parallel share of each)."""
-    smp_step = _smp_step() if run.family.startswith("smp") else None
+    smp_step = smp_mse_step() if run.family.startswith("smp") else None
     for step in steps:
         x, y = batch(step)
         x, y = rows(x, run.dp_rank, run.dp_size), rows(y, run.dp_rank, run.dp_size)

@@ -109,7 +109,8 @@ def batch(step: int, dp_rank: int, poison: bool = False) -> tuple[torch.Tensor, 
     return x, y
 
 
-def _smp_step() -> Any:
+def smp_mse_step() -> Any:
+    """An ``@smp.step`` training step with an MSE loss (the reliability tests' smp runs)."""
     import shardkit.modelparallel as smp
 
     @smp.step
@@ -123,7 +124,7 @@ def _smp_step() -> Any:
 
 def train(run: Run, steps: range, rank: int, poison_at: Optional[tuple[int, int]] = None) -> None:
     """Train ``run`` on ``steps``; ``poison_at=(step, rank)`` gives that rank an overflowing batch at that step."""
-    smp_step = _smp_step() if run.strategy == "smp" else None
+    smp_step = smp_mse_step() if run.strategy == "smp" else None
     for step in steps:
         x, y = batch(step, 0 if run.strategy == "smp" else rank, poison=poison_at == (step, rank))
         run.optimizer.zero_grad()
