@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Optional, Union
 
+import torch
 import torch.distributed as dist
 
 from shardkit.distributed.dummy import DummyProcessGroup
@@ -79,15 +80,23 @@ def planned_on_gloo(group: Optional[GroupLike], tensor: object) -> bool:
 
     Strategies send CPU tensors by direct sends where gloo's collectives are slow; ``shardkit.plan`` runs their
     code on meta tensors against a group with no peers, which sets ``plans_backend = "gloo"`` when it plans a CPU
-    run, so the plan takes the path the real run takes. Example::
-
-        direct = tensor.device.type == "cpu" or planned_on_gloo(group, tensor)
+    run, so the plan takes the path the real run takes (:func:`on_host_path` is the usual test).
     """
     device = getattr(tensor, "device", None)
     if device is None or device.type != "meta" or is_dummy(group):
         return False
     pg = group if group is not None else (dist.group.WORLD if dist.is_initialized() else None)
     return getattr(pg, "plans_backend", None) == "gloo"
+
+
+def on_host_path(group: Optional[GroupLike], tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` takes the CPU path of a strategy: it is on the CPU, or a planned gloo run stands in for one.
+
+    Example::
+
+        direct = dp_size == 2 and on_host_path(group, grad)
+    """
+    return tensor.device.type == "cpu" or planned_on_gloo(group, tensor)
 
 
 def torch_group(group: Optional[GroupLike], who: str = "shardkit") -> dist.ProcessGroup:

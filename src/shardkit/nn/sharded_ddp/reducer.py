@@ -37,7 +37,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from shardkit.distributed import collectives
-from shardkit.distributed.groups import GroupLike, group_rank, group_size, planned_on_gloo
+from shardkit.distributed.groups import GroupLike, group_rank, group_size, on_host_path
 from shardkit.nn.sharded_ddp.plan import ReduceUnit, plan_reduction
 from shardkit.nn.sharded_ddp.policy import ReducePolicy
 
@@ -260,7 +260,7 @@ class GradReducer:
         reduced on its own is then divided by the owner after the sum instead of by every rank before it:
         ``(a + b) / 2`` equals DDP's ``a / 2 + b / 2`` exactly, and the non-owner skips a pass over it.
         """
-        return self.dp_size == 2 and (tensor.device.type == "cpu" or planned_on_gloo(self.group, tensor))
+        return self.dp_size == 2 and on_host_path(self.group, tensor)
 
     def _release_completed(self) -> None:
         """Finish reduces that already arrived, in plan order, without waiting for the others.

@@ -21,7 +21,7 @@ import torch
 
 from shardkit.distributed import collectives
 from shardkit.distributed.buckets import BROADCAST_BUCKET_BYTES
-from shardkit.distributed.groups import GroupLike, global_rank, group_size, planned_on_gloo
+from shardkit.distributed.groups import GroupLike, global_rank, group_size, on_host_path
 from shardkit.optim.zero1.partition import Partition
 from shardkit.utils.tensors import runs_by_kind
 
@@ -137,7 +137,7 @@ class ParamExchange:
         self.buckets = list(buckets)
         self.rank = rank
         self.group = group
-        on_cpu = [b.flat.device.type == "cpu" or planned_on_gloo(group, b.flat) for b in self.buckets]
+        on_cpu = [on_host_path(group, b.flat) for b in self.buckets]
         self._direct = [cpu if direct is None else direct for cpu in on_cpu]
         self._wires: list[Optional[torch.Tensor]] = [None] * len(self.buckets)
         self._handles: list[collectives.Handle] = []
