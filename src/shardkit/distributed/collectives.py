@@ -5,14 +5,15 @@ reads like the algorithm, is counted by an active :class:`CommMeter`, and is slo
 :func:`comm_delay` (used by benchmarks to simulate slow networks). Every function returns a
 :class:`Handle`; with ``async_op=False`` it has already completed. A :class:`DummyProcessGroup` of size one
 makes every collective the identity, so wrapped models also run without ``init_process_group``.
+
+The machinery behind the labels, meters, delays and handles is :mod:`shardkit.distributed.labelled`
+(:func:`custom_collective`); this module holds the wrappers, each saying only what it sends and how.
 """
 
 from __future__ import annotations
 
-import contextlib
-import time
-from collections.abc import Iterator, Sequence
-from typing import Any, Callable, Optional
+from collections.abc import Sequence
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -28,135 +29,30 @@ from shardkit.distributed.groups import (
     resolve_group,
     torch_group,
 )
-from shardkit.distributed.health import explain_failure, verify_matching
-from shardkit.distributed.instrumentation import INSTRUMENTATION, CommMeter, LinkModel
-from shardkit.distributed.node_traffic import inter_node_share
+from shardkit.distributed.health import explain_failure
+from shardkit.distributed.instrumentation import CommMeter
+from shardkit.distributed.labelled import Handle, Works, comm_delay, count_comm_bytes, custom_collective, tensor_nbytes
 
-
-@contextlib.contextmanager
-def count_comm_bytes(meter: Optional[CommMeter] = None) -> Iterator[CommMeter]:
-    """Count the bytes of every shardkit collective issued inside the block.
-
-    The meter is registered process-wide when the block opens, so collectives issued on other threads while it
-    is open (autograd's backward hooks on CUDA run on device threads) are counted too.
-
-    Example::
-
-        with count_comm_bytes() as meter:
-            train_step()
-        print(meter.total_wire_bytes)
-    """
-    with INSTRUMENTATION.meters.opened(meter if meter is not None else CommMeter()) as active:
-        yield active
-
-
-@contextlib.contextmanager
-def comm_delay(latency_s: float = 0.0, bytes_per_s: Optional[float] = None, scope: str = "all") -> Iterator[None]:
-    """Simulate a slow network for shardkit collectives issued inside the block.
-
-    Each collective completes no earlier than ``latency_s + wire_bytes / bytes_per_s`` after the link is
-    free. Asynchronous collectives keep running in the background, so the delay overlaps with computation
-    exactly as a real slow link would; only ``wait()`` blocks. Like :func:`count_comm_bytes`, the link applies
-    to collectives issued on any thread while the block is open.
-
-    ``scope="inter_node"`` simulates a slow network between nodes only: collectives that stay inside a node are
-    not slowed, the others take ``latency_s + inter_node_bytes / bytes_per_s`` (their bytes that cross nodes,
-    as the comm meter counts them; see :mod:`shardkit.distributed.node_traffic`). Both kinds can be open at
-    once; a collective then waits for the later of the two.
-
-    Example::
-
-        with comm_delay(0.005, 100e6, scope="inter_node"):   # 5 ms, 100 MB/s between nodes
-            train_step()
-    """
-    if scope not in ("all", "inter_node"):
-        raise ValueError(f"comm_delay scope must be 'all' or 'inter_node', got {scope!r}")
-    stack = INSTRUMENTATION.links if scope == "all" else INSTRUMENTATION.inter_links
-    with stack.opened(LinkModel(latency_s, bytes_per_s)):
-        yield
-
-
-class Handle:
-    """A pending collective. ``wait()`` blocks until it has completed (and its simulated delay elapsed)."""
-
-    def __init__(self, work: Optional[Any] = None, ready_at: float = 0.0, what: str = "") -> None:
-        self._work = work
-        self._ready_at = ready_at
-        self._what = what
-
-    def wait(self) -> None:
-        if self._work is not None:
-            try:
-                self._work.wait()
-            except Exception as err:
-                raise explain_failure(err, self._what) from err
-            self._work = None
-        remaining = self._ready_at - time.perf_counter()
-        if remaining > 0:
-            time.sleep(remaining)
-        self._ready_at = 0.0
-
-    def is_completed(self) -> bool:
-        done = self._work is None or bool(self._work.is_completed())
-        return done and time.perf_counter() >= self._ready_at
-
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
-def custom_collective(
-    op: str,
-    label: str,
-    tensor: torch.Tensor,
-    group: GroupLike,
-    wire_bytes: float,
-    async_op: bool,
-    run: Callable[[], Any],
-    pattern: str = "ring",
-    root_in_group: int = 0,
-    peer: Optional[int] = None,
-) -> Handle:
-    """Issue a collective that shardkit does not wrap itself, with the same labelling, metering and checks.
-
-    ``run`` starts the operation asynchronously and returns its torch work handle (or None). ``tensor`` is the
-    buffer whose size and dtype identify the call (checked across ranks in debug mode); ``wire_bytes`` is what
-    the :class:`CommMeter` records as sent per rank. Strategies use this for hand-built exchanges (for example
-    send/recv rings) so they still show up in profiles, byte counts and :func:`comm_delay`. ``pattern`` (with
-    ``root_in_group`` for ``"rooted"`` and the peer's global rank ``peer`` for ``"p2p"``) names the traffic
-    model that splits the bytes into intra- and inter-node (:mod:`shardkit.distributed.node_traffic`).
-    """
-    verify_matching(group, op, label, tensor)
-    meter = INSTRUMENTATION.meters.top
-    link = INSTRUMENTATION.links.top
-    inter_link = INSTRUMENTATION.inter_links.top
-    inter_bytes = 0.0
-    if (meter is not None or inter_link is not None) and wire_bytes > 0:
-        inter_bytes = wire_bytes * _inter_share(group, pattern, root_in_group, peer)
-    if meter is not None:
-        meter.record(op, _nbytes(tensor), wire_bytes, inter_bytes)
-    ready_at = link.finish_time(wire_bytes) if link is not None else 0.0
-    if inter_link is not None and inter_bytes > 0:
-        ready_at = max(ready_at, inter_link.finish_time(inter_bytes))
-    name = f"shardkit::{op}:{label}" if label else f"shardkit::{op}"
-    with record_function(name):
-        try:
-            work = run()
-        except Exception as err:
-            raise explain_failure(err, name) from err
-    handle = Handle(work, ready_at, name)
-    if not async_op:
-        handle.wait()
-    return handle
-
-
-def _inter_share(group: GroupLike, pattern: str, root_in_group: int, peer: Optional[int]) -> float:
-    """The share of a collective's bytes that crosses nodes (0 for a dummy group: nothing is sent)."""
-    if not isinstance(group, dist.ProcessGroup):
-        return 0.0
-    if pattern == "p2p":
-        return inter_node_share([dist.get_rank()], "p2p", 0, peer)
-    return inter_node_share(dist.get_process_group_ranks(group), pattern, root_in_group)
+# The labelling machinery lives in shardkit.distributed.labelled; its names stay importable from here.
+__all__ = [
+    "CommMeter",
+    "DummyProcessGroup",
+    "GroupLike",
+    "Handle",
+    "Works",
+    "all_gather_into_tensor",
+    "all_reduce",
+    "barrier",
+    "broadcast",
+    "comm_delay",
+    "count_comm_bytes",
+    "custom_collective",
+    "recv",
+    "reduce",
+    "reduce_scatter_tensor",
+    "send",
+    "wait_all",
+]
 
 
 def _peers(group: Optional[GroupLike]) -> Optional[dist.ProcessGroup]:
@@ -190,7 +86,7 @@ def all_reduce(
     peers = _peers(group)
     if peers is None:
         return Handle()
-    wire = 2 * _share(peers) * _nbytes(tensor)
+    wire = 2 * _share(peers) * tensor_nbytes(tensor)
     return custom_collective(
         "all_reduce", label, tensor, peers, wire, async_op,
         lambda: dist.all_reduce(tensor, op=op, group=peers, async_op=True),
@@ -227,33 +123,9 @@ def broadcast(
             return Works([dist.isend(tensor, dst=peer, group=peers) for peer in others])
         return Works([dist.irecv(tensor, src=root, group=peers)])
 
-    wire = _share(peers) * _nbytes(tensor)
+    wire = _share(peers) * tensor_nbytes(tensor)
     pattern = "rooted" if by_sends else "ring"
     return custom_collective("broadcast", label, tensor, peers, wire, async_op, run, pattern, src_in_group)
-
-
-class Works:
-    """Several torch works (point-to-point sends and receives) completed as one, then an optional local step.
-
-    The ``run`` of :func:`custom_collective` returns one of these for hand-built exchanges; ``then`` runs once,
-    after every work has finished (for example summing what arrived).
-    """
-
-    def __init__(self, works: list[Any], then: Optional[Callable[[], Any]] = None) -> None:
-        self._works = works
-        self._then = then
-
-    def wait(self) -> bool:
-        for work in self._works:
-            work.wait()
-        self._works = []
-        if self._then is not None:
-            then, self._then = self._then, None
-            then()
-        return True
-
-    def is_completed(self) -> bool:
-        return all(work.is_completed() for work in self._works)
 
 
 def reduce(
@@ -299,7 +171,7 @@ def reduce(
 
         return Works(works, total)
 
-    wire = _share(peers) * _nbytes(tensor)
+    wire = _share(peers) * tensor_nbytes(tensor)
     pattern = "rooted" if by_sends else "ring"
     return custom_collective("reduce", label, tensor, peers, wire, async_op, run, pattern, dst_in_group)
 
@@ -347,7 +219,7 @@ def all_gather_into_tensor(
         chunks[me].copy_(shard.reshape(-1))
         return Works(works)
 
-    wire = _share(peers) * _nbytes(output)
+    wire = _share(peers) * tensor_nbytes(output)
     pattern = "exchange" if by_sends else "ring"
     return custom_collective("all_gather", label, output, peers, wire, async_op, run, pattern)
 
@@ -394,7 +266,7 @@ def reduce_scatter_tensor(
 
         return Works(works, total)
 
-    wire = _share(peers) * _nbytes(full)
+    wire = _share(peers) * tensor_nbytes(full)
     pattern = "exchange" if by_sends else "ring"
     return custom_collective("reduce_scatter", label, full, peers, wire, async_op, run, pattern)
 
@@ -407,7 +279,7 @@ def send(tensor: torch.Tensor, dst: int, group: Optional[GroupLike] = None, labe
     """
     peers = torch_group(group)
     return custom_collective(
-        "send", label, tensor, peers, _nbytes(tensor), True,
+        "send", label, tensor, peers, tensor_nbytes(tensor), True,
         lambda: dist.isend(tensor, dst=dst, group=peers, tag=tag), "p2p", peer=dst,
     )  # fmt: skip
 
