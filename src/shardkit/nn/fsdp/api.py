@@ -1,29 +1,29 @@
 """``FullyShardedDataParallel``: the public ZeRO-3 wrapper (fairscale's arguments, shardkit's internals).
 
 What a unit *is* (its run-time state, settings and names) lives in the base class,
-:class:`~shardkit.nn.fsdp.unit_module.UnitModule`; this class adds what it *does*: construction, forward, full
-parameters, gradient sync and clipping, and the state dicts (built by :mod:`shardkit.nn.fsdp.state_dict` on the
-base class, so that layer never imports this one).
+:class:`~shardkit.nn.fsdp.unit_module.UnitModule`; this class adds what it *does*: construction, forward,
+gradient sync and clipping. It inherits the rest, built on that base class so those layers never import this one:
+``summon_full_params`` and ``reset_parameters`` from :class:`~shardkit.nn.fsdp.full_params.FullParamsMethods`,
+the state-dict methods (full, local, DCP-sharded, optimizer state) from
+:class:`~shardkit.nn.fsdp.state_dict.methods.StateDictMethods`. The root's first-forward set-up is
+:func:`~shardkit.nn.fsdp.root.init_root`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import Any, Optional, Union
 
 import torch
 from torch import nn
-from torch.nn.modules.module import _IncompatibleKeys
 
 from shardkit.distributed.groups import GroupLike, group_rank, group_size
 from shardkit.distributed.model_check import check_same_model
 from shardkit.nn.fsdp import grad_norm, ties
-from shardkit.nn.fsdp import state_dict as sd
-from shardkit.nn.fsdp.collective_calls import every_rank_calls
-from shardkit.nn.fsdp.comm_context import CommContext
 from shardkit.nn.fsdp.forward_methods import check_forward_method
+from shardkit.nn.fsdp.full_params import FullParamsMethods
 from shardkit.nn.fsdp.hybrid import resolve_unit_groups
 from shardkit.nn.fsdp.param_group import ParamGroup
 from shardkit.nn.fsdp.policies import (
@@ -33,13 +33,15 @@ from shardkit.nn.fsdp.policies import (
     ShardingStrategy,
     policies_from_args,
 )
-from shardkit.nn.fsdp.reduce_channels import plan_reduce_channels, resolve_reduce_group
+from shardkit.nn.fsdp.reduce_channels import resolve_reduce_group
+from shardkit.nn.fsdp.root import init_root
 from shardkit.nn.fsdp.runtime import TrainingState, Unit, eager, make_fp16_to_fp32_caster, make_input_caster
-from shardkit.nn.fsdp.unit_module import UnitModule, walk_modules
+from shardkit.nn.fsdp.state_dict.methods import StateDictMethods
+from shardkit.nn.fsdp.unit_module import UnitModule
 from shardkit.optim.zero1.hybrid import HybridSpec, agree_across_nodes
 
 
-class FullyShardedDataParallel(UnitModule):
+class FullyShardedDataParallel(FullParamsMethods, StateDictMethods):
     """Shard a module's parameters, gradients and optimizer state across a process group (ZeRO-3).
 
     Each rank keeps ``1/world_size`` of every parameter as a flat FP32 shard; ``model.parameters()`` yields only
@@ -291,37 +293,7 @@ class FullyShardedDataParallel(UnitModule):
     @eager
     def _lazy_init(self) -> None:
         """At the first forward of the outermost instance: mark it root, mark nested instances non-root."""
-        unit = self._unit
-        if unit.is_root is not None:
-            return
-        # Checked before anything changes: units sharing a process group must agree on its reduce channel.
-        tree = [(path, m) for path, _, m in walk_modules(self) if isinstance(m, UnitModule)]
-        root_name = f"<root {type(self.module).__name__}>"
-        channel_plan = plan_reduce_channels([(path or root_name, m.fsdp_unit) for path, m in tree])
-        unit.is_root, unit.root, unit.units = True, None, []
-        unit.name = root_name
-        for path, module in tree:
-            if module is not self:
-                module.fsdp_unit.join_tree(unit, path)
-            unit.units.append(module.fsdp_unit)
-        # Every rank runs the root's first forward at the same point: the one moment to create process groups.
-        unit.comm = CommContext(channel_plan())
-        self._cast_buffers()
-
-    def _cast_buffers(self) -> None:
-        # A buffer takes the buffer dtype of the innermost unit holding it (None: left as it is), so a
-        # full-precision unit inside a mixed-precision root (auto_wrap_bn's BatchNorms) keeps FP32 statistics.
-        dtype_of: dict[int, Optional[torch.dtype]] = {}
-        tree = [(path, m) for path, _, m in walk_modules(self)]
-        for _, unit in tree:
-            if isinstance(unit, UnitModule):
-                dtype_of.update((id(m), unit.buffer_dtype) for m in unit.module.modules())
-        for path, module in tree:
-            dtype = dtype_of.get(id(module))
-            for name, buf in module._buffers.items():
-                if dtype is not None and buf is not None and buf.is_floating_point() and buf.dtype != dtype:
-                    self.buffer_original_dtypes[f"{path}.{name}" if path else name] = buf.dtype
-                    module._buffers[name] = buf.to(dtype)
+        init_root(self)
 
     # ------------------------------------------------------------------ attributes of the wrapped module
     def __getattr__(self, name: str) -> Any:
@@ -337,47 +309,6 @@ class FullyShardedDataParallel(UnitModule):
             return getattr(module, name)
 
     # ------------------------------------------------------------------ full parameters
-    @contextlib.contextmanager
-    def summon_full_params(
-        self, recurse: bool = True, volatile: bool = False, *, writeback: Optional[bool] = None
-    ) -> Iterator[None]:
-        """Gather full-precision parameters and expose them under their original names inside the block.
-
-        Unless ``volatile`` (fairscale's name; ``writeback=False`` is the same) the values (edited in place or
-        reassigned, same shape) are copied back into the shards on exit; every rank keeps its own part, so edits
-        should agree across ranks. ``recurse=False`` gathers only this unit's own parameters. Not allowed inside
-        forward or backward. Example::
-
-            with model.summon_full_params():
-                model.module.fc.weight.mul_(0.5)
-            with model.summon_full_params(volatile=True):   # read only: nothing is copied back
-                snapshot = {n: p.clone() for n, p in model.named_parameters()}
-        """
-        if writeback is None:
-            writeback = not volatile
-        elif writeback and volatile:
-            raise ValueError(
-                "summon_full_params(volatile=True, writeback=True) contradict each other: volatile=True means no "
-                "writeback; pass only one of them"
-            )
-        if self._unit.state != TrainingState.SUMMON_FULL_PARAMS:
-            every_rank_calls(self.process_group, "summon_full_params()")
-        targets = [m.fsdp_unit for m in self.modules() if isinstance(m, UnitModule)] if recurse else [self._unit]
-        entered = []
-        try:
-            for unit in targets:
-                if unit.state == TrainingState.SUMMON_FULL_PARAMS:
-                    continue  # already summoned by an enclosing call
-                unit.transition("summon")
-                entered.append(unit)
-                unit.group.summon()
-            yield
-        finally:
-            for unit in reversed(entered):
-                if unit.group.is_summoned():
-                    unit.group.unsummon(writeback)
-                unit.transition("unsummon")
-
     def apply(self, fn: Any) -> FullyShardedDataParallel:
         """``nn.Module.apply`` with full parameters, written back to the shards (e.g. custom initialisation)."""
         if self._unit.state == TrainingState.SUMMON_FULL_PARAMS:
@@ -418,19 +349,6 @@ class FullyShardedDataParallel(UnitModule):
         self._unit.assert_state(TrainingState.IDLE)
         return grad_norm.clip_grad_norm_(self._unit.units, max_norm, norm_type)
 
-    def reset_parameters(self) -> None:
-        """Re-initialise the wrapped module (``module.reset_parameters()`` on its full parameters, written back
-        to the shards). Only with ``allow_reset_parameters=True``: re-initialising after sharding gives
-        different values than before wrapping (random streams differ), so fairscale makes it opt-in too."""
-        if not self._policies.allow_reset_parameters:
-            raise RuntimeError(
-                "reset_parameters() after FullyShardedDataParallel wrapping is not allowed: initialise the module "
-                "before wrapping, or pass allow_reset_parameters=True"
-            )
-        with self.summon_full_params(recurse=True):
-            module: Any = self.module  # any module class may define reset_parameters
-            module.reset_parameters()
-
     # ------------------------------------------------------------------ other entry points (generate())
     def register_forward_method(self, method_name: str) -> None:
         """Make ``self.<method_name>(...)`` run the wrapped module's method with this unit's forward logic.
@@ -456,97 +374,6 @@ class FullyShardedDataParallel(UnitModule):
             with torch.no_grad():  # inference on the summoned parameters: their gradients would be lost
                 return method(*args, **kwargs)
         return self._forward_with(method, args, kwargs)
-
-    # ------------------------------------------------------------------ state dicts (shardkit.nn.fsdp.state_dict)
-    def state_dict(  # type: ignore[override]
-        self,
-        *args: Any,
-        destination: Optional[dict[str, Any]] = None,
-        prefix: str = "",
-        keep_vars: bool = False,
-        **kwargs: Any,
-    ) -> dict[str, Any]:
-        """Full, unflattened state dict with the unwrapped model's keys (see :mod:`shardkit.nn.fsdp.state_dict`).
-
-        Takes ``nn.Module.state_dict``'s keywords (fairscale's signature is ``(*args, **kwargs)``); call on
-        every rank.
-        """
-        _no_more("state_dict", kwargs)
-        every_rank_calls(self.process_group, "state_dict()")
-        return sd.state_dict(self, *args, destination=destination, prefix=prefix, keep_vars=keep_vars)
-
-    def load_state_dict(
-        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
-    ) -> _IncompatibleKeys:
-        """Load a full state dict (as returned by :meth:`state_dict` or by the unwrapped model)."""
-        every_rank_calls(self.process_group, "load_state_dict()")
-        return sd.load_state_dict(self, state_dict, strict, assign)
-
-    def local_state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """This rank's shards and buffers, for saving and loading at the same world size. fairscale's signature
-        forwards its arguments to ``nn.Module.state_dict``; shardkit's local state dict takes none."""
-        if args:
-            raise TypeError("local_state_dict() takes no positional arguments")
-        _no_more("local_state_dict", kwargs)
-        return sd.local_state_dict(self)
-
-    def load_local_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> _IncompatibleKeys:
-        """Load what :meth:`local_state_dict` returned on this rank."""
-        return sd.load_local_state_dict(self, state_dict, strict)
-
-    def local_metadata_dict(self) -> dict[str, Any]:
-        """How this rank's :meth:`local_state_dict` maps onto the full model, for :meth:`consolidate_shard_weights`."""
-        return sd.local_metadata_dict(self)
-
-    @staticmethod
-    def consolidate_shard_weights(
-        shard_weights: list[dict[str, torch.Tensor]],
-        shard_metadata: list[dict[str, Any]],
-        with_module_buffers: bool = True,
-        strict: bool = True,
-    ) -> dict[str, torch.Tensor]:
-        """The full state dict from every rank's :meth:`local_state_dict` and :meth:`local_metadata_dict`, offline
-        (no processes, no model; see :mod:`shardkit.nn.fsdp.state_dict.consolidate`)."""
-        return sd.consolidate_shard_weights(shard_weights, shard_metadata, with_module_buffers, strict)
-
-    def gather_full_optim_state_dict(self, optim: torch.optim.Optimizer, **ignored: Any) -> Optional[dict[str, Any]]:
-        """The optimizer state for the full, unflattened model (see :mod:`shardkit.nn.fsdp.state_dict`).
-
-        ``recipient_rank`` (default 0) is the one keyword used; fairscale's other keywords are ignored, as there.
-        """
-        every_rank_calls(self.process_group, "gather_full_optim_state_dict()")
-        return sd.gather_full_optim_state_dict(self, optim, recipient_rank=ignored.get("recipient_rank", 0))
-
-    def get_shard_from_optim_state_dict(
-        self, full_optim_state_dict: dict[str, Any], optim: Optional[torch.optim.Optimizer] = None
-    ) -> dict[str, Any]:
-        """This rank's part of a full optimizer state dict, ready for ``optim.load_state_dict``."""
-        return sd.get_shard_from_optim_state_dict(self, full_optim_state_dict, optim=optim)
-
-    def sharded_state_dict(self) -> dict[str, Any]:
-        """Per original parameter a row-sharded DTensor, for ``torch.distributed.checkpoint.save``.
-
-        Example::
-
-            torch.distributed.checkpoint.save({"model": model.sharded_state_dict()}, checkpoint_id=path)
-        """
-        every_rank_calls(self.process_group, "sharded_state_dict()")
-        return sd.sharded_state_dict(self)
-
-    def load_sharded_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> _IncompatibleKeys:
-        """Load what ``torch.distributed.checkpoint.load`` filled in from :meth:`sharded_state_dict`, at any
-        world size."""
-        every_rank_calls(self.process_group, "load_sharded_state_dict()")
-        return sd.load_sharded_state_dict(self, state_dict, strict=strict)
-
-    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
-        # Reached only when an *unwrapped* parent's load_state_dict recurses into this unit (auto_wrap case).
-        sd.load_from_state_dict_hook(self, state_dict, prefix, *args)
-
-
-def _no_more(method: str, kwargs: dict[str, Any]) -> None:
-    if kwargs:
-        raise TypeError(f"{method}() got unexpected keyword arguments {sorted(kwargs)}")
 
 
 def _is_unit(module: nn.Module) -> bool:
