@@ -10,25 +10,38 @@ parameter when autograd has accumulated its full gradient, starts its reduce-sca
 autograd's engine; it waits for the last reductions, frees whatever is still gathered and returns every unit
 to IDLE. The root's :class:`~shardkit.nn.fsdp.prefetch.Schedule` records the order and rate-limits prefetches;
 its :class:`~shardkit.nn.fsdp.reduce.ReduceQueue` holds the reductions in flight.
+
+The state machine itself (:class:`TrainingState`, which event may start from which state) is
+:mod:`shardkit.nn.fsdp.unit_state`; the input casters are :mod:`shardkit.nn.fsdp.input_cast` (both re-exported here).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
 from typing import Any, Callable, Optional
 
 import torch
 from torch.profiler import record_function
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from shardkit.nn.fsdp.comm_context import CommContext
 from shardkit.nn.fsdp.handle import FlatParamHandle
+from shardkit.nn.fsdp.input_cast import make_fp16_to_fp32_caster, make_input_caster
 from shardkit.nn.fsdp.param_group import ParamGroup
 from shardkit.nn.fsdp.policies import BackwardPrefetch, FSDPPolicies
 from shardkit.nn.fsdp.prefetch import Schedule
 from shardkit.nn.fsdp.reduce import ReduceQueue
+from shardkit.nn.fsdp.unit_state import IN_BACKWARD, TrainingState, check_event, may_start, state_hint
 from shardkit.utils.autograd import backward_running
+
+__all__ = [
+    "EAGER_REASON",
+    "TrainingState",
+    "Unit",
+    "eager",
+    "make_fp16_to_fp32_caster",
+    "make_input_caster",
+]
 
 #: Why the lifecycle hooks run eagerly under ``torch.compile`` (shown by ``fullgraph=True``'s error).
 EAGER_REASON = (
@@ -41,44 +54,6 @@ EAGER_REASON = (
 def eager(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Keep ``fn`` out of dynamo's graphs: it runs as plain Python under ``torch.compile`` (a graph break)."""
     return torch.compiler.disable(fn, reason=EAGER_REASON)
-
-
-class TrainingState(enum.Enum):
-    """Where a wrapped unit is in the training step."""
-
-    IDLE = enum.auto()
-    FORWARD = enum.auto()
-    BACKWARD_PRE = enum.auto()
-    BACKWARD_POST = enum.auto()
-    SUMMON_FULL_PARAMS = enum.auto()
-
-
-_S = TrainingState
-_IN_BACKWARD = frozenset({_S.BACKWARD_PRE, _S.BACKWARD_POST})
-#: event -> (states it may start from, state it leads to). Every state change goes through :func:`transition`.
-_TRANSITIONS: dict[str, tuple[frozenset[TrainingState], Optional[TrainingState]]] = {
-    # forward inside backward happens when activation checkpointing recomputes a unit; the state is kept.
-    "pre_forward": (frozenset({_S.IDLE}) | _IN_BACKWARD, _S.FORWARD),
-    "post_forward": (frozenset({_S.FORWARD}), None),  # back to the state before pre_forward
-    "pre_backward": (frozenset({_S.IDLE}) | _IN_BACKWARD, _S.BACKWARD_PRE),
-    "post_backward": (frozenset({_S.IDLE}) | _IN_BACKWARD, _S.BACKWARD_POST),
-    "finish_backward": (frozenset({_S.IDLE}) | _IN_BACKWARD, _S.IDLE),
-    "summon": (frozenset({_S.IDLE}), _S.SUMMON_FULL_PARAMS),
-    "unsummon": (frozenset({_S.SUMMON_FULL_PARAMS}), _S.IDLE),
-    # a forward or backward that raised without being undone (see Unit.abandon): whatever the state, start over.
-    "abandon": (frozenset(_S), _S.IDLE),
-}
-
-_HINTS = {
-    _S.FORWARD: "it is still inside its forward (a module reached through itself, or backward called inside forward)",
-    _S.SUMMON_FULL_PARAMS: (
-        "it is inside summon_full_params(); run training forward/backward outside that context (a forward "
-        "without gradients, e.g. under torch.no_grad() or generate(), may run inside it)"
-    ),
-    _S.BACKWARD_PRE: "it is inside backward; call this after loss.backward() has returned",
-    _S.BACKWARD_POST: "it is inside backward; call this after loss.backward() has returned",
-    _S.IDLE: "it is idle",
-}
 
 
 class Unit:
@@ -134,12 +109,7 @@ class Unit:
 
     def transition(self, event: str) -> None:
         """Apply ``event`` or raise an error naming this unit, its state and what to do."""
-        sources, target = _TRANSITIONS[event]
-        if self.state not in sources:
-            raise RuntimeError(
-                f"FullyShardedDataParallel unit '{self.name}' cannot {event.replace('_', ' ')} while in state "
-                f"{self.state.name}: {_HINTS[self.state]}."
-            )
+        target = check_event(self.name, self.state, event)
         if event == "pre_forward":
             self._resume_state.append(self.state)
             self.state = TrainingState.FORWARD
@@ -147,7 +117,7 @@ class Unit:
             self.state = self._resume_state.pop()
         elif event == "abandon":
             self._resume_state.clear()
-            self.state = _S.IDLE
+            self.state = TrainingState.IDLE
         elif target is not None:
             self.state = target
 
@@ -176,7 +146,7 @@ class Unit:
         if self.state not in states:
             wanted = " or ".join(s.name for s in states)
             raise RuntimeError(
-                f"unit '{self.name}' is in state {self.state.name}, expected {wanted}: {_HINTS[self.state]}"
+                f"unit '{self.name}' is in state {self.state.name}, expected {wanted}: {state_hint(self.state)}"
             )
 
     # ------------------------------------------------------------------ forward
@@ -196,13 +166,13 @@ class Unit:
             self._abandon_backward()
         if self.is_root and self._unguarded and self.state == TrainingState.FORWARD and not _in_backward():
             self._abandon_forward()
-        if self.state in _IN_BACKWARD and not _in_backward():
+        if self.state in IN_BACKWARD and not _in_backward():
             raise RuntimeError(
                 f"FullyShardedDataParallel unit '{self.name}' is in state {self.state.name} outside backward: a "
                 "backward pass through it did not finish. Run forward through the root instance."
             )
         self.group.check_shards(self.name)
-        recomputing = self.state in _IN_BACKWARD  # activation checkpointing runs forward again inside backward
+        recomputing = self.state in IN_BACKWARD  # activation checkpointing runs forward again inside backward
         self.transition("pre_forward")
         self._unguarded = not guarded
         args, kwargs = self.cast_inputs((args, kwargs))
@@ -226,7 +196,7 @@ class Unit:
 
     @eager
     def post_forward(self, output: Any) -> Any:
-        resumed_in_backward = self._resume_state[-1] in _IN_BACKWARD
+        resumed_in_backward = self._resume_state[-1] in IN_BACKWARD
         self.transition("post_forward")
         self._unguarded = False
         if resumed_in_backward:
@@ -245,7 +215,7 @@ class Unit:
     @eager
     def forward_failed(self) -> None:
         """The wrapped forward raised: return to the previous state; free the parameters unless in backward."""
-        resumed_in_backward = self._resume_state[-1] in _IN_BACKWARD
+        resumed_in_backward = self._resume_state[-1] in IN_BACKWARD
         self.transition("post_forward")
         if not resumed_in_backward:
             self.group.reshard()
@@ -318,7 +288,7 @@ class Unit:
         # gradient (the embedding's) is out only at the very end.
         schedule = self.tree_schedule
         target = schedule.next_in_backward(self)
-        if target is not None and target.state not in _IN_BACKWARD:
+        if target is not None and target.state not in IN_BACKWARD:
             schedule.prefetch(target)
 
     def inputs_grad_ready(self) -> None:
@@ -329,7 +299,7 @@ class Unit:
     def _maybe_free_frozen(self) -> None:
         # Frozen parameters serve backward only to carry gradients to the inputs and to this unit's trainable
         # parameters; once both are out they can go, instead of waiting for the end of backward.
-        if self.state in _IN_BACKWARD and self._inputs_pending == 0 and self._grads_done >= self.group.trainable_count:
+        if self.state in IN_BACKWARD and self._inputs_pending == 0 and self._grads_done >= self.group.trainable_count:
             self.group.reshard_frozen()
 
     def _queue_finish_backward(self) -> None:
@@ -377,7 +347,7 @@ class Unit:
         schedule = self.schedule
         with record_function("shardkit::fsdp:finish_backward"):
             for unit in self.units or [self]:
-                if unit.state not in _TRANSITIONS["finish_backward"][0]:
+                if not may_start("finish_backward", unit.state):
                     stuck.append(unit)
                     continue
                 unit.transition("finish_backward")
@@ -387,7 +357,7 @@ class Unit:
             self.reduces.finish_all()
             schedule.release_unused()
         if stuck:
-            names = ", ".join(f"'{u.name}' ({u.state.name}: {_HINTS[u.state]})" for u in stuck)
+            names = ", ".join(f"'{u.name}' ({u.state.name}: {state_hint(u.state)})" for u in stuck)
             raise RuntimeError(
                 f"FullyShardedDataParallel: backward finished but these units did not return to IDLE: {names}"
             )
@@ -409,25 +379,3 @@ class _InputsGradReady(torch.autograd.Function):
 
 #: True while autograd's engine is running a backward pass on this thread.
 _in_backward = backward_running
-
-
-def make_input_caster(dtype: torch.dtype) -> Callable[[Any], Any]:
-    """A function casting every floating-point tensor in a nested structure to ``dtype``."""
-
-    def cast(tensor: Any) -> Any:
-        if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and tensor.dtype != dtype:
-            return tensor.to(dtype)
-        return tensor
-
-    return lambda tree: tree_map(cast, tree)
-
-
-def make_fp16_to_fp32_caster() -> Callable[[Any], Any]:
-    """``force_input_to_fp32``: cast float16 tensors in a nested structure to float32 (differentiably)."""
-
-    def cast(tensor: Any) -> Any:
-        if isinstance(tensor, torch.Tensor) and tensor.dtype == torch.float16:
-            return tensor.float()
-        return tensor
-
-    return lambda tree: tree_map(cast, tree)

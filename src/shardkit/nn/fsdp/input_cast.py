@@ -1,0 +1,36 @@
+"""Casting a unit's forward inputs: to the compute dtype under mixed precision, or float16 to float32 with
+``force_input_to_fp32``. Each returns a function over a nested structure (tuples, lists, dicts of tensors) that
+casts the floating-point tensors and leaves everything else as it is. Example::
+
+    cast = make_input_caster(torch.bfloat16)
+    args, kwargs = cast((args, kwargs))
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch.utils._pytree import tree_map
+
+
+def make_input_caster(dtype: torch.dtype) -> Callable[[Any], Any]:
+    """A function casting every floating-point tensor in a nested structure to ``dtype``."""
+
+    def cast(tensor: Any) -> Any:
+        if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and tensor.dtype != dtype:
+            return tensor.to(dtype)
+        return tensor
+
+    return lambda tree: tree_map(cast, tree)
+
+
+def make_fp16_to_fp32_caster() -> Callable[[Any], Any]:
+    """``force_input_to_fp32``: cast float16 tensors in a nested structure to float32 (differentiably)."""
+
+    def cast(tensor: Any) -> Any:
+        if isinstance(tensor, torch.Tensor) and tensor.dtype == torch.float16:
+            return tensor.float()
+        return tensor
+
+    return lambda tree: tree_map(cast, tree)
