@@ -30,6 +30,12 @@ CASES = [
         2,
         id="bench_lm_wide-ws2-sdp_sends",
     ),
+    pytest.param(  # CPU offload: the planned device and host memory together against the CPU run's one memory
+        Workload.demo_lm(batch_size=4, strategy_options={"cpu_offload": True, "mixed_precision": True}),
+        ["fsdp"],
+        2,
+        id="demo_lm-ws2-fsdp_offload",
+    ),
     pytest.param(
         Workload.hf("gpt2", {"n_layer": 2, "n_embd": 64, "n_head": 4, "n_positions": 32}, batch_size=2, seq_len=32),
         ["oss_ddp", "fsdp"],

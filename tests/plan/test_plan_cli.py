@@ -29,6 +29,28 @@ def test_plans_every_setting_over_world_sizes_with_json_and_plot(
     assert out_png.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_offload_settings_report_host_memory_and_must_fit_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out_json = tmp_path / "plan.json"
+    argv = ["--lm", "demo", "--batch-size", "1", "--world-sizes", "4", "--strategies", "fsdp", "--json", str(out_json)]
+    assert main(argv) == 0
+    rows = {r["setting"]: r for r in json.loads(out_json.read_text())}
+    off, plain = rows["zero3 (fsdp) + cpu offload"], rows["zero3 (fsdp, reshard)"]
+    assert (
+        off["host"]["state_bytes"] > 0
+        and off["state_bytes"] < plain["state_bytes"]
+        and plain["host"]["peak_bytes"] == 0
+    )
+    assert "cpu offload" in capsys.readouterr().out
+    assert main([*argv, "--host-memory", "1KiB"]) == 0  # the offloaded state no longer fits on the host
+    table = capsys.readouterr().out
+    offload_lines = [line for line in table.splitlines() if "offload" in line]
+    assert offload_lines and all(line.endswith("no") for line in offload_lines)
+    (recommended,) = [line for line in table.splitlines() if "recommended" in line]
+    assert "offload" not in recommended
+
+
 def test_nothing_fits_in_a_tiny_device(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--lm", "demo", "--batch-size", "1", "--strategies", "ddp", "--device-memory", "1KiB"]) == 0
     assert "nothing fits in" in capsys.readouterr().out

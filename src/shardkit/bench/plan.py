@@ -1,10 +1,11 @@
 """``shardkit bench plan``: how exact ``shardkit plan`` is, and how fast.
 
 1. **Accuracy.** For the bench LM, the demo LM and a transformers GPT-2 config at world sizes 2 and 4, every
-   strategy (smp: 2 partitions, 2 micro-batches per replica of the same batch) is planned for rank 0 (for smp, the
-   stage with the highest peak) on the meta device with a peerless group, then trained for real on gloo processes:
-   planned peak against torch's ``MemTracker``, planned state against the real tensors, planned bytes sent
-   against shardkit's comm meter (see :mod:`shardkit.plan.accuracy` for the conventions).
+   strategy (smp: 2 partitions, 2 micro-batches per replica of the same batch; FSDP also with CPU offload, where the
+   planned device and host memory together are compared, the CPU run having one memory) is planned for rank 0 (for
+   smp, the stage with the highest peak) on the meta device with a peerless group, then trained for real on gloo
+   processes: planned peak against torch's ``MemTracker``, planned state against the real tensors, planned bytes
+   sent against shardkit's comm meter (see :mod:`shardkit.plan.accuracy` for the conventions).
 2. **Speed.** ``shardkit plan`` of a 7B Llama-style config (hidden 4096, 32 layers, intermediate 11008,
    vocabulary 32000, sequence 2048, one sequence per rank) at world size 64, every setting, in a child process:
    wall time and peak resident memory.
@@ -28,6 +29,8 @@ from shardkit.plan.workloads import Workload
 STRATEGIES = ["ddp", "oss_ddp", "oss_sdp", "fsdp", "slowmo"]
 #: smp's settings in the accuracy table.
 PIPELINE_OPTIONS = {"partitions": 2, "microbatches": 2}
+#: FSDP with CPU offload in the accuracy table (planned device + host memory against the CPU run's one memory).
+OFFLOAD_OPTIONS = {"cpu_offload": True}
 LLAMA_7B = "hidden_size=4096,num_hidden_layers=32,intermediate_size=11008,vocab_size=32000,num_attention_heads=32"
 
 
@@ -71,7 +74,12 @@ def run(argv: list[str]) -> None:
     for label, work in _workloads(args.quick):
         for world_size in sizes:
             pipeline = replace(work, strategy_options=PIPELINE_OPTIONS)
-            rows = compare(work, STRATEGIES, world_size, label) + compare(pipeline, ["smp"], world_size, label)
+            offload = replace(work, strategy_options=OFFLOAD_OPTIONS)
+            rows = [
+                *compare(work, STRATEGIES, world_size, label),
+                *compare(pipeline, ["smp"], world_size, label),
+                *(replace(row, strategy="fsdp + cpu offload") for row in compare(offload, ["fsdp"], world_size, label)),
+            ]
             for row in rows:
                 print(row.format(), flush=True)
                 worst_peak = max(worst_peak, abs(row.peak_error))

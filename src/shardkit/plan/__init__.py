@@ -11,10 +11,13 @@ Example::
 
     est = shardkit.plan.estimate(build_model, (tokens,), loss_fn=my_loss, strategy="fsdp", world_size=64)
     print(est.peak_bytes, est.comm_bytes, est.step_seconds)
+    offloaded = shardkit.plan.estimate(build_model, (tokens,), loss_fn=my_loss, strategy="fsdp", world_size=64,
+                                       strategy_options={"cpu_offload": True})
+    print(offloaded.peak_bytes, offloaded.host.state_bytes)   # device peak; optimizer state etc. in host memory
 """
 
-from shardkit.plan.api import Estimate, estimate
+from shardkit.plan.api import Estimate, HostMemory, estimate
 from shardkit.plan.cost import DeviceSpec, LinkSpec
 from shardkit.plan.runner import PlanError
 
-__all__ = ["DeviceSpec", "Estimate", "LinkSpec", "PlanError", "estimate"]
+__all__ = ["DeviceSpec", "Estimate", "HostMemory", "LinkSpec", "PlanError", "estimate"]

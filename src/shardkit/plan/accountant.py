@@ -8,18 +8,22 @@ and at every phase boundary, ``.grad`` as soon as autograd accumulates it, optim
 buffers handed to a collective → communication buffers. A weak reference per storage takes its bytes off when
 torch frees it; ``UntypedStorage.resize_`` (how FSDP frees full parameters) is followed too.
 
-The same mode answers data reads from meta tensors (:class:`~shardkit.plan.oracle.MetaData`), so one mode is on
-the stack. Planning runs on meta or CPU tensors only, where autograd runs backward on the calling thread, so the
+Host memory (what a strategy offloads to the CPU: :class:`~shardkit.plan.host.HostTensor` objects) has a book of
+its own, with its own peak, beside the device's; :attr:`Accountant.transfers` counts the bytes copied between the two.
+The same mode answers data reads from meta tensors (:class:`~shardkit.plan.oracle.MetaData`) and the
+``shardkit::to_host`` operator (:mod:`shardkit.plan.host`), so one mode is on the stack.
+Planning runs on meta or CPU tensors only, where autograd runs backward on the calling thread, so the
 thread-local mode sees backward too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import functools
 import threading
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -28,8 +32,12 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from shardkit.memory.offload import TO_HOST
 from shardkit.memory.resize_watch import watch_resizes
+from shardkit.plan.host import HostTensor, host_copy
 from shardkit.plan.oracle import MetaData
+
+aten = torch.ops.aten
 
 
 class Category(str, enum.Enum):
@@ -67,11 +75,23 @@ class HostMemoryExceeded(MemoryError):
 
 
 class _Record:
-    __slots__ = ("category", "nbytes")
+    __slots__ = ("category", "host", "nbytes")
 
-    def __init__(self, category: Category, nbytes: int) -> None:
+    def __init__(self, category: Category, nbytes: int, host: bool) -> None:
         self.category = category
         self.nbytes = nbytes
+        self.host = host
+
+
+def _storage(tensor: torch.Tensor) -> tuple[torch.UntypedStorage, bool]:
+    """The storage that holds ``tensor``'s bytes, and whether it is (planned) host memory."""
+    if isinstance(tensor, HostTensor):
+        return tensor.meta_tensor.untyped_storage(), True
+    return tensor.untyped_storage(), False
+
+
+#: Tensor types whose storages the accountant counts (a strategy's own subclasses are not unwrapped).
+_COUNTED = (torch.Tensor, nn.Parameter, HostTensor)
 
 
 class Accountant(TorchDispatchMode):
@@ -87,6 +107,15 @@ class Accountant(TorchDispatchMode):
         self.totals: dict[Category, int] = dict.fromkeys(Category, 0)
         self.current = 0
         self.peak = Peak()
+        #: Host memory (offloaded state), its peak, and the peak of both memories together.
+        self.host_totals: dict[Category, int] = dict.fromkeys(Category, 0)
+        self.host_current = 0
+        self.host_peak = Peak()
+        self.total_peak = 0
+        #: Bytes copied so far into host memory (``"to_host"``) and back onto the device (``"to_device"``).
+        self.transfers: dict[str, int] = {"to_host": 0, "to_device": 0}
+        #: Count new storages as host memory (set by :meth:`in_host_memory`).
+        self._new_on_host = False
         self.phase = "setup"
         self._stack: list[str] = []
         self._names: dict[int, str] = {}
@@ -97,17 +126,20 @@ class Accountant(TorchDispatchMode):
         self._handles: list[Any] = []
 
     # ---------------------------------------------------------------- bookkeeping
-    def _track(self, storage: torch.UntypedStorage, category: Category, override: bool = False) -> None:
+    def _track(
+        self, storage: torch.UntypedStorage, category: Category, override: bool = False, host: bool = False
+    ) -> None:
         key = id(storage)
         with self._lock:
             record = self._records.get(key)
             if record is None:
-                record = _Record(category, 0)
+                record = _Record(category, 0, host or self._new_on_host)
                 self._records[key] = record
                 self._refs[key] = weakref.ref(storage, functools.partial(self._forget, key))
             elif override and record.category != category:
-                self.totals[record.category] -= record.nbytes
-                self.totals[category] += record.nbytes
+                totals = self.host_totals if record.host else self.totals
+                totals[record.category] -= record.nbytes
+                totals[category] += record.nbytes
                 record.category = category
             self._resize(record, storage.nbytes())
 
@@ -116,23 +148,33 @@ class Accountant(TorchDispatchMode):
         if not delta:
             return
         record.nbytes = nbytes
-        self.totals[record.category] += delta
-        self.current += delta
-        if self.limit_bytes is not None and delta > 0 and self.current > self.limit_bytes:
-            raise HostMemoryExceeded(self.current, self.limit_bytes)
-        if self.current > self.peak.total:
-            self.peak = Peak(
-                self.current,
-                {c.value: n for c, n in self.totals.items()},
-                self.phase,
-                self._stack[-1] if self._stack else "",
-            )
+        if record.host:
+            self.host_totals[record.category] += delta
+            self.host_current += delta
+            if self.host_current > self.host_peak.total:
+                self.host_peak = self._snapshot(self.host_current, self.host_totals)
+        else:
+            self.totals[record.category] += delta
+            self.current += delta
+            if self.limit_bytes is not None and delta > 0 and self.current > self.limit_bytes:
+                raise HostMemoryExceeded(self.current, self.limit_bytes)
+            if self.current > self.peak.total:
+                self.peak = self._snapshot(self.current, self.totals)
+        self.total_peak = max(self.total_peak, self.current + self.host_current)
+
+    def _snapshot(self, total: int, totals: dict[Category, int]) -> Peak:
+        return Peak(total, {c.value: n for c, n in totals.items()}, self.phase, self._stack[-1] if self._stack else "")
 
     def _forget(self, key: int, _ref: object) -> None:
         with self._lock:
             record = self._records.pop(key, None)
             self._refs.pop(key, None)
-            if record is not None:
+            if record is None:
+                return
+            if record.host:
+                self.host_totals[record.category] -= record.nbytes
+                self.host_current -= record.nbytes
+            else:
                 self.totals[record.category] -= record.nbytes
                 self.current -= record.nbytes
 
@@ -140,7 +182,8 @@ class Accountant(TorchDispatchMode):
         """Count the storages of ``tensors`` under ``category`` from now on."""
         for tensor in tensors:
             if isinstance(tensor, torch.Tensor):
-                self._track(tensor.untyped_storage(), category, override=True)
+                storage, host = _storage(tensor)
+                self._track(storage, category, override=True, host=host)
 
     def comm_buffer(self, tensor: torch.Tensor) -> None:
         """A buffer handed to a collective: scratch made for it becomes a communication buffer."""
@@ -152,9 +195,23 @@ class Accountant(TorchDispatchMode):
         """Start a new peak from what is alive now."""
         self.peak = Peak(self.current, {c.value: n for c, n in self.totals.items()}, self.phase, "")
 
+    @contextlib.contextmanager
+    def in_host_memory(self) -> Iterator[None]:
+        """Count every storage created in the block as host memory: a model built on the CPU and wrapped there by
+        a strategy that offloads it (FSDP with ``cpu_offload`` flattens and shards in host memory)."""
+        self._new_on_host = True
+        try:
+            yield
+        finally:
+            self._new_on_host = False
+
     def state_bytes(self) -> int:
-        """Bytes alive now in the categories that stay between steps."""
+        """Device bytes alive now in the categories that stay between steps."""
         return sum(self.totals[c] for c in STATE)
+
+    def host_state_bytes(self) -> int:
+        """Host bytes (offloaded state) alive now in the categories that stay between steps."""
+        return sum(self.host_totals[c] for c in STATE)
 
     def name_modules(self, model: nn.Module) -> None:
         """Report peaks inside ``model``'s modules by their qualified names."""
@@ -171,18 +228,31 @@ class Accountant(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        handled, out = self.meta_data.intercept(func, args, kwargs)
-        if not handled:
-            out = func(*args, **kwargs)
+        if func is TO_HOST and args[0].device.type == "meta":  # offload in a meta run: host memory, not allocated
+            out: Any = host_copy(args[0], args[1] if len(args) > 1 else kwargs.get("dtype"))
+        else:
+            handled, out = self.meta_data.intercept(func, args, kwargs)
+            if not handled:
+                out = func(*args, **kwargs)
+        self._count_transfer(func, args, out)
         category = self._category_now()
         for tensor in tree_flatten(out)[0]:
-            if type(tensor) in (torch.Tensor, nn.Parameter):
+            if type(tensor) in _COUNTED:
                 try:
-                    storage = tensor.untyped_storage()
+                    storage, host = _storage(tensor)
                 except (RuntimeError, NotImplementedError):
                     continue
-                self._track(storage, category)
+                self._track(storage, category, host=host)
         return out
+
+    def _count_transfer(self, func: Any, args: Any, out: Any) -> None:
+        """Bytes crossing between host memory and the device: offloads down, uploads (and copies into) up."""
+        if func is TO_HOST and isinstance(out, HostTensor):
+            self.transfers["to_host"] += out.nbytes
+        elif func is aten._to_copy.default and isinstance(args[0], HostTensor) and not isinstance(out, HostTensor):
+            self.transfers["to_device"] += out.nbytes
+        elif func is aten.copy_.default and isinstance(args[0], HostTensor) != isinstance(args[1], HostTensor):
+            self.transfers["to_host" if isinstance(args[0], HostTensor) else "to_device"] += args[0].nbytes
 
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
         self.label(module.parameters(recurse=False), Category.PARAMETERS)

@@ -1,11 +1,14 @@
 """Planned against measured: the planner's rank 0 beside a real gloo run's, for a workload and strategies.
 
 Memory is compared with torch's ``MemTracker`` (peak) and the real tensors (state). Traffic is compared with
-shardkit's comm meter in the real run, plus, for the strategies built on torch DDP, DDP's own gradient
-all-reduce (which the meter cannot see; :func:`shardkit.bench.comm.ddp_allreduce_bytes`, the volume the
-benchmarks add for it). The real run is on gloo, so the planner plans a gloo run (``backend="gloo"``): it takes
-the CPU paths the real ranks take (OSS's parameter sends from each owner, ShardedDataParallel's reduce by sends
-at two ranks, FSDP's direct exchanges), with their receive buffers, and rank 0 sends what the real rank 0 sends.
+shardkit's comm meter in the real run, plus, for the strategies built on torch DDP, DDP's own gradient all-reduce
+(which the meter cannot see; :func:`shardkit.bench.comm.ddp_allreduce_bytes`, the volume the benchmarks add for it).
+The real run is on the CPU, where device and host memory are one memory, so the planned peak compared is that of
+both together (:attr:`~shardkit.plan.api.Estimate.total_peak_bytes`; the device peak when nothing is offloaded) and
+the planned state is the device's plus the host's. The real run is on gloo, so the planner plans a gloo run
+(``backend="gloo"``): it takes the CPU paths the real ranks take (OSS's parameter sends from each owner,
+ShardedDataParallel's reduce by sends at two ranks, FSDP's direct exchanges), with their receive buffers, and rank 0
+sends what the real rank 0 sends.
 
 Example::
 
@@ -108,9 +111,9 @@ def compare(work: Workload, strategies: Sequence[str], world_size: int, label: s
                 label or work.kind,
                 name,
                 world_size,
-                est.peak_bytes,
+                est.total_peak_bytes,  # a CPU run has one memory: with offload, the device's and the host's
                 ranks[0].peak_bytes,
-                est.state_bytes,
+                est.state_bytes + est.host.state_bytes,
                 ranks[0].state_bytes,
                 sum(est.comm_bytes.values()),
                 _real_comm(ranks[0].comm_wire_bytes, torch_bytes),

@@ -31,10 +31,29 @@ from shardkit.plan.accountant import HostMemoryExceeded
 from shardkit.plan.cost import DeviceSpec, LinkSpec, step_seconds, wire_bytes
 from shardkit.plan.peerless import PLANNED_BACKENDS
 from shardkit.plan.runner import PHASES, LossFn, PlanError, RankRun, default_loss, run_rank, warmup_steps
-from shardkit.plan.strategies import PIPELINE, OptionError, get
+from shardkit.plan.strategies import PIPELINE, OptionError, get, offload_options
 
 #: Share of this machine's memory a CPU fallback run may use.
 HOST_FRACTION = 0.25
+
+
+@dataclass(frozen=True)
+class HostMemory:
+    """What one rank keeps in host (CPU) memory: state offloaded by the strategy (FSDP's ``cpu_offload``).
+
+    Zero everywhere for a strategy that offloads nothing.
+    """
+
+    #: Highest host bytes alive over the planned steps, by category and phase at that peak (``"setup"``: the
+    #: model is built and wrapped in host memory).
+    peak_bytes: int = 0
+    peak_breakdown: Mapping[str, int] = field(default_factory=dict)
+    peak_phase: str = ""
+    #: Parameters + gradients + optimizer state in host memory between steps.
+    state_bytes: int = 0
+    #: Bytes copied per step into host memory (gradient shards) and onto the device (parameter shards).
+    to_host_bytes: int = 0
+    to_device_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -45,9 +64,9 @@ class Estimate:
     world_size: int
     #: ``"meta"`` (nothing allocated) or ``"cpu"`` (a fallback run on real tensors; see ``notes``).
     device: str
-    #: Highest bytes alive over the two planned steps (forward, backward and optimizer step).
+    #: Highest device bytes alive over the planned steps (forward, backward and optimizer step).
     peak_bytes: int
-    #: Parameters + gradients + optimizer state after the step (what stays between steps).
+    #: Parameters + gradients + optimizer state on the device after the step (what stays between steps).
     state_bytes: int
     #: Bytes by category at the peak: parameters, gradients, optimizer_state, activations, comm_buffers,
     #: temporaries.
@@ -71,11 +90,17 @@ class Estimate:
     phase_seconds: Mapping[str, float]
     #: FLOPs of one step on this rank.
     flops: float
+    #: Host memory: offloaded state and the copies between host and device (zeros without offload).
+    host: HostMemory = field(default_factory=HostMemory)
+    #: The peak of device and host memory together (one memory, as in a CPU run; ``peak_bytes`` without offload).
+    total_peak_bytes: int = 0
     notes: tuple[str, ...] = field(default=())
 
-    def fits(self, memory_bytes: int) -> bool:
-        """Whether the peak fits in ``memory_bytes`` per device."""
-        return self.peak_bytes <= memory_bytes
+    def fits(self, memory_bytes: int, host_memory_bytes: Optional[int] = None) -> bool:
+        """Whether the peak fits in ``memory_bytes`` per device (and the offloaded state in ``host_memory_bytes``
+        of host memory per rank, when given)."""
+        host_fits = host_memory_bytes is None or self.host.peak_bytes <= host_memory_bytes
+        return self.peak_bytes <= memory_bytes and host_fits
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data for JSON."""
@@ -87,9 +112,15 @@ class Estimate:
         parts = ", ".join(f"{k} {v / gib:.2f}" for k, v in self.peak_breakdown.items() if v)
         comm = ", ".join(f"{k} {v / gib:.3f}" for k, v in self.comm_bytes.items()) or "none"
         where = f"{self.peak_phase}" + (f" in {self.peak_module}" if self.peak_module else "")
+        host = (
+            f"; host peak {self.host.peak_bytes / gib:.2f} GiB, state {self.host.state_bytes / gib:.2f} GiB"
+            if self.host.peak_bytes
+            else ""
+        )
         return (
             f"{self.strategy} x{self.world_size}: peak {self.peak_bytes / gib:.2f} GiB at {where} ({parts}); "
-            f"state {self.state_bytes / gib:.2f} GiB; sends {comm} GiB/step; step {self.step_seconds * 1e3:.1f} ms"
+            f"state {self.state_bytes / gib:.2f} GiB{host}; sends {comm} GiB/step; "
+            f"step {self.step_seconds * 1e3:.1f} ms"
         )
 
 
@@ -151,6 +182,7 @@ def _plan_on(
         nprocs_per_node,
         warmup=warmup_steps(strategy),
         backend=backend,
+        build_in_host_memory=bool(offload_options(strategy, strategy_options)),
     )
 
 
@@ -162,6 +194,14 @@ def _run(*args: Any) -> RankRun:
         raise
     except Exception as exc:  # anything the model or strategy cannot do on meta: try real tensors
         meta_error = exc
+    offloaded = offload_options(args[3], args[7])
+    if offloaded:
+        raise PlanError(
+            f"CPU offload ({', '.join(offloaded)}) is planned on the meta device only (on CPU the offloaded state "
+            f"and the device's would be one memory), and this model does not run there "
+            f"({type(meta_error).__name__}: {meta_error}): make model_fn build under torch.device('meta'), or plan "
+            "without offload"
+        ) from meta_error
     try:
         run = _plan_on(torch.device("cpu"), *args)
     except HostMemoryExceeded as exc:
@@ -300,8 +340,14 @@ def _estimate_from(
     with_nodes = nprocs_per_node is not None
     inter = _sum_kinds({name: run.phases[name].inter_node_bytes for name in by_phase}) if with_nodes else {}
     seconds = step_seconds(
-        run.flops["total"], run.phases, run.state_bytes, world_size, device, link, with_nodes, bubble
-    )
+        run.flops["total"], run.phases, run.state_bytes, world_size, device, link, with_nodes, bubble,
+        run.host_state_bytes,
+    )  # fmt: skip
+    copies = _sum_kinds({name: phase.host_copy_bytes for name, phase in run.phases.items()})
+    host = HostMemory(
+        run.host_peak_bytes, run.host_peak_by_category, run.host_peak_phase, run.host_state_bytes,
+        copies.get("to_host", 0), copies.get("to_device", 0),
+    )  # fmt: skip
     return Estimate(
         strategy=strategy,
         world_size=world_size,
@@ -319,8 +365,10 @@ def _estimate_from(
         step_seconds=seconds["step"],
         phase_seconds={k: v for k, v in seconds.items() if k != "step"},
         flops=run.flops["total"],
+        host=host,
+        total_peak_bytes=run.total_peak_bytes or run.peak_bytes,
         notes=run.notes,
     )
 
 
-__all__ = ["Estimate", "estimate"]
+__all__ = ["Estimate", "HostMemory", "estimate"]

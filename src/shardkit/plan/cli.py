@@ -80,6 +80,13 @@ SETTINGS = (
     Setting("zero3 (fsdp, reshard)", "fsdp", {"reshard_after_forward": True}),
     Setting("zero3 (fsdp, no reshard)", "fsdp", {"reshard_after_forward": False}),
     Setting("zero3 (fsdp) + act. ckpt", "fsdp", {"reshard_after_forward": True}, checkpointing=True),
+    Setting("zero3 (fsdp) + cpu offload", "fsdp", {"reshard_after_forward": True, "cpu_offload": True}),
+    Setting(
+        "zero3 (fsdp) + offload + act. ckpt",
+        "fsdp",
+        {"reshard_after_forward": True, "cpu_offload": True},
+        checkpointing=True,
+    ),
     Setting("slowmo", "slowmo", {}),
     Setting("zero1 hybrid (oss_ddp)", "oss_ddp", {"hybrid": True}, needs_nodes=True),
     Setting("zero2 hybrid (oss_sdp)", "oss_sdp", {"hybrid": True}, needs_nodes=True),
@@ -131,6 +138,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--nprocs-per-node", type=int, default=None, help="ranks per node (intra/inter-node bytes)")
     p.add_argument("--strategies", default=None, help="comma-separated subset: ddp,oss_ddp,oss_sdp,fsdp,slowmo,smp")
     p.add_argument("--device-memory", type=parse_bytes, default=parse_bytes("80GiB"), help="memory per device")
+    p.add_argument(
+        "--host-memory",
+        type=parse_bytes,
+        default=parse_bytes("256GiB"),
+        help="host (CPU) memory per rank for offloaded state (default 256GiB: 2 TiB per node of 8)",
+    )
+    p.add_argument("--host-link-gbytes", type=float, default=25.0, help="GB/s between host memory and a device")
     p.add_argument("--device-tflops", type=float, default=300.0, help="sustained TFLOP/s per device")
     p.add_argument("--link-gbytes", type=float, default=25.0, help="GB/s each rank sends between nodes")
     p.add_argument("--intra-gbytes", type=float, default=150.0, help="GB/s each rank sends inside its node")
@@ -208,30 +222,41 @@ def plan_all(
     return results, failed
 
 
-def _table(results: list[tuple[Setting, Estimate]], memory: int) -> str:
+def _table(results: list[tuple[Setting, Estimate]], memory: int, host_memory: Optional[int] = None) -> str:
     gib = 2**30
     lines = [
-        f"{'world':>5}  {'setting':<32} {'peak GiB':>9} {'state GiB':>9} {'sends GiB':>9} {'inter GiB':>9} "
-        f"{'step ms':>9}  fits"
+        f"{'world':>5}  {'setting':<36} {'peak GiB':>9} {'state GiB':>9} {'host GiB':>9} {'sends GiB':>9} "
+        f"{'inter GiB':>9} {'step ms':>9}  fits"
     ]
-    for setting, est in sorted(results, key=lambda r: (r[1].world_size, not r[1].fits(memory), r[1].step_seconds)):
+
+    def order(result: tuple[Setting, Estimate]) -> tuple[int, bool, float]:
+        est = result[1]
+        return est.world_size, not est.fits(memory, host_memory), est.step_seconds
+
+    for setting, est in sorted(results, key=order):
         sends = sum(est.comm_bytes.values()) / gib
         inter = f"{sum(est.inter_node_bytes.values()) / gib:>9.3f}" if est.nprocs_per_node else f"{'-':>9}"
+        host = f"{est.host.peak_bytes / gib:>9.2f}" if est.host.peak_bytes else f"{'-':>9}"
         lines.append(
-            f"{est.world_size:>5}  {setting.label:<32} {est.peak_bytes / gib:>9.2f} {est.state_bytes / gib:>9.2f} "
-            f"{sends:>9.3f} {inter} {est.step_seconds * 1e3:>9.1f}  {'yes' if est.fits(memory) else 'no'}"
+            f"{est.world_size:>5}  {setting.label:<36} {est.peak_bytes / gib:>9.2f} {est.state_bytes / gib:>9.2f} "
+            f"{host} {sends:>9.3f} {inter} {est.step_seconds * 1e3:>9.1f}  "
+            f"{'yes' if est.fits(memory, host_memory) else 'no'}"
         )
     return "\n".join(lines)
 
 
-def recommend(results: list[tuple[Setting, Estimate]], memory: int, world_size: int) -> str:
-    """The fastest setting that fits at ``world_size``, and why."""
+def recommend(
+    results: list[tuple[Setting, Estimate]], memory: int, world_size: int, host_memory: Optional[int] = None
+) -> str:
+    """The fastest setting that fits at ``world_size`` (device memory ``memory``; offloaded state within
+    ``host_memory`` per rank when given), and why."""
     # SlowMo trains a different algorithm (local SGD between nodes), so it is listed but never picked for you.
-    fitting = sorted((r for r in results if r[1].world_size == world_size and r[1].fits(memory)
+    fitting = sorted((r for r in results if r[1].world_size == world_size and r[1].fits(memory, host_memory)
                       and r[0].strategy != "slowmo"),
                      key=lambda r: r[1].step_seconds)  # fmt: skip
     if not fitting:
-        return f"world size {world_size}: nothing fits in {memory / 2**30:.0f} GiB per device"
+        host = f" and {host_memory / 2**30:.0f} GiB of host memory per rank" if host_memory is not None else ""
+        return f"world size {world_size}: nothing fits in {memory / 2**30:.0f} GiB per device{host}"
     best, est = fitting[0]
     why = f"the fastest predicted step ({est.step_seconds * 1e3:.1f} ms) among the {len(fitting)} settings that fit"
     if len(fitting) > 1:
@@ -276,7 +301,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     settings = [s for s in SETTINGS if names is None or s.strategy in names]
     if names is not None and not settings:
         parser.error(f"no known strategy in {args.strategies!r}; choose from ddp,oss_ddp,oss_sdp,fsdp,slowmo,smp")
-    device = DeviceSpec(flops_per_s=args.device_tflops * 1e12, memory_bytes=args.device_memory)
+    device = DeviceSpec(
+        flops_per_s=args.device_tflops * 1e12,
+        memory_bytes=args.device_memory,
+        host_link_bytes_per_s=args.host_link_gbytes * 1e9,
+    )
     link = LinkSpec(
         bytes_per_s=args.link_gbytes * 1e9,
         intra_bytes_per_s=args.intra_gbytes * 1e9,
@@ -287,13 +316,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     except (ValueError, TypeError, NotImplementedError) as exc:
         print(f"shardkit plan: {exc}", file=sys.stderr)
         return 2
-    print(_table(results, args.device_memory))
+    print(_table(results, args.device_memory, args.host_memory))
     for line in failed:
         print(f"not planned: {line}")
-    hybrid = "" if args.nprocs_per_node else ", hybrid sharding (give --nprocs-per-node)"
-    print(f"not planned here: CPU offload (it would allocate the offloaded state in this machine's memory){hybrid}")
+    if not args.nprocs_per_node:
+        print("not planned here: hybrid sharding (give --nprocs-per-node)")
     for ws in args.world_sizes:
-        print(recommend(results, args.device_memory, ws))
+        print(recommend(results, args.device_memory, ws, args.host_memory))
     if args.json:
         with open(args.json, "w") as f:
             json.dump([{"setting": s.label, **e.to_dict()} for s, e in results], f, indent=1)

@@ -15,7 +15,11 @@ collectives it issued (bytes each rank sends, ring model, and how many calls) an
   micro-batches every stage idles ``p - 1`` micro-batch slots, so forward and backward take ``(m + p - 1) / m``
   times their busy time;
 - the optimizer phase is memory-bound: it reads and writes the rank's parameters, gradients and optimizer state
-  once at ``DeviceSpec.memory_bytes_per_s``, then its collectives (OSS's parameter exchange) run exposed.
+  once at ``DeviceSpec.memory_bytes_per_s``, then its collectives (OSS's parameter exchange) run exposed;
+- CPU offload: state in host memory is stepped by the CPU, read and written once at
+  ``DeviceSpec.host_memory_bytes_per_s`` (after the device's part); the copies between host and device cross
+  ``DeviceSpec.host_link_bytes_per_s`` and, like collectives, overlap their phase's compute (FSDP uploads a shard
+  on its gather stream and downloads a gradient on its reduce stream).
 
 It is a first-order model for ranking strategies against each other, not a timing: measured steps also pay for
 kernel launches, the first gather that nothing hides, and links shared by several ranks.
@@ -41,6 +45,7 @@ class PhaseBytes(Protocol):
     torch_payload_bytes: dict[str, int]
     torch_calls: dict[str, int]
     inter_node_bytes: dict[str, int]
+    host_copy_bytes: dict[str, int]
 
 
 @dataclass(frozen=True)
@@ -53,9 +58,16 @@ class DeviceSpec:
     memory_bytes_per_s: float = 3e12
     #: Memory per device in bytes (default 80 GiB).
     memory_bytes: int = 80 * 2**30
+    #: Bytes/s between host memory and the device, each way (default 25 GB/s: what a PCIe 4.0 x16 link sustains
+    #: of its 32 GB/s).
+    host_link_bytes_per_s: float = 25e9
+    #: Host memory bandwidth one rank's CPU optimizer step gets (default 50 GB/s: a two-socket server's
+    #: ~400 GB/s shared by eight ranks).
+    host_memory_bytes_per_s: float = 50e9
 
     def __post_init__(self) -> None:
-        for name in ("flops_per_s", "memory_bytes_per_s", "memory_bytes"):
+        for name in ("flops_per_s", "memory_bytes_per_s", "memory_bytes", "host_link_bytes_per_s",
+                     "host_memory_bytes_per_s"):  # fmt: skip
             if not getattr(self, name) > 0:
                 raise ValueError(f"DeviceSpec.{name} must be > 0, got {getattr(self, name)!r}")
 
@@ -102,6 +114,13 @@ def comm_seconds(phase: PhaseBytes, world_size: int, link: LinkSpec, with_nodes:
     return inter / link.bytes_per_s + (total - inter) / link.intra_bytes_per_s + calls * link.latency_s
 
 
+def _copy_seconds(phase: PhaseBytes | None, device: DeviceSpec) -> float:
+    """Time of a phase's copies between host and device (the busier direction: the link is full-duplex)."""
+    if phase is None or not phase.host_copy_bytes:
+        return 0.0
+    return max(phase.host_copy_bytes.values()) / device.host_link_bytes_per_s
+
+
 def step_seconds(
     flops: float,
     phases: Mapping[str, PhaseBytes],
@@ -111,18 +130,28 @@ def step_seconds(
     link: LinkSpec,
     with_nodes: bool = False,
     bubble: float = 1.0,
+    host_state_bytes: int = 0,
 ) -> dict[str, float]:
     """Predicted seconds per phase and in total (``"step"``), by the model in the module docstring.
 
     ``bubble`` stretches forward and backward for a pipeline: ``(microbatches + partitions - 1) / microbatches``.
+    ``host_state_bytes``: the part of the state offloaded to host memory (the CPU steps it).
     """
     compute = {"forward": flops / 3 / device.flops_per_s, "backward": 2 * flops / 3 / device.flops_per_s}
     out: dict[str, float] = {}
     for name in ("forward", "backward"):
-        comm = comm_seconds(phases[name], world_size, link, with_nodes) if name in phases else 0.0
-        out[name] = max(compute[name], comm) * bubble
-    optimizer_comm = comm_seconds(phases["optimizer"], world_size, link, with_nodes) if "optimizer" in phases else 0.0
-    out["optimizer"] = 2 * state_bytes / device.memory_bytes_per_s + optimizer_comm
+        phase = phases.get(name)
+        comm = comm_seconds(phase, world_size, link, with_nodes) if phase is not None else 0.0
+        copies = _copy_seconds(phase, device)
+        out[name] = max(compute[name], comm, copies) * bubble
+    optimizer = phases.get("optimizer")
+    optimizer_comm = comm_seconds(optimizer, world_size, link, with_nodes) if optimizer is not None else 0.0
+    out["optimizer"] = (
+        2 * state_bytes / device.memory_bytes_per_s
+        + 2 * host_state_bytes / device.host_memory_bytes_per_s
+        + optimizer_comm
+        + _copy_seconds(optimizer, device)
+    )
     out["step"] = out["forward"] + out["backward"] + out["optimizer"]
     return out
 

@@ -60,6 +60,8 @@ class PhaseTraffic:
     torch_calls: dict[str, int] = field(default_factory=dict)
     #: The part of ``wire_bytes`` that crosses nodes, per kind (empty without a node layout).
     inter_node_bytes: dict[str, int] = field(default_factory=dict)
+    #: Bytes copied into host memory (``"to_host"``) and back onto the device (``"to_device"``): CPU offload.
+    host_copy_bytes: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -75,6 +77,13 @@ class RankRun:
     state_by_category: dict[str, int]
     phases: dict[str, PhaseTraffic]
     flops: dict[str, float]
+    #: Host memory (state offloaded to the CPU): its peak, by category at that peak, and what stays between steps.
+    host_peak_bytes: int = 0
+    host_peak_by_category: dict[str, int] = field(default_factory=dict)
+    host_peak_phase: str = ""
+    host_state_bytes: int = 0
+    #: The peak of device and host memory together (one memory, as in a CPU run).
+    total_peak_bytes: int = 0
     #: How the run went where it differs from the plan (a CPU fallback).
     notes: tuple[str, ...] = ()
 
@@ -117,6 +126,7 @@ def _diff(after: Mapping[str, int], before: Mapping[str, int]) -> dict[str, int]
 def _phase(acct: Accountant, name: str, traffic: TorchTraffic, out: dict[str, PhaseTraffic]) -> Iterator[None]:
     acct.phase = name
     before_payload, before_calls = dict(traffic.payload_bytes), dict(traffic.calls)
+    before_copies = dict(acct.transfers)
     with count_comm_bytes(CommMeter()) as meter:
         yield
     torch_payload = _diff(traffic.payload_bytes, before_payload)
@@ -141,6 +151,7 @@ def _phase(acct: Accountant, name: str, traffic: TorchTraffic, out: dict[str, Ph
         torch_payload,
         {k: v for k, v in torch_calls.items() if v and k != "send"},
         inter,
+        _diff(acct.transfers, before_copies),
     )
 
 
@@ -220,16 +231,20 @@ def run_rank(
     mailbox: Optional[Mailbox] = None,
     warmup: int = 2,
     backend: str = "nccl",
+    build_in_host_memory: bool = False,
 ) -> RankRun:
     """Build, wrap and train ``rank`` of ``world_size`` on ``device`` for a few steps; see the module docstring.
 
     ``forward_backward`` replaces ``loss_fn(model(*batch), batch).backward()`` (a pipeline's schedule);
-    ``backend`` is the planned run's (see :func:`~shardkit.plan.peerless.peerless_world`).
+    ``backend`` is the planned run's (see :func:`~shardkit.plan.peerless.peerless_world`);
+    ``build_in_host_memory``: the model is built and wrapped in host memory (the strategy offloads to the CPU), so
+    none of it counts as device memory until the strategy moves it there.
     """
     with peerless_world(world_size, rank, mailbox, backend) as traffic, _nodes(nprocs_per_node) as topology:
         return _run_steps(
-            device, build_model, wrap, batch, loss_fn, traffic, topology, host_limit_bytes, forward_backward, warmup
-        )
+            device, build_model, wrap, batch, loss_fn, traffic, topology, host_limit_bytes, forward_backward, warmup,
+            build_in_host_memory,
+        )  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -265,14 +280,16 @@ def _run_steps(
     host_limit_bytes: Optional[int],
     forward_backward: Optional[ForwardBackward],
     warmup: int,
+    build_in_host_memory: bool = False,
 ) -> RankRun:
     phases: dict[str, PhaseTraffic] = {}
     with Accountant(limit_bytes=host_limit_bytes) as acct:
         traffic.on_buffer = acct.comm_buffer
-        with torch.device(device):
-            model = build_model()
-        acct.name_modules(model)
-        built = wrap(model, topology)
+        with acct.in_host_memory() if build_in_host_memory else contextlib.nullcontext():
+            with torch.device(device):
+                model = build_model()
+            acct.name_modules(model)
+            built = wrap(model, topology)
         acct.name_modules(built[0])
         batch = _to_device(batch, device)
         for _ in range(warmup):
@@ -285,11 +302,14 @@ def _run_steps(
         flops["total"] = float(flop_counter.get_total_flops())
         state_bytes = acct.state_bytes()
         state: dict[str, int] = {c.value: acct.totals[c] for c in STATE}
-        peak = acct.peak
+        peak, host_peak = acct.peak, acct.host_peak
+        host_state = acct.host_state_bytes()
         built[1].zero_grad()
     return RankRun(
-        device.type, peak.total, peak.by_category, peak.phase, peak.module, state_bytes, state, phases, flops
-    )
+        device.type, peak.total, peak.by_category, peak.phase, peak.module, state_bytes, state, phases, flops,
+        host_peak.total, host_peak.by_category if host_peak.total else {}, host_peak.phase, host_state,
+        acct.total_peak,
+    )  # fmt: skip
 
 
 __all__ = [

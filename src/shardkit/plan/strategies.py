@@ -27,8 +27,15 @@ class OptionError(ValueError):
     """A strategy option that the strategy does not take, or an unknown strategy."""
 
 
-#: FSDP options that move state to host memory, which the planner does not model.
+#: FSDP options that move state to host memory (planned on the meta device only: :mod:`shardkit.plan.host`).
 _OFFLOAD_OPTIONS = ("cpu_offload", "move_params_to_cpu", "move_grads_to_cpu")
+
+
+def offload_options(strategy: str, options: Mapping[str, Any]) -> list[str]:
+    """The options in ``options`` that offload ``strategy``'s state to host memory (empty for none)."""
+    if strategy != "fsdp":
+        return []
+    return sorted(name for name in _OFFLOAD_OPTIONS if options.get(name))
 
 
 def _nothing() -> None:
@@ -145,14 +152,6 @@ def _build_fsdp(
     fsdp_opts = dict(opts)
     policy = fsdp_opts.pop("auto_wrap_policy", "blocks")
     _check_options("fsdp", FullyShardedDataParallel.__init__, fsdp_opts, ("auto_wrap_policy",))
-    offloaded = sorted(name for name in _OFFLOAD_OPTIONS if fsdp_opts.get(name))
-    if offloaded:
-        # On the meta device the offloaded state would never leave the planned device, so the estimate would
-        # silently equal the one without offload: refuse rather than report a number that is wrong.
-        raise OptionError(
-            f"fsdp {', '.join(offloaded)}: CPU offload is not planned (the estimate does not tell host memory from "
-            "device memory). Plan without it: the estimate without offload bounds the device memory from above."
-        )
     if isinstance(fsdp_opts.get("sharding_strategy"), str):  # a name, as JSON and the command line give it
         from shardkit.nn import ShardingStrategy
 
@@ -225,4 +224,4 @@ def get(name: str) -> PlanStrategy:
         raise OptionError(f"unknown strategy {name!r}; shardkit.plan knows: {known}") from None
 
 
-__all__ = ["PIPELINE", "STRATEGIES", "OptionError", "PlanStrategy", "block_classes", "get"]
+__all__ = ["PIPELINE", "STRATEGIES", "OptionError", "PlanStrategy", "block_classes", "get", "offload_options"]

@@ -18,6 +18,7 @@ from torch import nn
 
 from shardkit.distributed.groups import GroupLike, group_size
 from shardkit.distributed.objects import all_gather_objects
+from shardkit.memory.offload import to_host
 from shardkit.nn.fsdp import _collectives
 from shardkit.nn.fsdp.comm_context import CommContext
 from shardkit.nn.fsdp.flat_param import ParamLocation, build_meta
@@ -146,8 +147,7 @@ def _shard_tensor(local: torch.Tensor, policies: FSDPPolicies, compute_device: t
     uploads can overlap compute), else where the parameters are."""
     if not policies.offload.offload_params:
         return local.clone()
-    shard = local.to("cpu", copy=True)
-    return shard.pin_memory() if compute_device.type == "cuda" else shard
+    return to_host(local, pin=compute_device.type == "cuda")
 
 
 class ParamGroup:

@@ -30,6 +30,7 @@ from torch import nn
 from shardkit import memory
 from shardkit.distributed.collectives import Handle
 from shardkit.distributed.groups import GroupLike
+from shardkit.memory.offload import to_host
 from shardkit.nn.fsdp import _collectives
 from shardkit.nn.fsdp.comm_context import CommContext, join
 
@@ -115,6 +116,8 @@ class PendingReduce:
             target = torch.empty(shard.shape, dtype=shard.dtype, pin_memory=True)
             target.copy_(grad, non_blocking=True)
             grad, copying = target, True
+        elif grad.device != shard.device and shard.device.type == "cpu":
+            grad = to_host(grad, shard.dtype)  # the shard lives in host memory (CPU offload)
         elif grad.device != shard.device or grad.dtype != shard.dtype:
             grad = grad.to(shard.device, shard.dtype)
         if shard.grad is None:
