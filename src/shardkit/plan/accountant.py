@@ -38,6 +38,8 @@ from shardkit.plan.host import HostTensor, host_copy
 from shardkit.plan.oracle import MetaData
 
 aten = torch.ops.aten
+#: ``aten::_to_copy`` (a copy to another device or dtype), matched by its registered name.
+_COPY_TO = "aten::_to_copy"
 
 
 class Category(str, enum.Enum):
@@ -249,7 +251,7 @@ class Accountant(TorchDispatchMode):
         """Bytes crossing between host memory and the device: offloads down, uploads (and copies into) up."""
         if func is TO_HOST and isinstance(out, HostTensor):
             self.transfers["to_host"] += out.nbytes
-        elif func is aten._to_copy.default and isinstance(args[0], HostTensor) and not isinstance(out, HostTensor):
+        elif func.name() == _COPY_TO and isinstance(args[0], HostTensor) and not isinstance(out, HostTensor):
             self.transfers["to_device"] += out.nbytes
         elif func is aten.copy_.default and isinstance(args[0], HostTensor) != isinstance(args[1], HostTensor):
             self.transfers["to_host" if isinstance(args[0], HostTensor) else "to_device"] += args[0].nbytes

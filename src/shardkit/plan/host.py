@@ -24,6 +24,8 @@ from typing import Any, Optional
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
+from shardkit.utils.wrapper_tensor import NO_TORCH_FUNCTION, new_wrapper
+
 aten = torch.ops.aten
 
 
@@ -36,20 +38,20 @@ class HostTensor(torch.Tensor):
     def __new__(cls, meta_tensor: torch.Tensor) -> HostTensor:
         if meta_tensor.device.type != "meta":
             raise ValueError(f"HostTensor stands in for host memory in a meta run; got a {meta_tensor.device} tensor")
-        out = torch.Tensor._make_wrapper_subclass(
+        out = new_wrapper(
             cls,
             meta_tensor.shape,
-            strides=meta_tensor.stride(),
-            storage_offset=meta_tensor.storage_offset(),
-            dtype=meta_tensor.dtype,
-            device=torch.device("cpu"),
-            requires_grad=meta_tensor.requires_grad,
+            meta_tensor.dtype,
+            torch.device("cpu"),
+            meta_tensor.requires_grad,
+            meta_tensor.stride(),
+            int(meta_tensor.storage_offset()),
         )
         out.meta_tensor = meta_tensor
         return out
 
     # Every operator goes to __torch_dispatch__, below autograd.
-    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+    __torch_function__ = NO_TORCH_FUNCTION
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]  # the default reads data
         return f"HostTensor(shape={tuple(self.shape)}, dtype={self.dtype})"

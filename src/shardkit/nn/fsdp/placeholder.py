@@ -18,6 +18,8 @@ from typing import Any, Optional
 
 import torch
 
+from shardkit.utils.wrapper_tensor import NO_TORCH_FUNCTION, new_wrapper
+
 
 class ShardedParamPlaceholder(torch.Tensor):
     """Stands in for a sharded parameter between steps: right shape, dtype and device; no storage, no values.
@@ -40,15 +42,13 @@ class ShardedParamPlaceholder(torch.Tensor):
     def __new__(
         cls, shape: torch.Size, dtype: torch.dtype, device: torch.device, requires_grad: bool, fqn: str, unit: str
     ) -> ShardedParamPlaceholder:
-        placeholder = torch.Tensor._make_wrapper_subclass(
-            cls, shape, dtype=dtype, device=device, requires_grad=requires_grad
-        )
+        placeholder = new_wrapper(cls, shape, dtype, device, requires_grad)
         placeholder.fqn = fqn
         placeholder.unit_name = unit
         return placeholder
 
     # Metadata (shape, dtype, device, numel, dim) is answered without dispatch; every operator ends up here.
-    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+    __torch_function__ = NO_TORCH_FUNCTION
 
     @classmethod
     def __torch_dispatch__(  # type: ignore[override]
