@@ -48,7 +48,7 @@ def test_host_tensors_report_the_cpu_allocate_nothing_and_are_booked_apart() -> 
         assert acct.host_current == 2 * 4000 and acct.current == 4000 + 2000
         assert acct.transfers == {"to_host": 4000, "to_device": 2000}
         acct.label([host], Category.PARAMETERS)
-        assert acct.host_totals[Category.PARAMETERS] == 4000 and acct.totals[Category.PARAMETERS] == 0
+        assert acct.host.total(Category.PARAMETERS) == 4000 and acct.device.total(Category.PARAMETERS) == 0
         del host, moments
         assert acct.host_current == 0 and acct.host_peak.total == 8000
 

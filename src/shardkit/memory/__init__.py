@@ -14,7 +14,15 @@ Example::
     print(tracker.report())
 """
 
-from shardkit.memory._book import Category, MemorySnapshot
+from shardkit.memory._book import Category, MemoryLimitExceeded, MemorySnapshot, StorageBook
 from shardkit.memory.tracker import MemoryTracker, ModuleMemory, tag
 
-__all__ = ["Category", "MemorySnapshot", "MemoryTracker", "ModuleMemory", "tag"]
+__all__ = [
+    "Category",
+    "MemoryLimitExceeded",
+    "MemorySnapshot",
+    "MemoryTracker",
+    "ModuleMemory",
+    "StorageBook",
+    "tag",
+]

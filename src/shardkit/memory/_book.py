@@ -2,7 +2,8 @@
 
 Each storage is counted once however many tensors view it, by the bytes it holds right now (a storage
 resized to zero, like a freed FSDP full parameter, counts nothing). A weak reference per storage removes its
-bytes when torch frees it, whichever thread drops the last reference, hence the lock.
+bytes when torch frees it, whichever thread drops the last reference, hence the lock. The memory tracker keeps one
+book; the planner (``shardkit.plan``) keeps two, one for the device and one for host memory.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import enum
 import functools
 import threading
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -29,6 +30,8 @@ class Category(str, enum.Enum):
     OPTIMIZER_STATE = "optimizer_state"
     #: Tensors created inside a module's forward (saved for backward, or not yet freed).
     ACTIVATIONS = "activations"
+    #: Buffers made for a collective (the planner tells them apart; the tracker counts them as temporaries).
+    COMM_BUFFERS = "comm_buffers"
     #: Everything else: gradients of activations during backward, communication buffers, scratch.
     TEMPORARIES = "temporaries"
 
@@ -53,6 +56,15 @@ class MemorySnapshot:
         return f"total {self.total / 2**20:.1f} MiB ({', '.join(parts) or 'nothing'})"
 
 
+class MemoryLimitExceeded(MemoryError):
+    """A book grew past the limit it was given."""
+
+    def __init__(self, needed: int, limit: int) -> None:
+        super().__init__(f"needed more than {limit / 2**30:.1f} GiB (reached {needed / 2**30:.1f} GiB)")
+        self.needed = needed
+        self.limit = limit
+
+
 class _Record:
     __slots__ = ("category", "nbytes", "ref")
 
@@ -63,9 +75,15 @@ class _Record:
 
 
 class StorageBook:
-    """Live storages by category, with the current and peak totals."""
+    """Live storages by category, with the current and peak totals.
 
-    def __init__(self) -> None:
+    ``limit_bytes``: raise :class:`MemoryLimitExceeded` when a storage grows the total past it. ``on_peak``: called
+    (under the book's lock) each time the total reaches a new peak, to note where it happened.
+    """
+
+    def __init__(self, limit_bytes: Optional[int] = None, on_peak: Optional[Callable[[], None]] = None) -> None:
+        self.limit_bytes = limit_bytes
+        self._on_peak = on_peak
         self._records: dict[int, _Record] = {}
         self._totals: dict[Category, int] = dict.fromkeys(Category, 0)
         self.current = 0
@@ -90,14 +108,24 @@ class StorageBook:
                 record.category = category
             self._resize(record, storage.nbytes())
 
-    def resized(self, storage: torch.UntypedStorage) -> None:
-        """``storage`` changed size outside any operator (``UntypedStorage.resize_``)."""
+    def resized(self, storage: torch.UntypedStorage, category: Category = Category.TEMPORARIES) -> None:
+        """``storage`` changed size outside any operator (``UntypedStorage.resize_``); an unknown one is counted
+        under ``category``."""
         with self._lock:
             record = self._records.get(id(storage))
             if record is not None:
                 self._resize(record, storage.nbytes())
                 return
-        self.track(storage, Category.TEMPORARIES)
+        self.track(storage, category)
+
+    def category_of(self, storage: torch.UntypedStorage) -> Optional[Category]:
+        """The category ``storage`` is counted under, or None if this book does not hold it."""
+        record = self._records.get(id(storage))
+        return record.category if record is not None else None
+
+    def total(self, category: Category) -> int:
+        """Bytes alive now under ``category``."""
+        return self._totals[category]
 
     def _resize(self, record: _Record, nbytes: int) -> None:
         delta = nbytes - record.nbytes
@@ -105,9 +133,13 @@ class StorageBook:
             record.nbytes = nbytes
             self._totals[record.category] += delta
             self.current += delta
+            if self.limit_bytes is not None and delta > 0 and self.current > self.limit_bytes:
+                raise MemoryLimitExceeded(self.current, self.limit_bytes)
             if self.current > self.peak:
                 self.peak = self.current
                 self._peak_totals = dict(self._totals)
+                if self._on_peak is not None:
+                    self._on_peak()
 
     def _forget_ref(self, key: int, _ref: object) -> None:
         self._forget(key)

@@ -207,7 +207,8 @@ def _run(*args: Any) -> RankRun:
     except HostMemoryExceeded as exc:
         raise PlanError(
             f"the model or strategy does not run on the meta device ({type(meta_error).__name__}: {meta_error}), "
-            f"and on CPU it {exc} ({HOST_FRACTION:.0%} of this machine): make model_fn build under "
+            f"and on CPU it {exc}, past the {HOST_FRACTION:.0%} of this machine's host memory a plan may use: "
+            "make model_fn build under "
             "torch.device('meta') (no data-dependent initialisation) or plan on a machine with more memory"
         ) from meta_error
     except Exception as cpu_error:

@@ -301,7 +301,7 @@ def _run_steps(
             _step(acct, built, batch, loss_fn, traffic, phases, forward_backward)
         flops["total"] = float(flop_counter.get_total_flops())
         state_bytes = acct.state_bytes()
-        state: dict[str, int] = {c.value: acct.totals[c] for c in STATE}
+        state: dict[str, int] = {c.value: acct.device.total(c) for c in STATE}
         peak, host_peak = acct.peak, acct.host_peak
         host_state = acct.host_state_bytes()
         built[1].zero_grad()
