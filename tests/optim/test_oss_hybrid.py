@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from oss_testlib import OPTIMIZERS, batch, tiny_model
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -59,3 +60,21 @@ def test_oss_hybrid_under_ddp_matches_the_unsharded_optimizer() -> None:
     # State is split between the two ranks of a node and repeated on the other node.
     assert results[0][1] + results[1][1] == results[0][2]
     assert (results[0][1], results[1][1]) == (results[2][1], results[3][1])
+
+
+def _node_only_ddp(rank: int, world_size: int) -> bool:
+    topo = Topology.from_env()
+    inner = tiny_model("lm")
+    model = DDP(inner, process_group=topo.intra_group)  # the mistake: gradients averaged inside the node only
+    cls, kwargs = OPTIMIZERS["adamw"]
+    opt = OSS(inner.parameters(), optim=cls, group=topo, **kwargs)
+    x, y = batch("lm", model, rank, 0)  # each rank its own data, as a DistributedSampler gives
+    loss_for("lm", model(x), y).backward()
+    before = [p.detach().clone() for p in inner.parameters()]
+    with pytest.raises(ValueError, match=r"differ between nodes.*over the whole world"):
+        opt.step()
+    return all(torch.equal(p, q) for p, q in zip(before, inner.parameters()))  # nothing stepped
+
+
+def test_oss_hybrid_refuses_gradients_that_differ_between_nodes_on_every_rank() -> None:
+    assert run_distributed(_node_only_ddp, 4, rank_env=TWO_NODES) == [True] * 4

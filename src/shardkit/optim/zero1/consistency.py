@@ -7,15 +7,24 @@ of mismatched sizes hangs. :func:`check_same_params` catches that at constructio
 
 The agreement itself is :func:`shardkit.distributed.model_check.check_same_signatures`, the one every wrapper's
 same-model check runs: one all-gather of a short digest per rank, a second exchange only when they differ.
+
+Hybrid sharding adds a second way to go wrong: the nodes' copies of a shard stay equal only if every node steps
+with the same gradients, which the caller's gradient reduction must provide (torch DDP over the whole job, or
+ShardedDataParallel given the same nodes). A DDP over one node's ranks leaves each node training on its own data
+and the nodes drift apart without an error; :func:`check_replicas_agree` catches that at the first step.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any, Optional
 
+import torch
+
 from shardkit.distributed.groups import GroupLike
 from shardkit.distributed.model_check import TensorSignature, check_same_signatures
+from shardkit.distributed.objects import all_gather_objects
 
 
 def params_signature(param_groups: Sequence[dict[str, Any]]) -> list[TensorSignature]:
@@ -55,3 +64,51 @@ def check_same_params(
             "rank; rank-specific parts need their own process group."
         ),
     )
+
+
+def _grad_digest(grads: Sequence[Optional[torch.Tensor]]) -> list[Optional[float]]:
+    """Each gradient's sum of squares in float64 (None where there is no gradient): equal gradients, equal digests."""
+    present = [g for g in grads if g is not None]
+    sums = torch.stack([g.detach().double().pow(2).sum() for g in present]).tolist() if present else []
+    it = iter(sums)
+    return [None if g is None else float(next(it)) for g in grads]
+
+
+def _same(a: list[Optional[float]], b: list[Optional[float]]) -> bool:
+    return len(a) == len(b) and all(
+        (x is None) == (y is None) and (x is None or y is None or math.isclose(x, y, rel_tol=1e-5, abs_tol=1e-30))
+        for x, y in zip(a, b)
+    )
+
+
+def check_replicas_agree(
+    grads: Sequence[Optional[torch.Tensor]],
+    param_groups: Sequence[dict[str, Any]],
+    replica: GroupLike,
+    group: GroupLike,
+    who: str,
+) -> None:
+    """Raise on every rank unless the gradients of this rank's shard equal those of its replicas on the other nodes.
+
+    ``grads`` are the gradients of the parameters this rank owns; ``replica`` the ranks owning the same shard on the
+    other nodes; ``group`` this node's ranks. One object all-gather of a digest per gradient over ``replica``, then
+    the verdict travels through :func:`check_same_params` over ``group``, so a mismatch on any node fails every rank
+    (no rank goes on into the parameter exchange alone). Run it once, at the first step: a reduction that misses
+    the other nodes shows from the first batch.
+    """
+    error: Optional[Exception] = None
+    try:
+        mine = _grad_digest(grads)
+        seen = all_gather_objects(mine, replica, f"{who}.replica_check")
+        if not all(_same(other, seen[0]) for other in seen):
+            error = ValueError(
+                f"{who}: with hybrid sharding each node keeps a copy of every shard, and the copies stay equal only "
+                "if every node steps with the same gradients, but at the first step the gradients of one shard "
+                f"differ between nodes (per-tensor sums of squares: {[d[:4] for d in seen]}). Average the "
+                "gradients over every rank of the job before step(): wrap the model in torch "
+                "DistributedDataParallel over the whole world (not one node's group), or in ShardedDataParallel "
+                "with the same node description as OSS."
+            )
+    except Exception as exc:  # carried to every rank of the node below
+        error = exc
+    check_same_params(param_groups, group, who, local_error=error)

@@ -14,7 +14,7 @@ from shardkit.distributed.groups import GroupLike, global_rank, group_rank, grou
 from shardkit.distributed.objects import all_gather_objects, gather_objects
 from shardkit.optim.zero1.broadcast import ParamBucket, ParamExchange, buckets_intact, build_buckets
 from shardkit.optim.zero1.clip import sharded_clip_grad_norm
-from shardkit.optim.zero1.consistency import check_same_params
+from shardkit.optim.zero1.consistency import check_replicas_agree, check_same_params
 from shardkit.optim.zero1.hybrid import HybridSpec, agree_across_nodes, shard_and_replica
 from shardkit.optim.zero1.partition import Partition
 from shardkit.optim.zero1.state_dict import (
@@ -155,6 +155,8 @@ class OSS(Optimizer):
         self._synced: list[dict[str, Any]] = [{} for _ in self.param_groups]
         self._sync_param_groups()
         self._buckets: list[ParamBucket] = build_buckets(self._partition, broadcast_fp16, self.broadcast_bucket_bytes)
+        #: Hybrid sharding: whether the first step has checked that the nodes' gradients agree.
+        self._replicas_checked = replica is None
         self._ready = True
 
     # ----------------------------------------------------------------- partition
@@ -266,6 +268,11 @@ class OSS(Optimizer):
             self._repartition()
         self._sync_param_groups()
         self._consolidated = None
+        if not self._replicas_checked:
+            owned = self._partition.owned(self.rank, trainable_only=True)
+            assert self.replica_group is not None
+            check_replicas_agree([p.grad for p in owned], self.param_groups, self.replica_group, self.group, "OSS")
+            self._replicas_checked = True
         exchange = None
         if self.world_size > 1:
             if not buckets_intact(self._buckets):  # a parameter's .data was replaced (module.to(), .half(), ...)
