@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -10,9 +11,12 @@ import torch
 from torch import nn
 
 from shardkit.memory.offload import to_host
+from shardkit.nn.checkpoint.apply import apply_activation_checkpointing
+from shardkit.nn.checkpoint.wrapper import _back_from_host, _to_host_memory
 from shardkit.plan import Estimate, PlanError, estimate
 from shardkit.plan.accountant import Accountant, Category
 from shardkit.plan.host import HostTensor
+from shardkit.plan.strategies import block_classes
 from shardkit.plan.workloads import Workload
 
 WORK = Workload.demo_lm(batch_size=2)
@@ -111,3 +115,35 @@ class _NeedsData(nn.Module):
 def test_offload_of_a_model_that_only_runs_on_cpu_is_a_clear_error() -> None:
     with pytest.raises(PlanError, match="planned on the meta device only"):
         estimate(_NeedsData, (torch.randn(4, 8),), strategy="fsdp", world_size=2, strategy_options=OFFLOAD)
+
+
+def _checkpointed_lm(offload: bool) -> nn.Module:
+    model = WORK.build()
+    blocks = tuple(block_classes(model))
+    apply_activation_checkpointing(model, blocks, offload_to_cpu=offload)
+    return model
+
+
+def test_offloaded_activation_checkpoints_go_down_in_forward_and_come_back_in_backward() -> None:
+    kept, offloaded = (
+        estimate(functools.partial(_checkpointed_lm, off), WORK.batch(), loss_fn=WORK.loss, strategy="ddp",
+                 world_size=2)
+        for off in (False, True)
+    )  # fmt: skip
+    assert kept.host.peak_bytes == 0
+    host = offloaded.host
+    # Every checkpoint's saved inputs: copied down during forward, back up during backward, nothing kept.
+    assert host.to_host_bytes == host.to_device_bytes == host.peak_bytes > 0
+    assert host.peak_phase == "forward" and host.state_bytes == 0
+    assert offloaded.state_bytes == kept.state_bytes and offloaded.comm_bytes == kept.comm_bytes
+    batch, seq = WORK.batch()[0].shape
+    model = WORK.build()
+    blocks, width = len(list(model.get_submodule("blocks").children())), cast(Any, model).cfg.d_model
+    assert host.to_host_bytes == blocks * batch * seq * width * 4  # one block input per checkpoint
+
+
+def test_saved_tensors_round_trip_through_host_memory() -> None:
+    x = torch.randn(3, 4)
+    device, packed = _to_host_memory(x, pin=False)
+    assert device == x.device and packed.data_ptr() != x.data_ptr()
+    assert torch.equal(_back_from_host((device, packed)), x)

@@ -66,6 +66,8 @@ class Setting:
     strategy: str
     options: dict[str, Any]
     checkpointing: bool = False
+    #: With ``checkpointing``: the checkpoints' saved inputs go to host memory (``offload_to_cpu=True``).
+    offload_activations: bool = False
     #: Only planned with a node layout (``--nprocs-per-node``): hybrid sharding.
     needs_nodes: bool = False
     #: The batch is this many ranks' batches: a pipeline replica spans ``partitions`` ranks, so it takes their
@@ -80,6 +82,13 @@ SETTINGS = (
     Setting("zero3 (fsdp, reshard)", "fsdp", {"reshard_after_forward": True}),
     Setting("zero3 (fsdp, no reshard)", "fsdp", {"reshard_after_forward": False}),
     Setting("zero3 (fsdp) + act. ckpt", "fsdp", {"reshard_after_forward": True}, checkpointing=True),
+    Setting(
+        "zero3 (fsdp) + act. ckpt on cpu",
+        "fsdp",
+        {"reshard_after_forward": True},
+        checkpointing=True,
+        offload_activations=True,
+    ),
     Setting("zero3 (fsdp) + cpu offload", "fsdp", {"reshard_after_forward": True, "cpu_offload": True}),
     Setting(
         "zero3 (fsdp) + offload + act. ckpt",
@@ -112,7 +121,7 @@ def pipeline_settings(world_size: int, batch_size: int) -> list[Setting]:
     return out
 
 
-def _checkpointed(build: Any) -> Any:
+def _checkpointed(build: Any, offload: bool = False) -> Any:
     def build_checkpointed() -> Any:
         from shardkit.nn.checkpoint.apply import apply_activation_checkpointing
 
@@ -120,7 +129,7 @@ def _checkpointed(build: Any) -> Any:
         classes = tuple(block_classes(model))
         if not classes:
             raise PlanError("activation checkpointing needs blocks in an nn.ModuleList to wrap")
-        apply_activation_checkpointing(model, classes)
+        apply_activation_checkpointing(model, classes, offload_to_cpu=offload)
         return model
 
     return build_checkpointed
@@ -208,7 +217,11 @@ def plan_all(
             if setting.needs_nodes and (nprocs_per_node is None or nprocs_per_node in (1, ws)):
                 continue  # hybrid sharding needs several nodes of several ranks
             setting_work = replace(work, batch_size=work.batch_size * setting.batch_ranks)
-            build = _checkpointed(setting_work.build) if setting.checkpointing else setting_work.build
+            build = (
+                _checkpointed(setting_work.build, setting.offload_activations)
+                if setting.checkpointing
+                else setting_work.build
+            )
             try:
                 est = estimate(
                     build, setting_work.batch(), loss_fn=loss, strategy=setting.strategy, world_size=ws,

@@ -20,6 +20,7 @@ fairscale's ``checkpoint_wrapper`` rely on:
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -27,6 +28,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from shardkit.memory.offload import to_host
 from shardkit.nn.checkpoint.flags import enable_checkpointing, enable_recomputing, is_checkpointing_disabled
 from shardkit.nn.checkpoint.norm_stats import restore_norm_stats_after
 
@@ -90,10 +92,13 @@ class CheckpointWrapper(nn.Module):
     def _offload_context(self, inputs: tuple[Any, ...]) -> contextlib.AbstractContextManager[Any]:
         # Only the checkpoint's inputs are saved across the region, so they are what goes to host memory.
         # Copying tensors that already live on the CPU would only double them, hence the device test.
+        # The copy down goes through shardkit::to_host (as torch's save_on_cpu would copy), so a planned run sees it
+        # as host memory.
         devices = {x.device.type for x in inputs if isinstance(x, torch.Tensor)}
         if not self.offload_to_cpu or devices <= {"cpu"}:
             return contextlib.nullcontext()
-        return torch.autograd.graph.save_on_cpu(pin_memory="cuda" in devices)
+        pin = "cuda" in devices
+        return torch.autograd.graph.saved_tensors_hooks(functools.partial(_to_host_memory, pin=pin), _back_from_host)
 
     def named_parameters(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
@@ -111,6 +116,17 @@ class CheckpointWrapper(nn.Module):
 
     def extra_repr(self) -> str:
         return f"offload_to_cpu={self.offload_to_cpu}"
+
+
+def _to_host_memory(tensor: torch.Tensor, pin: bool) -> tuple[torch.device, torch.Tensor]:
+    """Pack a saved tensor: a copy in (page-locked when ``pin``) host memory, and the device it came from."""
+    return tensor.device, to_host(tensor, pin=pin)
+
+
+def _back_from_host(packed: tuple[torch.device, torch.Tensor]) -> torch.Tensor:
+    """Unpack: the saved tensor, back on its device (asynchronously from page-locked memory)."""
+    device, host = packed
+    return host.to(device, non_blocking=host.is_pinned())
 
 
 @contextlib.contextmanager
