@@ -25,6 +25,7 @@ SUITES: dict[str, str] = {
     "slowmo": "shardkit.bench.slowmo",
     "multinode": "shardkit.bench.multinode",
     "plan": "shardkit.bench.plan",
+    "plan-time": "shardkit.bench.plan_time",
     "checkpoint": "shardkit.bench.checkpoint",
 }
 
