@@ -20,6 +20,7 @@ import argparse
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Callable
 
 from shardkit.bench.plan_time_measure import (
     DeviceCalibration,
@@ -133,55 +134,137 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f}"
 
 
+def _table(title: str, header: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
+    """A markdown table under a title line."""
+    print(f"\n{title}\n| {' | '.join(header)} |\n|{'---|' * len(header)}")
+    for row in rows:
+        print(f"| {' | '.join(str(cell) for cell in row)} |")
+
+
 def print_constants(devices: dict[str, DeviceCalibration], links: dict[int, LinkCalibration]) -> None:
     """The calibrated constants, with the measurements they came from."""
-    print("\nDevice (one thread):\n| workload | GFLOP / fwd+bwd | ms | flops_per_s GFLOP/s | memory_bytes_per_s GB/s | "
-          "host copy GB/s |\n|---|---|---|---|---|---|")  # fmt: skip
-    for label, d in devices.items():
-        print(f"| {label} | {d.flops / 1e9:.2f} | {_ms(d.compute_s)} | {d.flops_per_s / 1e9:.1f} | "
-              f"{d.memory_bytes_per_s / 1e9:.2f} | {d.copy_bytes_per_s / 1e9:.2f} |")  # fmt: skip
-    print("\nLink (gloo, loopback; bytes each rank sends):\n| world | latency_s us | all_reduce GB/s | "
-          "all_gather GB/s | bytes_per_s GB/s |\n|---|---|---|---|---|")  # fmt: skip
-    for world, c in links.items():
-        print(f"| {world} | {c.latency_s * 1e6:.0f} | {c.all_reduce_bytes_per_s / 1e9:.2f} | "
-              f"{c.all_gather_bytes_per_s / 1e9:.2f} | {c.bytes_per_s / 1e9:.2f} |")  # fmt: skip
+    _table(
+        "Device (one thread):",
+        ["workload", "GFLOP / fwd+bwd", "ms", "flops_per_s GFLOP/s", "memory_bytes_per_s GB/s", "host copy GB/s"],
+        [
+            [
+                label,
+                f"{d.flops / 1e9:.2f}",
+                _ms(d.compute_s),
+                f"{d.flops_per_s / 1e9:.1f}",
+                f"{d.memory_bytes_per_s / 1e9:.2f}",
+                f"{d.copy_bytes_per_s / 1e9:.2f}",
+            ]
+            for label, d in devices.items()
+        ],
+    )
+    _table(
+        "Link (gloo, loopback; bytes each rank sends):",
+        ["world", "latency_s us", "all_reduce GB/s", "all_gather GB/s", "bytes_per_s GB/s", "all_gather latency us"],
+        [
+            [
+                world,
+                f"{c.latency_s * 1e6:.0f}",
+                f"{c.all_reduce_bytes_per_s / 1e9:.2f}",
+                f"{c.all_gather_bytes_per_s / 1e9:.2f}",
+                f"{c.bytes_per_s / 1e9:.2f}",
+                f"{c.gather_latency_s * 1e6:.0f}",
+            ]
+            for world, c in links.items()
+        ],
+    )
+
+
+def _ranking(group: Sequence[Row], key: Callable[[Row], float]) -> list[str]:
+    return [r.strategy for r in sorted(group, key=key)]
 
 
 def print_rows(rows: Sequence[Row]) -> None:
     """The main table, the phases, the rankings and the times relative to DDP."""
-    print("\n| workload | world | strategy | predicted ms | measured ms | ratio | serial ms | serial ratio |\n"
-          "|---|---|---|---|---|---|---|---|")  # fmt: skip
-    for r in rows:
-        print(f"| {r.workload} | {r.world_size} | {r.strategy} | {_ms(r.predicted_s)} | {_ms(r.measured.step_s)} | "
-              f"{r.ratio:.2f} | {_ms(r.serial_s)} | {r.serial_s / r.measured.step_s:.2f} |")  # fmt: skip
-    print("\nPhases, predicted / measured ms:\n| workload | world | strategy | forward | backward | optimizer |\n"
-          "|---|---|---|---|---|---|")  # fmt: skip
-    for r in rows:
-        cells = " | ".join(
-            f"{_ms(r.predicted_phase_s[p])} / {_ms(r.measured.phase_s[p])}"
-            for p in ("forward", "backward", "optimizer")
-        )
-        print(f"| {r.workload} | {r.world_size} | {r.strategy} | {cells} |")
+    _table(
+        "Step time:",
+        [
+            "workload",
+            "world",
+            "strategy",
+            "predicted ms",
+            "measured ms",
+            "ratio",
+            "serial ms",
+            "serial ratio",
+            "step spread",
+        ],
+        [
+            [
+                r.workload,
+                r.world_size,
+                r.strategy,
+                _ms(r.predicted_s),
+                _ms(r.measured.step_s),
+                f"{r.ratio:.2f}",
+                _ms(r.serial_s),
+                f"{r.serial_s / r.measured.step_s:.2f}",
+                f"{r.measured.spread:.0%}",
+            ]
+            for r in rows
+        ],
+    )
+    phases = ("forward", "backward", "optimizer")
+    _table(
+        "Phases, predicted / measured ms:",
+        ["workload", "world", "strategy", *phases],
+        [
+            [
+                r.workload,
+                r.world_size,
+                r.strategy,
+                *(f"{_ms(r.predicted_phase_s[p])} / {_ms(r.measured.phase_s[p])}" for p in phases),
+            ]
+            for r in rows
+        ],
+    )
     groups: dict[tuple[str, int], list[Row]] = {}
     for r in rows:
         groups.setdefault((r.workload, r.world_size), []).append(r)
-    print("\nRanking, fastest first:\n| workload | world | predicted | measured | same | Kendall tau |\n"
-          "|---|---|---|---|---|---|")  # fmt: skip
+    ranking_rows = []
     for (workload, world), group in groups.items():
-        by_pred = [r.strategy for r in sorted(group, key=lambda r: r.predicted_s)]
-        by_meas = [r.strategy for r in sorted(group, key=lambda r: r.measured.step_s)]
-        tau = kendall_tau([r.predicted_s for r in group], [r.measured.step_s for r in group])
-        print(f"| {workload} | {world} | {', '.join(by_pred)} | {', '.join(by_meas)} | "
-              f"{'yes' if by_pred == by_meas else 'no'} | {tau:+.2f} |")  # fmt: skip
-    print("\nRelative to ddp, predicted / measured:\n| workload | world | strategy | predicted | measured |\n"
-          "|---|---|---|---|---|")  # fmt: skip
+        measured = [r.measured.step_s for r in group]
+        by_measured = _ranking(group, lambda r: r.measured.step_s)
+        by_predicted, by_serial = _ranking(group, lambda r: r.predicted_s), _ranking(group, lambda r: r.serial_s)
+        tau = kendall_tau([r.predicted_s for r in group], measured)
+        serial_tau = kendall_tau([r.serial_s for r in group], measured)
+        ranking_rows.append(
+            [
+                workload,
+                world,
+                ", ".join(by_predicted),
+                ", ".join(by_measured),
+                "yes" if by_predicted == by_measured else "no",
+                f"{tau:+.2f}",
+                f"{'yes' if by_serial == by_measured else 'no'}, {serial_tau:+.2f}",
+            ]
+        )
+    _table(
+        "Ranking, fastest first:",
+        ["workload", "world", "predicted", "measured", "same", "Kendall tau", "serial: same, tau"],
+        ranking_rows,
+    )
+    relative_rows = []
     for (workload, world), group in groups.items():
         ddp = next((r for r in group if r.strategy == "ddp"), None)
-        if ddp is None:
-            continue
-        for r in group:
-            print(f"| {workload} | {world} | {r.strategy} | {r.predicted_s / ddp.predicted_s:.2f} | "
-                  f"{r.measured.step_s / ddp.measured.step_s:.2f} |")  # fmt: skip
+        if ddp is not None:
+            relative_rows += [
+                [
+                    workload,
+                    world,
+                    r.strategy,
+                    f"{r.predicted_s / ddp.predicted_s:.2f}",
+                    f"{r.measured.step_s / ddp.measured.step_s:.2f}",
+                ]
+                for r in group
+            ]
+    _table("Relative to ddp, predicted / measured:", ["workload", "world", "strategy", "predicted", "measured"],
+           relative_rows)  # fmt: skip
     high, low = max(rows, key=lambda r: r.ratio), min(rows, key=lambda r: r.ratio)
     print(f"\nlargest ratio {high.ratio:.2f} ({high.workload}, world {high.world_size}, {high.strategy}); "
           f"smallest ratio {low.ratio:.2f} ({low.workload}, world {low.world_size}, {low.strategy})")  # fmt: skip

@@ -20,7 +20,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from statistics import median
+from statistics import median, quantiles
 from typing import Any, Callable
 
 import torch
@@ -77,6 +77,9 @@ class LinkCalibration:
     world_size: int
     #: Median seconds of a one-element all-reduce: the fixed cost of a collective.
     latency_s: float
+    #: The same for an all-gather of one element per rank by direct sends (FSDP's gather on gloo); printed only:
+    #: the model has one fixed cost.
+    gather_latency_s: float
     #: Bytes each rank sends in the large all-reduce (2(n-1)/n x payload) and its median seconds.
     all_reduce_bytes: int
     all_reduce_s: float
@@ -158,10 +161,15 @@ def _timed_collective(run: Callable[[], object], repeats: int) -> list[float]:
 def _link_worker(rank: int, world_size: int, numel: int, repeats: int) -> dict[str, list[float]]:
     torch.set_num_threads(1)
     tiny, big = torch.zeros(1), torch.zeros(numel)
+    tiny_gathered = torch.zeros(world_size)
     shard = torch.zeros(numel // world_size)
     gathered = torch.zeros(shard.numel() * world_size)
     return {
         "latency": _timed_collective(lambda: collectives.all_reduce(tiny, label="plan_time.tiny"), 4 * repeats),
+        "gather_latency": _timed_collective(
+            lambda: collectives.all_gather_into_tensor(tiny_gathered, tiny, label="plan_time.tiny", by_sends=True),
+            4 * repeats,
+        ),
         "all_reduce": _timed_collective(lambda: collectives.all_reduce(big, label="plan_time.big"), repeats),
         "all_gather": _timed_collective(
             lambda: collectives.all_gather_into_tensor(gathered, shard, label="plan_time.big", by_sends=True), repeats
@@ -183,6 +191,7 @@ def calibrate_link(world_size: int, mib: int = 16, repeats: int = 5) -> LinkCali
     return LinkCalibration(
         world_size,
         _slowest_median(per_rank, "latency"),
+        _slowest_median(per_rank, "gather_latency"),
         int(2 * share * payload),
         _slowest_median(per_rank, "all_reduce"),
         int(share * payload),
@@ -240,10 +249,19 @@ class Measured:
 
     step_s: float
     phase_s: Mapping[str, float]
+    #: Interquartile range of the step times over their median: differences below it are noise.
+    spread: float
 
 
-def _slowest(per_rank: Sequence[StepTimes], phase: str) -> float:
-    return median(max(times) for times in zip(*(getattr(ranks, phase) for ranks in per_rank)))
+def _slowest(per_rank: Sequence[StepTimes], phase: str) -> list[float]:
+    return [max(times) for times in zip(*(getattr(ranks, phase) for ranks in per_rank))]
+
+
+def _spread(times: list[float]) -> float:
+    if len(times) < 2:
+        return 0.0
+    low, _, high = quantiles(times, n=4)
+    return (high - low) / median(times)
 
 
 def time_steps(
@@ -254,8 +272,9 @@ def time_steps(
     out = {}
     for variant in variants:
         ranks = [result[variant.label] for result in per_rank]
-        phases = {name: _slowest(ranks, name) for name in ("forward", "backward", "optimizer")}
-        out[variant.label] = Measured(_slowest(ranks, "step"), phases)
+        phases = {name: median(_slowest(ranks, name)) for name in ("forward", "backward", "optimizer")}
+        step_times = _slowest(ranks, "step")
+        out[variant.label] = Measured(median(step_times), phases, _spread(step_times))
     return out
 
 
