@@ -1,6 +1,7 @@
 """SlowMo data parallelism for slow networks: LocalSGD or Stochastic Gradient Push between nodes, plus slow momentum.
 
-Files, one responsibility each: ``api`` (the public wrapper), ``config`` (frozen settings), ``schedule`` (what
+Files, one responsibility each: ``api`` (the public wrapper; ``arguments`` checks its constructor's arguments,
+``state`` is its base class with the accessors and state-dict hooks), ``config`` (frozen settings), ``schedule`` (what
 each step does), ``layout`` (nodes and process groups), ``graphs`` / ``mixing`` (gossip topology and weights),
 ``push_sum`` (the push-sum weight and parameter forms), ``gossip`` (gossip rounds), ``local_sgd`` (exact
 averages), ``slow_momentum`` (the outer step), ``collectives`` (the labelled communication patterns);

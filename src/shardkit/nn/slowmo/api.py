@@ -3,7 +3,8 @@
 The constructor checks every argument, translates them into frozen configs (:mod:`.config`), and wires up:
 :mod:`.layout` (nodes and process groups), :mod:`.local_sgd` (exact averages), :mod:`.gossip` with
 :mod:`.graphs`, :mod:`.mixing` and :mod:`.push_sum` (SGP), and :mod:`.slow_momentum`. :mod:`.schedule` decides what
-each ``perform_slowmo`` call does. The wrapper itself only holds the training-loop hooks:
+each ``perform_slowmo`` call does; :mod:`.arguments` checks the constructor's arguments and :mod:`.state` (a base
+class) holds the public accessors and the state-dict hooks. The wrapper itself only holds the training-loop hooks:
 
 - forward: broadcast buffers (``broadcast_buffers``), show the de-biased parameters ``x / w`` (push-sum);
 - end of backward: average gradients inside the node, turn the parameters back into numerators ``x``;
@@ -16,53 +17,29 @@ import warnings
 from typing import Any, Optional, Union
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from shardkit.distributed import DummyProcessGroup, GroupLike, is_dummy, resolve_group, torch_group
+from shardkit.distributed import GroupLike
 from shardkit.distributed.model_check import check_same_model
+from shardkit.nn.slowmo.arguments import checked_settings, default_comm_device, resolve_global_group
 from shardkit.nn.slowmo.collectives import broadcast_from_rank0, node_average, node_broadcast
-from shardkit.nn.slowmo.config import SlowMoBaseAlgorithm, SlowMoConfig, configs_from_arguments
+from shardkit.nn.slowmo.config import SlowMoBaseAlgorithm, SlowMoConfig
 from shardkit.nn.slowmo.flat import FlatParams, fp32_views, groups_by_dtype
 from shardkit.nn.slowmo.gossip import Gossiper
 from shardkit.nn.slowmo.graphs import GraphManager
-from shardkit.nn.slowmo.layout import ProcessLayout, create_groups, make_layout
+from shardkit.nn.slowmo.layout import create_groups
 from shardkit.nn.slowmo.local_sgd import ExactAverager
 from shardkit.nn.slowmo.mixing import MixingManager
 from shardkit.nn.slowmo.push_sum import ParamForm, PushSumState
 from shardkit.nn.slowmo.schedule import plan_step
 from shardkit.nn.slowmo.slow_momentum import SlowMomentum
+from shardkit.nn.slowmo.state import SlowMoStateMixin
 from shardkit.nn.slowmo.timing import PhaseTimer, configure_logging, logger
-from shardkit.nn.slowmo.topology import resolve_topology
 
 _HALF = (torch.float16, torch.bfloat16)
 
 
-def _global_group(global_group: Optional[GroupLike], process_world_size: Optional[int]) -> GroupLike:
-    if global_group is not None:
-        return global_group
-    if process_world_size == 1 and not (dist.is_available() and dist.is_initialized()):
-        return DummyProcessGroup(0, 1)
-    return resolve_group(None, "SlowMoDistributedDataParallel")
-
-
-def _default_comm_device(group: GroupLike, param_device: torch.device) -> torch.device:
-    # gloo moves CPU tensors only for point-to-point work: stage through the CPU whatever the parameters' device.
-    if not is_dummy(group) and dist.get_backend(torch_group(group, "SlowMoDistributedDataParallel")) == "gloo":
-        return torch.device("cpu")
-    return param_device
-
-
-def _check_params(params: list[nn.Parameter]) -> None:
-    dtypes = {p.dtype for p in params}
-    if len(dtypes) > 1:
-        raise ValueError(
-            f"SlowMo needs every parameter in one dtype, found {sorted(map(str, dtypes))}; cast the module (for "
-            "fp16 training keep an fp32 master copy and pass it as perform_slowmo(..., fp32_params=...))"
-        )
-
-
-class SlowMoDistributedDataParallel(nn.Module):
+class SlowMoDistributedDataParallel(SlowMoStateMixin):
     """Data parallelism for slow networks: LocalSGD or Stochastic Gradient Push between nodes, plus slow momentum.
 
     Arguments and defaults are fairscale's (see the seed documentation); in short: ``nprocs_per_node`` ranks form
@@ -116,10 +93,10 @@ class SlowMoDistributedDataParallel(nn.Module):
         # Check everything before building anything: a bad argument leaves no groups, hooks or broadcasts behind.
         # The checks run on every rank; one all-gather then shares their outcome and the model's shapes, so an
         # argument refused on some ranks only, or ranks holding different models, fail on every rank alike.
-        group = _global_group(global_group, process_world_size)
+        group = resolve_global_group(global_group, process_world_size)
         local_error: Optional[Exception] = None
         try:
-            layout, config, topology = self._checked_settings(
+            layout, config, topology = checked_settings(
                 group,
                 module,
                 nprocs_per_node,
@@ -153,7 +130,7 @@ class SlowMoDistributedDataParallel(nn.Module):
         self.module = module
         self.config: SlowMoConfig = config
         self.layout = layout
-        self.comm_device = config.wrapper.comm_device or _default_comm_device(group, flat.device)
+        self.comm_device = config.wrapper.comm_device or default_comm_device(group, flat.device)
         self.groups = create_groups(layout, group, master_group, local_node_group, topology is not None)
         self.num_updates = 0
         self._params = params
@@ -167,28 +144,6 @@ class SlowMoDistributedDataParallel(nn.Module):
         self._sync_initial_state()
         self._build_components(topology)
         logger.debug("rank %d: %s, %s", layout.process_rank, layout, config)
-
-    @staticmethod
-    def _checked_settings(
-        group: GroupLike,
-        module: nn.Module,
-        nprocs_per_node: int,
-        process_rank: Optional[int],
-        process_world_size: Optional[int],
-        graph: Optional[GraphManager],
-        mixing: Optional[MixingManager],
-        **arguments: Any,
-    ) -> tuple[ProcessLayout, SlowMoConfig, Optional[tuple[GraphManager, MixingManager]]]:
-        """This rank's checks of every argument (no communication): the layout, the configs and the topology."""
-        if not isinstance(module, nn.Module):
-            raise TypeError(f"SlowMoDistributedDataParallel wraps an nn.Module, got {type(module).__name__}")
-        layout = make_layout(group, nprocs_per_node, process_rank, process_world_size)
-        config = configs_from_arguments(world_size=layout.world_size, **arguments)
-        topology = resolve_topology(config.wrapper.base_algorithm, layout, graph, mixing, config.gossip.push_sum)
-        params = list(module.parameters())
-        FlatParams(params)
-        _check_params(params)
-        return layout, config, topology
 
     def _build_components(self, topology: Optional[tuple[GraphManager, MixingManager]]) -> None:
         """The algorithm's pieces and the backward hooks, once parameters are synchronised."""
@@ -209,9 +164,7 @@ class SlowMoDistributedDataParallel(nn.Module):
             for p in self._params:
                 if p.requires_grad:
                     p.register_post_accumulate_grad_hook(self._on_grad_ready)
-        self._register_state_dict_hook(self._add_push_sum_state)
-        self._register_load_state_dict_pre_hook(self._take_push_sum_state)
-        self.register_load_state_dict_post_hook(self._after_load)
+        self._register_state_hooks()
 
     # ----------------------------------------------------------------- lifecycle hooks
 
@@ -325,31 +278,7 @@ class SlowMoDistributedDataParallel(nn.Module):
         self._flat.copy_from(buffer)
         self._broadcast_buffers()
 
-    # ----------------------------------------------------------------- modes and state
-
-    @property
-    def gossiper(self) -> Optional[Gossiper]:
-        """The gossip component (SGP on a node master), else None; checkpoints read its round and rounds in flight."""
-        return self._gossiper
-
-    @property
-    def slow_momentum(self) -> Optional[SlowMomentum]:
-        """The slow-momentum component (its ``anchor`` and ``momentum`` buffers), None when slow momentum is off."""
-        return self._slow
-
-    @property
-    def push_sum_state(self) -> Optional[PushSumState]:
-        """The push-sum weight and parameter form (SGP), else None."""
-        return self._push_sum
-
-    def restart_from_parameters(self) -> None:
-        """Take the current parameters as a point every rank shares (e.g. just loaded from a checkpoint average):
-        gossip in flight is dropped, the push-sum weight becomes 1 and the slow-momentum anchor is reset here."""
-        if self._gossiper is not None:
-            self._gossiper.close()
-        if self._push_sum is not None:
-            self._push_sum.load(1.0, True)
-        self._after_load(self, None)
+    # ----------------------------------------------------------------- modes (accessors and state: .state)
 
     def train(self, mode: bool = True) -> SlowMoDistributedDataParallel:
         """Set training mode. ``eval()`` also finishes gossip in flight, so evaluation sees mixed parameters, and
@@ -365,45 +294,3 @@ class SlowMoDistributedDataParallel(nn.Module):
                     for p, master in zip(self._params, self._working.tensors):
                         p.copy_(master.view_as(p))
         return self
-
-    def _add_push_sum_state(
-        self, _module: nn.Module, destination: dict[str, Any], prefix: str, local_metadata: Any
-    ) -> None:
-        """State-dict hook: the push-sum weight and form, placed where buffers of this module would be.
-
-        The hook runs after the children have saved, so the wrapped module's entries are moved behind the new
-        ones: ``state_dict()`` keeps the order it would have if the two were buffers of the wrapper.
-        """
-        if self._push_sum is None:
-            return
-        children = [k for k in destination if k.startswith(prefix) and "." in k[len(prefix) :]]
-        for key, value in self._push_sum.state().items():
-            destination[prefix + key] = value
-        for key in children:
-            destination[key] = destination.pop(key)
-
-    def _take_push_sum_state(
-        self,
-        state_dict: dict[str, Any],
-        prefix: str,
-        local_metadata: dict[str, Any],
-        strict: bool,
-        missing_keys: list[str],
-        unexpected_keys: list[str],
-        error_msgs: list[str],
-    ) -> None:
-        """Load-state-dict pre hook: take the push-sum entries out before the parameters load."""
-        weight = state_dict.pop(prefix + "ps_weight", None)
-        is_numerator = state_dict.pop(prefix + "is_sgp_ps_numerator", True)
-        if self._push_sum is not None:
-            if self._gossiper is not None:
-                self._gossiper.close()  # rounds in flight belong to the parameters being replaced
-            self._push_sum.load(1.0 if weight is None else weight, is_numerator)
-
-    def _after_load(self, _module: nn.Module, _incompatible_keys: Any) -> None:
-        # The slow-momentum anchor x0 must be the loaded point, not the one the wrapper was built with.
-        if self._push_sum is not None:
-            self._push_sum.to(ParamForm.NUMERATOR)
-        if self._slow is not None:
-            self._slow.reset_anchor(self._flat)
-        self._working = self._flat
