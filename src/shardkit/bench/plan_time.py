@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Callable
@@ -125,8 +126,8 @@ def _workloads(quick: bool) -> list[tuple[str, Workload, int]]:
     if quick:
         return [("demo LM", Workload.demo_lm(batch_size=2), 2)]
     return [
-        ("bench LM (4 blocks)", Workload.bench_lm(batch_size=2, overrides={"n_layers": 4}), 5),
-        ("demo LM", Workload.demo_lm(batch_size=8), 20),
+        ("bench LM (4 blocks)", Workload.bench_lm(batch_size=2, overrides={"n_layers": 4}), 7),
+        ("demo LM", Workload.demo_lm(batch_size=8), 30),
     ]
 
 
@@ -281,10 +282,13 @@ def run(argv: list[str]) -> None:
     sizes = [args.world_size] if args.world_size else ([2] if args.quick else [2, 4])
     if any(size < 2 for size in sizes):
         parser.error("--world-size must be at least 2: a step time against one process measures no communication")
+    if (args.steps is not None and args.steps < 1) or (args.warmup is not None and args.warmup < 0):
+        parser.error("--steps must be at least 1 and --warmup at least 0")
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
     workloads = _workloads(args.quick)
-    devices = {label: calibrate_device(work, repeats=3 if args.quick else 7) for label, work, _ in workloads}
-    links = {size: calibrate_link(size, mib=1 if args.quick else 16, repeats=3 if args.quick else 7) for size in sizes}
+    print(_machine_state("start"))
+    devices = {label: calibrate_device(work, repeats=3 if args.quick else 9) for label, work, _ in workloads}
+    links = {size: calibrate_link(size, mib=1 if args.quick else 16, repeats=3 if args.quick else 11) for size in sizes}
     print_constants(devices, links)
     rows = []
     for label, work, default_steps in workloads:
@@ -295,6 +299,14 @@ def run(argv: list[str]) -> None:
                 predicted, compute, comm, phases = predict_row(work, variant, size, device, link)
                 rows.append(Row(label, size, variant.label, predicted, compute, comm, phases, measured[variant.label]))
     print_rows(rows)
+    print(_machine_state("end"))
+
+
+def _machine_state(when: str) -> str:
+    """Cores this process may use and the load average: a step time means little without them."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    return f"machine at {when}: {cores} cores, load average {load} (every rank runs one thread)"
 
 
 __all__ = ["VARIANTS", "Row", "device_spec", "kendall_tau", "link_spec", "predict_row", "run"]

@@ -4,7 +4,8 @@
 each constant from its own measurement: FLOP/s from forward + backward, memory bandwidth from the optimizer step,
 copy bandwidth from one large tensor copy. :func:`calibrate_link` times gloo collectives on ``world_size``
 processes. :func:`time_steps` trains each strategy on ``world_size`` gloo processes and times whole steps and
-their phases, with a barrier before each step so every rank starts together.
+their phases, with a barrier before each step so every rank starts together, the strategies taking turns step by
+step.
 
 Example::
 
@@ -21,7 +22,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from statistics import median, quantiles
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -29,7 +30,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from shardkit.bench.memory import training_memory
 from shardkit.distributed import collectives
 from shardkit.plan.runner import call_model
-from shardkit.plan.strategies import get
+from shardkit.plan.strategies import Built, get
 from shardkit.plan.workloads import Workload
 from shardkit.testing.harness import run_distributed
 
@@ -209,38 +210,50 @@ class StepTimes:
     optimizer: list[float]
 
 
-def _train(work: Workload, variant: Variant, warmup: int, steps: int) -> StepTimes:
-    torch.manual_seed(0)
-    batch = work.batch()
-    model, optimizer, after_step = get(variant.strategy).build(
-        work.build(), work.optimizer, dict(work.optimizer_options), dict(variant.options), None
-    )
-    out = StepTimes([], [], [], [])
-    for step in range(warmup + steps):
-        collectives.barrier(label="plan_time.step")
-        start = time.perf_counter()
-        loss = work.loss(call_model(model, batch), batch)
-        forward_end = time.perf_counter()
-        loss.backward()
-        backward_end = time.perf_counter()
-        optimizer.step()
-        after_step()
-        optimizer.zero_grad()
-        end = time.perf_counter()
-        if step >= warmup:
-            out.step.append(end - start)
-            out.forward.append(forward_end - start)
-            out.backward.append(backward_end - forward_end)
-            out.optimizer.append(end - backward_end)
-    collectives.barrier(label="plan_time.done")
-    return out
+def _step(work: Workload, built: Built, batch: Any, out: Optional[StepTimes]) -> None:
+    """One training step started after a barrier; its times go to ``out`` unless it is a warm-up step."""
+    model, optimizer, after_step = built
+    collectives.barrier(label="plan_time.step")
+    start = time.perf_counter()
+    loss = work.loss(call_model(model, batch), batch)
+    forward_end = time.perf_counter()
+    loss.backward()
+    backward_end = time.perf_counter()
+    optimizer.step()
+    after_step()
+    optimizer.zero_grad()
+    end = time.perf_counter()
+    if out is not None:
+        out.step.append(end - start)
+        out.forward.append(forward_end - start)
+        out.backward.append(backward_end - forward_end)
+        out.optimizer.append(end - backward_end)
 
 
 def _steps_worker(
     rank: int, world_size: int, work: Workload, variants: list[Variant], warmup: int, steps: int
 ) -> dict[str, StepTimes]:
+    """Every variant built side by side, warmed up, then timed in rounds of one step each.
+
+    Interleaving the variants step by step spreads whatever else the machine does over all of them alike, so their
+    ratios hold even when the absolute times drift.
+    """
     torch.set_num_threads(1)
-    return {variant.label: _train(work, variant, warmup, steps) for variant in variants}
+    batch = work.batch()
+    built = {}
+    for variant in variants:
+        torch.manual_seed(0)
+        built[variant.label] = get(variant.strategy).build(
+            work.build(), work.optimizer, dict(work.optimizer_options), dict(variant.options), None
+        )
+        for _ in range(warmup):
+            _step(work, built[variant.label], batch, None)
+    out = {variant.label: StepTimes([], [], [], []) for variant in variants}
+    for _ in range(steps):
+        for variant in variants:
+            _step(work, built[variant.label], batch, out[variant.label])
+    collectives.barrier(label="plan_time.done")
+    return out
 
 
 @dataclass(frozen=True)
@@ -267,7 +280,8 @@ def _spread(times: list[float]) -> float:
 def time_steps(
     work: Workload, variants: Sequence[Variant], world_size: int, warmup: int, steps: int
 ) -> dict[str, Measured]:
-    """Train each variant in turn on ``world_size`` gloo processes: ``warmup`` steps, then ``steps`` timed ones."""
+    """Train the variants side by side on ``world_size`` gloo processes: ``warmup`` steps each, then ``steps`` rounds
+    of one timed step each."""
     per_rank = run_distributed(_steps_worker, world_size, work, list(variants), warmup, steps)
     out = {}
     for variant in variants:
