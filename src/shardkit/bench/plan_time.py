@@ -5,7 +5,8 @@
    from its unsharded optimizer step, the host link from one large copy, and ``LinkSpec`` from gloo collectives at
    each world size (see :mod:`shardkit.bench.plan_time_measure`).
 2. **Predict** each strategy's step with those constants (``estimate(..., backend="gloo")``), and also what the
-   model would say without overlap: compute alone plus communication alone ("serial").
+   model would say without overlap: compute alone plus communication alone ("serial"), and that again with the
+   compute slowed by the ranks sharing each core when the world outnumbers the cores ("cores shared").
 3. **Measure** the same workload and strategy on real gloo processes: warm-up steps, then the median over timed
    steps of the slowest rank, each step started after a barrier.
 4. **Compare**: predicted / measured per row, whether the predicted ranking of the strategies is the measured one
@@ -60,6 +61,8 @@ class Row:
     comm_only_s: float
     predicted_phase_s: dict[str, float]
     measured: Measured
+    #: Ranks per core (the calibration ran with a core to itself): more than 1 when the world outnumbers the cores.
+    ranks_per_core: float = 1.0
 
     @property
     def ratio(self) -> float:
@@ -68,6 +71,11 @@ class Row:
     @property
     def serial_s(self) -> float:
         return self.compute_only_s + self.comm_only_s
+
+    @property
+    def shared_serial_s(self) -> float:
+        """The serial step with compute slowed by the ranks sharing each core (not something the planner knows)."""
+        return self.compute_only_s * max(1.0, self.ranks_per_core) + self.comm_only_s
 
 
 def device_spec(cal: DeviceCalibration) -> DeviceSpec:
@@ -193,6 +201,7 @@ def print_rows(rows: Sequence[Row]) -> None:
             "ratio",
             "serial ms",
             "serial ratio",
+            "serial, cores shared: ratio",
             "step spread",
         ],
         [
@@ -205,6 +214,7 @@ def print_rows(rows: Sequence[Row]) -> None:
                 f"{r.ratio:.2f}",
                 _ms(r.serial_s),
                 f"{r.serial_s / r.measured.step_s:.2f}",
+                f"{r.shared_serial_s / r.measured.step_s:.2f}",
                 f"{r.measured.spread:.0%}",
             ]
             for r in rows
@@ -297,16 +307,23 @@ def run(argv: list[str]) -> None:
             for variant in VARIANTS:
                 device, link = device_spec(devices[label]), link_spec(links[size])
                 predicted, compute, comm, phases = predict_row(work, variant, size, device, link)
-                rows.append(Row(label, size, variant.label, predicted, compute, comm, phases, measured[variant.label]))
+                rows.append(
+                    Row(label, size, variant.label, predicted, compute, comm, phases, measured[variant.label],
+                        size / _cores())
+                )  # fmt: skip
     print_rows(rows)
     print(_machine_state("end"))
 
 
+def _cores() -> int:
+    """Cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def _machine_state(when: str) -> str:
-    """Cores this process may use and the load average: a step time means little without them."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    """Cores and the load average: a step time means little without them."""
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    return f"machine at {when}: {cores} cores, load average {load} (every rank runs one thread)"
+    return f"machine at {when}: {_cores()} cores, load average {load} (every rank runs one thread)"
 
 
 __all__ = ["VARIANTS", "Row", "device_spec", "kendall_tau", "link_spec", "predict_row", "run"]
