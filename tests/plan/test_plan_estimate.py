@@ -13,6 +13,8 @@ from torch import nn
 import shardkit.plan
 import shardkit.plan.api as plan_api
 from shardkit.plan import PlanError, estimate
+from shardkit.plan.cost import DeviceSpec, LinkSpec, step_seconds
+from shardkit.plan.runner import PhaseTraffic
 from shardkit.plan.workloads import Workload
 from shardkit.testing.harness import run_distributed
 
@@ -105,3 +107,14 @@ def _plan_inside_a_job(rank: int, world_size: int) -> int:
 def test_a_process_with_its_own_group_plans_in_a_child_process() -> None:
     inside = run_distributed(_plan_inside_a_job, 1)[0]
     assert inside == _plan("fsdp", 16).state_bytes
+
+
+def test_step_time_overlaps_on_accelerators_and_adds_up_on_cpus() -> None:
+    # Forward: 2 s of compute beside 1 s of all-gathers in 10 calls; backward: 4 s of compute, nothing sent.
+    forward = PhaseTraffic(wire_bytes={"all_gather": 10 * 10**9}, calls={"all_gather": 10})
+    device, link = DeviceSpec(flops_per_s=3e12), LinkSpec(bytes_per_s=10e9, latency_s=0.0)
+    overlapped = step_seconds(18e12, {"forward": forward}, 0, 4, device, link)
+    serial = step_seconds(18e12, {"forward": forward}, 0, 4, device, link, overlap=False)
+    assert overlapped["forward"] == pytest.approx(2.0 + 0.1)  # hidden, except one gather that nothing can hide
+    assert serial["forward"] == pytest.approx(2.0 + 1.0)  # compute and communication take turns on the cores
+    assert overlapped["backward"] == serial["backward"] == pytest.approx(4.0)

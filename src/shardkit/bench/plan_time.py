@@ -4,9 +4,10 @@
    thread as each rank gets: ``flops_per_s`` from one forward + backward of each workload, ``memory_bytes_per_s``
    from its unsharded optimizer step, the host link from one large copy, and ``LinkSpec`` from gloo collectives at
    each world size (see :mod:`shardkit.bench.plan_time_measure`).
-2. **Predict** each strategy's step with those constants (``estimate(..., backend="gloo")``), and also what the
-   model would say without overlap: compute alone plus communication alone ("serial"), and that again with the
-   compute slowed by the ranks sharing each core when the world outnumbers the cores ("cores shared").
+2. **Predict** each strategy's step with those constants (``estimate(..., backend="gloo")``: a CPU plan, where
+   compute and communication take turns), and that again with the compute slowed by the ranks sharing each core
+   when the world outnumbers the cores ("cores shared": the calibration had a core to itself, and the planner
+   does not know how many cores a rank gets).
 3. **Measure** the same workload and strategy on real gloo processes: warm-up steps, then the median over timed
    steps of the slowest rank, each step started after a barrier.
 4. **Compare**: predicted / measured per row, whether the predicted ranking of the strategies is the measured one
@@ -56,7 +57,7 @@ class Row:
     world_size: int
     strategy: str
     predicted_s: float
-    #: The model's step with communication free, and with compute free: their sum is the step without overlap.
+    #: The model's step with communication free, and with compute free (their sum is the CPU plan's step).
     compute_only_s: float
     comm_only_s: float
     predicted_phase_s: dict[str, float]
@@ -67,10 +68,6 @@ class Row:
     @property
     def ratio(self) -> float:
         return self.predicted_s / self.measured.step_s
-
-    @property
-    def serial_s(self) -> float:
-        return self.compute_only_s + self.comm_only_s
 
     @property
     def shared_serial_s(self) -> float:
@@ -199,9 +196,7 @@ def print_rows(rows: Sequence[Row]) -> None:
             "predicted ms",
             "measured ms",
             "ratio",
-            "serial ms",
-            "serial ratio",
-            "serial, cores shared: ratio",
+            "cores shared: ratio",
             "step spread",
         ],
         [
@@ -212,8 +207,6 @@ def print_rows(rows: Sequence[Row]) -> None:
                 _ms(r.predicted_s),
                 _ms(r.measured.step_s),
                 f"{r.ratio:.2f}",
-                _ms(r.serial_s),
-                f"{r.serial_s / r.measured.step_s:.2f}",
                 f"{r.shared_serial_s / r.measured.step_s:.2f}",
                 f"{r.measured.spread:.0%}",
             ]
@@ -241,9 +234,8 @@ def print_rows(rows: Sequence[Row]) -> None:
     for (workload, world), group in groups.items():
         measured = [r.measured.step_s for r in group]
         by_measured = _ranking(group, lambda r: r.measured.step_s)
-        by_predicted, by_serial = _ranking(group, lambda r: r.predicted_s), _ranking(group, lambda r: r.serial_s)
+        by_predicted = _ranking(group, lambda r: r.predicted_s)
         tau = kendall_tau([r.predicted_s for r in group], measured)
-        serial_tau = kendall_tau([r.serial_s for r in group], measured)
         ranking_rows.append(
             [
                 workload,
@@ -252,12 +244,11 @@ def print_rows(rows: Sequence[Row]) -> None:
                 ", ".join(by_measured),
                 "yes" if by_predicted == by_measured else "no",
                 f"{tau:+.2f}",
-                f"{'yes' if by_serial == by_measured else 'no'}, {serial_tau:+.2f}",
             ]
         )
     _table(
         "Ranking, fastest first:",
-        ["workload", "world", "predicted", "measured", "same", "Kendall tau", "serial: same, tau"],
+        ["workload", "world", "predicted", "measured", "same", "Kendall tau"],
         ranking_rows,
     )
     relative_rows = []

@@ -315,7 +315,9 @@ def estimate(
         config = smp_config(strategy_options or {}, world_size)
         micro, parts = int(config.get("microbatches", 1)), int(config["partitions"])
         bubble = (micro + parts - 1) / micro
-    est = _estimate_from(run, strategy, world_size, device or DeviceSpec(), link or LinkSpec(), nprocs_per_node, bubble)
+    est = _estimate_from(
+        run, strategy, world_size, device or DeviceSpec(), link or LinkSpec(), nprocs_per_node, bubble, backend
+    )
     return est
 
 
@@ -335,6 +337,7 @@ def _estimate_from(
     link: LinkSpec,
     nprocs_per_node: Optional[int],
     bubble: float = 1.0,
+    backend: str = "nccl",
 ) -> Estimate:
     by_phase = {name: wire_bytes(run.phases[name], world_size) for name in PHASES if name in run.phases}
     total = _sum_kinds(by_phase)
@@ -342,7 +345,7 @@ def _estimate_from(
     inter = _sum_kinds({name: run.phases[name].inter_node_bytes for name in by_phase}) if with_nodes else {}
     seconds = step_seconds(
         run.flops["total"], run.phases, run.state_bytes, world_size, device, link, with_nodes, bubble,
-        run.host_state_bytes,
+        run.host_state_bytes, overlap=backend != "gloo",
     )  # fmt: skip
     copies = _sum_kinds({name: phase.host_copy_bytes for name, phase in run.phases.items()})
     host = HostMemory(

@@ -8,9 +8,13 @@ collectives it issued (bytes each rank sends, ring model, and how many calls) an
   ``DeviceSpec.flops_per_s`` (a sustained rate, not the datasheet peak);
 - communication of a phase: ``sum(bytes) / LinkSpec.bytes_per_s + calls * LinkSpec.latency_s``; with a node
   layout, the bytes that stay inside a node go at ``LinkSpec.intra_bytes_per_s`` instead;
-- forward and backward collectives overlap their phase's compute (every shardkit strategy and torch DDP issue
-  them asynchronously: gathers are prefetched, reductions run while earlier layers compute), so a phase costs
-  ``max(compute, communication)``; nothing overlaps across phases;
+- on accelerators (``overlap=True``, the NCCL plan) forward and backward collectives overlap their phase's compute
+  (every shardkit strategy and torch DDP issue them asynchronously: gathers are prefetched, reductions run while
+  earlier layers compute), except one collective per phase that nothing can hide (the first gather of forward,
+  the last reduction of backward), so a phase costs ``max(compute, communication) + one collective``;
+- on CPUs (``overlap=False``, the gloo plan) communication and compute share the same cores, so a phase costs
+  ``compute + communication``: measured on this project's 2-core machine (``shardkit bench plan-time``), steps
+  followed the sum, not the maximum; nothing overlaps across phases either way;
 - a pipeline (smp) runs one stage's FLOPs per rank, stretched by its bubble: with ``p`` partitions and ``m``
   micro-batches every stage idles ``p - 1`` micro-batch slots, so forward and backward take ``(m + p - 1) / m``
   times their busy time;
@@ -131,11 +135,13 @@ def step_seconds(
     with_nodes: bool = False,
     bubble: float = 1.0,
     host_state_bytes: int = 0,
+    overlap: bool = True,
 ) -> dict[str, float]:
     """Predicted seconds per phase and in total (``"step"``), by the model in the module docstring.
 
     ``bubble`` stretches forward and backward for a pipeline: ``(microbatches + partitions - 1) / microbatches``.
-    ``host_state_bytes``: the part of the state offloaded to host memory (the CPU steps it).
+    ``host_state_bytes``: the part of the state offloaded to host memory (the CPU steps it). ``overlap``: whether
+    communication runs beside compute (accelerators) or takes turns with it (CPUs).
     """
     compute = {"forward": flops / 3 / device.flops_per_s, "backward": 2 * flops / 3 / device.flops_per_s}
     out: dict[str, float] = {}
@@ -143,7 +149,12 @@ def step_seconds(
         phase = phases.get(name)
         comm = comm_seconds(phase, world_size, link, with_nodes) if phase is not None else 0.0
         copies = _copy_seconds(phase, device)
-        out[name] = max(compute[name], comm, copies) * bubble
+        if overlap:
+            calls = (sum(phase.calls.values()) + sum(phase.torch_calls.values())) if phase is not None else 0
+            exposed = comm / calls if calls else 0.0  # one average collective, before or after all compute
+            out[name] = (max(compute[name], comm, copies) + exposed) * bubble
+        else:
+            out[name] = (compute[name] + comm + copies) * bubble
     optimizer = phases.get("optimizer")
     optimizer_comm = comm_seconds(optimizer, world_size, link, with_nodes) if optimizer is not None else 0.0
     out["optimizer"] = (
