@@ -91,6 +91,10 @@ def test_nodes_add_hybrid_settings_and_inter_node_bytes(tmp_path: Path) -> None:
     # Hybrid sharding gathers inside the node: fewer bytes cross nodes, more state stays per rank.
     assert 0 < sum(hybrid["inter_node_bytes"].values()) < sum(full["inter_node_bytes"].values())
     assert hybrid["state_bytes"] > full["state_bytes"]
+    # Hybrid with offload: the node's shard lives in host memory, and the same bytes cross nodes.
+    offloaded = rows["zero3 hybrid (fsdp) + cpu offload"]
+    assert offloaded["host"]["state_bytes"] + offloaded["state_bytes"] == hybrid["state_bytes"]
+    assert offloaded["inter_node_bytes"] == hybrid["inter_node_bytes"]
 
 
 def test_pipeline_settings_train_the_same_global_batch(tmp_path: Path) -> None:

@@ -100,6 +100,12 @@ SETTINGS = (
     Setting("zero1 hybrid (oss_ddp)", "oss_ddp", {"hybrid": True}, needs_nodes=True),
     Setting("zero2 hybrid (oss_sdp)", "oss_sdp", {"hybrid": True}, needs_nodes=True),
     Setting("zero3 hybrid (fsdp)", "fsdp", {"sharding_strategy": "HYBRID_SHARD"}, needs_nodes=True),
+    Setting(
+        "zero3 hybrid (fsdp) + cpu offload",
+        "fsdp",
+        {"sharding_strategy": "HYBRID_SHARD", "cpu_offload": True},
+        needs_nodes=True,
+    ),
     Setting("pipeline (smp)", "smp", {}),  # expanded per world size by pipeline_settings
 )
 
