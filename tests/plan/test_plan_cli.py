@@ -45,10 +45,10 @@ def test_offload_settings_report_host_memory_and_must_fit_it(
     assert "cpu offload" in capsys.readouterr().out
     assert main([*argv, "--host-memory", "1KiB"]) == 0  # the offloaded state no longer fits on the host
     table = capsys.readouterr().out
-    offload_lines = [line for line in table.splitlines() if "offload" in line]
+    offload_lines = [line for line in table.splitlines() if "offload" in line and "recommended" not in line]
     assert offload_lines and all(line.endswith("no") for line in offload_lines)
     (recommended,) = [line for line in table.splitlines() if "recommended" in line]
-    assert "offload" not in recommended
+    assert "offload" not in recommended.split(", the fastest")[0]  # (offload settings are listed as not fitting)
 
 
 def test_nothing_fits_in_a_tiny_device(capsys: pytest.CaptureFixture[str]) -> None:
@@ -119,3 +119,17 @@ def test_factory_model_with_batch_shape(capsys: pytest.CaptureFixture[str]) -> N
     ]
     assert main(argv) == 0
     assert "world size 4: recommended zero3" in capsys.readouterr().out
+
+
+def test_offload_is_recommended_when_nothing_else_fits(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out_json = tmp_path / "plan.json"
+    argv = ["--lm", "demo", "--batch-size", "1", "--world-sizes", "4", "--strategies", "ddp,fsdp"]
+    assert main([*argv, "--json", str(out_json)]) == 0
+    rows = json.loads(out_json.read_text())
+    offloaded = min(r["peak_bytes"] for r in rows if r["host"]["peak_bytes"] and "act. ckpt" not in r["setting"])
+    kept = min(r["peak_bytes"] for r in rows if not r["host"]["peak_bytes"])
+    assert offloaded < kept  # offload frees device memory
+    capsys.readouterr()
+    assert main([*argv, "--device-memory", str((offloaded + kept) // 2)]) == 0
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if "recommended" in line]
+    assert "offload" in line and "of host memory" in line and "do not fit (" in line

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
+from shardkit.bench.memory import format_bytes
 from shardkit.plan.api import Estimate, estimate
 from shardkit.plan.cost import DeviceSpec, LinkSpec
 from shardkit.plan.runner import PlanError
@@ -274,16 +275,21 @@ def recommend(
                       and r[0].strategy != "slowmo"),
                      key=lambda r: r[1].step_seconds)  # fmt: skip
     if not fitting:
-        host = f" and {host_memory / 2**30:.0f} GiB of host memory per rank" if host_memory is not None else ""
-        return f"world size {world_size}: nothing fits in {memory / 2**30:.0f} GiB per device{host}"
+        host = f" and {format_bytes(host_memory)} of host memory per rank" if host_memory is not None else ""
+        return f"world size {world_size}: nothing fits in {format_bytes(memory)} per device{host}"
     best, est = fitting[0]
     why = f"the fastest predicted step ({est.step_seconds * 1e3:.1f} ms) among the {len(fitting)} settings that fit"
     if len(fitting) > 1:
         runner_up = fitting[1][1]
         why += f"; next {fitting[1][0].label} at {runner_up.step_seconds * 1e3:.1f} ms"
+    too_big = [r for r in results if r[1].world_size == world_size and not r[1].fits(memory, host_memory)]
+    if too_big:
+        listed = ", ".join(f"{s.label} {format_bytes(e.peak_bytes)}" for s, e in too_big[:3])
+        why += f"; {len(too_big)} do not fit ({listed}{', ...' if len(too_big) > 3 else ''})"
+    host = f" and {format_bytes(est.host.peak_bytes)} of host memory" if est.host.peak_bytes else ""
     return (
-        f"world size {world_size}: recommended {best.label}: peak {est.peak_bytes / 2**30:.2f} GiB of "
-        f"{memory / 2**30:.0f} GiB, {why}"
+        f"world size {world_size}: recommended {best.label}: peak {format_bytes(est.peak_bytes)} of "
+        f"{format_bytes(memory)}{host}, {why}"
     )
 
 
