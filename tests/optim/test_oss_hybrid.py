@@ -4,6 +4,7 @@ trains exactly like the unsharded optimizer at world size 4 laid out as 2 nodes 
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from shardkit.distributed import count_comm_bytes
 from shardkit.distributed.topology import Topology
 from shardkit.optim import OSS
+from shardkit.optim.zero1.consistency import _same
 from shardkit.testing import run_distributed
 from shardkit.testing.models import loss_for
 
@@ -78,3 +80,8 @@ def _node_only_ddp(rank: int, world_size: int) -> bool:
 
 def test_oss_hybrid_refuses_gradients_that_differ_between_nodes_on_every_rank() -> None:
     assert run_distributed(_node_only_ddp, 4, rank_env=TWO_NODES) == [True] * 4
+
+
+def test_gradient_digests_compare_with_rounding_and_overflow_in_mind() -> None:
+    assert _same([1.0, None, math.inf], [1.0 + 1e-9, None, math.nan])  # overflow on both nodes: the scaler's case
+    assert not _same([1.0], [1.1]) and not _same([None], [1.0]) and not _same([math.inf], [1.0])
