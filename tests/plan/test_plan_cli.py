@@ -133,3 +133,20 @@ def test_offload_is_recommended_when_nothing_else_fits(tmp_path: Path, capsys: p
     assert main([*argv, "--device-memory", str((offloaded + kept) // 2)]) == 0
     (line,) = [line for line in capsys.readouterr().out.splitlines() if "recommended" in line]
     assert "offload" in line and "of host memory" in line and "do not fit (" in line
+
+
+def test_hf_model_from_a_local_config_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from transformers import GPT2Config
+
+    GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=64, vocab_size=512).save_pretrained(tmp_path)
+    out_json = tmp_path / "plan.json"
+    argv = ["--hf", str(tmp_path / "config.json"), "n_layer=3", "--batch-size", "1", "--seq-len", "32",
+            "--world-sizes", "2", "--strategies", "ddp", "--json", str(out_json)]  # fmt: skip
+    assert main(argv) == 0
+    (row,) = json.loads(out_json.read_text())
+    # Three blocks of 64 wide (the override) and the 512 x 64 embedding, tied with the head: about 0.18 M parameters.
+    params = 3 * (12 * 64 * 64 + 13 * 64) + 512 * 64 + 64 * 64 + 2 * 64
+    assert row["state_breakdown"]["parameters"] == pytest.approx(params * 4, rel=0.05)
+    capsys.readouterr()
+    assert main(["--hf", str(tmp_path / "missing.json")]) == 2
+    assert "neither a transformers model type nor a readable config.json" in capsys.readouterr().err

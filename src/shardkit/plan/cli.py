@@ -4,6 +4,7 @@ Examples::
 
     shardkit plan --hf llama hidden_size=4096,num_hidden_layers=32,intermediate_size=11008 --world-sizes 8,64
     shardkit plan mypkg.models:build --batch-shape 8,512 --device-memory 40GiB --json out.json
+    shardkit plan --hf ./my-model/config.json num_hidden_layers=48 --world-sizes 64,128
     shardkit plan --lm bench --world-sizes 2,4,8 --plot memory.png
 """
 
@@ -145,7 +146,12 @@ def _checkpointed(build: Any, offload: bool = False) -> Any:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="shardkit plan", description=__doc__.splitlines()[0])
     p.add_argument("model", nargs="?", help="package.module:factory building the model (or use --hf / --lm)")
-    p.add_argument("--hf", nargs="+", metavar=("TYPE", "KEY=VALUE,..."), help="transformers model type + overrides")
+    p.add_argument(
+        "--hf",
+        nargs="+",
+        metavar=("TYPE", "KEY=VALUE,..."),
+        help="transformers model type (or a local config.json, or a model folder holding one) + config overrides",
+    )
     p.add_argument("--lm", choices=("bench", "demo"), help="shardkit's bench or demo LM")
     p.add_argument("--batch-shape", type=_ints, help="one rank's token batch for a factory model, e.g. 8,512")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per rank (--hf, --lm)")

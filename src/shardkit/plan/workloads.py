@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -33,7 +34,8 @@ class Workload:
 
     #: One of :data:`KINDS`.
     kind: str
-    #: transformers model type (``"gpt2"``, ``"llama"``) or ``package.module:factory``; empty for the LMs.
+    #: transformers model type (``"gpt2"``, ``"llama"``) or a local ``config.json`` (or the folder holding it), or
+    #: ``package.module:factory``; empty for the LMs.
     name: str = ""
     #: transformers config overrides, or keyword arguments of the factory.
     overrides: Mapping[str, Any] = field(default_factory=dict)
@@ -68,7 +70,8 @@ class Workload:
 
     @classmethod
     def hf(cls, model_type: str, overrides: Mapping[str, Any], **kwargs: Any) -> Workload:
-        """A transformers causal LM of ``model_type`` with config ``overrides``; random weights, nothing downloaded."""
+        """A transformers causal LM of ``model_type`` (or of a local ``config.json``, or a folder holding one) with
+        config ``overrides``; random weights, nothing downloaded."""
         return cls("hf", model_type, dict(overrides), **kwargs)
 
     @property
@@ -86,13 +89,20 @@ class Workload:
         return LMConfig(**{**base.__dict__, "seq_len": self.seq_len, **self.overrides})
 
     def hf_config(self) -> Any:
-        """The transformers config (``AutoConfig.for_model``) with the overrides applied."""
+        """The transformers config (``AutoConfig.for_model``, or a local config file read without downloading)
+        with the overrides applied."""
         from transformers import AutoConfig
 
         try:
-            config = AutoConfig.for_model(self.name)
-        except ValueError as exc:
-            raise ValueError(f"unknown transformers model type {self.name!r} ({exc})") from None
+            if Path(self.name).exists():
+                config = AutoConfig.from_pretrained(self.name, local_files_only=True)
+            else:
+                config = AutoConfig.for_model(self.name)
+        except (ValueError, OSError) as exc:
+            raise ValueError(
+                f"{self.name!r} is neither a transformers model type nor a readable config.json (or folder holding "
+                f"one): {exc}"
+            ) from None
         for key, value in self.overrides.items():
             if not hasattr(config, key):
                 raise ValueError(f"transformers {self.name} config has no field {key!r}")
