@@ -150,3 +150,21 @@ def test_hf_model_from_a_local_config_file(tmp_path: Path, capsys: pytest.Captur
     capsys.readouterr()
     assert main(["--hf", str(tmp_path / "missing.json")]) == 2
     assert "neither a transformers model type nor a readable config.json" in capsys.readouterr().err
+
+
+def test_the_optimizer_is_planned_by_name_with_its_options(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--lm", "demo", "--batch-size", "1", "--world-sizes", "2", "--strategies", "ddp", "--json"]
+    states = {}
+    for name, extra in (("adamw", []), ("sgd", ["--optimizer-options", "momentum=0.9"]), ("sgd", [])):
+        out_json = tmp_path / f"{name}{len(extra)}.json"
+        assert main([*argv, str(out_json), "--optimizer", name, *extra]) == 0
+        (row,) = json.loads(out_json.read_text())
+        states[name, bool(extra)] = row["state_breakdown"]
+    params = states["adamw", False]["parameters"]
+    assert states["adamw", False]["optimizer_state"] >= 2 * params  # two moments (and step counters)
+    assert states["sgd", True]["optimizer_state"] == params  # one momentum buffer
+    assert states["sgd", False]["optimizer_state"] == 0  # plain SGD keeps nothing
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main(["--lm", "demo", "--optimizer", "lion"])
+    assert "not a torch.optim optimizer" in capsys.readouterr().err

@@ -177,12 +177,41 @@ def _parser() -> argparse.ArgumentParser:
         default="nccl",
         help="the planned run's backend: nccl (accelerators, default) or gloo (a CPU run's direct-send paths)",
     )
+    p.add_argument(
+        "--optimizer",
+        default="AdamW",
+        help="a torch.optim class by name (default AdamW; e.g. SGD, Adam, Adagrad): its state is planned",
+    )
+    p.add_argument(
+        "--optimizer-options", type=_overrides, default={}, metavar="KEY=VALUE,...", help="e.g. momentum=0.9"
+    )
     p.add_argument("--json", metavar="PATH", help="write every estimate as JSON")
     p.add_argument("--plot", metavar="PATH", help="write a PNG: peak memory per rank against world size")
     return p
 
 
+def _optimizer(name: str, parser: argparse.ArgumentParser) -> type:
+    import torch
+
+    found = {n.lower(): getattr(torch.optim, n) for n in dir(torch.optim) if not n.startswith("_")}
+    found = {n: c for n, c in found.items() if isinstance(c, type) and issubclass(c, torch.optim.Optimizer)}
+    found.pop("optimizer", None)  # the base class
+    cls = found.get(name.lower())
+    if cls is None:
+        known = sorted(found)
+        parser.error(f"--optimizer {name!r} is not a torch.optim optimizer; one of: {', '.join(known)}")
+    return cls
+
+
 def _workload(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Workload:
+    return replace(
+        _model_workload(args, parser),
+        optimizer=_optimizer(args.optimizer, parser),
+        optimizer_options=dict(args.optimizer_options),
+    )
+
+
+def _model_workload(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Workload:
     chosen = [x for x in (args.model, args.hf, args.lm) if x]
     if len(chosen) != 1:
         parser.error("give exactly one model: package.module:factory, --hf TYPE [overrides] or --lm bench|demo")
@@ -238,7 +267,8 @@ def plan_all(
             try:
                 est = estimate(
                     build, setting_work.batch(), loss_fn=loss, strategy=setting.strategy, world_size=ws,
-                    optimizer=work.optimizer, strategy_options=setting.options, device=device, link=link,
+                    optimizer=work.optimizer, optimizer_options=work.optimizer_options,
+                    strategy_options=setting.options, device=device, link=link,
                     nprocs_per_node=per_node, backend=backend,
                 )  # fmt: skip
             except PlanError as exc:
