@@ -26,6 +26,10 @@ def test_plans_every_setting_over_world_sizes_with_json_and_plot(
     assert {(r["strategy"], r["world_size"]) for r in rows} == {(s, w) for s in ("ddp", "fsdp") for w in (2, 8)}
     fsdp = {r["world_size"]: r for r in rows if r["setting"] == "zero3 (fsdp, reshard)"}
     assert fsdp[8]["state_bytes"] < fsdp[2]["state_bytes"]
+    bf16 = {r["world_size"]: r for r in rows if r["setting"] == "zero3 (fsdp, bf16 compute)"}
+    # Gathered in bfloat16: half the bytes of an FP32 gather, the same FP32 shards between steps.
+    assert bf16[8]["comm_bytes"]["all_gather"] * 2 == fsdp[8]["comm_bytes"]["all_gather"]
+    assert bf16[8]["state_bytes"] == fsdp[8]["state_bytes"] and bf16[8]["peak_bytes"] < fsdp[8]["peak_bytes"]
     assert out_png.read_bytes()[:4] == b"\x89PNG"
 
 

@@ -18,6 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
+import torch
+
 from shardkit.bench.memory import format_bytes
 from shardkit.plan.api import Estimate, estimate
 from shardkit.plan.cost import DeviceSpec, LinkSpec
@@ -84,6 +86,11 @@ SETTINGS = (
     Setting("zero3 (fsdp, reshard)", "fsdp", {"reshard_after_forward": True}),
     Setting("zero3 (fsdp, no reshard)", "fsdp", {"reshard_after_forward": False}),
     Setting("zero3 (fsdp) + act. ckpt", "fsdp", {"reshard_after_forward": True}, checkpointing=True),
+    Setting(
+        "zero3 (fsdp, bf16 compute)",
+        "fsdp",
+        {"reshard_after_forward": True, "mixed_precision": True, "compute_dtype": torch.bfloat16},
+    ),
     Setting(
         "zero3 (fsdp) + act. ckpt on cpu",
         "fsdp",
