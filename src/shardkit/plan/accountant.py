@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry
 
 from shardkit.memory import Category, MemoryLimitExceeded, StorageBook
 from shardkit.memory.offload import TO_HOST
@@ -87,6 +88,9 @@ class Accountant(TorchDispatchMode):
         self.transfers: dict[str, int] = {"to_host": 0, "to_device": 0}
         #: Count new storages as host memory (set by :meth:`in_host_memory`).
         self._new_on_host = False
+        #: FLOPs of the operators run while :attr:`count_flops` is set (torch's per-operator formulas).
+        self.count_flops = False
+        self.flops = 0.0
         self.phase = "setup"
         self._stack: list[str] = []
         self._names: dict[int, str] = {}
@@ -183,6 +187,10 @@ class Accountant(TorchDispatchMode):
             if not handled:
                 out = func(*args, **kwargs)
         self._count_transfer(func, args, out)
+        if self.count_flops:
+            formula = flop_registry.get(func.overloadpacket)
+            if formula is not None:
+                self.flops += formula(*args, **kwargs, out_val=out)
         category = self._category_now()
         for tensor in tree_flatten(out)[0]:
             if type(tensor) in _COUNTED:

@@ -2,7 +2,7 @@
 
 For one planned rank the planner knows, per phase of the reported step (forward, backward, optimizer), the
 collectives it issued (bytes each rank sends, ring model, and how many calls) and the FLOPs of the whole step
-(torch's ``FlopCounterMode``). The model:
+(torch's per-operator formulas, ``torch.utils.flop_counter``). The model:
 
 - compute: forward = 1/3 of the FLOPs, backward = 2/3 (a matmul's backward is two matmuls), at
   ``DeviceSpec.flops_per_s`` (a sustained rate, not the datasheet peak);

@@ -12,6 +12,7 @@ strategy create is seen.
 from __future__ import annotations
 
 import contextlib
+import gc
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -19,7 +20,6 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
 
 from shardkit.bench.memory import optimizer_state_tensors
 from shardkit.distributed import CommMeter, NodeLayout, Topology, count_comm_bytes, set_topology
@@ -124,6 +124,7 @@ def _diff(after: Mapping[str, int], before: Mapping[str, int]) -> dict[str, int]
 
 @contextlib.contextmanager
 def _phase(acct: Accountant, name: str, traffic: TorchTraffic, out: dict[str, PhaseTraffic]) -> Iterator[None]:
+    gc.collect(1)  # garbage from the phase before goes now, not whenever the collector happens to run (see _run_steps)
     acct.phase = name
     before_payload, before_calls = dict(traffic.payload_bytes), dict(traffic.calls)
     before_copies = dict(acct.transfers)
@@ -248,6 +249,22 @@ def run_rank(
 
 
 @contextlib.contextmanager
+def _collector_at_phase_boundaries() -> Iterator[None]:
+    """Python's cyclic garbage collector off for the block: it frees storages caught in reference cycles at
+    moments that depend on everything the process did before, so the same plan could differ from run to run;
+    :func:`_phase` collects the young generations (what the run made) at each phase boundary instead. Cycles that
+    hold tensors are rare in training code (torch's module trackers make them with gradient hooks, which is why the
+    runner counts FLOPs itself rather than under ``FlopCounterMode``)."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+@contextlib.contextmanager
 def _nodes(nprocs_per_node: Optional[int]) -> Iterator[Optional[Topology]]:
     """The world's node layout for strategies (hybrid sharding) and the comm meter, for the block; None without."""
     if nprocs_per_node is None:
@@ -283,7 +300,7 @@ def _run_steps(
     build_in_host_memory: bool = False,
 ) -> RankRun:
     phases: dict[str, PhaseTraffic] = {}
-    with Accountant(limit_bytes=host_limit_bytes) as acct:
+    with _collector_at_phase_boundaries(), Accountant(limit_bytes=host_limit_bytes) as acct:
         traffic.on_buffer = acct.comm_buffer
         with acct.in_host_memory() if build_in_host_memory else contextlib.nullcontext():
             with torch.device(device):
@@ -295,11 +312,12 @@ def _run_steps(
         for _ in range(warmup):
             _step(acct, built, batch, loss_fn, traffic, {}, forward_backward)
             built[1].zero_grad()
-        flop_counter = FlopCounterMode(display=False)
-        flops: dict[str, float] = {}
-        with flop_counter:
-            _step(acct, built, batch, loss_fn, traffic, phases, forward_backward)
-        flops["total"] = float(flop_counter.get_total_flops())
+        # FLOPs by the accountant itself (torch's formulas per operator): torch's FlopCounterMode would also track
+        # modules with gradient hooks whose reference cycles keep activations alive until a garbage collection.
+        acct.count_flops = True
+        _step(acct, built, batch, loss_fn, traffic, phases, forward_backward)
+        acct.count_flops = False
+        flops: dict[str, float] = {"total": float(acct.flops)}
         state_bytes = acct.state_bytes()
         state: dict[str, int] = {c.value: acct.device.total(c) for c in STATE}
         peak, host_peak = acct.peak, acct.host_peak
