@@ -30,6 +30,31 @@ CASES = [
         2,
         id="bench_lm_wide-ws2-sdp_sends",
     ),
+    pytest.param(  # activation checkpointing: recomputed blocks, exactly what the real run holds
+        Workload(
+            "bench_lm",
+            overrides={"n_layers": 2, "d_model": 128},
+            batch_size=2,
+            seq_len=64,
+            activation_checkpointing=True,
+        ),
+        ["ddp", "fsdp"],
+        2,
+        id="bench_lm_checkpointed-ws2",
+    ),
+    pytest.param(  # ... with the saved inputs in host memory (planned apart, compared together with the device's)
+        Workload(
+            "bench_lm",
+            overrides={"n_layers": 2, "d_model": 128},
+            batch_size=2,
+            seq_len=64,
+            activation_checkpointing=True,
+            offload_activations=True,
+        ),
+        ["fsdp"],
+        2,
+        id="bench_lm_checkpoints_on_cpu-ws2",
+    ),
     pytest.param(  # CPU offload: the planned device and host memory together against the CPU run's one memory
         Workload.demo_lm(batch_size=4, strategy_options={"cpu_offload": True, "mixed_precision": True}),
         ["fsdp"],

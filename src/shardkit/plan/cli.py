@@ -24,7 +24,6 @@ from shardkit.bench.memory import format_bytes
 from shardkit.plan.api import Estimate, estimate
 from shardkit.plan.cost import DeviceSpec, LinkSpec
 from shardkit.plan.runner import PlanError
-from shardkit.plan.strategies import block_classes
 from shardkit.plan.workloads import Workload
 
 _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6,
@@ -134,20 +133,6 @@ def pipeline_settings(world_size: int, batch_size: int) -> list[Setting]:
         config = {"partitions": parts, "microbatches": micro, "pipeline": "interleaved"}
         out.append(Setting(f"pipeline (smp) {parts} stages x {micro} mb", "smp", config, batch_ranks=parts))
     return out
-
-
-def _checkpointed(build: Any, offload: bool = False) -> Any:
-    def build_checkpointed() -> Any:
-        from shardkit.nn.checkpoint.apply import apply_activation_checkpointing
-
-        model = build()
-        classes = tuple(block_classes(model))
-        if not classes:
-            raise PlanError("activation checkpointing needs blocks in an nn.ModuleList to wrap")
-        apply_activation_checkpointing(model, classes, offload_to_cpu=offload)
-        return model
-
-    return build_checkpointed
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -265,12 +250,13 @@ def plan_all(
         for setting in with_pipelines:
             if setting.needs_nodes and (nprocs_per_node is None or nprocs_per_node in (1, ws)):
                 continue  # hybrid sharding needs several nodes of several ranks
-            setting_work = replace(work, batch_size=work.batch_size * setting.batch_ranks)
-            build = (
-                _checkpointed(setting_work.build, setting.offload_activations)
-                if setting.checkpointing
-                else setting_work.build
+            setting_work = replace(
+                work,
+                batch_size=work.batch_size * setting.batch_ranks,
+                activation_checkpointing=setting.checkpointing,
+                offload_activations=setting.offload_activations,
             )
+            build = setting_work.build
             try:
                 est = estimate(
                     build, setting_work.batch(), loss_fn=loss, strategy=setting.strategy, world_size=ws,

@@ -51,12 +51,18 @@ class Workload:
     strategy_options: Mapping[str, Any] = field(default_factory=dict)
     #: Consecutive ranks per node (None: no node layout).
     nprocs_per_node: Optional[int] = None
+    #: Wrap every block (each module held in an ``nn.ModuleList``) in activation checkpointing, and with
+    #: ``offload_activations`` move the checkpoints' saved inputs to host memory.
+    activation_checkpointing: bool = False
+    offload_activations: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"Workload.kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
         at_least(self, "batch_size", self.batch_size, 1)
         at_least(self, "seq_len", self.seq_len, 1)
+        if self.offload_activations and not self.activation_checkpointing:
+            raise ValueError("Workload.offload_activations needs activation_checkpointing=True")
 
     @classmethod
     def bench_lm(cls, **kwargs: Any) -> Workload:
@@ -111,7 +117,20 @@ class Workload:
         return config
 
     def build(self) -> nn.Module:
-        """The unwrapped model (on the current default device: the planner opens ``torch.device("meta")``)."""
+        """The unwrapped model (on the current default device: the planner opens ``torch.device("meta")``), its
+        blocks checkpointed when :attr:`activation_checkpointing` is set."""
+        model = self._build_model()
+        if self.activation_checkpointing:
+            from shardkit.nn.checkpoint.apply import apply_activation_checkpointing
+            from shardkit.plan.strategies import block_classes
+
+            classes = tuple(block_classes(model))
+            if not classes:
+                raise ValueError("activation checkpointing needs blocks in an nn.ModuleList to wrap")
+            apply_activation_checkpointing(model, classes, offload_to_cpu=self.offload_activations)
+        return model
+
+    def _build_model(self) -> nn.Module:
         if self.kind in ("bench_lm", "demo_lm"):
             from shardkit.testing.models import TransformerLM
 
