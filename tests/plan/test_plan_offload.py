@@ -71,7 +71,7 @@ def test_offload_moves_the_sharded_state_to_host_memory_and_keeps_the_traffic() 
     assert shard_bytes < off.host.to_device_bytes <= 2 * shard_bytes
     assert off.comm_bytes == plain.comm_bytes  # offload changes where state lives, not what is sent
     assert off.phase_seconds["optimizer"] > plain.phase_seconds["optimizer"]  # the CPU steps it
-    assert plain.host.peak_bytes == 0 and plain.total_peak_bytes == plain.peak_bytes
+    assert plain.host.state_bytes == 0  # built in host memory too, but its shards then moved to the device
 
 
 def test_mixed_precision_uploads_half_the_bytes() -> None:
@@ -93,14 +93,19 @@ class _Wide(nn.Module):
         return x.sum()
 
 
-def test_an_offloaded_model_is_built_and_wrapped_in_host_memory() -> None:
+def test_fsdp_models_are_built_and_wrapped_in_host_memory_and_never_whole_on_the_device() -> None:
     model_bytes = sum(p.numel() * 4 for p in _Wide().parameters())
     batch = (torch.randn(2, 256),)
+    ddp = estimate(_Wide, batch, strategy="ddp", world_size=8)
     plain = estimate(_Wide, batch, strategy="fsdp", world_size=8)
     off = estimate(_Wide, batch, strategy="fsdp", world_size=8, strategy_options=OFFLOAD)
-    assert plain.peak_bytes >= model_bytes and plain.peak_phase == "setup"
+    assert ddp.peak_bytes >= model_bytes and ddp.host.peak_bytes == 0  # a replica lives on the device
     assert off.peak_bytes < model_bytes / 2  # a few blocks gathered or reduced at a time, on the device
-    assert off.host.peak_bytes >= model_bytes and off.host.peak_phase == "setup"
+    assert plain.peak_bytes < model_bytes  # the same, beside this rank's shards and their Adam state
+    for est in (plain, off):
+        assert est.host.peak_bytes >= model_bytes and est.host.peak_phase == "setup"
+    # Without offload only this rank's shards go to the device after wrapping; with it they stay in host memory.
+    assert plain.host.state_bytes == 0 and plain.state_bytes == off.host.state_bytes + off.state_bytes
 
 
 class _NeedsData(nn.Module):

@@ -118,6 +118,15 @@ class StorageBook:
                 return
         self.track(storage, category)
 
+    def drop(self, storage: torch.UntypedStorage) -> Optional[Category]:
+        """Stop counting ``storage`` (it moves to another book); its category, or None if not held here."""
+        with self._lock:
+            record = self._records.get(id(storage))
+            if record is None:
+                return None
+            self._forget(id(storage))
+            return record.category
+
     def category_of(self, storage: torch.UntypedStorage) -> Optional[Category]:
         """The category ``storage`` is counted under, or None if this book does not hold it."""
         record = self._records.get(id(storage))

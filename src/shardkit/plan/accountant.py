@@ -157,6 +157,18 @@ class Accountant(TorchDispatchMode):
         finally:
             self._new_on_host = False
 
+    def move_to_device(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Count the (host-booked) storages of ``tensors`` as device memory from now on: a wrapped model's state
+        moved onto the device (``model.to(device)`` after wrapping on the CPU)."""
+        for tensor in tensors:
+            storage, host = _storage(tensor)
+            if host:
+                continue  # a real host tensor (offloaded state) stays where it is
+            category = self.host.drop(storage)
+            if category is not None:
+                self.device.track(storage, category)
+        self.total_peak = max(self.total_peak, self.device.current + self.host.current)
+
     def state_bytes(self) -> int:
         """Device bytes alive now in the categories that stay between steps."""
         return sum(self.device.total(c) for c in STATE)

@@ -182,7 +182,10 @@ def _plan_on(
         nprocs_per_node,
         warmup=warmup_steps(strategy),
         backend=backend,
-        build_in_host_memory=bool(offload_options(strategy, strategy_options)),
+        # FSDP exists for models too big for one device: it is planned as built and wrapped in host memory, with
+        # only this rank's shards then moved onto the device (unless offloaded, when they stay in host memory).
+        build_in_host_memory=strategy == "fsdp",
+        state_to_device=strategy == "fsdp" and not offload_options(strategy, strategy_options),
     )
 
 

@@ -233,18 +233,20 @@ def run_rank(
     warmup: int = 2,
     backend: str = "nccl",
     build_in_host_memory: bool = False,
+    state_to_device: bool = False,
 ) -> RankRun:
     """Build, wrap and train ``rank`` of ``world_size`` on ``device`` for a few steps; see the module docstring.
 
     ``forward_backward`` replaces ``loss_fn(model(*batch), batch).backward()`` (a pipeline's schedule);
     ``backend`` is the planned run's (see :func:`~shardkit.plan.peerless.peerless_world`);
-    ``build_in_host_memory``: the model is built and wrapped in host memory (the strategy offloads to the CPU), so
-    none of it counts as device memory until the strategy moves it there.
+    ``build_in_host_memory``: the model is built and wrapped in host memory, so none of it counts as device memory
+    until the strategy moves it there (CPU offload) or, with ``state_to_device``, until the wrapped model's
+    parameters and buffers (FSDP: only this rank's shards) are moved to the device right after wrapping.
     """
     with peerless_world(world_size, rank, mailbox, backend) as traffic, _nodes(nprocs_per_node) as topology:
         return _run_steps(
             device, build_model, wrap, batch, loss_fn, traffic, topology, host_limit_bytes, forward_backward, warmup,
-            build_in_host_memory,
+            build_in_host_memory, state_to_device,
         )  # fmt: skip
 
 
@@ -298,6 +300,7 @@ def _run_steps(
     forward_backward: Optional[ForwardBackward],
     warmup: int,
     build_in_host_memory: bool = False,
+    state_to_device: bool = False,
 ) -> RankRun:
     phases: dict[str, PhaseTraffic] = {}
     with _collector_at_phase_boundaries(), Accountant(limit_bytes=host_limit_bytes) as acct:
@@ -307,6 +310,8 @@ def _run_steps(
                 model = build_model()
             acct.name_modules(model)
             built = wrap(model, topology)
+        if state_to_device:
+            acct.move_to_device([*built[0].parameters(), *built[0].buffers()])
         acct.name_modules(built[0])
         batch = _to_device(batch, device)
         for _ in range(warmup):
