@@ -35,11 +35,9 @@ from shardkit.memory import Category, MemoryLimitExceeded, StorageBook
 from shardkit.memory.offload import TO_HOST
 from shardkit.memory.resize_watch import watch_resizes
 from shardkit.plan.host import HostTensor, host_copy
-from shardkit.plan.oracle import MetaData
+from shardkit.plan.oracle import COPY_TO, MetaData
 
 aten = torch.ops.aten
-#: ``aten::_to_copy`` (a copy to another device or dtype), matched by its registered name.
-_COPY_TO = "aten::_to_copy"
 
 
 #: The categories that stay between steps.
@@ -217,7 +215,7 @@ class Accountant(TorchDispatchMode):
         """Bytes crossing between host memory and the device: offloads down, uploads (and copies into) up."""
         if func is TO_HOST and isinstance(out, HostTensor):
             self.transfers["to_host"] += out.nbytes
-        elif func.name() == _COPY_TO and isinstance(args[0], HostTensor) and not isinstance(out, HostTensor):
+        elif func.name() == COPY_TO and isinstance(args[0], HostTensor) and not isinstance(out, HostTensor):
             self.transfers["to_device"] += out.nbytes
         elif func is aten.copy_.default and isinstance(args[0], HostTensor) != isinstance(args[1], HostTensor):
             self.transfers["to_host" if isinstance(args[0], HostTensor) else "to_device"] += args[0].nbytes

@@ -24,7 +24,7 @@ aten = torch.ops.aten
 # The two aten operators that read a tensor's data (``.item()`` and a copy to another device), matched by their
 # registered names: ``OpOverload.name()`` is the public handle on an operator whose Python name is underscored.
 _SCALAR_READ = "aten::_local_scalar_dense"
-_COPY_TO = "aten::_to_copy"
+COPY_TO = "aten::_to_copy"
 
 
 class MetaData:
@@ -61,7 +61,7 @@ class MetaData:
         if func.name() == _SCALAR_READ and _is_meta(args[0]):
             value = self._read(args[0], args[0].dtype, "cpu")
             return True, value.item()
-        if func.name() == _COPY_TO and isinstance(args[0], torch.Tensor):
+        if func.name() == COPY_TO and isinstance(args[0], torch.Tensor):
             src = args[0]
             target = kwargs.get("device")
             dst_meta = target is not None and torch.device(target).type == "meta"
@@ -94,4 +94,4 @@ def _is_meta(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.device.type == "meta"
 
 
-__all__ = ["MetaData"]
+__all__ = ["COPY_TO", "MetaData"]
