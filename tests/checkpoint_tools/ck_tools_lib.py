@@ -11,18 +11,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import shardkit
-from shardkit.checkpoint.files import sha256
-from shardkit.checkpoint.metadata import CheckpointMeta, FileRecord
+from shardkit.checkpoint.metadata import CheckpointMeta, record_files
 from shardkit.checkpoint.universal.layout import DCP_DIR
 
 
 def write_meta(directory: Path, layout: str, strategy: str = "plain", step: int = 3, world_size: int = 1) -> None:
     """A meta.json recording every file under ``directory`` with its size and SHA-256."""
-    files = {
-        str(p.relative_to(directory)): FileRecord(p.stat().st_size, sha256(p))
-        for p in sorted(directory.rglob("*"))
-        if p.is_file()
-    }
+    files = record_files(directory)
     meta = CheckpointMeta(
         step=step,
         world_size=world_size,

@@ -342,15 +342,11 @@ def publish_legacy(directory: Path, adapter: Any, *, step: int, world_size: int,
     """Rank 0: the common file and a ``meta.json`` listing every file, as save_checkpoint wrote them before the
     universal layout (so tests can check that such checkpoints still load)."""
     import shardkit
-    from shardkit.checkpoint.files import sha256, write_json_atomic, write_torch
-    from shardkit.checkpoint.metadata import META_FILE, CheckpointMeta, FileRecord
+    from shardkit.checkpoint.files import write_json_atomic, write_torch
+    from shardkit.checkpoint.metadata import META_FILE, CheckpointMeta, record_files
 
     write_torch(directory / "common.pt", {"scaler": None, "extra": None})
-    files = {
-        str(p.relative_to(directory)): FileRecord(p.stat().st_size, sha256(p))
-        for p in sorted(directory.rglob("*"))
-        if p.is_file()
-    }
+    files = record_files(directory)
     meta = CheckpointMeta(
         step=step,
         world_size=world_size,

@@ -32,8 +32,8 @@ from shardkit.checkpoint.adapters import Adapter, PendingLoad, adapter_for
 from shardkit.checkpoint.checks import check_meta, held_and_names, verify_files
 from shardkit.checkpoint.checks import verify_checkpoint as verify_checkpoint  # re-exported: the public entry point
 from shardkit.checkpoint.errors import CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError
-from shardkit.checkpoint.files import check_weights_only, fsync_dir, safe_load, sha256, write_json_atomic, write_torch
-from shardkit.checkpoint.metadata import META_FILE, CheckpointInfo, CheckpointMeta, FileRecord, resolve
+from shardkit.checkpoint.files import check_weights_only, fsync_dir, safe_load, write_json_atomic, write_torch
+from shardkit.checkpoint.metadata import META_FILE, CheckpointInfo, CheckpointMeta, FileRecord, record_files, resolve
 from shardkit.checkpoint.universal import load as universal_load
 from shardkit.checkpoint.universal import save as universal_save
 from shardkit.checkpoint.universal.background import BACKGROUND, wait_for_checkpoint
@@ -252,15 +252,7 @@ def _write_parts(tmp: Path, adapter: Adapter, rank: int, rank_state: Any, common
 def _digests(tmp: Path, rank: int, world_size: int, group: Optional[dist.ProcessGroup]) -> dict[str, FileRecord]:
     """Size and SHA-256 of every file, each rank hashing every ``world_size``-th one; all ranks get all."""
 
-    def hash_my_share() -> dict[str, FileRecord]:
-        names = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
-        return {
-            name: FileRecord((tmp / name).stat().st_size, sha256(tmp / name))
-            for i, name in enumerate(names)
-            if i % world_size == rank
-        }
-
-    mine = comm.agreed(hash_my_share, "save_checkpoint: hash", group)
+    mine = comm.agreed(lambda: record_files(tmp, rank, world_size), "save_checkpoint: hash", group)
     merged: dict[str, FileRecord] = {}
     for part in comm.all_gather(mine, "save_checkpoint: digests", group):
         merged.update(part)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from shardkit.checkpoint.errors import CheckpointNotFoundError, CorruptCheckpointError
+from shardkit.checkpoint.files import sha256
 
 META_FILE = "meta.json"
 FORMAT = "shardkit-checkpoint"
@@ -25,6 +26,22 @@ class FileRecord:
 
     bytes: int
     sha256: str
+
+
+def record_files(directory: Path, rank: int = 0, world_size: int = 1) -> dict[str, FileRecord]:
+    """Size and SHA-256 of the files under ``directory``, by path relative to it, in sorted order; with
+    ``world_size`` > 1 only this ``rank``'s share (every ``world_size``-th file), so ranks can split the hashing.
+
+    Example::
+
+        files = record_files(Path("runs/step_100"))     # what meta.json records
+    """
+    names = sorted(str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file())
+    return {
+        name: FileRecord((directory / name).stat().st_size, sha256(directory / name))
+        for i, name in enumerate(names)
+        if i % world_size == rank
+    }
 
 
 @dataclass(frozen=True)
