@@ -30,7 +30,8 @@ from shardkit.optim.zero1.state_dict import (
 OptimizerClass = Callable[..., Optimizer]
 
 _CONSOLIDATE_ADVICE = (
-    "Call optimizer.consolidate_state_dict(recipient_rank=0) on every rank, then optimizer.state_dict() on rank 0 only."
+    "Call it on every rank (optimizer.consolidate_state_dict(recipient_rank=0)), then optimizer.state_dict() on "
+    "rank 0 only."
 )
 
 
