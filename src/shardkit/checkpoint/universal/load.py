@@ -18,6 +18,7 @@ scaler and RNG are untouched in that case.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Optional
@@ -111,6 +112,14 @@ def plan_load(
             what[key] = f"parameter or buffer '{span.fqn}'"
     optimizer_plan: Optional[OptimizerLoadPlan] = None
     optimizer = source.local_optimizer()
+    if optimizer is not None and not meta.has_optimizer and meta.strategy == "import":
+        # Weights from another tool: nothing to restore, the caller's fresh optimizer is the starting point.
+        warnings.warn(
+            f"{directory} was made by `shardkit checkpoint import` and holds weights only: the model is loaded, the "
+            "optimizer starts afresh",
+            stacklevel=2,
+        )
+        optimizer = None
     if optimizer is not None:
         if not meta.has_optimizer:
             raise IncompatibleCheckpointError(
