@@ -5,17 +5,19 @@ test: each case waits the full default deadline, about 3.5 minutes, all cases si
         oss_consolidate smp_state_dict
 
 Rank 0 makes the call; rank 1 waits in a ``dist.barrier()``, as in issue 23. Prints, per case and rank, the seconds
-to each warning and to the error, and the messages.
+to each warning and to the error, and the messages. ``cost`` instead times the check (2 ranks under torch's elastic
+launcher, so over its TCP store): one FSDP ``state_dict()`` with and without it, and the check alone.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import logging
+import statistics
 import sys
 import tempfile
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch.distributed as dist
 from rel_testlib import build, train
@@ -71,6 +73,44 @@ def _measure(which: str) -> tuple[str, str]:
     return which, "no error (unexpected)"
 
 
+def _timed_ms(fn: Callable[[], Any]) -> float:
+    dist.barrier()  # every call starts with the ranks aligned
+    start = time.perf_counter()
+    fn()
+    return 1e3 * (time.perf_counter() - start)
+
+
+def _cost(calls: int = 200) -> str:
+    from shardkit.distributed import arrival
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    run = build("fsdp", seed=0)
+    train(run, range(1), rank)
+    checked_call = arrival.every_rank_calls
+
+    def unchecked() -> Any:
+        arrival.every_rank_calls = lambda *args, **kwargs: None  # type: ignore[assignment]
+        try:
+            return run.model.state_dict()
+        finally:
+            arrival.every_rank_calls = checked_call
+
+    for _ in range(20):
+        _timed_ms(run.model.state_dict)
+    times: dict[str, list[float]] = {"with": [], "without": [], "alone": []}
+    for _ in range(calls):  # interleaved, so drift and warm-up weigh on both alike
+        times["with"].append(_timed_ms(run.model.state_dict))
+        times["without"].append(_timed_ms(unchecked))
+        times["alone"].append(_timed_ms(lambda: arrival.every_rank_calls("check()")))
+    dist.destroy_process_group()
+    ms = {key: statistics.median(values) for key, values in times.items()}
+    return (
+        f"rank {rank}: state_dict {ms['with']:.3f} ms with the check, {ms['without']:.3f} ms without; "
+        f"the check alone {ms['alone']:.3f} ms (medians of {calls})"
+    )
+
+
 def main(cases: list[str]) -> None:
     """Run ``cases`` side by side and print what each rank reported, and when."""
     with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
@@ -80,4 +120,9 @@ def main(cases: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or list(STRATEGY))
+    if sys.argv[1:] == ["cost"]:
+        from shardkit.launch import launch_local
+
+        print("\n".join(launch_local(_cost, 2)))
+    else:
+        main(sys.argv[1:] or list(STRATEGY))

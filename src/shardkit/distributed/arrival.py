@@ -45,6 +45,9 @@ DEFAULT_WARN_AFTER_S = 20.0
 WARN_EVERY_S = 60.0
 
 _PREFIX = "shardkit/calls"
+#: Seconds of polling every 0.1 ms before the pause between polls grows (to 50 ms): the others' arrival is seen at
+#: once when they are close behind, and a long wait costs the store little.
+_FAST_POLL_S = 0.02
 #: Added to a call's arrival counter to close it: a negative count means the call was given up.
 _CLOSED = -(1 << 40)
 _LOG = logging.getLogger("shardkit.distributed")
@@ -183,7 +186,7 @@ def _await_closed(call: _Call) -> str:
 def _wait(call: _Call, policy: ArrivalPolicy, advice: str) -> None:
     start = time.monotonic()
     next_warning = start + policy.warn_after_s
-    pause = 0.0005
+    pause = 0.0001
     while True:
         count = int(call.store.add(call.key("arrived"), 0))
         if count == len(call.ranks):
@@ -200,7 +203,8 @@ def _wait(call: _Call, policy: ArrivalPolicy, advice: str) -> None:
             _warn(call, now - start, policy, advice)
             next_warning = now + policy.warn_every_s
         time.sleep(pause)
-        pause = min(2 * pause, 0.05)
+        if now - start > _FAST_POLL_S:  # ranks usually arrive within milliseconds; after that, poll gently
+            pause = min(2 * pause, 0.05)
 
 
 def _warn(call: _Call, waited_s: float, policy: ArrivalPolicy, advice: str) -> None:
