@@ -15,7 +15,7 @@ wait as long as the process group's timeout allows) every rank that made the cal
 90% of the group's own timeout (or of the active collective checks'), so this error always comes first.
 Ranks that made different such calls at the same point raise at once, on every rank.
 
-Cost: four store round trips on the rank that arrives last, a few more polls on the others (well under a
+Cost: three store round trips on the rank that arrives last, a few more polls on the others (well under a
 millisecond on one node); only these calls pay it, never the training step.
 """
 
@@ -27,7 +27,6 @@ import os
 import time
 import zlib
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any, Optional
 
 import torch.distributed as dist
@@ -248,8 +247,3 @@ def _fail(call: _Call, message: str, late: bool = False) -> None:
     error = MissedCallError(message)
     report_failure(error)
     raise error
-
-
-def call_deadline(group: Optional[GroupLike] = None) -> timedelta:
-    """How long :func:`every_rank_calls` waits for the other ranks of ``group`` under the current settings."""
-    return timedelta(seconds=arrival_policy(group).timeout_s)
