@@ -36,6 +36,7 @@ from shardkit.checkpoint.universal.placement import MODEL_PREFIX, Placement, mod
 from shardkit.checkpoint.universal.plans import UniversalLoadPlanner, check_pieces, pieces_for
 from shardkit.checkpoint.universal.side import read_all
 from shardkit.checkpoint.universal.source import Held, UniversalSource
+from shardkit.checkpoint.universal.write import StaticSource
 from shardkit.checkpoint.validate import Shape
 
 
@@ -112,7 +113,7 @@ def plan_load(
             what[key] = f"parameter or buffer '{span.fqn}'"
     optimizer_plan: Optional[OptimizerLoadPlan] = None
     optimizer = source.local_optimizer()
-    if optimizer is not None and not meta.has_optimizer and meta.strategy == "import":
+    if optimizer is not None and not meta.has_optimizer and meta.strategy == StaticSource.strategy:
         # Weights from another tool: nothing to restore, the caller's fresh optimizer is the starting point.
         warnings.warn(
             f"{directory} was made by `shardkit checkpoint import` and holds weights only: the model is loaded, the "
