@@ -35,6 +35,7 @@ from shardkit.checkpoint.errors import CheckpointError, CorruptCheckpointError, 
 from shardkit.checkpoint.files import check_weights_only, fsync_dir, safe_load, write_json_atomic, write_torch
 from shardkit.checkpoint.find import find_verified
 from shardkit.checkpoint.metadata import (
+    IMPORTED_STRATEGY,
     META_FILE,
     CheckpointInfo,
     CheckpointMeta,
@@ -47,16 +48,12 @@ from shardkit.checkpoint.universal.background import BACKGROUND, wait_for_checkp
 from shardkit.checkpoint.universal.layout import LAYOUT
 from shardkit.checkpoint.universal.registry import source_for
 from shardkit.checkpoint.universal.source import UniversalSource
-from shardkit.checkpoint.universal.write import StaticSource
 from shardkit.distributed.arrival import every_rank_calls
 from shardkit.utils.tensors import to_cpu
 
 COMMON_FILE = "common.pt"
 RANKS_DIR = "ranks"
 PathLike = Union[str, Path]
-#: The strategy recorded by ``shardkit checkpoint import``: its RNG states (if an older import stored some) are the
-#: import command's, never restored over the seed of the run that loads it.
-IMPORTED = StaticSource.strategy
 _EVERY_RANK_ADVICE = (
     "Call it on every rank (each rank writes or reads its own share; rank 0 alone publishes), not under "
     "`if rank == 0:`."
@@ -353,7 +350,8 @@ def load_checkpoint(
     comm.agreed(pending.apply, "load_checkpoint: apply")  # a failure here still reaches every rank
     if scaler is not None:
         scaler.load_state_dict(common["scaler"])
-    restore_rng = same_size and rank_state.get("rng") is not None and meta.strategy != IMPORTED
+    # An import has no run to continue (older imports stored the import command's RNG): the loader's seed stands.
+    restore_rng = same_size and rank_state.get("rng") is not None and meta.strategy != IMPORTED_STRATEGY
     if restore_rng:
         rng.restore(rank_state["rng"])
     return CheckpointInfo(

@@ -22,6 +22,8 @@ from shardkit.checkpoint.files import sha256
 META_FILE = "meta.json"
 FORMAT = "shardkit-checkpoint"
 FORMAT_VERSION = 1
+#: The strategy ``shardkit checkpoint import`` records: weights from another tool, no training state of a run.
+IMPORTED_STRATEGY = "import"
 #: The key of ``meta.json`` holding the SHA-256 of the rest of it (absent from checkpoints written before it).
 DIGEST_KEY = "meta_sha256"
 

@@ -29,14 +29,13 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from shardkit.checkpoint import safe_dcp, validate
 from shardkit.checkpoint.adapters.base import PendingLoad
 from shardkit.checkpoint.errors import IncompatibleCheckpointError
-from shardkit.checkpoint.metadata import CheckpointMeta
+from shardkit.checkpoint.metadata import IMPORTED_STRATEGY, CheckpointMeta
 from shardkit.checkpoint.universal.layout import DCP_DIR
 from shardkit.checkpoint.universal.optim_state import OptimizerLoadPlan, plan_optimizer_load
 from shardkit.checkpoint.universal.placement import MODEL_PREFIX, Placement, model_key
 from shardkit.checkpoint.universal.plans import UniversalLoadPlanner, check_pieces, pieces_for
 from shardkit.checkpoint.universal.side import read_all
 from shardkit.checkpoint.universal.source import Held, UniversalSource
-from shardkit.checkpoint.universal.write import StaticSource
 from shardkit.checkpoint.validate import Shape
 
 
@@ -113,7 +112,7 @@ def plan_load(
             what[key] = f"parameter or buffer '{span.fqn}'"
     optimizer_plan: Optional[OptimizerLoadPlan] = None
     optimizer = source.local_optimizer()
-    if optimizer is not None and not meta.has_optimizer and meta.strategy == StaticSource.strategy:
+    if optimizer is not None and not meta.has_optimizer and meta.strategy == IMPORTED_STRATEGY:
         # Weights from another tool: nothing to restore, the caller's fresh optimizer is the starting point.
         warnings.warn(
             f"{directory} was made by `shardkit checkpoint import` and holds weights only: the model is loaded, the "
