@@ -17,6 +17,8 @@ import argparse
 import sys
 from typing import Callable, Optional
 
+from shardkit.utils.pipes import quiet_on_broken_pipe
+
 #: Sub-commands with their own argument parsers: name -> (module, one-line help). Their ``main(argv) -> int``
 #: gets every argument after the sub-command's name.
 DELEGATED = {
@@ -74,6 +76,7 @@ def _forwarded(args: argparse.Namespace, options: tuple[str, ...]) -> list[str]:
     return argv
 
 
+@quiet_on_broken_pipe
 def main(argv: Optional[list[str]] = None) -> int:
     """Run the ``shardkit`` command with ``argv`` (default: the process's arguments); returns the exit status."""
     argv = sys.argv[1:] if argv is None else list(argv)

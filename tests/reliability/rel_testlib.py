@@ -295,12 +295,14 @@ def rewrite_digests(directory: Path) -> None:
     import json
 
     from shardkit.checkpoint.files import sha256
+    from shardkit.checkpoint.metadata import DIGEST_KEY, index_digest
 
     meta_path = directory / "meta.json"
     meta = json.loads(meta_path.read_text())
     for name in meta["files"]:
         file = directory / name
         meta["files"][name] = {"bytes": file.stat().st_size, "sha256": sha256(file)}
+    meta[DIGEST_KEY] = index_digest(meta)  # the index's own digest is no signature: an attacker reseals it too
     meta_path.write_text(json.dumps(meta))
 
 

@@ -16,9 +16,11 @@ Guarantees:
 - **Atomic.** Files are written into a hidden sibling directory, fsynced, indexed by ``meta.json`` (written last,
   with each file's size and SHA-256) and renamed into place. A crash mid-save leaves the previous checkpoint
   intact and the partial one invisible to :func:`latest_checkpoint`.
-- **Verified.** Loading checks sizes and digests, then reads and validates everything on every rank before
-  writing anything: a truncated file, another model's checkpoint or a wrong world size raises a
-  :class:`CheckpointError` naming the file or key on every rank, and changes nothing.
+- **Verified.** Loading checks sizes and digests (``meta.json`` carries its own), then reads and validates
+  everything on every rank before writing anything: a truncated file, an edited ``meta.json``, another model's
+  checkpoint or a wrong world size raises a :class:`CheckpointError` naming the file or key on every rank, and
+  changes nothing. Given a folder, :func:`latest_checkpoint` and ``load_checkpoint`` skip a damaged checkpoint
+  with a warning and use the newest intact one.
 - **Safe.** Files are read with ``torch.load(weights_only=True)`` and DCP indices by an allow-list unpickler: a
   file carrying arbitrary pickled objects is refused (:class:`UnsafeCheckpointError`) without running any code.
 

@@ -29,22 +29,35 @@ import shardkit
 from shardkit.checkpoint import _collectives as comm
 from shardkit.checkpoint import rng
 from shardkit.checkpoint.adapters import Adapter, PendingLoad, adapter_for
-from shardkit.checkpoint.checks import check_meta, held_and_names, verify_files
+from shardkit.checkpoint.checks import check_meta, held_and_names
 from shardkit.checkpoint.checks import verify_checkpoint as verify_checkpoint  # re-exported: the public entry point
 from shardkit.checkpoint.errors import CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError
 from shardkit.checkpoint.files import check_weights_only, fsync_dir, safe_load, write_json_atomic, write_torch
-from shardkit.checkpoint.metadata import META_FILE, CheckpointInfo, CheckpointMeta, FileRecord, record_files, resolve
+from shardkit.checkpoint.find import find_verified
+from shardkit.checkpoint.metadata import (
+    IMPORTED_STRATEGY,
+    META_FILE,
+    CheckpointInfo,
+    CheckpointMeta,
+    FileRecord,
+    record_files,
+)
 from shardkit.checkpoint.universal import load as universal_load
 from shardkit.checkpoint.universal import save as universal_save
 from shardkit.checkpoint.universal.background import BACKGROUND, wait_for_checkpoint
 from shardkit.checkpoint.universal.layout import LAYOUT
 from shardkit.checkpoint.universal.registry import source_for
 from shardkit.checkpoint.universal.source import UniversalSource
+from shardkit.distributed.arrival import every_rank_calls
 from shardkit.utils.tensors import to_cpu
 
 COMMON_FILE = "common.pt"
 RANKS_DIR = "ranks"
 PathLike = Union[str, Path]
+_EVERY_RANK_ADVICE = (
+    "Call it on every rank (each rank writes or reads its own share; rank 0 alone publishes), not under "
+    "`if rank == 0:`."
+)
 
 
 def step_directory(root: PathLike, step: int) -> Path:
@@ -125,7 +138,9 @@ def save_source(
     check_weights_only(data_position, "data_position")
     check_weights_only(extra, "extra")
     has_optimizer = source.local_optimizer() is not None
-    return _save(Path(directory), step, source, None, has_optimizer, None, data_position, extra, async_save)
+    return _save(
+        Path(directory), step, source, None, has_optimizer, None, data_position, extra, async_save, capture_rng=False
+    )
 
 
 def _save(
@@ -138,9 +153,13 @@ def _save(
     data_position: Any,
     extra: Any,
     async_save: bool,
+    capture_rng: bool = True,
 ) -> Path:
+    every_rank_calls("save_checkpoint()", None, _EVERY_RANK_ADVICE)
     rank, world_size = comm.rank_and_size()
-    rng_state = rng.capture()  # before any work, so resuming continues the exact random streams
+    # Before any work, so resuming continues the exact random streams. A tool's save (an import) has no training
+    # streams to continue: storing its own would override the seed of whoever loads it.
+    rng_state = rng.capture() if capture_rng else None
     made = comm.agreed(lambda: _make_temporary(final) if rank == 0 else None, "save_checkpoint: prepare")
     tmp = Path(comm.broadcast_from_zero(made, "save_checkpoint: directory"))
     fields: dict[str, Any] = {
@@ -282,14 +301,18 @@ def load_checkpoint(
     optimizer: Optional[Any] = None,
     scaler: Optional[Any] = None,
     verify: bool = True,
+    fall_back: bool = True,
 ) -> CheckpointInfo:
     """Restore what :func:`save_checkpoint` saved into ``model``, ``optimizer`` and ``scaler``; call on every rank.
 
-    ``directory_or_root`` is a checkpoint directory or a folder of them (the latest complete one is used). With
-    ``verify`` every file's size and SHA-256 is checked first. Everything is read and validated on every rank
-    before anything is written, so a bad checkpoint raises a :class:`CheckpointError` subclass on every rank and
-    leaves the model, optimizer and scaler unchanged. RNG states are restored when the world size is the saved
-    one. Files are only ever read with ``torch.load(weights_only=True)`` or through a safe DCP reader.
+    ``directory_or_root`` is a checkpoint directory or a folder of them (the newest intact one is used). With
+    ``verify`` every file's size and SHA-256 is checked first; given a folder, a checkpoint that fails (a damaged
+    file, an edited ``meta.json``) is skipped with a warning naming it and the next older one is loaded
+    (``fall_back=False`` raises instead; ``info.path`` and ``info.step`` say which one loaded). Everything is read
+    and validated on every rank before anything is written, so a bad checkpoint raises a :class:`CheckpointError`
+    subclass on every rank and leaves the model, optimizer and scaler unchanged. RNG states are restored when the
+    world size is the saved one (an imported checkpoint carries none: the caller's seed stands). Files are only
+    ever read with ``torch.load(weights_only=True)`` or through a safe DCP reader.
 
     Example::
 
@@ -298,14 +321,13 @@ def load_checkpoint(
             start = info.step + 1
     """
     wait_for_checkpoint()
+    every_rank_calls("load_checkpoint()", None, _EVERY_RANK_ADVICE)
     rank, world_size = comm.rank_and_size()
     adapter = adapter_for(model, optimizer)
     source = source_for(model, optimizer)
-    found = comm.agreed(lambda: str(resolve(directory_or_root)) if rank == 0 else None, "load_checkpoint: find")
-    path = Path(comm.broadcast_from_zero(found, "load_checkpoint: directory"))
-    meta = comm.agreed(lambda: check_meta(path, adapter, source, world_size, scaler), "load_checkpoint: metadata")
-    if verify:
-        comm.agreed(lambda: verify_files(path, meta, rank, world_size), "load_checkpoint: verify")
+    path, meta = find_verified(
+        directory_or_root, lambda p: check_meta(p, adapter, source, world_size, scaler), verify, fall_back
+    )
     same_size = meta.world_size == world_size
     if meta.layout == LAYOUT:
         assert source is not None
@@ -328,7 +350,9 @@ def load_checkpoint(
     comm.agreed(pending.apply, "load_checkpoint: apply")  # a failure here still reaches every rank
     if scaler is not None:
         scaler.load_state_dict(common["scaler"])
-    if same_size:
+    # An import has no run to continue (older imports stored the import command's RNG): the loader's seed stands.
+    restore_rng = same_size and rank_state.get("rng") is not None and meta.strategy != IMPORTED_STRATEGY
+    if restore_rng:
         rng.restore(rank_state["rng"])
     return CheckpointInfo(
         path=path,
@@ -337,7 +361,7 @@ def load_checkpoint(
         world_size=meta.world_size,
         strategy=meta.strategy,
         extra=common["extra"],
-        rng_restored=same_size,
+        rng_restored=restore_rng,
         shardkit_version=meta.shardkit_version,
         torch_version=meta.torch_version,
     )

@@ -20,6 +20,7 @@ import sys
 from typing import Optional
 
 from shardkit.checkpoint.errors import CheckpointError
+from shardkit.utils.pipes import quiet_on_broken_pipe
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -102,8 +103,10 @@ def _import(args: argparse.Namespace) -> int:
     return 0
 
 
+@quiet_on_broken_pipe
 def main(argv: Optional[list[str]] = None) -> int:
-    """Run ``shardkit checkpoint`` with ``argv``; returns the exit status (2 for bad arguments or input).
+    """Run ``shardkit checkpoint`` with ``argv``; returns the exit status (2 for bad arguments or input, 141 when
+    the reader of its output stopped early, as ``| head`` does).
 
     Example::
 

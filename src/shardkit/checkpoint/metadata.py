@@ -1,13 +1,17 @@
 """``meta.json``, the file that completes a checkpoint, and finding the newest complete checkpoint.
 
 A checkpoint is a directory. Its ``meta.json`` is written last (after every other file is on disk and fsynced)
-and records step, world size, strategy and the size and SHA-256 of every file; a directory without it, or whose
-name starts with a dot (a save in progress), is not a checkpoint.
+and records step, world size, strategy and the size and SHA-256 of every file, and the SHA-256 of its own
+contents (``meta_sha256``), so an edited step or world size is caught like a damaged file. A directory without
+it, or whose name starts with a dot (a save in progress), is not a checkpoint.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import warnings
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -18,6 +22,17 @@ from shardkit.checkpoint.files import sha256
 META_FILE = "meta.json"
 FORMAT = "shardkit-checkpoint"
 FORMAT_VERSION = 1
+#: The strategy ``shardkit checkpoint import`` records: weights from another tool, no training state of a run.
+IMPORTED_STRATEGY = "import"
+#: The key of ``meta.json`` holding the SHA-256 of the rest of it (absent from checkpoints written before it).
+DIGEST_KEY = "meta_sha256"
+
+
+def index_digest(obj: dict[str, Any]) -> str:
+    """SHA-256 of a ``meta.json`` object without its own digest, in a canonical JSON form (key order and spacing
+    do not matter, values do)."""
+    body = {key: value for key, value in obj.items() if key != DIGEST_KEY}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -60,8 +75,9 @@ class CheckpointMeta:
     files: dict[str, FileRecord] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        """The JSON object written to ``meta.json``."""
-        return {"format": FORMAT, "format_version": FORMAT_VERSION, **asdict(self)}
+        """The JSON object written to ``meta.json``, sealed with its own digest."""
+        body = {"format": FORMAT, "format_version": FORMAT_VERSION, **asdict(self)}
+        return {**body, DIGEST_KEY: index_digest(body)}
 
     @staticmethod
     def from_json(obj: Any, where: Path) -> CheckpointMeta:
@@ -72,6 +88,13 @@ class CheckpointMeta:
             raise CorruptCheckpointError(
                 f"{where} has checkpoint format version {obj.get('format_version')}, this shardkit reads "
                 f"{FORMAT_VERSION}; load it with the shardkit version that wrote it ({obj.get('shardkit_version')})"
+            )
+        recorded = obj.get(DIGEST_KEY)
+        if recorded is not None and recorded != index_digest(obj):
+            raise CorruptCheckpointError(
+                f"{where} was changed after it was written: its contents no longer match the SHA-256 recorded in it "
+                f"({DIGEST_KEY}), so its step, world size or file list cannot be trusted. Restore the original "
+                "file, or load an earlier checkpoint (load_checkpoint(root) falls back to the newest intact one)."
             )
         try:
             files = {name: FileRecord(**record) for name, record in obj["files"].items()}
@@ -124,20 +147,71 @@ def read_meta(directory: Path) -> CheckpointMeta:
     return CheckpointMeta.from_json(obj, path)
 
 
-def _complete_step(directory: Path) -> Optional[int]:
-    if directory.name.startswith(".") or not directory.is_dir():
-        return None
-    try:
-        return read_meta(directory).step
-    except CorruptCheckpointError:
-        return None
+def check_sizes(directory: Path, meta: CheckpointMeta) -> None:
+    """Raise :class:`CorruptCheckpointError` if a file ``meta`` records is missing or has another size (a stat per
+    file: the cheap part of verification, which the SHA-256 comparison completes)."""
+    for name, record in meta.files.items():
+        file = directory / name
+        if not file.is_file():
+            raise CorruptCheckpointError(f"{file} is missing; the checkpoint was damaged after it was written")
+        size = file.stat().st_size
+        if size != record.bytes:
+            raise CorruptCheckpointError(
+                f"{file} has {size} bytes, {record.bytes} were written: it is truncated or damaged. "
+                "Load an earlier checkpoint."
+            )
 
 
-def latest_checkpoint(root: Union[str, Path]) -> Optional[Path]:
-    """The complete checkpoint directory with the highest step directly under ``root``, or ``None``.
+def _indexed(root: Path) -> list[tuple[int, str, Path]]:
+    """``(step, name, directory)`` of the children of ``root`` with a ``meta.json``, newest first; a damaged index is
+    reported (the directory is skipped), a directory without one is an interrupted save or not a checkpoint."""
+    found = []
+    for child in root.iterdir():
+        if child.name.startswith(".") or not child.is_dir() or not (child / META_FILE).exists():
+            continue
+        try:
+            found.append((read_meta(child).step, child.name, child))
+        except CorruptCheckpointError as err:
+            _skipped(child, err)
+    return sorted(found, reverse=True)
 
-    Directories without a readable ``meta.json`` (interrupted saves) and hidden ones (saves in progress) are
-    skipped. Equal steps are broken by name.
+
+def _skipped(directory: Path, err: CorruptCheckpointError) -> None:
+    warnings.warn(f"skipping checkpoint {directory}: {err}", stacklevel=3)
+
+
+def intact_checkpoints(root: Union[str, Path], hashes: bool = False) -> Iterator[Path]:
+    """The complete checkpoints directly under ``root`` that pass verification, newest first (lazily).
+
+    Each has a readable ``meta.json`` matching its digest and every recorded file at its recorded size; with
+    ``hashes`` every file's SHA-256 is compared too (reads every byte). Each checkpoint that fails is skipped
+    with a warning saying why.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        return
+    for _, _, directory in _indexed(root):
+        try:
+            meta = read_meta(directory)
+            check_sizes(directory, meta)
+            for name, record in meta.files.items() if hashes else ():
+                if sha256(directory / name) != record.sha256:
+                    raise CorruptCheckpointError(
+                        f"{directory / name} does not match the SHA-256 recorded when it was written: it is damaged"
+                    )
+        except CorruptCheckpointError as err:
+            _skipped(directory, err)
+            continue
+        yield directory
+
+
+def latest_checkpoint(root: Union[str, Path], hashes: bool = False) -> Optional[Path]:
+    """The newest intact checkpoint directory directly under ``root`` (highest step), or ``None``.
+
+    Directories without ``meta.json`` (interrupted saves) and hidden ones (saves in progress) are not
+    checkpoints. A checkpoint whose ``meta.json`` is damaged or edited, or whose files are missing or truncated,
+    is skipped with a warning naming it and the reason; ``hashes=True`` also compares every file's SHA-256 (reads
+    every byte; ``load_checkpoint`` does that anyway). Equal steps are broken by name.
 
     Example::
 
@@ -145,11 +219,7 @@ def latest_checkpoint(root: Union[str, Path]) -> Optional[Path]:
         if path is not None:
             info = load_checkpoint(path, model=model, optimizer=optimizer)
     """
-    root = Path(root)
-    if not root.is_dir():
-        return None
-    found = [(step, child.name, child) for child in root.iterdir() if (step := _complete_step(child)) is not None]
-    return max(found)[2] if found else None
+    return next(intact_checkpoints(root, hashes), None)
 
 
 def resolve(directory_or_root: Union[str, Path]) -> Path:

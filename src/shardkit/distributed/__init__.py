@@ -1,5 +1,6 @@
 """Process groups and labelled collectives shared by every strategy."""
 
+from shardkit.distributed.arrival import MissedCallError, every_rank_calls
 from shardkit.distributed.collectives import CommMeter, comm_delay, count_comm_bytes
 from shardkit.distributed.dummy import DummyProcessGroup
 from shardkit.distributed.groups import (
@@ -27,6 +28,7 @@ __all__ = [
     "CommMeter",
     "DummyProcessGroup",
     "GroupLike",
+    "MissedCallError",
     "NodeLayout",
     "RankFailedError",
     "Topology",
@@ -35,6 +37,7 @@ __all__ = [
     "check_collectives",
     "comm_delay",
     "count_comm_bytes",
+    "every_rank_calls",
     "gather_objects",
     "global_rank",
     "group_rank",

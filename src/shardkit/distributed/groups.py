@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from datetime import timedelta
 from typing import Optional, Union
 
 import torch
@@ -22,18 +24,19 @@ def is_dummy(group: Optional[GroupLike]) -> bool:
     return isinstance(group, DummyProcessGroup)
 
 
-def resolve_group(group: Optional[GroupLike], who: str = "shardkit") -> GroupLike:
+def resolve_group(group: Optional[GroupLike], who: str = "shardkit", argument: str = "process_group") -> GroupLike:
     """Return ``group``, or the default (world) group when it is None.
 
-    Raises a clear error when no group is given and ``torch.distributed`` is not initialised.
+    Raises a clear error when no group is given and ``torch.distributed`` is not initialised; it names ``who``'s
+    own group ``argument`` (OSS calls it ``group``).
     """
     if group is not None:
         return _adopt_foreign_dummy(group)
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             f"{who} needs a process group: call torch.distributed.init_process_group() first (torchrun sets "
-            "the environment for it), or pass process_group=DummyProcessGroup(rank=0, size=1) to run in one "
-            "process."
+            f"the environment for it), or pass {who}({argument}=DummyProcessGroup(rank=0, size=1), ...) to run in "
+            "one process."
         )
     world = dist.group.WORLD
     assert world is not None
@@ -112,3 +115,15 @@ def torch_group(group: Optional[GroupLike], who: str = "shardkit") -> dist.Proce
             "process group (one of world size 1 runs without communicating)"
         )
     return group
+
+
+def group_timeout(group: Optional[GroupLike] = None) -> timedelta:
+    """How long a collective of ``group`` (default: the world) waits before it fails: the timeout the group was
+    created with (torch's default when it cannot be read)."""
+    pg = group if group is not None else dist.group.WORLD
+    for device in ("cpu", "cuda"):  # a group may run on either, or both
+        with contextlib.suppress(Exception):
+            timeout = pg._get_backend(torch.device(device)).options._timeout  # type: ignore[union-attr]
+            if isinstance(timeout, timedelta):
+                return timeout
+    return dist.default_pg_timeout

@@ -18,6 +18,7 @@ scaler and RNG are untouched in that case.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Optional
@@ -28,7 +29,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from shardkit.checkpoint import safe_dcp, validate
 from shardkit.checkpoint.adapters.base import PendingLoad
 from shardkit.checkpoint.errors import IncompatibleCheckpointError
-from shardkit.checkpoint.metadata import CheckpointMeta
+from shardkit.checkpoint.metadata import IMPORTED_STRATEGY, CheckpointMeta
 from shardkit.checkpoint.universal.layout import DCP_DIR
 from shardkit.checkpoint.universal.optim_state import OptimizerLoadPlan, plan_optimizer_load
 from shardkit.checkpoint.universal.placement import MODEL_PREFIX, Placement, model_key
@@ -111,6 +112,14 @@ def plan_load(
             what[key] = f"parameter or buffer '{span.fqn}'"
     optimizer_plan: Optional[OptimizerLoadPlan] = None
     optimizer = source.local_optimizer()
+    if optimizer is not None and not meta.has_optimizer and meta.strategy == IMPORTED_STRATEGY:
+        # Weights from another tool: nothing to restore, the caller's fresh optimizer is the starting point.
+        warnings.warn(
+            f"{directory} was made by `shardkit checkpoint import` and holds weights only: the model is loaded, the "
+            "optimizer starts afresh",
+            stacklevel=2,
+        )
+        optimizer = None
     if optimizer is not None:
         if not meta.has_optimizer:
             raise IncompatibleCheckpointError(

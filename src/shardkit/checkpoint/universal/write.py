@@ -13,6 +13,7 @@ from typing import Any, Optional, Union
 import torch
 
 from shardkit.checkpoint.errors import CheckpointError
+from shardkit.checkpoint.metadata import IMPORTED_STRATEGY
 from shardkit.checkpoint.universal.source import Held, Span, UniversalSource
 
 
@@ -37,7 +38,7 @@ class StaticSource(UniversalSource):
         source = StaticSource(held, {"w": {"exp_avg": m, "step": torch.tensor(3.0)}}, {"w": {"lr": 1e-3}})
     """
 
-    strategy = "import"
+    strategy = IMPORTED_STRATEGY
 
     def __init__(
         self,

@@ -21,6 +21,7 @@ from torch import nn
 
 from shardkit.distributed.groups import GroupLike, group_rank, group_size
 from shardkit.distributed.model_check import check_same_model
+from shardkit.nn import optimizer_order
 from shardkit.nn.fsdp import grad_norm, ties
 from shardkit.nn.fsdp.forward_methods import check_forward_method
 from shardkit.nn.fsdp.full_params import FullParamsMethods
@@ -236,9 +237,11 @@ class FullyShardedDataParallel(FullParamsMethods, StateDictMethods):
         nested = [m.fsdp_unit.group for m in module.modules() if isinstance(m, UnitModule)]
         # May raise; nothing has been changed yet.
         tied = ties.check_unclaimed(module, _is_unit)  # refuses a parameter another unit already shards
+        originals = optimizer_order.parameters_by_id(module)
         param_group = ParamGroup.build(
             self, module, group, self.rank, self.world_size, policies, _is_unit, label, nested
         )
+        optimizer_order.remember_replaced(originals, module, label)  # an optimizer over them is refused at step()
         ties.claim(self, module, tied)
         self.module = module
         self._unit = Unit(param_group, policies, label)

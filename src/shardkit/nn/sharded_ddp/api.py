@@ -14,6 +14,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 from shardkit.distributed.buckets import REDUCE_BUCKET_BYTES
 from shardkit.distributed.groups import GroupLike, global_rank, group_rank, group_size
 from shardkit.distributed.model_check import check_same_model
+from shardkit.nn.optimizer_order import check_optimizers_hold_model
 from shardkit.nn.sharded_ddp import state_dict as sd_keys
 from shardkit.nn.sharded_ddp.policy import ReducePolicy, SyncPolicy
 from shardkit.nn.sharded_ddp.reducer import GradReducer, ReducerState, RoundStats
@@ -188,6 +189,7 @@ class ShardedDataParallel(nn.Module):
         error: Optional[Exception] = None
         try:
             owner_of = _owner_map(optimizers)
+            check_optimizers_hold_model(module, owner_of)
             self.reduce_policy = ReducePolicy(bucket_bytes=reduce_buffer_size, reduce_fp16=reduce_fp16)
             self.sync_policy = SyncPolicy(
                 broadcast_buffers, sync_models_at_startup, auto_refresh_trainable, warn_on_trainable_params_changed

@@ -72,12 +72,12 @@ def hybrid_topology(spec: HybridSpec, who: str) -> Topology:
     )
 
 
-def shard_and_replica(spec: Any, who: str) -> tuple[GroupLike, Optional[GroupLike]]:
-    """``(group to shard over, group to replicate over or None)`` for a group argument: a single group (or None
-    for the world) shards over it with no replicas; a node description shards inside the node and replicates
-    across nodes (no replica group when there is one node)."""
+def shard_and_replica(spec: Any, who: str, argument: str = "process_group") -> tuple[GroupLike, Optional[GroupLike]]:
+    """``(group to shard over, group to replicate over or None)`` for ``who``'s group ``argument``: a single group
+    (or None for the world) shards over it with no replicas; a node description shards inside the node and
+    replicates across nodes (no replica group when there is one node)."""
     if not is_hybrid_spec(spec):
-        return resolve_group(mesh_group(spec), who), None
+        return resolve_group(mesh_group(spec), who, argument), None
     topo = hybrid_topology(spec, who)
     return topo.intra_group, (topo.inter_group if group_size(topo.inter_group) > 1 else None)
 

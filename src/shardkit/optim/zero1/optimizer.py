@@ -9,9 +9,11 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch.optim import Optimizer
 
+from shardkit.distributed.arrival import every_rank_calls
 from shardkit.distributed.buckets import BROADCAST_BUCKET_BYTES
 from shardkit.distributed.groups import GroupLike, global_rank, group_rank, group_size
 from shardkit.distributed.objects import all_gather_objects, gather_objects
+from shardkit.optim.zero1.arguments import check_optimizer_arguments
 from shardkit.optim.zero1.broadcast import ParamBucket, ParamExchange, buckets_intact, build_buckets
 from shardkit.optim.zero1.clip import sharded_clip_grad_norm
 from shardkit.optim.zero1.consistency import check_replicas_agree, check_same_params
@@ -27,6 +29,7 @@ from shardkit.optim.zero1.state_dict import (
 )
 
 OptimizerClass = Callable[..., Optimizer]
+_CONSOLIDATE = "Call it on every rank, then optimizer.state_dict() on the recipient rank only."
 
 
 def _check_optim_class(optim: Any) -> None:
@@ -121,7 +124,9 @@ class OSS(Optimizer):
         force_broadcast_object: bool = False,
         **defaults: Any,
     ) -> None:
-        resolved, replica = shard_and_replica(group, "OSS")
+        if isinstance(optim, type):  # a misspelt keyword is the same mistake on every rank: refuse it first
+            check_optimizer_arguments(optim, defaults)
+        resolved, replica = shard_and_replica(group, "OSS", argument="group")
         self._ready = False
         self.group: GroupLike = resolved
         #: Hybrid sharding: the ranks holding the same shard on the other nodes (None: no replicas).
@@ -317,6 +322,7 @@ class OSS(Optimizer):
         """
         if not -1 <= recipient_rank < self.world_size:
             raise ValueError(f"recipient_rank must be in [-1, {self.world_size}), got {recipient_rank}")
+        every_rank_calls("OSS.consolidate_state_dict()", self.group, _CONSOLIDATE)
         self._sync_param_groups()
         own = shard_state(self.optim, self._partition)
         if recipient_rank == -1:
