@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 from torch import nn
-from torch.nn.modules.module import _IncompatibleKeys
 
 from shardkit.distributed.buckets import REDUCE_BUCKET_BYTES
 from shardkit.distributed.groups import GroupLike, global_rank, group_rank, group_size
@@ -152,9 +151,9 @@ class ShardedDataParallel(nn.Module):
       next step).
     - Attributes the wrapper lacks are looked up on the wrapped module (``sdp.my_attribute``), and torch DDP's
       ``module``, ``device_type`` and ``is_multi_device_module`` are there, for code that expects a DDP.
-    - ``state_dict()`` keys are the wrapped model's own keys (torch DDP would prefix them with ``module.``), so
-      checkpoints move freely between wrapped and plain models; ``load_state_dict`` also accepts a torch DDP
-      checkpoint whose keys all carry the ``module.`` prefix.
+    - ``state_dict()`` keys carry the ``module.`` level, as fairscale's and torch DDP's do, so checkpoints load
+      strictly into either; ``load_state_dict`` also accepts the plain model's keys (``sdp.module.state_dict()``
+      gives those).
 
     Example::
 
@@ -388,10 +387,3 @@ class ShardedDataParallel(nn.Module):
             set_to_none: drop the gradients (``.grad = None``) instead of zeroing them, which saves memory.
         """
         self.module.zero_grad(set_to_none=set_to_none)
-
-    def load_state_dict(
-        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
-    ) -> _IncompatibleKeys:
-        """Load the wrapped model's state (its own keys; a torch DDP checkpoint's ``module.`` keys also work)."""
-        expected = set(self.module.state_dict().keys())
-        return super().load_state_dict(sd_keys.strip_ddp_prefix(state_dict, expected), strict=strict, assign=assign)
