@@ -21,6 +21,7 @@ from torch import nn
 from shardkit.distributed.groups import GroupLike
 from shardkit.nn.checkpoint.wrapper import adds_no_name
 from shardkit.nn.fsdp.flat_param import FlatParamMeta
+from shardkit.nn.fsdp.module_view import FlatModuleView
 from shardkit.nn.fsdp.policies import BackwardPrefetch, CPUOffload, FSDPPolicies, ProcessGroupName
 from shardkit.nn.fsdp.runtime import TrainingState, Unit
 
@@ -75,8 +76,6 @@ class UnitModule(nn.Module):
     Not constructed on its own; the subclass's constructor sets the attributes declared here.
     """
 
-    #: The wrapped module.
-    module: nn.Module
     #: The group this unit is sharded over, this rank's index in it and its size.
     process_group: GroupLike
     rank: int
@@ -84,6 +83,23 @@ class UnitModule(nn.Module):
     #: Original dtypes of floating-point buffers cast for mixed precision (clean name -> dtype), root only.
     buffer_original_dtypes: dict[str, torch.dtype]
     _unit: Unit
+
+    # ------------------------------------------------------------------ the wrapped module
+    @property
+    def wrapped_module(self) -> nn.Module:
+        """The user's module this unit wraps (the child registered as ``module``)."""
+        wrapped: nn.Module = self._modules["module"]  # type: ignore[assignment]
+        return wrapped
+
+    @property
+    def module(self) -> nn.Module:
+        """The wrapped module, at fairscale's level: with ``flatten_parameters`` (the default) a view whose
+        ``.module`` is the user's module and whose other attributes are the user's module's (fairscale puts its
+        flattening wrapper there); otherwise the user's module itself. See :mod:`shardkit.nn.fsdp.module_view`."""
+        wrapped = self.wrapped_module
+        if "_unit" not in self.__dict__ or not self.flatten_parameters:
+            return wrapped
+        return FlatModuleView(wrapped)  # type: ignore[return-value]
 
     # ------------------------------------------------------------------ run-time state
     @property
@@ -301,7 +317,7 @@ class UnitModule(nn.Module):
 
     def __getitem__(self, key: int) -> Any:
         """Index the wrapped module (when it is a container such as ``nn.Sequential``)."""
-        return self.module.__getitem__(key)  # type: ignore[operator]
+        return self.wrapped_module.__getitem__(key)  # type: ignore[operator]
 
     # ------------------------------------------------------------------ repr
     def extra_repr(self) -> str:
