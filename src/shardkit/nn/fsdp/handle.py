@@ -53,6 +53,7 @@ class FlatParamHandle:
         #: Attribute name of :attr:`shard` on the FullyShardedDataParallel instance, e.g. ``flat_param_0``.
         self.name = name
         self.shard = shard
+        shard._fsdp_flat_shard = True  # type: ignore[attr-defined]  # isinstance(p, FlatParameter), fairscale's test
         #: ``(submodule, attribute)`` of each entry of ``meta.params`` and of ``meta.shared``.
         self.locations = locations
         self.alias_locations = alias_locations

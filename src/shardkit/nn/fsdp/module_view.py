@@ -43,6 +43,11 @@ class FlatModuleView:
         target: nn.Module = object.__getattribute__(self, "_target")
         return target
 
+    @property
+    def _fpw_module(self) -> nn.Module:
+        """The user's module under fairscale's private name for it."""
+        return self.module
+
     @property  # type: ignore[misc]
     def __class__(self) -> type:  # isinstance(view, UserModel) holds, as it did for the module itself
         return type(self.module)

@@ -88,7 +88,9 @@ class UnitModule(nn.Module):
     @property
     def wrapped_module(self) -> nn.Module:
         """The user's module this unit wraps (the child registered as ``module``)."""
-        wrapped: nn.Module = self._modules["module"]  # type: ignore[assignment]
+        wrapped = self._modules.get("module")
+        if wrapped is None:  # during construction (hasattr must see no attribute yet)
+            raise AttributeError("the wrapped module is not set yet")
         return wrapped
 
     @property
@@ -100,6 +102,11 @@ class UnitModule(nn.Module):
         if "_unit" not in self.__dict__ or not self.flatten_parameters:
             return wrapped
         return FlatModuleView(wrapped)  # type: ignore[return-value]
+
+    @property
+    def _fsdp_wrapped_module(self) -> nn.Module:
+        """fairscale's private name for :attr:`module` (read by VISSL's hooks)."""
+        return self.module
 
     # ------------------------------------------------------------------ run-time state
     @property
