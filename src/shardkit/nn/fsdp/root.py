@@ -50,7 +50,7 @@ def _cast_buffers(root: UnitModule) -> None:
     tree = [(path, m) for path, _, m in walk_modules(root)]
     for _, unit in tree:
         if isinstance(unit, UnitModule):
-            dtype_of.update((id(m), unit.buffer_dtype) for m in unit.module.modules())
+            dtype_of.update((id(m), unit.buffer_dtype) for m in unit.wrapped_module.modules())
     for path, module in tree:
         dtype = dtype_of.get(id(module))
         for name, buf in module._buffers.items():

@@ -130,6 +130,26 @@ class UnitModule(nn.Module):
         return self._unit.is_root
 
     @property
+    def _is_root(self) -> Optional[bool]:
+        """fairscale's private spelling of :attr:`is_root`; setting it to None forgets the tree (as fairscale's
+        code and VISSL's do before wrapping units into a new root), like :meth:`_reset_lazy_init`."""
+        return self._unit.is_root
+
+    @_is_root.setter
+    def _is_root(self, value: Optional[bool]) -> None:
+        if value is not None:
+            raise ValueError(
+                f"_is_root can only be set to None (forget the root decided at the first forward), got {value!r}; "
+                "the outermost unit becomes the root at its next forward"
+            )
+        self._unit.leave_tree()
+
+    def _reset_lazy_init(self) -> None:
+        """Forget which unit is the root (fairscale's name): the next forward of the outermost unit decides
+        again. Call it on every unit whose tree changed (VISSL resets each one), between steps."""
+        self._unit.leave_tree()
+
+    @property
     def flat_params(self) -> list[nn.Parameter]:
         """This unit's shards, in order (each registered on this instance as ``flat_param_<i>``)."""
         return [h.shard for h in self._unit.group.handles]
