@@ -79,6 +79,12 @@ def test_strict_errors_name_the_missing_key() -> None:
         wrapped.load_state_dict(state)
 
 
+def test_keys_of_another_model_are_refused_naming_both_forms() -> None:
+    wrapped = _wrap(BatchNormNet())
+    with pytest.raises(RuntimeError, match=r"'module.<name>'.*'<name>'"):
+        wrapped.load_state_dict({"encoder.weight": torch.zeros(1)})
+
+
 def test_single_rank_dummy_group_trains_like_the_plain_model() -> None:
     torch.manual_seed(0)
     plain = NestedWrappedModule()

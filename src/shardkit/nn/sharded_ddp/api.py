@@ -387,3 +387,8 @@ class ShardedDataParallel(nn.Module):
             set_to_none: drop the gradients (``.grad = None``) instead of zeroing them, which saves memory.
         """
         self.module.zero_grad(set_to_none=set_to_none)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """Load fairscale's and torch DDP's keys (``module.fc.weight``, what :meth:`state_dict` returns) or the
+        wrapped model's own (``fc.weight``); a strict mismatch says which forms are accepted."""
+        return sd_keys.load_explained(super().load_state_dict, state_dict, strict, assign)

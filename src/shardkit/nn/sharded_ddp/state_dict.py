@@ -55,3 +55,17 @@ def install(wrapper: nn.Module) -> None:
         return set(wrapper._modules[WRAPPED].state_dict().keys())  # type: ignore[union-attr]
 
     wrapper._register_load_state_dict_pre_hook(add_wrapper_level_hook(inner_keys))
+
+
+def load_explained(load: Callable[..., Any], state_dict: Any, strict: bool, assign: bool) -> Any:
+    """``load(state_dict, strict, assign)`` whose mismatch error also says which key forms the wrapper takes."""
+    try:
+        return load(state_dict, strict=strict, assign=assign)
+    except RuntimeError as error:
+        if "state_dict" not in str(error):
+            raise
+        raise RuntimeError(
+            f"{error}\nShardedDataParallel.load_state_dict takes the keys its state_dict() returns ('module.<name>', "
+            "as fairscale's ShardedDDP and torch DDP save them) or the wrapped model's own ('<name>', from "
+            "model.state_dict() of the unwrapped model); load a checkpoint of another model with strict=False"
+        ) from error
