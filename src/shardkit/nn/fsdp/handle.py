@@ -33,6 +33,9 @@ from shardkit.nn.fsdp.flat_param import FlatParamMeta
 from shardkit.nn.fsdp.placeholder import ShardedParamPlaceholder
 from shardkit.nn.fsdp.reduce import PendingReduce, start_reduce
 
+#: Attribute set on every flat shard (see :mod:`shardkit.nn.misc.flatten_params_wrapper`).
+FLAT_SHARD_MARK = "is_fsdp_flat_shard"
+
 
 class FlatParamHandle:
     """Shard, full buffer and gradient bookkeeping of one flat parameter."""
@@ -53,7 +56,7 @@ class FlatParamHandle:
         #: Attribute name of :attr:`shard` on the FullyShardedDataParallel instance, e.g. ``flat_param_0``.
         self.name = name
         self.shard = shard
-        shard._fsdp_flat_shard = True  # type: ignore[attr-defined]  # isinstance(p, FlatParameter), fairscale's test
+        setattr(shard, FLAT_SHARD_MARK, True)  # answers isinstance(p, FlatParameter), as Lightning 1.x asks
         #: ``(submodule, attribute)`` of each entry of ``meta.params`` and of ``meta.shared``.
         self.locations = locations
         self.alias_locations = alias_locations

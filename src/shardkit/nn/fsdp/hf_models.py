@@ -72,15 +72,21 @@ def original_params_listed(root: nn.Module) -> Iterator[None]:
                 placeholders = handle.placeholders()
                 for (module, attr), placeholder in zip(handle.locations, placeholders):
                     keep(module)
-                    module._parameters[attr] = placeholder  # type: ignore[assignment]
+                    _parameters_of(module)[attr] = placeholder
                 for (module, attr), info in zip(handle.alias_locations, handle.meta.shared):
                     keep(module)
-                    module._parameters[attr] = placeholders[info.primary]  # type: ignore[assignment]
+                    _parameters_of(module)[attr] = placeholders[info.primary]
         yield
     finally:
         for module, parameters in saved.values():
             module._parameters.clear()
             module._parameters.update(parameters)
+
+
+def _parameters_of(module: nn.Module) -> dict[str, Any]:
+    """The module's parameter dictionary, typed to take a placeholder (torch types it for parameters only)."""
+    parameters: dict[str, Any] = module._parameters
+    return parameters
 
 
 def read_with_params_listed(wrapper: nn.Module, module: nn.Module, name: str) -> Any:

@@ -77,19 +77,23 @@ class FlatModuleView:
         return sorted(set(dir(self.module)) | {"module"})
 
     def __iter__(self) -> Iterator[Any]:
-        return iter(self.module)  # type: ignore[call-overload]
+        container: Any = self.module  # a container module (nn.Sequential, nn.ModuleList)
+        return iter(container)
 
     def __len__(self) -> int:
-        return len(self.module)  # type: ignore[arg-type]
+        container: Any = self.module
+        return len(container)
 
     def __bool__(self) -> bool:
         return bool(self.module)
 
     def __getitem__(self, key: Any) -> Any:
-        return self.module[key]  # type: ignore[index]
+        container: Any = self.module
+        return container[key]
 
     def __contains__(self, item: Any) -> bool:
-        return item in self.module  # type: ignore[operator]
+        container: Any = self.module
+        return item in container
 
     def __copy__(self) -> nn.Module:
         return copy.copy(self.module)

@@ -101,7 +101,8 @@ class UnitModule(nn.Module):
         wrapped = self.wrapped_module
         if "_unit" not in self.__dict__ or not self.flatten_parameters:
             return wrapped
-        return FlatModuleView(wrapped)  # type: ignore[return-value]
+        view: Any = FlatModuleView(wrapped)  # answers as the user's module (see module_view)
+        return view
 
     @property
     def _fsdp_wrapped_module(self) -> nn.Module:
@@ -344,7 +345,8 @@ class UnitModule(nn.Module):
 
     def __getitem__(self, key: int) -> Any:
         """Index the wrapped module (when it is a container such as ``nn.Sequential``)."""
-        return self.wrapped_module.__getitem__(key)  # type: ignore[operator]
+        container: Any = self.wrapped_module
+        return container[key]
 
     # ------------------------------------------------------------------ repr
     def extra_repr(self) -> str:

@@ -15,6 +15,7 @@ from typing import Any, NoReturn
 
 from torch import nn
 
+from shardkit.nn.fsdp.handle import FLAT_SHARD_MARK
 from shardkit.nn.fsdp.module_view import is_view
 
 
@@ -35,7 +36,7 @@ class FlattenParamsWrapper(metaclass=_FlattenParamsWrapperType):
 
 class _FlatParameterType(type):
     def __instancecheck__(cls, obj: Any) -> bool:
-        return isinstance(obj, nn.Parameter) and bool(getattr(obj, "_fsdp_flat_shard", False))
+        return isinstance(obj, nn.Parameter) and bool(getattr(obj, FLAT_SHARD_MARK, False))
 
 
 class FlatParameter(metaclass=_FlatParameterType):

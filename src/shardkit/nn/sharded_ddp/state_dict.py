@@ -52,7 +52,8 @@ def install(wrapper: nn.Module) -> None:
     """Register the load hook on ``wrapper``, whose wrapped model is its child ``module``."""
 
     def inner_keys() -> set[str]:
-        return set(wrapper._modules[WRAPPED].state_dict().keys())  # type: ignore[union-attr]
+        wrapped: Any = wrapper._modules[WRAPPED]
+        return set(wrapped.state_dict().keys())
 
     wrapper._register_load_state_dict_pre_hook(add_wrapper_level_hook(inner_keys))
 
