@@ -122,7 +122,7 @@ class DDPFullyShardedStrategy(ShardkitParallelStrategy):
         from shardkit.nn.fsdp import FullyShardedDataParallel
         from shardkit.nn.wrap import auto_wrap, enable_wrap
 
-        if self._root is not None and self._root.module is model:
+        if self._root is not None and self._root.wrapped_module is model:
             return self._root  # validate/test after fit with the same Trainer: the model is sharded already
         if isinstance(model, FullyShardedDataParallel):
             raise ValueError(
@@ -150,7 +150,7 @@ class DDPFullyShardedStrategy(ShardkitParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING and self._layer_sync:
             self.model = self._layer_sync.apply(self.model)
         self.model = self.precision_plugin.convert_module(self.model)
-        if self._root is None or self._root.module is not self.model:
+        if self._root is None or self._root.wrapped_module is not self.model:
             self.model_to_device()  # shards are cut on the device the parameters live on
         self.model = self._setup_model(self.model)
         self.precision_plugin.module_norm_clipper = self._clip_grad_norm  # type: ignore[attr-defined]

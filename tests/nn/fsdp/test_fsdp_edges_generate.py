@@ -34,11 +34,12 @@ def _prompt() -> torch.Tensor:
     return torch.randint(0, 100, (2, 5), generator=torch.Generator().manual_seed(1))
 
 
-def test_generate_needs_registering_and_then_equals_the_unwrapped_model() -> None:
+def test_generate_routed_or_registered_equals_the_unwrapped_model() -> None:
     plain, model = _gpt2_pair(DummyProcessGroup(rank=0, size=1))
     want = plain.generate(_prompt(), **GREEDY)
+    assert torch.equal(model.generate(_prompt(), **GREEDY), want)  # transformers' generate: routed unregistered
     with pytest.raises(RuntimeError, match="register_forward_method"):
-        model.generate(_prompt(), **GREEDY)  # below the wrapper, the root's parameters are not gathered
+        model.module.module.generate(_prompt(), **GREEDY)  # the user's own module: below every wrapper
     model.register_forward_method("generate")
     assert torch.equal(model.generate(_prompt(), **GREEDY), want)
     assert all(unit.unsharded_bytes() == 0 for unit in model.modules() if isinstance(unit, FSDP))

@@ -53,10 +53,10 @@ def test_one_walker_names_modules_as_the_unwrapped_model() -> None:
     seen = {id(m): (clean, real) for clean, real, m in walk_modules(model)}
     # The wrapper levels add no segment to the clean path; the real path keeps them.
     assert seen[id(model.module[1])] == ("1", "module.1")
-    assert seen[id(inner)][0] == "0" and seen[id(inner.module)] == ("0", seen[id(inner)][1] + ".module")
+    assert seen[id(inner)][0] == "0" and seen[id(inner.wrapped_module)] == ("0", seen[id(inner)][1] + ".module")
     units = [m for _, _, m in walk_modules(model, into_units=False) if isinstance(m, UnitModule)]
     assert units == [model, inner]
-    below_inner = [m for _, _, m in walk_modules(model, into_units=False) if m is inner.module]
+    below_inner = [m for _, _, m in walk_modules(model, into_units=False) if m is inner.wrapped_module]
     assert below_inner == []  # a nested unit is yielded but not entered
     assert set(dict(model.named_parameters())) == {"0.flat_param_0", "flat_param_0"}
 

@@ -49,13 +49,13 @@ def _summon(rank: int, world_size: int) -> None:
     with fsdp.summon_full_params(), torch.no_grad():
         names = [n for n, _ in fsdp.named_parameters()]
         assert names == [n for n, _ in ref.named_parameters()]
-        fsdp.module.module[0].weight.mul_(2.0)  # edited in place (root unit)
-        inner = fsdp.module.module[1].module[0].module  # Linear inside a unit nested in a unit
+        fsdp.module.module.module[0].weight.mul_(2.0)  # edited in place (root unit)
+        inner = fsdp.module.module.module[1].module[0].module  # Linear inside a unit nested in a unit
         inner.bias = nn.Parameter(torch.full_like(inner.bias, 3.0))  # replaced, same shape
         with fsdp.summon_full_params():  # re-entering is a no-op
-            assert fsdp.module.module[0].weight.shape == (4, 8)
+            assert fsdp.module.module.module[0].weight.shape == (4, 8)
     with fsdp.summon_full_params(writeback=False), torch.no_grad():
-        fsdp.module.module[2].module.weight.zero_()  # discarded
+        fsdp.module.module.module[2].module.weight.zero_()  # discarded
     with torch.no_grad():
         ref.module[0].weight.mul_(2.0)
         ref.module[1][0].bias.fill_(3.0)

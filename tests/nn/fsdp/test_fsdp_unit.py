@@ -60,7 +60,7 @@ def test_dummy_group_trains_exactly_like_the_unwrapped_model() -> None:
     for i, block in enumerate(model.blocks):
         model.blocks[i] = FSDP(block, process_group=ONE)
     fsdp = FSDP(model, process_group=ONE, flatten_parameters=True)
-    assert fsdp.rank == 0 and fsdp.world_size == 1 and fsdp.module is model
+    assert fsdp.rank == 0 and fsdp.world_size == 1 and fsdp.module.module is model and fsdp.wrapped_module is model
     assert len(list(fsdp.parameters())) == 3  # one flat shard per unit
     # tied embedding / head stored once
     root_meta = fsdp.flat_param_metas[0]

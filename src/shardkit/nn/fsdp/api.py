@@ -22,7 +22,7 @@ from torch import nn
 from shardkit.distributed.groups import GroupLike, group_rank, group_size
 from shardkit.distributed.model_check import check_same_model
 from shardkit.nn import optimizer_order
-from shardkit.nn.fsdp import grad_norm, ties
+from shardkit.nn.fsdp import grad_norm, hf_models, ties
 from shardkit.nn.fsdp.forward_methods import check_forward_method
 from shardkit.nn.fsdp.full_params import FullParamsMethods
 from shardkit.nn.fsdp.hybrid import resolve_unit_groups
@@ -59,7 +59,9 @@ class FullyShardedDataParallel(FullParamsMethods, StateDictMethods):
     before anything changes, and turned into the frozen policies of :mod:`shardkit.nn.fsdp.policies`.
 
     Args:
-        module: the module to wrap; available afterwards as ``.module``.
+        module: the module to wrap; available afterwards as ``.wrapped_module``, and as ``.module`` at
+            fairscale's level (with ``flatten_parameters``, a view whose ``.module`` is the module; see
+            :attr:`~shardkit.nn.fsdp.unit_module.UnitModule.module`).
         process_group: group to shard over (default: the world); a ``DummyProcessGroup(rank=0, size=1)`` runs
             without ``torch.distributed``. For hybrid sharding, the nodes: an ``(intra_node_group,
             inter_node_group)`` pair, a 2-D ``DeviceMesh`` (dim 0 across nodes) or a ``Topology``; without one,
@@ -124,7 +126,9 @@ class FullyShardedDataParallel(FullParamsMethods, StateDictMethods):
         - Original parameters hold values only during forward/backward and inside :meth:`summon_full_params`;
           between steps ``model.module.fc.weight`` is a placeholder with the right shape, dtype and device and
           no memory (``print(model)`` works; arithmetic on it raises, pointing to ``summon_full_params``).
-        - Methods other than forward that run the model (``generate()``): :meth:`register_forward_method`.
+        - Methods other than forward that run the model: :meth:`register_forward_method`. A Hugging Face
+          model's ``generate()`` is routed without registering, and ``model.device``, ``model.dtype`` and
+          ``num_parameters()`` answer as the unwrapped model (see :mod:`shardkit.nn.fsdp.hf_models`).
         - ``torch.compile(model)`` compiles the compute between the units' hooks, which run eagerly (a graph
           break at each unit); ``fullgraph=True`` is refused.
         - ``state_dict()``, ``load_state_dict()``, ``summon_full_params()`` and the optimizer-state methods must
@@ -243,7 +247,7 @@ class FullyShardedDataParallel(FullParamsMethods, StateDictMethods):
         )
         optimizer_order.remember_replaced(originals, module, label)  # an optimizer over them is refused at step()
         ties.claim(self, module, tied)
-        self.module = module
+        self.add_module("module", module)  # read back as .wrapped_module, and .module at fairscale's level
         self._unit = Unit(param_group, policies, label)
         if policies.mixed_precision.param_dtype is not None:
             # Every mixed-precision unit casts its floating-point inputs (a no-op below a mixed-precision root),
@@ -268,7 +272,7 @@ class FullyShardedDataParallel(FullParamsMethods, StateDictMethods):
 
     # ------------------------------------------------------------------ forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self._forward_with(self.module, args, kwargs)
+        return self._forward_with(self.wrapped_module, args, kwargs)
 
     def _forward_with(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run ``fn`` (the wrapped module or one of its registered methods) as this unit's forward."""
@@ -307,8 +311,10 @@ class FullyShardedDataParallel(FullParamsMethods, StateDictMethods):
             module = self.__dict__.get("_modules", {}).get("module")
             if module is None:
                 raise
-            if name in self.__dict__.get("_forward_methods", ()):
+            if name in self.__dict__.get("_forward_methods", ()) or hf_models.routed_by_default(module, name):
                 return functools.partial(self.call_forward_method, name)
+            if name in hf_models.READS_PARAMETERS and hf_models.is_transformers_model(module):
+                return hf_models.read_with_params_listed(self, module, name)  # model.device, num_parameters()
             return getattr(module, name)
 
     # ------------------------------------------------------------------ full parameters
@@ -372,11 +378,16 @@ class FullyShardedDataParallel(FullParamsMethods, StateDictMethods):
     def call_forward_method(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
         """Run ``self.module.<method_name>(*args, **kwargs)`` as this unit's forward (what ``self.<method_name>``
         does once registered)."""
-        method = getattr(self.module, method_name)
+        method = getattr(self.wrapped_module, method_name)
+        self._lazy_init()
+        listed: Any = contextlib.nullcontext()
+        if hf_models.is_transformers_model(self.wrapped_module):  # generate() reads self.device
+            listed = hf_models.original_params_listed(self)
         if self._unit.state == TrainingState.SUMMON_FULL_PARAMS:
-            with torch.no_grad():  # inference on the summoned parameters: their gradients would be lost
+            with torch.no_grad(), listed:  # inference on the summoned parameters: their gradients would be lost
                 return method(*args, **kwargs)
-        return self._forward_with(method, args, kwargs)
+        with listed:
+            return self._forward_with(method, args, kwargs)
 
 
 def _is_unit(module: nn.Module) -> bool:

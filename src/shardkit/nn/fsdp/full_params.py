@@ -77,5 +77,5 @@ class FullParamsMethods(UnitModule):
                 "before wrapping, or pass allow_reset_parameters=True"
             )
         with self.summon_full_params(recurse=True):
-            module: Any = self.module  # any module class may define reset_parameters
+            module: Any = self.wrapped_module  # any module class may define reset_parameters
             module.reset_parameters()

@@ -33,6 +33,9 @@ from shardkit.nn.fsdp.flat_param import FlatParamMeta
 from shardkit.nn.fsdp.placeholder import ShardedParamPlaceholder
 from shardkit.nn.fsdp.reduce import PendingReduce, start_reduce
 
+#: Attribute set on every flat shard (see :mod:`shardkit.nn.misc.flatten_params_wrapper`).
+FLAT_SHARD_MARK = "is_fsdp_flat_shard"
+
 
 class FlatParamHandle:
     """Shard, full buffer and gradient bookkeeping of one flat parameter."""
@@ -53,6 +56,7 @@ class FlatParamHandle:
         #: Attribute name of :attr:`shard` on the FullyShardedDataParallel instance, e.g. ``flat_param_0``.
         self.name = name
         self.shard = shard
+        setattr(shard, FLAT_SHARD_MARK, True)  # answers isinstance(p, FlatParameter), as Lightning 1.x asks
         #: ``(submodule, attribute)`` of each entry of ``meta.params`` and of ``meta.shared``.
         self.locations = locations
         self.alias_locations = alias_locations
@@ -160,13 +164,16 @@ class FlatParamHandle:
 
     # ------------------------------------------------------------------ original parameters as views
     def use_views(self) -> None:
-        """Expose the original parameters as views of the full buffer (plain tensor attributes)."""
+        """Expose the original parameters as views of the full buffer (plain tensor attributes).
+
+        Written into the instance dict, where ``drop_views`` puts the placeholders: it wins over a placeholder
+        listed in ``_parameters`` while :mod:`shardkit.nn.fsdp.hf_models` lists the original parameters."""
         assert self.full is not None and self.is_unsharded
         views = self.meta.views(self.full)
         for (module, attr), view in zip(self.locations, views):
-            setattr(module, attr, view)
+            module.__dict__[attr] = view
         for (module, attr), info in zip(self.alias_locations, self.meta.shared):
-            setattr(module, attr, views[info.primary])
+            module.__dict__[attr] = views[info.primary]
 
     def drop_views(self) -> None:
         """Replace the view attributes by placeholders, so stale parameters cannot be read after the memory is
@@ -181,6 +188,11 @@ class FlatParamHandle:
         """Remove the attributes altogether (before registering real parameters under their names)."""
         for module, attr in self.locations + self.alias_locations:
             module.__dict__.pop(attr, None)
+
+    def placeholders(self) -> list[ShardedParamPlaceholder]:
+        """One placeholder per original parameter (shape, dtype and device; no values), in ``meta.params``
+        order."""
+        return self._current_placeholders()
 
     def _current_placeholders(self) -> list[ShardedParamPlaceholder]:
         device = self.shard.device if self.follow_shard_device else self.compute_device

@@ -108,9 +108,9 @@ def _check_not_sharded_by_nested(owners: Owners, nested: Sequence[ParamGroup]) -
             if group.sharded_original(param):
                 raise ValueError(
                     f"parameter '{_fqn(loc)}' is tied to a parameter already sharded by the nested unit wrapping "
-                    f"{type(group.owner.module).__name__}; tied parameters must live in one unit. Wrap the modules "
-                    "sharing it together (e.g. leave both the embedding and the output projection in the outer "
-                    "unit). The model was left unchanged."
+                    f"{type(group.owner.wrapped_module).__name__}; tied parameters must live in one unit. Wrap the "
+                    "modules sharing it together (e.g. leave both the embedding and the output projection in the "
+                    "outer unit). The model was left unchanged."
                 )
 
 

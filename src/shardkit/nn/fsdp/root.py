@@ -30,7 +30,7 @@ def init_root(root: UnitModule) -> None:
         return
     # Checked before anything changes: units sharing a process group must agree on its reduce channel.
     tree = [(path, m) for path, _, m in walk_modules(root) if isinstance(m, UnitModule)]
-    root_name = f"<root {type(root.module).__name__}>"
+    root_name = f"<root {type(root.wrapped_module).__name__}>"
     channel_plan = plan_reduce_channels([(path or root_name, m.fsdp_unit) for path, m in tree])
     unit.is_root, unit.root, unit.units = True, None, []
     unit.name = root_name
@@ -50,7 +50,7 @@ def _cast_buffers(root: UnitModule) -> None:
     tree = [(path, m) for path, _, m in walk_modules(root)]
     for _, unit in tree:
         if isinstance(unit, UnitModule):
-            dtype_of.update((id(m), unit.buffer_dtype) for m in unit.module.modules())
+            dtype_of.update((id(m), unit.buffer_dtype) for m in unit.wrapped_module.modules())
     for path, module in tree:
         dtype = dtype_of.get(id(module))
         for name, buf in module._buffers.items():

@@ -92,6 +92,15 @@ class Unit:
         """Become a nested unit of ``root``'s tree under ``name`` (its path from the root), at the root's lazy init."""
         self.is_root, self.root, self.units, self.name = False, root, [], name
 
+    def leave_tree(self) -> None:
+        """Forget the tree the root's lazy init decided (fairscale's ``_reset_lazy_init``): the next forward of
+        the outermost unit decides again, e.g. after this unit was wrapped into a bigger model. Only between
+        steps; new process groups for the reductions are created at that forward (on every rank)."""
+        self.assert_state(TrainingState.IDLE)
+        self.is_root, self.root, self.units = None, None, []
+        self.schedule = Schedule()
+        self.comm = CommContext()
+
     @property
     def tree_schedule(self) -> Schedule[Unit]:
         """The schedule of this unit's tree (the root's)."""

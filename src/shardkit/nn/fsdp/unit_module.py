@@ -21,6 +21,7 @@ from torch import nn
 from shardkit.distributed.groups import GroupLike
 from shardkit.nn.checkpoint.wrapper import adds_no_name
 from shardkit.nn.fsdp.flat_param import FlatParamMeta
+from shardkit.nn.fsdp.module_view import FlatModuleView
 from shardkit.nn.fsdp.policies import BackwardPrefetch, CPUOffload, FSDPPolicies, ProcessGroupName
 from shardkit.nn.fsdp.runtime import TrainingState, Unit
 
@@ -75,8 +76,6 @@ class UnitModule(nn.Module):
     Not constructed on its own; the subclass's constructor sets the attributes declared here.
     """
 
-    #: The wrapped module.
-    module: nn.Module
     #: The group this unit is sharded over, this rank's index in it and its size.
     process_group: GroupLike
     rank: int
@@ -84,6 +83,31 @@ class UnitModule(nn.Module):
     #: Original dtypes of floating-point buffers cast for mixed precision (clean name -> dtype), root only.
     buffer_original_dtypes: dict[str, torch.dtype]
     _unit: Unit
+
+    # ------------------------------------------------------------------ the wrapped module
+    @property
+    def wrapped_module(self) -> nn.Module:
+        """The user's module this unit wraps (the child registered as ``module``)."""
+        wrapped = self._modules.get("module")
+        if wrapped is None:  # during construction (hasattr must see no attribute yet)
+            raise AttributeError("the wrapped module is not set yet")
+        return wrapped
+
+    @property
+    def module(self) -> nn.Module:
+        """The wrapped module, at fairscale's level: with ``flatten_parameters`` (the default) a view whose
+        ``.module`` is the user's module and whose other attributes are the user's module's (fairscale puts its
+        flattening wrapper there); otherwise the user's module itself. See :mod:`shardkit.nn.fsdp.module_view`."""
+        wrapped = self.wrapped_module
+        if "_unit" not in self.__dict__ or not self.flatten_parameters:
+            return wrapped
+        view: Any = FlatModuleView(wrapped)  # answers as the user's module (see module_view)
+        return view
+
+    @property
+    def _fsdp_wrapped_module(self) -> nn.Module:
+        """fairscale's private name for :attr:`module` (read by VISSL's hooks)."""
+        return self.module
 
     # ------------------------------------------------------------------ run-time state
     @property
@@ -105,6 +129,26 @@ class UnitModule(nn.Module):
     def is_root(self) -> Optional[bool]:
         """True for the outermost instance once a forward has run (None before)."""
         return self._unit.is_root
+
+    @property
+    def _is_root(self) -> Optional[bool]:
+        """fairscale's private spelling of :attr:`is_root`; setting it to None forgets the tree (as fairscale's
+        code and VISSL's do before wrapping units into a new root), like :meth:`_reset_lazy_init`."""
+        return self._unit.is_root
+
+    @_is_root.setter
+    def _is_root(self, value: Optional[bool]) -> None:
+        if value is not None:
+            raise ValueError(
+                f"_is_root can only be set to None (forget the root decided at the first forward), got {value!r}; "
+                "the outermost unit becomes the root at its next forward"
+            )
+        self._unit.leave_tree()
+
+    def _reset_lazy_init(self) -> None:
+        """Forget which unit is the root (fairscale's name): the next forward of the outermost unit decides
+        again. Call it on every unit whose tree changed (VISSL resets each one), between steps."""
+        self._unit.leave_tree()
 
     @property
     def flat_params(self) -> list[nn.Parameter]:
@@ -301,7 +345,8 @@ class UnitModule(nn.Module):
 
     def __getitem__(self, key: int) -> Any:
         """Index the wrapped module (when it is a container such as ``nn.Sequential``)."""
-        return self.module.__getitem__(key)  # type: ignore[operator]
+        container: Any = self.wrapped_module
+        return container[key]
 
     # ------------------------------------------------------------------ repr
     def extra_repr(self) -> str:

@@ -6,7 +6,8 @@
 - :mod:`~shardkit.nn.sharded_ddp.startup` - rank-0 synchronisation at construction (after the shared same-model
   check of :mod:`shardkit.distributed.model_check`).
 - :mod:`~shardkit.nn.sharded_ddp.comm` - coalesced broadcasts.
-- :mod:`~shardkit.nn.sharded_ddp.state_dict` - checkpoint keys without the wrapper's ``module.`` level.
+- :mod:`~shardkit.nn.sharded_ddp.state_dict` - checkpoint keys with the ``module.`` level (fairscale's and torch DDP's);
+  loads both forms.
 """
 
 from shardkit.nn.sharded_ddp.api import ShardedDataParallel

@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 from torch import nn
-from torch.nn.modules.module import _IncompatibleKeys
 
 from shardkit.distributed.buckets import REDUCE_BUCKET_BYTES
 from shardkit.distributed.groups import GroupLike, global_rank, group_rank, group_size
@@ -153,9 +152,9 @@ class ShardedDataParallel(nn.Module):
       next step).
     - Attributes the wrapper lacks are looked up on the wrapped module (``sdp.my_attribute``), and torch DDP's
       ``module``, ``device_type`` and ``is_multi_device_module`` are there, for code that expects a DDP.
-    - ``state_dict()`` keys are the wrapped model's own keys (torch DDP would prefix them with ``module.``), so
-      checkpoints move freely between wrapped and plain models; ``load_state_dict`` also accepts a torch DDP
-      checkpoint whose keys all carry the ``module.`` prefix.
+    - ``state_dict()`` keys carry the ``module.`` level, as fairscale's and torch DDP's do, so checkpoints load
+      strictly into either; ``load_state_dict`` also accepts the plain model's keys (``sdp.module.state_dict()``
+      gives those).
 
     Example::
 
@@ -391,9 +390,7 @@ class ShardedDataParallel(nn.Module):
         """
         self.module.zero_grad(set_to_none=set_to_none)
 
-    def load_state_dict(
-        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
-    ) -> _IncompatibleKeys:
-        """Load the wrapped model's state (its own keys; a torch DDP checkpoint's ``module.`` keys also work)."""
-        expected = set(self.module.state_dict().keys())
-        return super().load_state_dict(sd_keys.strip_ddp_prefix(state_dict, expected), strict=strict, assign=assign)
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """Load fairscale's and torch DDP's keys (``module.fc.weight``, what :meth:`state_dict` returns) or the
+        wrapped model's own (``fc.weight``); a strict mismatch says which forms are accepted."""
+        return sd_keys.load_explained(super().load_state_dict, state_dict, strict, assign)

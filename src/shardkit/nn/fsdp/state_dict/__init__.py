@@ -43,7 +43,11 @@ from shardkit.nn.fsdp.state_dict.full import (
     local_state_dict,
     state_dict,
 )
-from shardkit.nn.fsdp.state_dict.optim import gather_full_optim_state_dict, get_shard_from_optim_state_dict
+from shardkit.nn.fsdp.state_dict.optim import (
+    gather_full_optim_state_dict,
+    get_shard_from_optim_state_dict,
+    optim_input_error,
+)
 from shardkit.nn.fsdp.state_dict.sharded import load_sharded_state_dict, sharded_state_dict
 
 __all__ = [
@@ -56,6 +60,7 @@ __all__ = [
     "load_state_dict",
     "local_metadata_dict",
     "local_state_dict",
+    "optim_input_error",
     "sharded_state_dict",
     "state_dict",
 ]

@@ -181,23 +181,33 @@ def _walk_real(fsdp: UnitModule) -> Iterator[tuple[str, str, nn.Module]]:
 
 
 # ---------------------------------------------------------------------------------------------- local
-def local_state_dict(fsdp: UnitModule) -> dict[str, Any]:
+def local_state_dict(
+    fsdp: UnitModule, destination: Optional[dict[str, Any]] = None, prefix: str = "", keep_vars: bool = False
+) -> dict[str, Any]:
     """This rank's flat shards (``<unit path>.flat_param_<i>``, padding included) and buffers; no communication.
 
     Only loads back at the same world size and wrapping (:func:`load_local_state_dict` checks both, from the
-    layout recorded in the dict's ``_metadata``). The shard tensors are detached references, like torch's.
+    layout recorded in the dict's ``_metadata``). The shard tensors are detached references, like torch's, or the
+    parameters themselves with ``keep_vars``. ``destination`` and ``prefix`` work as in ``nn.Module.state_dict``
+    (the layout is recorded under the prefixed keys, so strip the prefix before loading back).
     """
     check_idle(fsdp, "local_state_dict()")
+    if not isinstance(prefix, str):
+        raise TypeError(f"local_state_dict(prefix=...) takes a string such as 'model.', got {type(prefix).__name__}")
     _, buffers, _ = layout(fsdp)
-    out: dict[str, Any] = OrderedDict()
+    out: dict[str, Any] = OrderedDict() if destination is None else destination
     saved_layout = {}
     for key, h, _unit in flat_entries(fsdp):
-        out[key] = h.shard.detach()
-        saved_layout[key] = {"rank": h.meta.rank, "world_size": h.meta.world_size, "numel": h.meta.numel}
+        out[prefix + key] = h.shard if keep_vars else h.shard.detach()
+        saved_layout[prefix + key] = {"rank": h.meta.rank, "world_size": h.meta.world_size, "numel": h.meta.numel}
     dtypes = buffer_dtypes(fsdp)
     for b in buffers:
-        out[b.key] = buffer_value(b, dtypes, None)
-    _attach_metadata(out, OrderedDict({_LOCAL_META_KEY: saved_layout}))
+        out[prefix + b.key] = buffer_value(b, dtypes, None)
+    metadata = getattr(out, "_metadata", None)
+    if metadata is not None:
+        metadata.setdefault(_LOCAL_META_KEY, {}).update(saved_layout)
+    elif destination is None or hasattr(destination, "__dict__"):  # a plain dict takes no attribute (torch skips it)
+        _attach_metadata(out, OrderedDict({_LOCAL_META_KEY: saved_layout}))
     return out
 
 

@@ -54,12 +54,16 @@ class StateDictMethods(UnitModule):
         return sd.load_state_dict(self, state_dict, strict, assign)
 
     def local_state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """This rank's shards and buffers, for saving and loading at the same world size. fairscale's signature
-        forwards its arguments to ``nn.Module.state_dict``; shardkit's local state dict takes none."""
-        if args:
-            raise TypeError("local_state_dict() takes no positional arguments")
-        _no_more("local_state_dict", kwargs)
-        return sd.local_state_dict(self)
+        """This rank's shards and buffers, for saving and loading at the same world size and wrapping.
+
+        Takes ``nn.Module.state_dict``'s ``destination``, ``prefix`` and ``keep_vars`` (by keyword or in that
+        order), as fairscale's does: keys get ``prefix``, entries are added to ``destination`` (returned), and
+        ``keep_vars=True`` keeps the shards as the parameters themselves. No communication. Example::
+
+            torch.save(model.local_state_dict(), f"shard{rank}.pt")
+            sub = model.local_state_dict(destination={}, prefix="model.")   # as a parent's state_dict asks
+        """
+        return sd.local_state_dict(self, **_state_dict_arguments("local_state_dict", args, kwargs))
 
     def load_local_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> _IncompatibleKeys:
         """Load what :meth:`local_state_dict` returned on this rank."""
@@ -80,12 +84,19 @@ class StateDictMethods(UnitModule):
         (no processes, no model; see :mod:`shardkit.nn.fsdp.state_dict.consolidate`)."""
         return sd.consolidate_shard_weights(shard_weights, shard_metadata, with_module_buffers, strict)
 
-    def gather_full_optim_state_dict(self, optim: torch.optim.Optimizer, **ignored: Any) -> Optional[dict[str, Any]]:
+    def gather_full_optim_state_dict(self, optim: Any, **ignored: Any) -> Optional[dict[str, Any]]:
         """The optimizer state for the full, unflattened model (see :mod:`shardkit.nn.fsdp.state_dict`).
 
-        ``recipient_rank`` (default 0) is the one keyword used; fairscale's other keywords are ignored, as there.
+        ``optim`` is the torch optimizer built from ``model.parameters()``, or a wrapper around it with
+        ``param_groups`` and ``state_dict()``. ``recipient_rank`` (default 0) is the one keyword used;
+        fairscale's other keywords are ignored, as there. A wrong ``optim`` is refused on every rank.
         """
-        every_rank_calls(self.process_group, "gather_full_optim_state_dict()")
+        local_error = sd.optim_input_error(optim)
+        call = "gather_full_optim_state_dict()"
+        # A rank refusing its input says so in the call name, so the others raise too instead of waiting.
+        every_rank_calls(self.process_group, call if local_error is None else f"{call} refused: {local_error}")
+        if local_error is not None:
+            raise TypeError(local_error)
         return sd.gather_full_optim_state_dict(self, optim, recipient_rank=ignored.get("recipient_rank", 0))
 
     def get_shard_from_optim_state_dict(
@@ -113,6 +124,22 @@ class StateDictMethods(UnitModule):
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
         # Reached only when an *unwrapped* parent's load_state_dict recurses into this unit (auto_wrap case).
         sd.load_from_state_dict_hook(self, state_dict, prefix, *args)
+
+
+_STATE_DICT_ARGS = ("destination", "prefix", "keep_vars")
+
+
+def _state_dict_arguments(method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``nn.Module.state_dict``'s arguments, given by keyword or in its order, as a keyword dict."""
+    unknown = sorted(set(kwargs) - set(_STATE_DICT_ARGS))
+    if unknown or len(args) > len(_STATE_DICT_ARGS):
+        got = f"unexpected keyword arguments {unknown}" if unknown else f"{len(args)} positional arguments"
+        raise TypeError(f"{method}() got {got}; it takes nn.Module.state_dict's destination, prefix, keep_vars")
+    given = dict(zip(_STATE_DICT_ARGS, args))
+    twice = sorted(set(given) & set(kwargs))
+    if twice:
+        raise TypeError(f"{method}() got {twice} both by position and by keyword; pass each once")
+    return {**given, **kwargs}
 
 
 def _no_more(method: str, kwargs: dict[str, Any]) -> None:

@@ -16,7 +16,7 @@ def _is_sharded_state(value: Any, shard: torch.Tensor) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == shard.shape
 
 
-def _optim_handles(fsdp: UnitModule, optim: torch.optim.Optimizer) -> dict[int, int]:
+def _optim_handles(fsdp: UnitModule, optim: Any) -> dict[int, int]:
     """id(shard) -> index of the optimizer's param group holding it; raises on foreign parameters."""
     shards = {id(h.shard) for _, h, _ in flat_entries(fsdp)}
     where = {}
@@ -31,21 +31,55 @@ def _optim_handles(fsdp: UnitModule, optim: torch.optim.Optimizer) -> dict[int, 
     return where
 
 
-def gather_full_optim_state_dict(
-    fsdp: UnitModule, optim: torch.optim.Optimizer, recipient_rank: int = 0
-) -> Optional[dict[str, Any]]:
+def optim_input_error(optim: Any) -> Optional[str]:
+    """Why ``optim`` cannot be read by :func:`gather_full_optim_state_dict` (None when it can): a torch optimizer
+    or a wrapper with ``param_groups`` and a ``state`` mapping or ``state_dict()`` (training frameworks pass their
+    own optimizer classes; fairscale only asks them for those)."""
+    if not isinstance(getattr(optim, "param_groups", None), list):
+        return (
+            "gather_full_optim_state_dict needs the optimizer stepping this model's parameters (a torch optimizer, "
+            f"or an object with 'param_groups' and 'state_dict()'), got {type(optim).__name__} without a "
+            "'param_groups' list; pass the optimizer built from model.parameters() after wrapping"
+        )
+    if not isinstance(getattr(optim, "state", None), Mapping) and not callable(getattr(optim, "state_dict", None)):
+        return (
+            f"gather_full_optim_state_dict: {type(optim).__name__} has neither a 'state' mapping nor 'state_dict()'; "
+            "pass the torch optimizer it wraps"
+        )
+    return None
+
+
+def _state_by_param(optim: Any) -> dict[int, dict[str, Any]]:
+    """id(parameter) -> its optimizer state (see :func:`optim_input_error` for what ``optim`` may be)."""
+    state = getattr(optim, "state", None)
+    if isinstance(state, Mapping):
+        return {id(p): s for p, s in state.items()}
+    saved = optim.state_dict()
+    params = [p for g in optim.param_groups for p in g["params"]]
+    ids = [pid for g in saved["param_groups"] for pid in g["params"]]
+    if len(ids) != len(params):
+        raise ValueError(
+            f"gather_full_optim_state_dict: {type(optim).__name__}.state_dict() lists {len(ids)} parameters but its "
+            f"param_groups hold {len(params)}; pass the torch optimizer it wraps"
+        )
+    return {id(p): saved["state"].get(pid, {}) for p, pid in zip(params, ids)}
+
+
+def gather_full_optim_state_dict(fsdp: UnitModule, optim: Any, recipient_rank: int = 0) -> Optional[dict[str, Any]]:
     """The optimizer state of the whole model, unflattened per original parameter, on ``recipient_rank``.
 
     Shaped like ``optim.state_dict()`` of the *unwrapped* model's optimizer: parameter ids count the original
     parameters group by group, each group in the unwrapped model's parameter order, and every group lists the
-    original names under ``param_names`` (torch's convention). Load it into a plain optimizer built with the same
-    groups, or back into the wrapped one with :func:`get_shard_from_optim_state_dict`. Tensors are on CPU.
+    original names under ``param_names`` (torch's convention). ``optim`` is a torch optimizer or a wrapper with
+    ``param_groups`` and ``state_dict()`` (fairscale only calls those). Load it into a plain optimizer built with the
+    same groups, or back into the wrapped one with :func:`get_shard_from_optim_state_dict`. Tensors are on CPU.
     Call on every rank (one all-gather per sharded state tensor); other ranks get ``None``. Parameters whose
     unit is sharded over its own group (per-rank experts) come from the recipient's own copy. Units built with
     ``no_broadcast_optim_state=True`` and sharded over several ranks are not gathered: their parameters get no
     state, and their ids are listed under ``uncollected_local_ids`` (fairscale's key) for the caller to fill in.
     """
     check_idle(fsdp, "gather_full_optim_state_dict()")
+    state_of = _state_by_param(optim)
     group_of = _optim_handles(fsdp, optim)
     params, _, _ = layout(fsdp)
     keep = fsdp.rank == recipient_rank
@@ -55,7 +89,7 @@ def gather_full_optim_state_dict(
         if unit.no_broadcast_optim_state and unit.world_size > 1:
             uncollected.add(id(h))
             continue
-        state = optim.state.get(h.shard, {})
+        state = state_of.get(id(h.shard), {})
         for key in sorted(state):
             value = state[key]
             if _is_sharded_state(value, h.shard):
