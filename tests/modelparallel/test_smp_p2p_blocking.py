@@ -9,8 +9,10 @@ batching (sends held back and posted with the next receives) completes and deliv
 
 from __future__ import annotations
 
+import gc
 import itertools
 import threading
+import weakref
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -198,3 +200,38 @@ def test_flush_posts_held_sends_before_a_broadcast() -> None:
     link.flush()
     assert [op.kind for g in world.streams[0] for op in g.ops] == ["send"]
     assert list(itertools.chain.from_iterable(g.ops for g in world.streams[1])) == []
+
+
+class _Done:
+    def wait(self) -> None:
+        pass
+
+    def is_completed(self) -> bool:
+        return False  # in flight until waited on
+
+
+class _WeakTransport:
+    """Holds no reference to what it sends: only the link can keep a payload alive while it is in flight."""
+
+    def __init__(self, batches: bool) -> None:
+        self.batches = batches
+        self.sent: list[weakref.ref[torch.Tensor]] = []
+
+    def post(self, sends: Sequence[Message], recvs: Sequence[Message]) -> list[_Done]:
+        self.sent += [weakref.ref(m.tensor) for m in sends]
+        return [_Done()]
+
+
+@pytest.mark.parametrize("batches", [False, True])
+def test_send_payloads_live_until_their_handles_are_waited(batches: bool) -> None:
+    # On CUDA a freed payload is memory the next kernel may overwrite while the send still reads it.
+    transport = _WeakTransport(batches)
+    link = StageLink(None, _Topology(), None, transport=transport)  # type: ignore[arg-type]
+    for _ in range(3):
+        link.send(torch.randn(4) * 2, 1, "fwd", private=True)
+    link.flush()
+    gc.collect()
+    assert len(transport.sent) == 3 and all(ref() is not None for ref in transport.sent)
+    link.wait_sends()
+    gc.collect()
+    assert all(ref() is None for ref in transport.sent)
