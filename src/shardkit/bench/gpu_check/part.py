@@ -25,6 +25,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "strategies": parts_core.part_strategies,
         "gloo_ranks": parts_core.part_gloo_ranks,
         "fsdp": parts_fsdp.part_fsdp,
+        "compile": parts_fsdp.part_compile,
         "checkpoint": parts_fsdp.part_checkpoint,
         "plan": parts_big.part_plan,
         "throughput": parts_big.part_throughput,

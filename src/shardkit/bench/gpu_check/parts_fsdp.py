@@ -4,6 +4,7 @@ checkpoint saved from and loaded into GPU memory."""
 from __future__ import annotations
 
 import contextlib
+import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -146,6 +147,13 @@ def part_fsdp(res: Results, small: bool) -> None:
         "fsdp:bf16_prefetch", _fsdp_case(small, {"mixed_precision": True, "compute_dtype": torch.bfloat16, **prefetch})
     )
     res.check("fsdp:cpu_offload_pinned", _fsdp_case(small, {"cpu_offload": True, **prefetch}, on_device=False))
+
+
+def part_compile(res: Results, small: bool) -> None:
+    """``torch.compile`` (inductor) of shardkit FSDP in bf16 against the same model run eagerly."""
+    # A private kernel cache: a cache shared with other processes on the machine can be half-written.
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="gpu_check_inductor_"))
+    res.check("backend", lambda: {"backend": init_world_of_one()})
     res.check("fsdp:compile_vs_eager", lambda: _compile_case(small))
 
 
