@@ -27,12 +27,12 @@ PARTS: tuple[tuple[str, int, str], ...] = (
     ("env", 30, "versions, every module imported, private torch APIs"),
     ("strategies", 70, "every strategy at world size 1 on NCCL against the unwrapped model"),
     ("fsdp", 50, "FSDP on real streams (prefetch, lagging side streams), pinned offload, bf16"),
-    ("compile", 60, "torch.compile (inductor) of shardkit FSDP against eager"),
+    ("compile", 75, "torch.compile (inductor) of shardkit FSDP against eager"),
     ("checkpoint", 30, "universal checkpoint from GPU memory, sync and async, host peak"),
     ("gloo_ranks", 45, "two ranks on one GPU over gloo with CUDA tensors"),
-    ("cuda_tests", 50, "the CUDA-only tests under pytest"),
+    ("cuda_tests", 40, "the CUDA-only tests under pytest"),
     ("plan", 55, "plan's accelerator estimate against max_memory_allocated, ~1B model, DDP and FSDP"),
-    ("throughput", 55, "plain vs shardkit FSDP vs torch FSDP2 on the ~1B model: tokens/s, peak memory"),
+    ("throughput", 50, "plain vs shardkit FSDP vs torch FSDP2 on the ~1B model: tokens/s, peak memory"),
 )
 #: Wall seconds for all parts together (process starts included): a part gets what is left if that is less
 #: than its own limit, and is skipped with under 10 s left.
