@@ -85,6 +85,12 @@ PRIVATE_APIS: tuple[TorchAPI, ...] = (
     TorchAPI("torch", "_foreach_norm", "optimizers, gradient clipping"),
     TorchAPI("torch.cuda", "_sleep", "bench.gpu_check (race amplifier only)"),
     TorchAPI("torch.distributed.pipelining", "Schedule1F1B", "bench.pipeline (comparison only)"),
+    TorchAPI(
+        "torch.distributed.pipelining.schedules", "PipelineScheduleSingle.step", "bench.pipeline",
+        "2.9+; without it the keyword is left out (step_takes_return_outputs)", keyword="return_outputs",
+        optional=True,
+    ),  # fmt: skip
+    TorchAPI("torch.distributed", "ProcessGroup._get_backend", "nn.fsdp._collectives.group_timeout (falls back)"),
     TorchAPI("torch.distributed", "all_gather_single", "distributed.groups", "2.13+; falls back", optional=True),
     TorchAPI("torch.distributed", "reduce_scatter_single", "distributed.groups", "2.13+; falls back", optional=True),
 )
@@ -99,6 +105,16 @@ def missing(include_optional: bool = False) -> dict[str, str]:
     }
 
 
+def step_takes_return_outputs(schedule: object) -> bool:
+    """Whether a ``torch.distributed.pipelining`` schedule's ``step`` takes ``return_outputs=`` (torch 2.9+; before,
+    unknown keywords went on to the model's forward)."""
+    step = getattr(schedule, "step", None)
+    try:
+        return step is not None and "return_outputs" in inspect.signature(step).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def cuda_spin(cycles: int) -> None:
     """Keep the current CUDA stream busy for about ``cycles`` GPU clock cycles (nothing without CUDA).
 
@@ -108,4 +124,4 @@ def cuda_spin(cycles: int) -> None:
         torch.cuda._sleep(cycles)
 
 
-__all__ = ["PRIVATE_APIS", "TorchAPI", "cuda_spin", "missing"]
+__all__ = ["PRIVATE_APIS", "TorchAPI", "cuda_spin", "missing", "step_takes_return_outputs"]
