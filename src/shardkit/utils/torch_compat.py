@@ -86,10 +86,13 @@ PRIVATE_APIS: tuple[TorchAPI, ...] = (
     TorchAPI("torch.cuda", "_sleep", "bench.gpu_check (race amplifier only)"),
     TorchAPI("torch.distributed.pipelining", "Schedule1F1B", "bench.pipeline (comparison only)"),
     TorchAPI(
-        "torch.distributed.pipelining.schedules", "PipelineScheduleSingle.step", "bench.pipeline",
-        "2.9+; without it the keyword is left out (step_takes_return_outputs)", keyword="return_outputs",
+        "torch.distributed.pipelining.schedules",
+        "PipelineScheduleSingle.step",
+        "bench.pipeline",
+        "2.9+; without it the keyword is left out (step_takes_return_outputs)",
+        keyword="return_outputs",
         optional=True,
-    ),  # fmt: skip
+    ),
     TorchAPI("torch.distributed", "ProcessGroup._get_backend", "nn.fsdp._collectives.group_timeout (falls back)"),
     TorchAPI("torch.distributed", "all_gather_single", "distributed.groups", "2.13+; falls back", optional=True),
     TorchAPI("torch.distributed", "reduce_scatter_single", "distributed.groups", "2.13+; falls back", optional=True),
