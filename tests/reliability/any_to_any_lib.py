@@ -147,7 +147,8 @@ def train(run: Run, steps: range) -> None:
         if smp_step is not None:
             smp_step(run.model, x, y)
         else:
-            F.mse_loss(run.model(x), y).backward()
+            out = run.model(x)  # promoted by hand: torch < 2.12's mse_loss backward refuses bf16 against fp32
+            F.mse_loss(out.float(), y.float()).backward()
         run.optimizer.step()
         if run.family == "slowmo":
             run.model.perform_slowmo(run.optimizer)
