@@ -104,7 +104,7 @@ def build(family: str, rank: int, world_size: int, seed: int, mixed_precision: b
 
         options: dict[str, Any] = {"mixed_precision": True, "compute_dtype": torch.bfloat16} if mixed_precision else {}
         if family == "fsdp_hybrid":  # nodes from LOCAL_WORLD_SIZE; shards in CPU memory (offload)
-            options.update(sharding_strategy=ShardingStrategy.HYBRID_SHARD, cpu_offload=True)
+            options.update(sharding_strategy=ShardingStrategy.HYBRID_SHARD, cpu_offload=True, compute_device="cpu")
         if family in ("fsdp_nested", "fsdp_hybrid"):
             module[0] = FSDP(module[0], **options)
             module[2] = FSDP(module[2], **options)
@@ -147,7 +147,8 @@ def train(run: Run, steps: range) -> None:
         if smp_step is not None:
             smp_step(run.model, x, y)
         else:
-            F.mse_loss(run.model(x), y).backward()
+            out = run.model(x)  # promoted by hand: torch < 2.12's mse_loss backward refuses bf16 against fp32
+            F.mse_loss(out.float(), y.float()).backward()
         run.optimizer.step()
         if run.family == "slowmo":
             run.model.perform_slowmo(run.optimizer)

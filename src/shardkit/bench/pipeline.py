@@ -38,6 +38,7 @@ from shardkit.distributed import collectives
 from shardkit.launch import launch_local
 from shardkit.testing.models import LMConfig, TransformerLM
 from shardkit.utils.checks import at_least, positive
+from shardkit.utils.torch_compat import step_takes_return_outputs
 
 QUICK_LM = LMConfig(vocab_size=64, d_model=32, n_heads=4, n_layers=2, seq_len=16)
 
@@ -151,7 +152,8 @@ class _TorchPipeline:
         if self.rank == 0:
             self.schedule.step(tokens)
         elif self.last:
-            self.schedule.step(target=targets, losses=losses, return_outputs=False)
+            extra = {"return_outputs": False} if step_takes_return_outputs(self.schedule) else {}
+            self.schedule.step(target=targets, losses=losses, **extra)
         else:
             self.schedule.step()
         if self.tied is not None and self.tied.grad is not None:  # embedding and output projection are one weight

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardkit.distributed import broadcast_object
+from shardkit.distributed.device import current_cuda_device
 from shardkit.distributed.model_check import check_same_model
 from shardkit.modelparallel.auto_partition import Placement
 from shardkit.modelparallel.config import ModelOptions
@@ -34,7 +35,7 @@ from shardkit.modelparallel.state import SMPState
 def execution_device(state: SMPState, module: nn.Module) -> torch.device:
     """The device this rank computes on: its CUDA device under NCCL, else where the parameters are."""
     if state.distributed and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
+        return current_cuda_device()  # cuda:LOCAL_RANK, selected now if the script did not
     first = next(iter(module.parameters()), None)
     return first.device if first is not None else torch.device("cpu")
 

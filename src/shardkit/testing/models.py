@@ -242,7 +242,9 @@ def loss_for(name: str, output: torch.Tensor, target: torch.Tensor) -> torch.Ten
     """The training loss of reference model ``name``: cross-entropy for the LM, MSE otherwise."""
     if name == "lm":
         return TransformerLM.loss_fn(output, target)
-    return F.mse_loss(output, target)
+    # Promoted by hand: torch 2.8's mse_loss backward refuses a bfloat16 output against a float32 target.
+    dtype = torch.promote_types(output.dtype, target.dtype)
+    return F.mse_loss(output.to(dtype), target.to(dtype))
 
 
 def param_count(module: nn.Module) -> int:
