@@ -67,6 +67,10 @@ from shardkit.modelparallel.state import (
 )
 from shardkit.modelparallel.step import StepOutput, step
 
+# isort: split
+# ---- smp v1.10+ checkpoints, activation checkpointing, delayed initialisation (issue 21, items 5 and 6) ----
+from shardkit.modelparallel.checkpoint_folders import resume_from_checkpoint, save_checkpoint
+
 __all__ = [
     "DistributedModel",
     "DistributedOptimizer",
@@ -100,3 +104,4 @@ __all__ = [
     "size",
     "step",
 ]
+__all__ += ["resume_from_checkpoint", "save_checkpoint"]
