@@ -69,7 +69,9 @@ from shardkit.modelparallel.step import StepOutput, step
 
 # isort: split
 # ---- smp v1.10+ checkpoints, activation checkpointing, delayed initialisation (issue 21, items 5 and 6) ----
+from shardkit.modelparallel.activation_checkpointing import set_activation_checkpointing
 from shardkit.modelparallel.checkpoint_folders import resume_from_checkpoint, save_checkpoint
+from shardkit.modelparallel.delayed_init import delay_param_initialization, delayed_parameter_initialization
 
 __all__ = [
     "DistributedModel",
@@ -104,4 +106,10 @@ __all__ = [
     "size",
     "step",
 ]
-__all__ += ["resume_from_checkpoint", "save_checkpoint"]
+__all__ += [
+    "delay_param_initialization",
+    "delayed_parameter_initialization",
+    "resume_from_checkpoint",
+    "save_checkpoint",
+    "set_activation_checkpointing",
+]

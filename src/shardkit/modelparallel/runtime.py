@@ -18,7 +18,7 @@ shares its outputs' shapes with the replica right after computing them.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -88,8 +88,13 @@ class StageRuntime:
 
     # ---- installation -------------------------------------------------------------------------------------
 
-    def install(self, root: nn.Module) -> None:
-        """Route every unit module's calls through this runtime (see the module docstring)."""
+    def install(self, root: nn.Module, below: Sequence[tuple[nn.Module, type[nn.Module]]] = ()) -> None:
+        """Route every unit module's calls through this runtime (see the module docstring).
+
+        ``below`` lists (module, subclass of its class) changes made first, so they sit under the routing: a
+        checkpointing subclass there recomputes the module's own forward without dispatching again. All are
+        undone by :meth:`uninstall`.
+        """
         modules = [(name, root.get_submodule(name)) for name in self.plan.units]
         for name, module in modules:  # checked first: nothing changes when one cannot be routed
             if "forward" in vars(module):
@@ -98,13 +103,16 @@ class StageRuntime:
                     "routes a module's calls through its class, which an instance-level forward would bypass: "
                     "create the smp.DistributedModel before applying that patch, or remove it"
                 )
+        for module, cls in below:
+            self._installed.append((module, type(module)))
+            module.__class__ = cls
         for name, module in modules:
             original_cls = type(module)
             module.__class__ = _dispatching_class(original_cls, self, name)
             self._installed.append((module, original_cls))
 
     def uninstall(self) -> None:
-        """Give every unit module its own class back."""
+        """Give every unit module (and every module changed ``below`` the routing) its own class back."""
         for module, original_cls in reversed(self._installed):  # last routed first: nested routes unwind
             module.__class__ = original_cls
         self._installed = []
