@@ -159,7 +159,8 @@ class DistributedModel(nn.Module):
         assert record is not None
         if self._execution is None:
             first = next(iter(self.module.parameters()), None)
-            args, kwargs = to_device((args, kwargs), first.device if first is not None else torch.device("cpu"))
+            on = first.device if first is not None and not first.is_meta else torch.device("cpu")
+            args, kwargs = to_device((args, kwargs), on)
             self._partition(args, kwargs)
         assert self._execution is not None
         args, kwargs = to_device((args, kwargs), self._holding.device)
