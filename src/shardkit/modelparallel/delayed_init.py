@@ -104,11 +104,18 @@ def materialize(module: nn.Module, holds: Callable[[str], bool], device: torch.d
                 continue
             for t in direct:
                 if t.is_meta:
-                    t.data = torch.empty(t.shape, dtype=t.dtype, device=device)
+                    _replace(t, torch.empty(t.shape, dtype=t.dtype, device=device))
             # The user's random streams continue as if nothing was drawn (the CUDA one too when initialising there).
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                 torch.manual_seed(initialization_seed(base_seed, name))
                 sub.reset_parameters()  # checked by check_delayable
             for t in direct:
-                if not holds(canonical[id(t)]):
-                    t.data = torch.empty(t.shape, dtype=t.dtype, device="meta")
+                if not holds(canonical[id(t)]) and not t.is_meta:
+                    _replace(t, torch.empty(t.shape, dtype=t.dtype, device="meta"))
+
+
+def _replace(tensor: torch.Tensor, data: torch.Tensor) -> None:
+    """Give ``tensor`` (the same Python object: optimizers and tied modules keep their references) ``data``,
+    across devices (``.data =`` cannot move a tensor off the meta device)."""
+    new = nn.Parameter(data, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else data
+    torch.utils.swap_tensors(tensor, new)
