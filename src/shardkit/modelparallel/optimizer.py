@@ -135,9 +135,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
             full = {"state": state_dict["state"], "param_groups": state_dict["param_groups"]}
         model = self._smp_state.model
         if model is not None and not model.partitioned:
+            # The state waits for the partition (it must know which stage holds what); the hyper-parameters do
+            # not, and an LR scheduler stepped or read before the first step must see the loaded ones.
+            self._load_hyperparameters(full["param_groups"])
             self._smp_pending = full
             return
         self._load(full)
+
+    def _load_hyperparameters(self, saved_groups: list[dict[str, Any]]) -> None:
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(
+                f"the loaded optimizer state has {len(saved_groups)} parameter groups, this optimizer "
+                f"{len(self.param_groups)}: build the optimizer with the same groups as the one saved"
+            )
+        for group, saved in zip(self.param_groups, saved_groups):
+            group.update({key: value for key, value in saved.items() if key != "params"})
 
     def load_pending_state(self) -> None:
         """Load a state dict given before the model was partitioned (the model calls it right after)."""
