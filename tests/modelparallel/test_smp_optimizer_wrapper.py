@@ -150,6 +150,7 @@ def test_is_the_users_optimizer(single: None) -> None:
     assert isinstance(optimizer, smp.DistributedOptimizer) and type(optimizer).__name__ == "AdamW"
     assert optimizer.param_groups is inner.param_groups and optimizer.state is inner.state
     assert optimizer.optimizer is inner
+    assert model.get_module() is model.module
     with pytest.raises(TypeError, match=r"already an smp\.DistributedOptimizer"):
         smp.DistributedOptimizer(optimizer)
     with pytest.raises(TypeError, match=r"wraps a torch\.optim\.Optimizer"):
