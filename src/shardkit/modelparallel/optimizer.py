@@ -15,7 +15,7 @@ plain optimizer built over the unwrapped model's parameters in the same order.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -23,9 +23,10 @@ from shardkit.distributed import collectives as C
 from shardkit.modelparallel import checkpoint as ckpt
 from shardkit.modelparallel import state as smp_state
 from shardkit.modelparallel.optimizers import FusedLamb
+from shardkit.modelparallel.sharded_state import ShardedOptimizerState
 
-# One subclass per optimizer class, so two wrapped optimizers of one class share a type (and its identity).
-_SUBCLASSES: dict[type, type] = {}
+# One subclass per (optimizer class, sharded state), so wrapped optimizers of one class share a type.
+_SUBCLASSES: dict[tuple[type, bool], type] = {}
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -57,10 +58,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"smp.DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
         base = type(optimizer)
-        sub = _SUBCLASSES.get(base)
+        sharded = smp_state.current().config.shard_optimizer_state
+        sub = _SUBCLASSES.get((base, sharded))
         if sub is None:
             namespace = {"__module__": base.__module__, "__qualname__": base.__qualname__, "__doc__": base.__doc__}
-            sub = _SUBCLASSES[base] = type(base.__name__, (DistributedOptimizer, base), namespace)
+            bases = (_ShardedStep, DistributedOptimizer, base) if sharded else (DistributedOptimizer, base)
+            sub = _SUBCLASSES[(base, sharded)] = type(base.__name__, bases, namespace)
         wrapped: DistributedOptimizer = object.__new__(sub)
         wrapped.__dict__ = optimizer.__dict__  # one optimizer, two views: nothing is copied
         return wrapped
@@ -78,9 +81,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._smp_state = state
         self._smp_inner = optimizer
         self._smp_pending: Optional[dict[str, Any]] = None
-        state.optimizer = self
+        self._smp_sharded: Optional[ShardedOptimizerState] = None
         if isinstance(self, FusedLamb):  # its global gradient norm spans every stage
+            if state.config.shard_optimizer_state:
+                raise ValueError(
+                    "FusedLamb's global gradient norm needs every gradient of its parameters, which "
+                    "'shard_optimizer_state' spreads over the replicas: turn one of them off"
+                )
             self.set_sum_of_squares(self._sum_over_stages)
+        state.optimizer = self
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -113,10 +122,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return {i for i, p in enumerate(params) if id(p) in held}
 
     def local_state_dict(self) -> dict[str, Any]:
-        """State of the parameters this stage holds, marked ``_smp_is_partial``."""
+        """State of the parameters this stage holds, marked ``_smp_is_partial``.
+
+        With ``shard_optimizer_state`` the stage's state is gathered from its shards first: a collective over
+        the data-parallel group (call it on every replica).
+        """
         full = super().state_dict()
         held = self._held_indices()
-        if held is not None:
+        if self._smp_sharded is not None:
+            full["state"] = self._smp_sharded.gathered_state()
+        elif held is not None:
             full["state"] = {i: v for i, v in full["state"].items() if i in held}
         full[ckpt.PARTIAL_KEY] = True
         return full
@@ -152,15 +167,45 @@ class DistributedOptimizer(torch.optim.Optimizer):
             group.update({key: value for key, value in saved.items() if key != "params"})
 
     def load_pending_state(self) -> None:
-        """Load a state dict given before the model was partitioned (the model calls it right after)."""
+        """Right after the partition (the model calls it): shard the optimizer state when the config says so,
+        then load a state dict given before the partition."""
+        smp = self._smp_state
+        model = smp.model
+        if smp.config.shard_optimizer_state and self._smp_sharded is None and model is not None:
+            held = {id(p) for p in model.local_parameters()}
+            inner = self._smp_inner
+            self._smp_sharded = ShardedOptimizerState(
+                self.param_groups, held, type(inner), dict(self.defaults), smp.dp_group
+            )
         if self._smp_pending is not None:
             pending, self._smp_pending = self._smp_pending, None
             self._load(pending)
 
     def _load(self, full: dict[str, Any]) -> None:
+        if self._smp_sharded is not None:
+            self._load_hyperparameters(full["param_groups"])
+            self._smp_sharded.load(full)
+            return
         held = self._held_indices()
         state = full["state"] if held is None else {i: v for i, v in full["state"].items() if int(i) in held}
         super().load_state_dict({"state": state, "param_groups": full["param_groups"]})
+
+
+def _sharded_step(self: DistributedOptimizer, closure: Optional[Callable[[], Any]] = None, **kwargs: Any) -> Any:
+    """With ``shard_optimizer_state``: each replica updates the parameters it owns, then shares them (collective
+    over the data-parallel group: every rank must call it)."""
+    sharded = self.__dict__.get("_smp_sharded")
+    if sharded is None:  # before the partition no parameter has a gradient: nothing to update
+        return closure() if closure is not None else None
+    return sharded.step(self.param_groups, closure, **kwargs)
+
+
+class _ShardedStep:
+    """``step`` of a DistributedOptimizer whose state is sharded; runs the optimizer's step hooks once, as
+    torch's own ``step`` wrapper does."""
+
+    step = torch.optim.Optimizer.profile_hook_step(_sharded_step)
+    step.hooked = True  # type: ignore[attr-defined]
 
 
 def _check_precision(
