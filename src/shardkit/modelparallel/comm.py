@@ -8,8 +8,9 @@ activations (which have a group of their own) or a script's own ``torch.distribu
 
 A collective made by some ranks of its group only would leave them waiting in mismatched collectives; so
 ``allgather`` and ``barrier`` first check, through the store, that every member makes the same call
-(:func:`shardkit.distributed.call_checks.every_rank_calls`): otherwise they fail on the calling ranks within the
-check timeout (90% of the process group's, or of ``check_collectives(timeout_s=...)``), naming the missing ranks.
+(:func:`shardkit.distributed.arrival.every_rank_calls`): otherwise they warn, then fail on the calling ranks
+(``$SHARDKIT_CALL_TIMEOUT``, capped below the process group's and ``check_collectives``' timeouts), naming the
+missing ranks.
 
 Example::
 
@@ -26,7 +27,7 @@ from typing import Any, Optional
 
 from shardkit.distributed import all_gather_objects
 from shardkit.distributed import collectives as C
-from shardkit.distributed.call_checks import every_rank_calls
+from shardkit.distributed.arrival import every_rank_calls
 from shardkit.distributed.objects import recv_object, send_object
 from shardkit.modelparallel.groups import RANK_GROUP, CommGroup, RankType, group_ranks, process_group
 from shardkit.modelparallel.state import current
@@ -94,7 +95,7 @@ def allgather(obj: Any, group: CommGroup) -> list[Any]:
     """Every member's ``obj``, in the order of their rank in ``group``, on every member (collective)."""
     group = _group(group, "smp.allgather")
     pg = process_group(group)
-    every_rank_calls(pg, f"smp.allgather(obj, {group.name})", _HINT, "smp")
+    every_rank_calls(f"smp.allgather(obj, {group.name})", pg, _HINT)
     return all_gather_objects(obj, pg, f"smp.allgather:{group.name}")
 
 
@@ -102,7 +103,7 @@ def barrier(group: Optional[CommGroup] = None) -> None:
     """Wait until every member of ``group`` (default ``smp.WORLD``) reaches this call."""
     group = _group(CommGroup.WORLD if group is None else group, "smp.barrier")
     pg = process_group(group)
-    every_rank_calls(pg, f"smp.barrier({group.name})", _HINT, "smp")
+    every_rank_calls(f"smp.barrier({group.name})", pg, _HINT)
     C.barrier(pg, label=f"smp.barrier:{group.name}")
 
 
@@ -117,6 +118,6 @@ def mp_barrier() -> None:
 
 
 _HINT = (
-    "It is a collective of the group: every member must call it, in the same order as its other smp collectives "
-    "(for example gather metrics on every rank and print them on rank 0 only)"
+    "smp.allgather and smp.barrier are collectives of their group: call them on every member, in the same order "
+    "(for example gather metrics on every rank and print them on rank 0 only)."
 )
