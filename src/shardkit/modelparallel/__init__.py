@@ -45,7 +45,6 @@ from shardkit.modelparallel.model import DistributedModel
 from shardkit.modelparallel.optimizer import DistributedOptimizer
 from shardkit.modelparallel.partition import partition
 from shardkit.modelparallel.state import (
-    barrier,
     dp_rank,
     dp_size,
     get_dp_group,
@@ -67,11 +66,42 @@ from shardkit.modelparallel.state import (
 )
 from shardkit.modelparallel.step import StepOutput, step
 
+# ---- smp's common API beyond the seed: groups, communication, tensor-parallel names (issue 21) ----------------
+# isort: split
+from shardkit.modelparallel.comm import allgather, barrier, broadcast, dp_barrier, mp_barrier, recv_from, send
+from shardkit.modelparallel.groups import (
+    DP_GROUP,
+    MP_GROUP,
+    PP_GROUP,
+    RDP_GROUP,
+    TP_GROUP,
+    WORLD,
+    CommGroup,
+    RankType,
+    get_pp_process_group,
+    get_rdp_process_group,
+    get_tp_process_group,
+    rdp_rank,
+    rdp_size,
+    tp_rank,
+    tp_size,
+)
+from shardkit.modelparallel.tensor_parallel import (
+    set_tensor_parallelism,
+    tensor_parallelism,
+    tp_register,
+    tp_register_with_module,
+)
+
 # isort: split
 # ---- smp v1.10+ checkpoints, activation checkpointing, delayed initialisation (issue 21, items 5 and 6) ----
 from shardkit.modelparallel.activation_checkpointing import set_activation_checkpointing
 from shardkit.modelparallel.checkpoint_folders import resume_from_checkpoint, save_checkpoint
 from shardkit.modelparallel.delayed_init import delay_param_initialization, delayed_parameter_initialization
+
+#: The smp release whose API this module follows (scripts compare it to pick code paths); shardkit's own version
+#: is ``shardkit.__version__``.
+__version__ = "1.10.0"
 
 __all__ = [
     "DistributedModel",
@@ -105,6 +135,35 @@ __all__ = [
     "save",
     "size",
     "step",
+]
+# smp's common API beyond the seed (issue 21)
+__all__ += [
+    "DP_GROUP",
+    "MP_GROUP",
+    "PP_GROUP",
+    "RDP_GROUP",
+    "TP_GROUP",
+    "WORLD",
+    "CommGroup",
+    "RankType",
+    "__version__",
+    "allgather",
+    "broadcast",
+    "dp_barrier",
+    "get_pp_process_group",
+    "get_rdp_process_group",
+    "get_tp_process_group",
+    "mp_barrier",
+    "rdp_rank",
+    "rdp_size",
+    "recv_from",
+    "send",
+    "set_tensor_parallelism",
+    "tensor_parallelism",
+    "tp_rank",
+    "tp_register",
+    "tp_register_with_module",
+    "tp_size",
 ]
 __all__ += [
     "delay_param_initialization",

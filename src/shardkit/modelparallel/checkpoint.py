@@ -22,12 +22,21 @@ import torch
 from torch import nn
 
 from shardkit.distributed import GroupLike, all_gather_objects
+from shardkit.distributed.arrival import every_rank_calls
 from shardkit.modelparallel import state as smp_state
 from shardkit.utils.tensors import to_cpu
 
 PARTIAL_KEY = "_smp_is_partial"
 MISSING = "no file"
 """Words every missing-file problem contains (they make :func:`agree_on_problems` raise FileNotFoundError)."""
+#: The call a user made, by the label of the gather it leads to (for the every-rank check's messages).
+_GATHER_CALLS = {
+    "smp_model_state_dict": "DistributedModel.state_dict()",
+    "smp_model_load_state_dict": "DistributedModel.load_state_dict()",
+    "smp_optimizer_state_dict": "DistributedOptimizer.state_dict()",
+    "smp_optimizer_load_state_dict": "DistributedOptimizer.load_state_dict()",
+}
+_GATHER_ADVICE = "Call it on every rank (every stage of the pipeline), then save on one rank (smp.save does that)."
 
 
 def state_key_map(module: nn.Module) -> dict[str, str]:
@@ -49,7 +58,11 @@ def is_partial(state_dict: Mapping[str, Any]) -> bool:
 
 
 def gather_partials(partial: Mapping[str, Any], mp_group: GroupLike, label: str) -> list[dict[str, Any]]:
-    """Every stage's partial state dict (moved to the CPU first), in stage order (collective over the replica)."""
+    """Every stage's partial state dict (moved to the CPU first), in stage order (collective over the replica).
+
+    Every rank of the replica must call it: checked first (:func:`~shardkit.distributed.arrival.every_rank_calls`).
+    """
+    every_rank_calls(_GATHER_CALLS.get(label, f"smp {label}"), mp_group, _GATHER_ADVICE)
     return all_gather_objects(to_cpu(dict(partial)), mp_group, label)
 
 

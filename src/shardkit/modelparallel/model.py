@@ -120,6 +120,10 @@ class DistributedModel(nn.Module):
         state.model = self
         state.on_reset.append(self._release)
 
+    def get_module(self) -> nn.Module:
+        """The module this model wraps (smp's ``model.get_module()``; the same object as ``model.module``)."""
+        return self.module
+
     # ---- calls inside @smp.step ---------------------------------------------------------------------------
 
     @property
