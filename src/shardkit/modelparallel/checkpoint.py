@@ -143,7 +143,9 @@ def agree_on_problems(problem: Optional[str], what: str) -> None:
     """
     problems: list[Optional[str]] = [problem]
     if smp_state.is_initialized() and smp_state.current().distributed:
-        problems = all_gather_objects(problem, smp_state.current().world_group, "smp_checkpoint_files")
+        world = smp_state.current().world_group
+        every_rank_calls(what, world, "load a checkpoint on every rank: each stage reads its own file")
+        problems = all_gather_objects(problem, world, "smp_checkpoint_files")
     found = [f"rank {rank}: {p}" for rank, p in enumerate(problems) if p is not None]
     if found:
         message = f"{what} cannot be loaded; " + "; ".join(found)

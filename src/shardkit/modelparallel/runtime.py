@@ -10,9 +10,9 @@ introspection and other libraries' instance-level wrappers see an ordinary metho
 gives each module its class back. What each stage
 sent and received is recorded per micro-batch, for the backward pass.
 
-Placeholder and receive shapes come from the plan, per input signature. A signature not seen before is
-*discovered* (only possible in a step's first micro-batch, when all stages run it in lock step): each owner
-shares its outputs' shapes with the replica right after computing them.
+Placeholder and receive shapes come from the plan, per input signature (and autocast state). A signature not
+seen before is *discovered* (only possible in a step's first micro-batch, when all stages run it in lock step):
+each owner shares its outputs' shapes with the replica right after computing them.
 """
 
 from __future__ import annotations
@@ -73,6 +73,21 @@ def _dispatching_class(cls: type[nn.Module], runtime: StageRuntime, unit: str) -
     )
 
 
+def autocast_state() -> tuple[Any, ...]:
+    """What autocast changes about the dtypes modules return: whether it is on, and its dtype, per device type.
+
+    Part of the key of traced shapes: a script that trains under autocast and evaluates without it calls the
+    model with the same input shapes but gets other output dtypes, which must be discovered, not assumed.
+    """
+    return tuple(
+        (
+            torch.is_autocast_enabled(device),
+            torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None,
+        )
+        for device in ("cpu", "cuda")
+    )
+
+
 class StageRuntime:
     """Runs one stage of a partitioned model inside each ``@smp.step`` micro-batch."""
 
@@ -81,7 +96,8 @@ class StageRuntime:
         self.stage = stage
         self.link = link
         self.device = device
-        self._shapes: dict[tuple[Any, ...], Shapes] = {plan.signature: plan.shapes}
+        # Built inside the first forward, under the autocast state the plan was traced with.
+        self._shapes: dict[tuple[Any, ...], Shapes] = {(plan.signature, autocast_state()): plan.shapes}
         self._active: Optional[_Invocation] = None
         self._installed: list[tuple[nn.Module, type[nn.Module]]] = []
         self._placeholders: dict[tuple[tuple[int, ...], torch.dtype, torch.device], torch.Tensor] = {}
@@ -122,7 +138,7 @@ class StageRuntime:
     @contextmanager
     def invocation(self, record: MicrobatchRecord, args: Any, first_microbatch: bool) -> Iterator[None]:
         """Scope of one call of the wrapped model for micro-batch ``record``."""
-        signature = signature_of(args)
+        signature = (signature_of(args), autocast_state())
         shapes = self._shapes.get(signature)
         if shapes is None and not first_microbatch:
             raise RuntimeError(
