@@ -151,6 +151,33 @@ def test_every_returned_leaf_matches_single_process_on_every_rank(stages: int, p
                 _assert_close(name, got[name], want[name], f"rank {rank} step {s}")
 
 
+@smp.step
+def _positive_only(model: smp.DistributedModel, x: torch.Tensor) -> torch.Tensor:
+    logits = model(x)
+    return logits[logits > 0]  # its shape depends on the output's values; placeholders elsewhere give another
+
+
+def _tensor_only_shapes(rank: int, world_size: int) -> list[list[float]]:
+    smp.init({"partitions": world_size, "microbatches": MICROBATCHES})
+    model = smp.DistributedModel(_classifier())
+    sums = []
+    with torch.no_grad():
+        for s in range(STEPS):
+            out = _positive_only(model, _batch(s)[0])
+            sums.append([t.sum().item() for t in out.outputs])
+    smp.reset()
+    return sums
+
+
+def test_tensor_whose_shape_depends_on_the_output_is_the_output_stages_everywhere() -> None:
+    model = _classifier()
+    with torch.no_grad():
+        want = [[m[m > 0].sum().item() for m in model(_batch(s)[0]).chunk(MICROBATCHES)] for s in range(STEPS)]
+    for rank, got in enumerate(run_distributed(_tensor_only_shapes, 2)):
+        for s in range(STEPS):
+            assert max(abs(a - b) for a, b in zip(got[s], want[s])) <= TOL, (rank, s, got[s], want[s])
+
+
 # ---- the gathering alone (no processes) ---------------------------------------------------------------------
 
 

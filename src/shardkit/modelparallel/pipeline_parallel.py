@@ -22,7 +22,7 @@ from typing import Any, Callable, NamedTuple, Optional
 
 from shardkit.modelparallel.execution import StageExecution
 from shardkit.modelparallel.runtime import MicrobatchRecord
-from shardkit.modelparallel.step_outputs import share_from_output_stage
+from shardkit.modelparallel.step_outputs import OutputSharing, share_from_output_stage
 
 
 class Action(NamedTuple):
@@ -99,9 +99,12 @@ class StepRun:
         microbatches: int,
         forward: Callable[[int], Any],
         detach_outputs: bool = True,
+        sharing: Optional[OutputSharing] = None,
     ) -> None:
         self.microbatches = microbatches
         self.detach_outputs = detach_outputs
+        self.sharing = sharing if sharing is not None else OutputSharing()
+        """What earlier calls of the same step function learned about its outputs."""
         self.stats = StepStats()
         """Timing of this step, filled in by :meth:`run`."""
         self._execution = execution
@@ -159,4 +162,5 @@ class StepRun:
             execution.num_stages,
             execution.device,
             self.detach_outputs,
+            self.sharing,
         )

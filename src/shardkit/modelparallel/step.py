@@ -18,7 +18,7 @@ import torch
 
 from shardkit.modelparallel import state as smp_state
 from shardkit.modelparallel.pipeline_parallel import StepRun
-from shardkit.modelparallel.step_outputs import StepOutput, gather_microbatch_outputs
+from shardkit.modelparallel.step_outputs import OutputSharing, StepOutput, gather_microbatch_outputs
 
 __all__ = ["StepOutput", "gather_microbatch_outputs", "split_microbatch", "step"]
 
@@ -96,6 +96,8 @@ def step(
 
     def decorate(fn: StepFunction) -> StepFunction:
         signature = inspect.signature(fn)
+        # Per decorated function and model: its outputs' layout is checked on its first call.
+        sharings: dict[int, OutputSharing] = {}
 
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -114,7 +116,8 @@ def step(
             def forward(mb: int) -> Any:
                 return fn(*per_mb[mb].args, **per_mb[mb].kwargs)
 
-            run = StepRun(lambda: model.stage_execution, num_mb, forward, detach_outputs)
+            sharing = sharings.setdefault(id(model), OutputSharing())
+            run = StepRun(lambda: model.stage_execution, num_mb, forward, detach_outputs, sharing)
             with model.running(run):
                 outputs = run.run()
             model.last_step_stats = run.stats

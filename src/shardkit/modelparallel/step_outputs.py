@@ -8,17 +8,21 @@ per-micro-batch values, as smp documents ("returns lists instead of StepOutput o
 
 Cost: tensors travel in one broadcast per dtype over the replica's stages, shaped as this stage's own outputs.
 When a non-tensor leaf exists, one small pickled object goes first (the output stage's structure, its non-tensor
-values and its tensors' shapes), so nothing on another stage is taken from placeholder outputs.
+values and its tensors' shapes), so nothing on another stage is taken from placeholder outputs. The first call of
+each step function also compares the stages' output layouts once (one all-gather): a tensor whose shape depends
+on the model output's values (``logits[logits > 0]``) has another shape where the output is a placeholder, and
+that step function then always sends the structure first.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
-from shardkit.distributed import GroupLike, broadcast_object
+from shardkit.distributed import GroupLike, all_gather_objects, broadcast_object
 from shardkit.modelparallel.pp_communications import broadcast_tensors
 
 
@@ -71,20 +75,50 @@ class _TensorMeta:
         return torch.empty(self.shape, dtype=self.dtype, device=device)
 
 
+@dataclass
+class OutputSharing:
+    """What one ``@smp.step`` function's first call taught about its outputs (kept for its later calls)."""
+
+    #: The stages compared what they return (shapes, dtypes, structure) once, on the first call.
+    checked: bool = False
+    #: They differed (a tensor whose shape depends on the model output's values, computed from placeholders on
+    #: the other stages): every call then sends the output stage's structure first, as with non-tensor leaves.
+    describe_always: bool = False
+
+
+def _layout(spec: TreeSpec, leaves: list[Any]) -> tuple[Any, ...]:
+    # What must agree for the tensor broadcast to line up; non-tensor values may differ (they are replaced).
+    kinds = tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else "value" for x in leaves)
+    return (str(spec), kinds)
+
+
 def share_from_output_stage(
-    outputs: list[Any], output_stage: int, group: GroupLike, num_stages: int, device: torch.device, detach: bool
+    outputs: list[Any],
+    output_stage: int,
+    group: GroupLike,
+    num_stages: int,
+    device: torch.device,
+    detach: bool,
+    sharing: Optional[OutputSharing] = None,
 ) -> list[Any]:
     """``outputs`` (this stage's per-micro-batch results) replaced by the output stage's, on every stage.
 
     ``group`` joins the replica's stages (stage ``k`` is member ``k``); ``device`` is where this stage allocates
-    the tensors it receives. Collective over ``group`` when ``num_stages`` > 1: every stage's step function must
-    return the same kinds of leaves (tensors where the output stage returns tensors).
+    the tensors it receives; ``sharing`` carries what earlier calls of the same step function learned (a fresh
+    one checks again). Collective over ``group`` when ``num_stages`` > 1. The first call compares every stage's
+    output layout (one all-gather); when they differ, or a leaf is not a tensor, the output stage's structure
+    travels first, so nothing is taken from placeholder outputs.
     """
+    sharing = sharing if sharing is not None else OutputSharing()
     leaves, spec = _flatten(outputs)
     leaves = [x.detach() if detach and isinstance(x, torch.Tensor) else x for x in leaves]
     if num_stages == 1:
         return tree_unflatten(leaves, spec)
-    if any(not isinstance(x, torch.Tensor) for x in leaves):
+    if not sharing.checked:
+        layouts = all_gather_objects(_layout(spec, leaves), group, "smp_step_output_layout")
+        sharing.checked = True
+        sharing.describe_always = any(layout != layouts[0] for layout in layouts)
+    if sharing.describe_always or any(not isinstance(x, torch.Tensor) for x in leaves):
         described = [_TensorMeta(x) if isinstance(x, torch.Tensor) else x for x in leaves]
         spec, described = broadcast_object((spec, described), output_stage, group, label="smp_step_outputs")
         leaves = [
