@@ -198,7 +198,8 @@ def test_fp16_config_refuses_what_it_would_silently_skip() -> None:
         full = torch.nn.Linear(4, 4)
         with pytest.raises(ValueError, match="loss-scaling options are not supported with 'fp16': true"):
             smp.DistributedOptimizer(torch.optim.SGD(full.parameters(), lr=0.1), dynamic_loss_scale=True)
-        optimizer = smp.DistributedOptimizer(torch.optim.SGD(full.parameters(), lr=0.1))  # FP32 + autocast: fine
+        with pytest.warns(UserWarning, match="parameters and optimizer state stay FP32"):
+            optimizer = smp.DistributedOptimizer(torch.optim.SGD(full.parameters(), lr=0.1))  # FP32 + autocast
         assert isinstance(optimizer, torch.optim.SGD)
     finally:
         smp.reset()

@@ -149,7 +149,7 @@ def translate(values: Mapping[str, Any], source: str) -> tuple[dict[str, Any], d
             problems.append(f"  {key!r}: not an smp config key")
     if problems:
         raise ValueError(
-            f"the smp config from {source} asks for what shardkit does not support:\n"
+            f"the smp config (from {source}) asks for what shardkit does not support:\n"
             + "\n".join(problems)
             + f"\nsupported keys: {', '.join(sorted(CORE_KINDS))}; accepted with no effect (see COMPATIBILITY.md): "
             + ", ".join(sorted(NO_EFFECT))

@@ -14,6 +14,7 @@ plain optimizer built over the unwrapped model's parameters in the same order.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any, Callable, Optional
 
@@ -90,6 +91,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 )
             self.set_sum_of_squares(self._sum_over_stages)
         state.optimizer = self
+        if state.model is not None and state.model.partitioned:  # built after the first step: shard now
+            self.load_pending_state()
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -231,6 +234,12 @@ def _check_precision(
             "master weights for them, shardkit does not. Build the model in float32 and run the step under "
             "torch.autocast with smp.amp.GradScaler (parameters and optimizer state stay FP32)"
         )
+    warnings.warn(
+        f"smp config '{low}': true does not convert the model in shardkit: parameters and optimizer state stay FP32, "
+        "and the step computes in the precision the script asks for (use torch.autocast with smp.amp.GradScaler "
+        "for mixed precision)",
+        stacklevel=3,
+    )
 
 
 _LOW_DTYPES = (torch.float16, torch.bfloat16)
