@@ -151,6 +151,9 @@ def test_is_the_users_optimizer(single: None) -> None:
     assert optimizer.param_groups is inner.param_groups and optimizer.state is inner.state
     assert optimizer.optimizer is inner
     assert model.get_module() is model.module
+    shallow = copy.copy(optimizer)  # a view with its own attributes, as for any optimizer
+    assert type(shallow) is type(optimizer) and shallow.param_groups == optimizer.param_groups
+    assert shallow.optimizer is inner and shallow.local_state_dict()["param_groups"][0]["lr"] == 1e-3
     with pytest.raises(TypeError, match=r"already an smp\.DistributedOptimizer"):
         smp.DistributedOptimizer(optimizer)
     with pytest.raises(TypeError, match=r"wraps a torch\.optim\.Optimizer"):

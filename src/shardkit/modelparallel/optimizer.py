@@ -53,7 +53,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         smp.save({"optimizer": optimizer.local_state_dict()}, "ckpt.pt", partial=True)
     """
 
-    def __new__(cls, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> DistributedOptimizer:
+    def __new__(
+        cls, optimizer: Optional[torch.optim.Optimizer] = None, *args: Any, **kwargs: Any
+    ) -> DistributedOptimizer:
+        if optimizer is None and cls is not DistributedOptimizer:  # copy.copy rebuilding an instance
+            return super().__new__(cls)
         if isinstance(optimizer, DistributedOptimizer):
             raise TypeError("this optimizer is already an smp.DistributedOptimizer; wrap the optimizer once")
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -93,6 +97,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         state.optimizer = self
         if state.model is not None and state.model.partitioned:  # built after the first step: shard now
             self.load_pending_state()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return dict(self.__dict__)  # a copy keeps smp's attributes along with the optimizer's
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
