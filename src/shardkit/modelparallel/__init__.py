@@ -98,6 +98,7 @@ from shardkit.modelparallel.tensor_parallel import (
     tp_register,
     tp_register_with_module,
 )
+from shardkit.modelparallel.trace import is_tracing
 
 #: The smp release whose API this module follows (scripts compare it to pick code paths); shardkit's own version
 #: is ``shardkit.__version__``.
@@ -153,6 +154,7 @@ __all__ += [
     "get_pp_process_group",
     "get_rdp_process_group",
     "get_tp_process_group",
+    "is_tracing",
     "mp_barrier",
     "rdp_rank",
     "rdp_size",
