@@ -7,6 +7,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
+import torch.nn.functional as F
+from smp_testlib import batch, mlp
 
 import shardkit.modelparallel as smp
 from shardkit.distributed import check_collectives
@@ -188,3 +191,43 @@ def test_allgather_on_some_ranks_fails_naming_them(then: str) -> None:
         assert "rank 0 raised" in message and "rank 1 raised" in message
         assert "made different calls that every rank must make" in message
         assert "smp.allgather(obj, DP_GROUP)" in message and "smp.barrier(DP_GROUP)" in message
+
+
+class _Recording(torch.nn.Module):
+    """Records smp.is_tracing() at every forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[bool] = []
+        self.body = mlp()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(smp.is_tracing())
+        return self.body(x)
+
+
+def test_is_tracing_only_during_the_partitioners_forwards() -> None:
+    smp.init({"partitions": 1, "microbatches": 2})
+    try:
+        _check_is_tracing()
+    finally:
+        smp.reset()
+
+
+def _check_is_tracing() -> None:
+    module = _Recording()
+    model = smp.DistributedModel(module)
+    x, y = batch("mlp", 8, 0)
+    _step(model, x, y)
+    tracing, real = module.seen[:-2], module.seen[-2:]
+    assert tracing and all(tracing)  # the forwards that decided the partition
+    assert real == [False, False]  # the step's two micro-batches
+    _step(model, x, y)
+    assert module.seen[-2:] == [False, False] and not smp.is_tracing()
+
+
+@smp.step
+def _step(model: smp.DistributedModel, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    loss = F.mse_loss(model(x), y)
+    model.backward(loss)
+    return loss

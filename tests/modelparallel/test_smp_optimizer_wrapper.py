@@ -206,28 +206,3 @@ def test_fp16_config_refuses_what_it_would_silently_skip() -> None:
         assert isinstance(optimizer, torch.optim.SGD)
     finally:
         smp.reset()
-
-
-class _Recording(torch.nn.Module):
-    """Records smp.is_tracing() at every forward."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: list[bool] = []
-        self.body = mlp()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.seen.append(smp.is_tracing())
-        return self.body(x)
-
-
-def test_is_tracing_only_during_the_partitioners_forwards(single: None) -> None:
-    module = _Recording()
-    model = smp.DistributedModel(module)
-    x, y = batch("mlp", 8, 0)
-    _train_step(model, x, y)
-    tracing, real = module.seen[:-2], module.seen[-2:]
-    assert tracing and all(tracing)  # the forwards that decided the partition
-    assert real == [False, False]  # the step's two micro-batches
-    _train_step(model, x, y)
-    assert module.seen[-2:] == [False, False] and not smp.is_tracing()
