@@ -4,6 +4,7 @@ parallelism; bad calls fail with a clear error instead of hanging."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -231,3 +232,47 @@ def _step(model: smp.DistributedModel, x: torch.Tensor, y: torch.Tensor) -> torc
     loss = F.mse_loss(model(x), y)
     model.backward(loss)
     return loss
+
+
+def _script(rank: int, world_size: int) -> list[list[dict[str, float]]]:
+    """A SageMaker-style script: plain smp.init(), StepLR, metrics gathered over the replicas each step."""
+    smp.init()  # the config comes from $SM_HP_MP_PARAMETERS
+    try:
+        model = smp.DistributedModel(mlp())
+        optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        reported = []
+        for s in range(3):
+            x, y = batch("mlp", 8, 100 * s + smp.dp_rank())
+            optimizer.zero_grad()
+            loss = _step(model, x, y).reduce_mean().item()
+            optimizer.step()
+            reported.append(smp.allgather({"loss": loss, "lr": optimizer.param_groups[0]["lr"]}, smp.DP_GROUP))
+            scheduler.step()
+        return reported
+    finally:
+        smp.reset()
+
+
+def test_sagemaker_style_script_reports_every_replicas_metrics() -> None:
+    params = {"partitions": 2, "ddp": True, "microbatches": 2, "pipeline": "interleaved"}
+    env = [{"SM_HP_MP_PARAMETERS": json.dumps(params)}] * 4
+    results = run_distributed(_script, 4, rank_env=env, timeout_s=120)
+    model = mlp()  # the reference: one process, both replicas' batches, their mean loss
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    expected = []
+    for s in range(3):
+        losses = [F.mse_loss(model(x), y) for x, y in (batch("mlp", 8, 100 * s + d) for d in range(2))]
+        optimizer.zero_grad()
+        (sum(losses) / 2).backward()
+        expected.append([{"loss": loss.item(), "lr": optimizer.param_groups[0]["lr"]} for loss in losses])
+        optimizer.step()
+        scheduler.step()
+    # The output stage (mp_rank 1: ranks 1 and 3) computes the loss; the first stage's values are item 3's (the
+    # step outputs) concern.
+    for rank in (1, 3):
+        for got, want in zip(results[rank], expected):
+            assert [m["lr"] for m in got] == [m["lr"] for m in want]
+            assert [m["loss"] for m in got] == pytest.approx([m["loss"] for m in want], abs=1e-5)
+    assert results[1] == results[3]  # every replica got the same gathered list
