@@ -101,6 +101,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def __getstate__(self) -> dict[str, Any]:
         return dict(self.__dict__)  # a copy keeps smp's attributes along with the optimizer's
 
+    def is_state_sharded(self) -> bool:
+        """True when the config's ``shard_optimizer_state`` spreads this optimizer's state over the replicas
+        (``self.state`` is then empty; the state dicts gather it)."""
+        return bool(self._smp_state.config.shard_optimizer_state)
+
     @property
     def optimizer(self) -> torch.optim.Optimizer:
         """The optimizer as the user built it: the same attributes, its own class's methods (plain torch state
@@ -215,7 +220,7 @@ class _ShardedStep:
     torch's own ``step`` wrapper does."""
 
     step = torch.optim.Optimizer.profile_hook_step(_sharded_step)
-    step.hooked = True  # type: ignore[attr-defined]
+    setattr(step, "hooked", True)  # noqa: B010  (what torch's own step wrapper sets: never wrap it again)
 
 
 def _check_precision(
