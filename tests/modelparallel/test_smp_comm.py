@@ -25,11 +25,18 @@ RANK_TYPE = {
 }
 
 
-def _expected(rank: int, world_size: int, partitions: int) -> dict[str, Any]:
-    """The topology of placement "cluster", worked out here independently of shardkit's Topology."""
-    mp, dp = rank % partitions, rank // partitions
-    mp_group = [dp * partitions + s for s in range(partitions)]
-    dp_group = [d * partitions + mp for d in range(world_size // partitions)]
+def _expected(rank: int, world_size: int, partitions: int, placement: str = "cluster") -> dict[str, Any]:
+    """The topology, worked out here independently of shardkit's Topology: "cluster" puts a replica's stages on
+    neighbouring ranks, "spread" as far apart as possible."""
+    replicas = world_size // partitions
+    if placement == "cluster":
+        mp, dp = rank % partitions, rank // partitions
+        mp_group = [dp * partitions + s for s in range(partitions)]
+        dp_group = [d * partitions + mp for d in range(replicas)]
+    else:
+        mp, dp = rank // replicas, rank % replicas
+        mp_group = [s * replicas + dp for s in range(partitions)]
+        dp_group = [mp * replicas + d for d in range(replicas)]
     return {
         "rank": rank, "size": world_size, "local_rank": rank, "local_size": world_size,
         "mp_rank": mp, "pp_rank": mp, "dp_rank": dp, "rdp_rank": dp, "tp_rank": 0,
@@ -106,7 +113,7 @@ def _errors(expected: dict[str, Any]) -> list[str]:
 def _run(rank: int, world_size: int, config: dict[str, Any]) -> dict[str, Any]:
     smp.init(config)
     try:
-        expected = _expected(rank, world_size, config.get("partitions", 1))
+        expected = _expected(rank, world_size, config["partitions"], config.get("placement_strategy", "cluster"))
         return {"helpers": _helpers(), "exchange": _exchange(rank, expected), "errors": _errors(expected)}
     finally:
         smp.reset()
@@ -116,6 +123,7 @@ CONFIGS = [
     pytest.param(2, {"partitions": 2, "microbatches": 2}, id="ws2-pipeline"),
     pytest.param(2, {"partitions": 1, "ddp": True}, id="ws2-ddp"),
     pytest.param(4, {"partitions": 2, "ddp": True}, id="ws4-2x2"),
+    pytest.param(4, {"partitions": 2, "ddp": True, "placement_strategy": "spread"}, id="ws4-2x2-spread"),
 ]
 
 
@@ -123,7 +131,7 @@ CONFIGS = [
 def test_rank_helpers_and_communication(world_size: int, config: dict[str, Any]) -> None:
     results = run_distributed(_run, world_size, config, timeout_s=120)
     for rank, result in enumerate(results):
-        expected = _expected(rank, world_size, config["partitions"])
+        expected = _expected(rank, world_size, config["partitions"], config.get("placement_strategy", "cluster"))
         members = expected.pop("members")
         assert result["helpers"] == expected, rank
         gathered = result["exchange"]["allgather"]
