@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from shardkit.distributed import DummyProcessGroup, GroupLike, all_gather_objects
+from shardkit.distributed.groups import torch_group
 from shardkit.modelparallel.config import ConfigLike, ModelParallelConfig, config_differences, resolve_config
 from shardkit.modelparallel.topology import Topology
 
@@ -284,3 +285,10 @@ def get_mp_process_group() -> GroupLike:
 def get_dp_process_group() -> GroupLike:
     """The process group of the processes holding the same partition (data-parallel peers)."""
     return current().dp_group
+
+
+def barrier() -> None:
+    """Wait until every process reaches this point."""
+    state = current()
+    if state.distributed:
+        dist.barrier(group=torch_group(state.world_group, "smp.barrier"))
