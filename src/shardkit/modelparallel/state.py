@@ -288,7 +288,8 @@ def get_dp_process_group() -> GroupLike:
 
 
 def barrier() -> None:
-    """Wait until every process reaches this point."""
+    """Wait until every process reaches this point (shardkit's internal world barrier; scripts' ``smp.barrier``
+    is :func:`shardkit.modelparallel.comm.barrier`, per group and checked)."""
     state = current()
     if state.distributed:
         dist.barrier(group=torch_group(state.world_group, "smp.barrier"))
