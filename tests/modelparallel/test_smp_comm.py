@@ -4,9 +4,13 @@ parallelism; bad calls fail with a clear error instead of hanging."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
+import torch
+import torch.nn.functional as F
+from smp_testlib import batch, mlp
 
 import shardkit.modelparallel as smp
 from shardkit.distributed import check_collectives
@@ -21,11 +25,18 @@ RANK_TYPE = {
 }
 
 
-def _expected(rank: int, world_size: int, partitions: int) -> dict[str, Any]:
-    """The topology of placement "cluster", worked out here independently of shardkit's Topology."""
-    mp, dp = rank % partitions, rank // partitions
-    mp_group = [dp * partitions + s for s in range(partitions)]
-    dp_group = [d * partitions + mp for d in range(world_size // partitions)]
+def _expected(rank: int, world_size: int, partitions: int, placement: str = "cluster") -> dict[str, Any]:
+    """The topology, worked out here independently of shardkit's Topology: "cluster" puts a replica's stages on
+    neighbouring ranks, "spread" as far apart as possible."""
+    replicas = world_size // partitions
+    if placement == "cluster":
+        mp, dp = rank % partitions, rank // partitions
+        mp_group = [dp * partitions + s for s in range(partitions)]
+        dp_group = [d * partitions + mp for d in range(replicas)]
+    else:
+        mp, dp = rank // replicas, rank % replicas
+        mp_group = [s * replicas + dp for s in range(partitions)]
+        dp_group = [mp * replicas + d for d in range(replicas)]
     return {
         "rank": rank, "size": world_size, "local_rank": rank, "local_size": world_size,
         "mp_rank": mp, "pp_rank": mp, "dp_rank": dp, "rdp_rank": dp, "tp_rank": 0,
@@ -102,7 +113,7 @@ def _errors(expected: dict[str, Any]) -> list[str]:
 def _run(rank: int, world_size: int, config: dict[str, Any]) -> dict[str, Any]:
     smp.init(config)
     try:
-        expected = _expected(rank, world_size, config.get("partitions", 1))
+        expected = _expected(rank, world_size, config["partitions"], config.get("placement_strategy", "cluster"))
         return {"helpers": _helpers(), "exchange": _exchange(rank, expected), "errors": _errors(expected)}
     finally:
         smp.reset()
@@ -112,6 +123,7 @@ CONFIGS = [
     pytest.param(2, {"partitions": 2, "microbatches": 2}, id="ws2-pipeline"),
     pytest.param(2, {"partitions": 1, "ddp": True}, id="ws2-ddp"),
     pytest.param(4, {"partitions": 2, "ddp": True}, id="ws4-2x2"),
+    pytest.param(4, {"partitions": 2, "ddp": True, "placement_strategy": "spread"}, id="ws4-2x2-spread"),
 ]
 
 
@@ -119,7 +131,7 @@ CONFIGS = [
 def test_rank_helpers_and_communication(world_size: int, config: dict[str, Any]) -> None:
     results = run_distributed(_run, world_size, config, timeout_s=120)
     for rank, result in enumerate(results):
-        expected = _expected(rank, world_size, config["partitions"])
+        expected = _expected(rank, world_size, config["partitions"], config.get("placement_strategy", "cluster"))
         members = expected.pop("members")
         assert result["helpers"] == expected, rank
         gathered = result["exchange"]["allgather"]
@@ -188,3 +200,87 @@ def test_allgather_on_some_ranks_fails_naming_them(then: str) -> None:
         assert "rank 0 raised" in message and "rank 1 raised" in message
         assert "made different calls that every rank must make" in message
         assert "smp.allgather(obj, DP_GROUP)" in message and "smp.barrier(DP_GROUP)" in message
+
+
+class _Recording(torch.nn.Module):
+    """Records smp.is_tracing() at every forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[bool] = []
+        self.body = mlp()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(smp.is_tracing())
+        return self.body(x)
+
+
+def test_is_tracing_only_during_the_partitioners_forwards() -> None:
+    smp.init({"partitions": 1, "microbatches": 2})
+    try:
+        _check_is_tracing()
+    finally:
+        smp.reset()
+
+
+def _check_is_tracing() -> None:
+    module = _Recording()
+    model = smp.DistributedModel(module)
+    x, y = batch("mlp", 8, 0)
+    _step(model, x, y)
+    tracing, real = module.seen[:-2], module.seen[-2:]
+    assert tracing and all(tracing)  # the forwards that decided the partition
+    assert real == [False, False]  # the step's two micro-batches
+    _step(model, x, y)
+    assert module.seen[-2:] == [False, False] and not smp.is_tracing()
+
+
+@smp.step
+def _step(model: smp.DistributedModel, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    loss = F.mse_loss(model(x), y)
+    model.backward(loss)
+    return loss
+
+
+def _script(rank: int, world_size: int) -> list[list[dict[str, float]]]:
+    """A SageMaker-style script: plain smp.init(), StepLR, metrics gathered over the replicas each step."""
+    smp.init()  # the config comes from $SM_HP_MP_PARAMETERS
+    try:
+        model = smp.DistributedModel(mlp())
+        optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        reported = []
+        for s in range(3):
+            x, y = batch("mlp", 8, 100 * s + smp.dp_rank())
+            optimizer.zero_grad()
+            loss = _step(model, x, y).reduce_mean().item()
+            optimizer.step()
+            reported.append(smp.allgather({"loss": loss, "lr": optimizer.param_groups[0]["lr"]}, smp.DP_GROUP))
+            scheduler.step()
+        return reported
+    finally:
+        smp.reset()
+
+
+def test_sagemaker_style_script_reports_every_replicas_metrics() -> None:
+    params = {"partitions": 2, "ddp": True, "microbatches": 2, "pipeline": "interleaved"}
+    env = [{"SM_HP_MP_PARAMETERS": json.dumps(params)}] * 4
+    results = run_distributed(_script, 4, rank_env=env, timeout_s=120)
+    model = mlp()  # the reference: one process, both replicas' batches, their mean loss
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    expected = []
+    for s in range(3):
+        losses = [F.mse_loss(model(x), y) for x, y in (batch("mlp", 8, 100 * s + d) for d in range(2))]
+        optimizer.zero_grad()
+        (sum(losses) / 2).backward()
+        expected.append([{"loss": loss.item(), "lr": optimizer.param_groups[0]["lr"]} for loss in losses])
+        optimizer.step()
+        scheduler.step()
+    # The output stage (mp_rank 1: ranks 1 and 3) computes the loss; the first stage's values are item 3's (the
+    # step outputs) concern.
+    for rank in (1, 3):
+        for got, want in zip(results[rank], expected):
+            assert [m["lr"] for m in got] == [m["lr"] for m in want]
+            assert [m["loss"] for m in got] == pytest.approx([m["loss"] for m in want], abs=1e-5)
+    assert results[1] == results[3]  # every replica got the same gathered list

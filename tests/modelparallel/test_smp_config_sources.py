@@ -103,6 +103,11 @@ def test_no_effect_keys_are_accepted_and_recorded() -> None:
     assert set(values) <= set(NO_EFFECT)
     with pytest.raises(ValueError, match=r"activation_loading_horizon' from .* must be an int"):
         ModelParallelConfig.from_dict({"activation_loading_horizon": "soon"})
+    with pytest.raises(TypeError, match=r"'skip_tracing' from a dict must be a bool, got 1"):
+        ModelParallelConfig.from_dict({"skip_tracing": 1})
+    assert dict(ModelParallelConfig.from_dict({"sdp_max_live_parameters": 1000000000}).accepted) == {
+        "sdp_max_live_parameters": 1000000000
+    }
 
 
 def test_placement_permutations_and_precision_keys() -> None:

@@ -151,6 +151,9 @@ def test_is_the_users_optimizer(single: None) -> None:
     assert optimizer.param_groups is inner.param_groups and optimizer.state is inner.state
     assert optimizer.optimizer is inner
     assert model.get_module() is model.module
+    shallow = copy.copy(optimizer)  # a view with its own attributes, as for any optimizer
+    assert type(shallow) is type(optimizer) and shallow.param_groups == optimizer.param_groups
+    assert shallow.optimizer is inner and shallow.local_state_dict()["param_groups"][0]["lr"] == 1e-3
     with pytest.raises(TypeError, match=r"already an smp\.DistributedOptimizer"):
         smp.DistributedOptimizer(optimizer)
     with pytest.raises(TypeError, match=r"wraps a torch\.optim\.Optimizer"):
@@ -198,7 +201,8 @@ def test_fp16_config_refuses_what_it_would_silently_skip() -> None:
         full = torch.nn.Linear(4, 4)
         with pytest.raises(ValueError, match="loss-scaling options are not supported with 'fp16': true"):
             smp.DistributedOptimizer(torch.optim.SGD(full.parameters(), lr=0.1), dynamic_loss_scale=True)
-        optimizer = smp.DistributedOptimizer(torch.optim.SGD(full.parameters(), lr=0.1))  # FP32 + autocast: fine
+        with pytest.warns(UserWarning, match="parameters and optimizer state stay FP32"):
+            optimizer = smp.DistributedOptimizer(torch.optim.SGD(full.parameters(), lr=0.1))  # FP32 + autocast
         assert isinstance(optimizer, torch.optim.SGD)
     finally:
         smp.reset()

@@ -128,3 +128,34 @@ def test_universal_checkpoint_of_sharded_state_is_refused(tmp_path: Any) -> None
             save_checkpoint(tmp_path / "ckpt", step=0, model=model, optimizer=optimizer)
     finally:
         smp.reset()
+
+
+def _optimizer_after_partition(rank: int, world_size: int) -> dict[str, Any]:
+    """smp's documented pattern: the optimizer built over local_parameters() after the first step."""
+    results = {}
+    for shard in (False, True):
+        smp.init({"partitions": 1, "ddp": True, "shard_optimizer_state": shard})
+        try:
+            model = smp.DistributedModel(mlp())
+            x, _ = batch("mlp", 8, smp.dp_rank())
+            with torch.no_grad():
+                _forward_only(model, x)
+            optimizer = smp.DistributedOptimizer(torch.optim.Adam(model.local_parameters(), lr=0.01))
+            scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
+            losses = _steps(model, optimizer, scheduler, range(3))
+            results[shard] = {"losses": losses, "model": model.state_dict()}
+        finally:
+            smp.reset()
+    return results
+
+
+@smp.step
+def _forward_only(model: smp.DistributedModel, x: torch.Tensor) -> torch.Tensor:
+    return model(x)
+
+
+def test_optimizer_built_after_the_partition_is_sharded_at_once() -> None:
+    for result in run_distributed(_optimizer_after_partition, 2, timeout_s=120):
+        assert result[True]["losses"] == pytest.approx(result[False]["losses"], abs=1e-6)
+        assert max_diff(result[True]["model"], result[False]["model"]) < 1e-6
+        assert result[True]["losses"][0] != result[True]["losses"][-1]  # it trained

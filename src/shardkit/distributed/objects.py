@@ -13,18 +13,12 @@ Example::
 
 from __future__ import annotations
 
-import pickle
 from typing import Any, Optional
 
-import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from shardkit.distributed import collectives as C
 from shardkit.distributed.groups import GroupLike, global_rank, group_rank, group_size, is_dummy, resolve_group
-
-#: Tag of object messages, so a pending object receive never matches other traffic between the same two ranks.
-_OBJECT_TAG = 0x0B1
 
 
 def all_gather_objects(obj: Any, group: Optional[GroupLike], label: str) -> list[Any]:
@@ -66,44 +60,4 @@ def broadcast_object(obj: Any, src_in_group: int = 0, group: Optional[GroupLike]
     return holder[0]
 
 
-def _wire_device(group: dist.ProcessGroup, device: Optional[torch.device]) -> torch.device:
-    """Where an object's bytes travel: ``device`` if given, else the current CUDA device under NCCL (which cannot
-    send host memory), else the CPU."""
-    if device is not None:
-        return device
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def send_object(
-    obj: Any, dst: int, group: Optional[GroupLike] = None, label: str = "", device: Optional[torch.device] = None
-) -> None:
-    """Send a picklable ``obj`` to global rank ``dst`` (a :func:`recv_object` there receives it); blocks until
-    the bytes are handed to the transport. Two messages: the pickled size, then the bytes."""
-    peers = resolve_group(group)
-    assert isinstance(peers, dist.ProcessGroup), "objects travel only on a real process group"
-    wire = _wire_device(peers, device)
-    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(wire)
-    size = torch.tensor([payload.numel()], dtype=torch.int64, device=wire)
-    with record_function(f"shardkit::send_object:{label or 'object'}"):
-        C.send(size, dst, peers, label=f"{label}:size", tag=_OBJECT_TAG).wait()
-        C.send(payload, dst, peers, label=label, tag=_OBJECT_TAG).wait()
-
-
-def recv_object(
-    src: int, group: Optional[GroupLike] = None, label: str = "", device: Optional[torch.device] = None
-) -> Any:
-    """Receive the object global rank ``src`` sent with :func:`send_object` (blocks until it arrives)."""
-    peers = resolve_group(group)
-    assert isinstance(peers, dist.ProcessGroup), "objects travel only on a real process group"
-    wire = _wire_device(peers, device)
-    size = torch.zeros(1, dtype=torch.int64, device=wire)
-    with record_function(f"shardkit::recv_object:{label or 'object'}"):
-        C.recv(size, src, peers, label=f"{label}:size", tag=_OBJECT_TAG).wait()
-        payload = torch.empty(int(size.item()), dtype=torch.uint8, device=wire)
-        C.recv(payload, src, peers, label=label, tag=_OBJECT_TAG).wait()
-    return pickle.loads(payload.cpu().numpy().tobytes())
-
-
-__all__ = ["all_gather_objects", "broadcast_object", "gather_objects", "recv_object", "send_object"]
+__all__ = ["all_gather_objects", "broadcast_object", "gather_objects"]

@@ -33,6 +33,12 @@ object the schedule drives), :mod:`~.pipeline_parallel` (schedules; it imports n
 :mod:`~.startup`, :mod:`~.optimizer`, :mod:`~.checkpoint`, :mod:`~.amp`; ``smp.nn`` (``FusedLayerNorm``) and
 ``smp.optimizers`` (``FusedNovoGrad``, ``FusedLamb``), the Apex replacements smp ships, in plain torch.
 
+smp's common API beyond the seed: :mod:`~.config_sources` (where ``smp.init()`` finds its config, smp v1's keys),
+:mod:`~.groups` (``CommGroup``, ``RankType``, the tp/rdp/pp helpers), :mod:`~.comm` (``allgather``,
+``broadcast``, ``send``, ``recv_from``, ``barrier``), :mod:`~.sharded_state` (``shard_optimizer_state``) and
+:mod:`~.tensor_parallel` (smp's tensor-parallel names, which refuse); ``__version__`` is the smp release whose API
+this follows.
+
 Layering, bottom up: config/topology -> state -> plan/runtime/pp_communications -> execution ->
 pipeline_parallel -> holding/build -> model -> step; no module imports one above it.
 """
@@ -92,6 +98,7 @@ from shardkit.modelparallel.tensor_parallel import (
     tp_register,
     tp_register_with_module,
 )
+from shardkit.modelparallel.trace import is_tracing
 
 # isort: split
 # ---- smp v1.10+ checkpoints, activation checkpointing, delayed initialisation (issue 21, items 5 and 6) ----
@@ -153,6 +160,7 @@ __all__ += [
     "get_pp_process_group",
     "get_rdp_process_group",
     "get_tp_process_group",
+    "is_tracing",
     "mp_barrier",
     "rdp_rank",
     "rdp_size",

@@ -3,7 +3,7 @@
 ``smp.broadcast(obj, group)`` sends ``obj`` to every other member of ``group``; each of them receives it with
 ``smp.recv_from(src, rank_type)``, as it would a ``smp.send``. ``smp.allgather(obj, group)`` and
 ``smp.barrier(group)`` are collectives of the group. Objects travel pickled over the world process group
-(:func:`shardkit.distributed.objects.send_object`), with their own tag, so they never match the pipeline's
+(:func:`shardkit.distributed.object_p2p.send_object`), with their own tag, so they never match the pipeline's
 activations (which have a group of their own) or a script's own ``torch.distributed`` calls.
 
 A collective made by some ranks of its group only would leave them waiting in mismatched collectives; so
@@ -28,7 +28,7 @@ from typing import Any, Optional
 from shardkit.distributed import all_gather_objects
 from shardkit.distributed import collectives as C
 from shardkit.distributed.arrival import every_rank_calls
-from shardkit.distributed.objects import recv_object, send_object
+from shardkit.distributed.object_p2p import recv_object, send_object
 from shardkit.modelparallel.groups import RANK_GROUP, CommGroup, RankType, group_ranks, process_group
 from shardkit.modelparallel.state import current
 

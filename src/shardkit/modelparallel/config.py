@@ -84,7 +84,7 @@ class ModelParallelConfig:
         return 0.2 if self.optimize == "speed" else 0.8
 
     @classmethod
-    def from_dict(cls, values: Mapping[str, Any], source: str = "the smp config") -> ModelParallelConfig:
+    def from_dict(cls, values: Mapping[str, Any], source: str = "a dict") -> ModelParallelConfig:
         """Build from smp's keys (see :mod:`~.config_sources`); unknown and unsupported keys are one error."""
         values, accepted = translate(values, source)
         if "pipeline_parallel_degree" in values:

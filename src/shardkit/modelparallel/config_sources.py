@@ -138,7 +138,7 @@ def translate(values: Mapping[str, Any], source: str) -> tuple[dict[str, Any], d
         if key in CORE_KINDS:
             core[key] = coerce(key, value, CORE_KINDS[key], source)
         elif key in NO_EFFECT:
-            accepted[key] = coerce(key, value, NO_EFFECT[key][0], source)
+            accepted[key] = _typed(key, coerce(key, value, NO_EFFECT[key][0], source), NO_EFFECT[key][0], source)
         elif key in UNSUPPORTED:
             neutral, reason = UNSUPPORTED[key]
             kind = type(neutral) if neutral is not None else str
@@ -149,7 +149,7 @@ def translate(values: Mapping[str, Any], source: str) -> tuple[dict[str, Any], d
             problems.append(f"  {key!r}: not an smp config key")
     if problems:
         raise ValueError(
-            f"the smp config from {source} asks for what shardkit does not support:\n"
+            f"the smp config (from {source}) asks for what shardkit does not support:\n"
             + "\n".join(problems)
             + f"\nsupported keys: {', '.join(sorted(CORE_KINDS))}; accepted with no effect (see COMPATIBILITY.md): "
             + ", ".join(sorted(NO_EFFECT))
@@ -165,6 +165,16 @@ def _placement(value: Any) -> Any:
     if isinstance(value, str) and value.upper() in _PERMUTATIONS:
         order = value.upper()
         return "cluster" if order.index("D") < order.index("P") else "spread"
+    return value
+
+
+def _typed(key: str, value: Any, kind: type, source: str) -> Any:
+    """``value`` if it has ``kind`` (an int counts as a number); else a ``TypeError`` naming the key."""
+    ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+    if kind is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok:
+        raise TypeError(f"smp config {key!r} from {source} must be a {kind.__name__}, got {value!r}")
     return value
 
 

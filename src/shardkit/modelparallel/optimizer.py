@@ -14,6 +14,7 @@ plain optimizer built over the unwrapped model's parameters in the same order.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any, Callable, Optional
 
@@ -52,7 +53,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         smp.save({"optimizer": optimizer.local_state_dict()}, "ckpt.pt", partial=True)
     """
 
-    def __new__(cls, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> DistributedOptimizer:
+    def __new__(
+        cls, optimizer: Optional[torch.optim.Optimizer] = None, *args: Any, **kwargs: Any
+    ) -> DistributedOptimizer:
+        if optimizer is None and cls is not DistributedOptimizer:  # copy.copy rebuilding an instance
+            return super().__new__(cls)
         if isinstance(optimizer, DistributedOptimizer):
             raise TypeError("this optimizer is already an smp.DistributedOptimizer; wrap the optimizer once")
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -90,6 +95,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 )
             self.set_sum_of_squares(self._sum_over_stages)
         state.optimizer = self
+        if state.model is not None and state.model.partitioned:  # built after the first step: shard now
+            self.load_pending_state()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return dict(self.__dict__)  # a copy keeps smp's attributes along with the optimizer's
+
+    def is_state_sharded(self) -> bool:
+        """True when the config's ``shard_optimizer_state`` spreads this optimizer's state over the replicas
+        (``self.state`` is then empty; the state dicts gather it)."""
+        return bool(self._smp_state.config.shard_optimizer_state)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -205,7 +220,7 @@ class _ShardedStep:
     torch's own ``step`` wrapper does."""
 
     step = torch.optim.Optimizer.profile_hook_step(_sharded_step)
-    step.hooked = True  # type: ignore[attr-defined]
+    setattr(step, "hooked", True)  # noqa: B010  (what torch's own step wrapper sets: never wrap it again)
 
 
 def _check_precision(
@@ -231,6 +246,12 @@ def _check_precision(
             "master weights for them, shardkit does not. Build the model in float32 and run the step under "
             "torch.autocast with smp.amp.GradScaler (parameters and optimizer state stay FP32)"
         )
+    warnings.warn(
+        f"smp config '{low}': true does not convert the model in shardkit: parameters and optimizer state stay FP32, "
+        "and the step computes in the precision the script asks for (use torch.autocast with smp.amp.GradScaler "
+        "for mixed precision)",
+        stacklevel=3,
+    )
 
 
 _LOW_DTYPES = (torch.float16, torch.bfloat16)

@@ -34,8 +34,7 @@ _OPTIMIZER = ("shardkit.modelparallel.optimizer", "DistributedOptimizer")
 def _refuse_sharded_state(optimizer: Optional[Any]) -> None:
     """The adapters read the optimizer's own ``state``, which ``shard_optimizer_state`` leaves empty (the state
     lives in the shards): saving would silently drop it."""
-    smp_state = getattr(optimizer, "_smp_state", None) if optimizer is not None else None
-    if smp_state is not None and smp_state.config.shard_optimizer_state:
+    if optimizer is not None and optimizer.is_state_sharded():
         raise ValueError(
             "shardkit checkpoints of an smp optimizer with 'shard_optimizer_state' are not supported yet: save "
             "optimizer.state_dict() (gathered from the shards, on every rank) with smp.save instead"
