@@ -139,6 +139,81 @@ def test_model_bigger_than_the_cap_trains_when_partitioned_with_delayed_init() -
         assert len(r["losses"]) == len(reference) and diff <= 1e-5, (rank, diff)
 
 
+class _TiedLM(nn.Module):
+    """An embedding and an output layer sharing one weight: the two stages hold a copy each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(32, 16)
+        self.mix = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh())
+        self.head = nn.Linear(16, 32, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.mix(self.embed(tokens)))
+
+
+def _tokens(step: int, replica: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(10 * step + replica)
+    return torch.randint(0, 32, (8,), generator=gen), torch.randint(0, 32, (8,), generator=gen)
+
+
+@smp.step
+def _lm_step(model: smp.DistributedModel, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    loss = F.cross_entropy(model(tokens), targets)
+    model.backward(loss)
+    return loss
+
+
+def _tied_reference(replicas: int) -> tuple[list[list[float]], dict[str, torch.Tensor]]:
+    model = _TiedLM()
+    for name, module in model.named_modules():  # delayed initialisation's documented values
+        if hasattr(module, "reset_parameters"):
+            torch.manual_seed((SEED + zlib.crc32(name.encode())) % (2**63))
+            module.reset_parameters()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for s in range(STEPS):
+        opt.zero_grad()
+        per_replica = []
+        for replica in range(replicas):
+            x, y = _tokens(s, replica)
+            mb = [F.cross_entropy(model(xm), ym) for xm, ym in zip(x.chunk(MICROBATCHES), y.chunk(MICROBATCHES))]
+            per_replica.append(mb)
+        (sum(sum(mb) / MICROBATCHES for mb in per_replica) / replicas).backward()
+        opt.step()
+        losses.append([loss.item() for mb in per_replica for loss in mb])
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _tied_delayed(rank: int, world_size: int) -> dict[str, Any]:
+    torch.manual_seed(SEED)
+    smp.init({"partitions": 2, "microbatches": MICROBATCHES, "ddp": True})
+    with smp.delay_param_initialization():
+        net = _TiedLM()
+    model = smp.DistributedModel(net)
+    opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    losses = []
+    for s in range(STEPS):
+        opt.zero_grad()
+        losses.append([t.item() for t in _lm_step(model, *_tokens(s, smp.dp_rank())).outputs])
+        opt.step()
+    out = {"losses": losses, "dp_rank": smp.dp_rank(), "state": model.state_dict()}
+    smp.reset()
+    return out
+
+
+def test_tied_weights_and_replicas_get_the_same_values_as_one_process() -> None:
+    """2 stages x 2 replicas: the tied copies on both stages and both replicas start equal and train as one."""
+    reference, final = _tied_reference(replicas=2)
+    for rank, r in enumerate(run_distributed(_tied_delayed, 4)):
+        replica = r["dp_rank"]
+        for s in range(STEPS):
+            want = reference[s][replica * MICROBATCHES : (replica + 1) * MICROBATCHES]
+            assert max(abs(a - b) for a, b in zip(r["losses"][s], want)) <= 1e-5, (rank, s, r["losses"][s], want)
+        assert max((r["state"][k] - final[k]).abs().max().item() for k in final) <= 1e-5, rank
+
+
 class _NoReset(nn.Module):
     def __init__(self) -> None:
         super().__init__()

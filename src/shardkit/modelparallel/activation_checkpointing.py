@@ -23,7 +23,7 @@ import re
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 from torch import nn
@@ -163,7 +163,7 @@ def _grouped_class(cls: type[nn.Module], size: int, request: CheckpointRequest) 
     def forward(self: nn.Module, value: Any) -> Any:
         if not _checkpointing(self):
             return original(self, value)
-        layers = list(self)  # type: ignore[call-overload]  # an nn.Sequential
+        layers = list(cast(nn.Sequential, self))
         for start in range(0, len(layers), size):
             run = functools.partial(run_layers, layers[start : start + size])
             value = checkpointed_call(run, self, (value,), {}, request.preserve_rng_state)
