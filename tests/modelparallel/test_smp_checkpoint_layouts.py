@@ -8,6 +8,7 @@ tensor-parallel shard, more stages than this run) and missing files are refused 
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any, Callable
 
 import pytest
@@ -128,7 +129,10 @@ def _folders(rank: int, world_size: int, directory: str) -> dict[str, Any]:
     smp.save_checkpoint(
         directory, "step4", model=model, optimizer=opt, user_content={"step": 4}, num_kept_partial_checkpoints=2
     )
-    smp.save_checkpoint(directory, "full4", partial=False, model=model, user_content={"step": 4, "full": True})
+    smp.save_checkpoint(
+        directory, "full4", partial=False, model=model, optimizer=opt, user_content={"step": 4, "full": True}
+    )
+    smp.save_checkpoint(directory, "model_only", partial=False, model=model)
     saved = model.state_dict()
     continued = _train(model, opt, range(4, 6))
     out: dict[str, Any] = {"files": sorted(os.listdir(directory))}
@@ -146,6 +150,15 @@ def _folders(rank: int, world_size: int, directory: str) -> dict[str, Any]:
 
     model, opt = _build(1)
     out["full_user_content"] = smp.resume_from_checkpoint(directory, tag="full4", partial=False)
+    resumed_full = _train(model, opt, range(4, 6))
+    out["full_loss_diff"] = max(abs(a - b) for a, b in zip(resumed_full, continued))
+    smp.reset()
+
+    model, opt = _build(1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        smp.resume_from_checkpoint(directory, tag="model_only", partial=False)
+    out["model_only_warning"] = [str(w.message) for w in caught if "no optimizer state" in str(w.message)]
     _partition(model)
     out["full_vs_saved"] = max_diff(model.state_dict(), saved)
     plain = mlp()
@@ -171,7 +184,16 @@ class _NotWeights:
 
 def test_save_checkpoint_folders_resume_training_and_refuse_missing_files(tmp_path: Any) -> None:
     for r in run_distributed(_folders, 2, str(tmp_path)):
-        assert r["files"] == ["full4", "newest", "step3_partial", "step4_partial", "user_content_full4"], r
+        assert r["files"] == [
+            "full4",
+            "model_only",
+            "newest",
+            "optimizer_full4",
+            "step3_partial",
+            "step4_partial",
+            "user_content_full4",
+            "user_content_model_only",
+        ], r
         assert r["partial_files"] == [
             "model_0_0.pt",
             "model_1_0.pt",
@@ -182,12 +204,14 @@ def test_save_checkpoint_folders_resume_training_and_refuse_missing_files(tmp_pa
         assert r["user_content"] == {"step": 4} and r["full_user_content"] == {"step": 4, "full": True}
         assert r["loss_diff"] <= 1e-6, r
         assert r["full_vs_saved"] == 0.0 and r["plain_vs_saved"] == 0.0, r
+        assert r["full_loss_diff"] <= 1e-6, r  # the full checkpoint's optimizer state came back too
+        assert len(r["model_only_warning"]) == 1, r
         assert r["bad_user_content"].startswith("TypeError") and "user_content" in r["bad_user_content"]
-        assert r["newest"] == "full4"
+        assert r["newest"] == "model_only"
         assert r["missing"].startswith("FileNotFoundError") and "rank 1:" in r["missing"], r
         assert "optimizer_1_0.pt" in r["missing"] and "rank 0:" not in r["missing"], r
-        # newest is the full checkpoint, so resuming a partial one from it finds no folder: every rank says so
-        assert r["newest_partial"].startswith("FileNotFoundError") and "full4_partial" in r["newest_partial"], r
+        # newest is a full checkpoint, so resuming a partial one from it finds no folder: every rank says so
+        assert r["newest_partial"].startswith("FileNotFoundError") and "model_only_partial" in r["newest_partial"], r
 
 
 def test_load_is_weights_only(tmp_path: Any) -> None:

@@ -9,12 +9,14 @@ The layout, as smp documents it (``rankinfo`` is ``<pp_rank>_<tp_rank>``; tp_ran
         user_content.pt             what the script passed as ``user_content``
       <tag>                         a full checkpoint: the whole model's plain ``state_dict``
       user_content_<tag>            its user content
+      optimizer_<tag>               its optimizer's full ``state_dict`` (ours: smp lists no such file)
       newest                        the tag saved last (text)
 
 Every file is a plain ``torch.save`` of tensors and containers and is read back weights-only, so no pickled code
 runs. ``newest`` is written after every rank has written its files, so a job killed while saving resumes from
-the previous complete checkpoint. A full checkpoint holds the model only (smp's layout has no optimizer file for
-it); resume the optimizer from a partial one.
+the previous complete checkpoint. smp's documented layout has no optimizer file for a full checkpoint; here one is
+written when an optimizer is given (so resuming from a full checkpoint does not silently restart the optimizer), and
+resuming warns when it is absent.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import io
 import os
 import shutil
+import warnings
 from typing import Any, Callable, Optional
 
 import torch
@@ -92,10 +95,13 @@ def save_checkpoint(
                 torch.save(to_cpu(user_content), os.path.join(folder, USER_CONTENT))
     else:
         full = model.state_dict() if model is not None else None  # collective over the replica's stages
+        full_optimizer = optimizer.state_dict() if optimizer is not None else None  # likewise
         if smp_state.rank() == 0:
             os.makedirs(path, exist_ok=True)
             if full is not None:
                 torch.save(to_cpu(full), os.path.join(path, tag))
+            if full_optimizer is not None:
+                torch.save(to_cpu(full_optimizer), os.path.join(path, f"optimizer_{tag}"))
             torch.save(to_cpu(user_content), os.path.join(path, f"user_content_{tag}"))
     smp_state.barrier()
     if smp_state.rank() == 0:
@@ -170,6 +176,17 @@ def resume_from_checkpoint(
     agree_on_problems(f"{MISSING} {missing}" if missing else None, "smp.resume_from_checkpoint")
     full = load_weights(files[0], map_location="cpu")
     model.load_state_dict(translate_function(full) if translate_function is not None else full, strict=strict)
+    if optimizer is not None:
+        optimizer_file = os.path.join(path, f"optimizer_{tag}")
+        if os.path.isfile(optimizer_file):
+            optimizer.load_state_dict(load_weights(optimizer_file, map_location="cpu"))
+        else:
+            warnings.warn(
+                f"smp.resume_from_checkpoint: the full checkpoint {tag!r} holds no optimizer state (it was saved "
+                "without optimizer=), so the optimizer keeps its current state; pass load_optimizer=False if that "
+                "is intended",
+                stacklevel=2,
+            )
     return load_weights(files[1], map_location="cpu")
 
 
