@@ -14,7 +14,9 @@ bubble (time each stage spent blocked on receives, averaged over stages) against
 ``(p - 1) / (m + p - 1)``.
 
 Run it as ``shardkit bench pipeline`` (options ``--steps``, ``--warmup``, ``--world-size``, ``--quick``,
-``--microbatches``, ``--smp-pipeline simple|interleaved``, ``--json PATH``) or ``python -m shardkit.bench.pipeline``.
+``--microbatches``, ``--smp-pipeline simple|interleaved``, ``--smp-item-outputs``, ``--json PATH``) or
+``python -m shardkit.bench.pipeline``. ``--smp-item-outputs`` makes smp's step also return ``loss.item()``, so each
+step broadcasts one small object over the stages; the cost of sharing the outputs is printed below the table.
 """
 
 from __future__ import annotations
@@ -58,6 +60,8 @@ class PipelineSettings:
     smp_pipeline: str = "interleaved"
     #: Auto-partition balancing compute (memory_weight 0.2)
     smp_optimize: str = "speed"
+    #: smp's step also returns ``loss.item()``: every step then broadcasts one small object over the stages.
+    smp_item_outputs: bool = False
 
     def __post_init__(self) -> None:
         for name in ("stages", "batch_per_rank", "microbatches", "steps"):
@@ -178,12 +182,13 @@ class _SmpPipeline:
         self.model = smp.DistributedModel(_build_lm(settings), trace_device="cpu")
         self.optimizer = smp.DistributedOptimizer(torch.optim.AdamW(self.model.parameters(), lr=settings.lr))
         self.waits: list[float] = []
+        self.shares: list[float] = []
 
         @smp.step
-        def train_step(model: Any, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        def train_step(model: Any, tokens: torch.Tensor, targets: torch.Tensor) -> Any:
             loss = TransformerLM.loss_fn(model(tokens), targets)
             model.backward(loss)
-            return loss
+            return (loss, loss.item()) if settings.smp_item_outputs else (loss,)
 
         @smp.step
         def forward_only(model: Any, tokens: torch.Tensor) -> None:
@@ -200,9 +205,10 @@ class _SmpPipeline:
     def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
         """One training step; returns the mean loss (on every stage)."""
         self.optimizer.zero_grad()
-        loss = self.train_step(self.model, tokens, targets).reduce_mean().item()
+        loss = self.train_step(self.model, tokens, targets)[0].reduce_mean().item()
         self.optimizer.step()
         self.waits.append(self.model.last_step_stats.bubble_fraction)
+        self.shares.append(self.model.last_step_stats.share_s)
         return float(loss)
 
 
@@ -255,6 +261,7 @@ def _worker(settings: PipelineSettings, names: list[str]) -> dict[str, Any]:
     if "smp" in lives:
         smp_live = lives["smp"]
         result["smp_wait"] = smp_live.waits[settings.warmup :]
+        result["smp_share"] = smp_live.shares[settings.warmup :]
         result["placement"] = str(smp_live.model.placement)
         smp_live.smp.reset()
     dist.destroy_process_group()
@@ -273,6 +280,8 @@ class Row:
     max_loss_diff_vs_smp: Optional[float]
     bubble_measured: Optional[float]
     bubble_per_stage: Optional[list[float]]
+    #: smp: median over steps of the slowest stage's time sharing the step's outputs.
+    output_share_s: Optional[float] = None
 
 
 def combine(settings: PipelineSettings, per_rank: list[dict[str, Any]]) -> list[Row]:
@@ -286,13 +295,24 @@ def combine(settings: PipelineSettings, per_rank: list[dict[str, Any]]) -> list[
         diff = None
         if "smp" in last["losses"] and name != "smp":
             diff = max(abs(a - b) for a, b in zip(losses, last["losses"]["smp"]))
-        bubble = per_stage = None
+        bubble = per_stage = share = None
         if name == "smp":
             per_stage = [statistics.fmean(r["smp_wait"]) for r in per_rank]
             bubble = statistics.fmean(per_stage)
+            share = statistics.median(max(r["smp_share"][i] for r in per_rank) for i in range(settings.steps))
         schedule = {"smp": settings.smp_pipeline, "torch GPipe": "GPipe", "torch 1F1B": "1F1B"}[name]
         rows.append(
-            Row(name, schedule, statistics.median(step_times), min(step_times), losses[-1], diff, bubble, per_stage)
+            Row(
+                name,
+                schedule,
+                statistics.median(step_times),
+                min(step_times),
+                losses[-1],
+                diff,
+                bubble,
+                per_stage,
+                share,
+            )
         )
     return rows
 
@@ -306,18 +326,8 @@ def _print(settings: PipelineSettings, rows: list[Row], placement: Optional[str]
         f"seq {settings.lm.seq_len}; {p} stages x {m} micro-batches, global batch {settings.global_batch}; gloo/CPU; "
         f"median of {settings.steps} steps after {settings.warmup} warm-up; load average {os.getloadavg()[0]:.1f}"
     )
-    headers = [
-        "strategy",
-        "schedule",
-        "median ms",
-        "vs torch 1F1B",
-        "min ms",
-        "vs torch 1F1B (min)",
-        "bubble measured",
-        "bubble theory",
-        "loss",
-        "loss diff",
-    ]
+    headers = ["strategy", "schedule", "median ms", "vs torch 1F1B", "min ms", "vs torch 1F1B (min)"]
+    headers += ["bubble measured", "bubble theory", "loss", "loss diff"]
     table = []
     for r in rows:
         measured = "-" if r.bubble_measured is None else f"{r.bubble_measured:.1%}"
@@ -343,6 +353,12 @@ def _print(settings: PipelineSettings, rows: list[Row], placement: Optional[str]
             "smp bubble per stage (time blocked on receives / step time): "
             + ", ".join(f"stage {i}: {b:.1%}" for i, b in enumerate(smp_row.bubble_per_stage))
         )
+        returns = "(loss, loss.item())" if settings.smp_item_outputs else "(loss,)"
+        share = smp_row.output_share_s or 0.0
+        print(
+            f"smp step returns {returns}: sharing the outputs from the output stage took {share * 1e3:.2f} ms "
+            f"per step (median of the slowest stage), {share / smp_row.median_step_s:.2%} of the step"
+        )
     if placement:
         print(placement)
     print("torch.pipelining stages: " + " | ".join(f"blocks {b[0]}-{b[-1]}" for b in split) + " (embedding first)")
@@ -357,6 +373,7 @@ def run(argv: list[str]) -> None:
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--smp-pipeline", choices=("interleaved", "simple"), default="interleaved")
     parser.add_argument("--smp-optimize", choices=("speed", "memory"), default="speed")
+    parser.add_argument("--smp-item-outputs", action="store_true", help="smp's step also returns loss.item()")
     parser.add_argument("--strategies", default="smp,torch GPipe,torch 1F1B")
     parser.add_argument("--quick", action="store_true", help="tiny model and few steps (seconds), for tests")
     parser.add_argument("--json", default=None, metavar="PATH")
@@ -367,6 +384,7 @@ def run(argv: list[str]) -> None:
             microbatches=args.microbatches,
             smp_pipeline=args.smp_pipeline,
             smp_optimize=args.smp_optimize,
+            smp_item_outputs=args.smp_item_outputs,
         )
         if args.quick:
             settings = replace(settings, lm=QUICK_LM, steps=2, warmup=1)

@@ -40,11 +40,16 @@ from shardkit.checkpoint.universal.background import BACKGROUND, wait_for_checkp
 from shardkit.checkpoint.universal.layout import LAYOUT
 from shardkit.checkpoint.universal.registry import source_for
 from shardkit.checkpoint.universal.source import UniversalSource
+from shardkit.distributed.arrival import every_rank_calls
 from shardkit.utils.tensors import to_cpu
 
 COMMON_FILE = "common.pt"
 RANKS_DIR = "ranks"
 PathLike = Union[str, Path]
+_EVERY_RANK_ADVICE = (
+    "Call it on every rank (each rank writes or reads its own share; rank 0 alone publishes), not under "
+    "`if rank == 0:`."
+)
 
 
 def step_directory(root: PathLike, step: int) -> Path:
@@ -139,6 +144,7 @@ def _save(
     extra: Any,
     async_save: bool,
 ) -> Path:
+    every_rank_calls("save_checkpoint()", None, _EVERY_RANK_ADVICE)
     rank, world_size = comm.rank_and_size()
     rng_state = rng.capture()  # before any work, so resuming continues the exact random streams
     made = comm.agreed(lambda: _make_temporary(final) if rank == 0 else None, "save_checkpoint: prepare")
@@ -298,6 +304,7 @@ def load_checkpoint(
             start = info.step + 1
     """
     wait_for_checkpoint()
+    every_rank_calls("load_checkpoint()", None, _EVERY_RANK_ADVICE)
     rank, world_size = comm.rank_and_size()
     adapter = adapter_for(model, optimizer)
     source = source_for(model, optimizer)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from datetime import timedelta
 from typing import Optional, Union
 
 import torch
@@ -112,3 +114,15 @@ def torch_group(group: Optional[GroupLike], who: str = "shardkit") -> dist.Proce
             "process group (one of world size 1 runs without communicating)"
         )
     return group
+
+
+def group_timeout(group: Optional[GroupLike] = None) -> timedelta:
+    """How long a collective of ``group`` (default: the world) waits before it fails: the timeout the group was
+    created with (torch's default when it cannot be read)."""
+    pg = group if group is not None else dist.group.WORLD
+    for device in ("cpu", "cuda"):  # a group may run on either, or both
+        with contextlib.suppress(Exception):
+            timeout = pg._get_backend(torch.device(device)).options._timeout  # type: ignore[union-attr]
+            if isinstance(timeout, timedelta):
+                return timeout
+    return dist.default_pg_timeout

@@ -68,6 +68,11 @@ class StageExecution:
         return self.runtime.plan.output_stage
 
     @property
+    def device(self) -> torch.device:
+        """The device this stage computes on (where it allocates what it receives)."""
+        return self.runtime.device
+
+    @property
     def link(self) -> StageLink:
         """Point-to-point sends and receives between this replica's stages (and their statistics)."""
         return self.runtime.link

@@ -20,12 +20,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Optional
 
-import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
-
 from shardkit.modelparallel.execution import StageExecution
-from shardkit.modelparallel.pp_communications import broadcast_tensors
 from shardkit.modelparallel.runtime import MicrobatchRecord
+from shardkit.modelparallel.step_outputs import OutputSharing, share_from_output_stage
 
 
 class Action(NamedTuple):
@@ -79,6 +76,8 @@ class StepStats:
     wait_s: float = 0.0
     #: Bytes this stage sent to the other stages (activations and gradients).
     sent_bytes: int = 0
+    #: Time spent giving every stage the output stage's returned values (a broadcast over the stages).
+    share_s: float = 0.0
 
     @property
     def bubble_fraction(self) -> float:
@@ -100,9 +99,12 @@ class StepRun:
         microbatches: int,
         forward: Callable[[int], Any],
         detach_outputs: bool = True,
+        sharing: Optional[OutputSharing] = None,
     ) -> None:
         self.microbatches = microbatches
         self.detach_outputs = detach_outputs
+        self.sharing = sharing if sharing is not None else OutputSharing()
+        """What earlier calls of the same step function learned about its outputs."""
         self.stats = StepStats()
         """Timing of this step, filled in by :meth:`run`."""
         self._execution = execution
@@ -131,9 +133,11 @@ class StepRun:
                     execution.before_last_backward()
                 self._backward(execution, action.microbatch)
         execution.finish_step(any(r.backward_requested for r in self.records))
+        shared_at = time.perf_counter()
         outputs = self._share_outputs(execution, [r.outputs for r in self.records])
+        end = time.perf_counter()
         link = execution.link
-        self.stats = StepStats(time.perf_counter() - start, link.wait_s, link.sent_bytes)
+        self.stats = StepStats(end - start, link.wait_s, link.sent_bytes, end - shared_at)
         return outputs
 
     def _forward(self, microbatch: int) -> None:
@@ -150,15 +154,13 @@ class StepRun:
             execution.backward(record, self.microbatches)
 
     def _share_outputs(self, execution: StageExecution, outputs: list[Any]) -> list[Any]:
-        """Replace every returned tensor by the output stage's value: only there is the loss real."""
-        leaves, spec = tree_flatten(outputs)
-        leaves = [x.detach() if self.detach_outputs and isinstance(x, torch.Tensor) else x for x in leaves]
-        if execution.num_stages == 1:
-            return tree_unflatten(leaves, spec)
-        index = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-        shared = broadcast_tensors(
-            [leaves[i] for i in index], execution.output_stage, execution.mp_group, label="step_outputs"
+        """Replace every returned value by the output stage's: only there is the loss real."""
+        return share_from_output_stage(
+            outputs,
+            execution.output_stage,
+            execution.mp_group,
+            execution.num_stages,
+            execution.device,
+            self.detach_outputs,
+            self.sharing,
         )
-        for i, tensor in zip(index, shared):
-            leaves[i] = tensor
-        return tree_unflatten(leaves, spec)

@@ -10,15 +10,15 @@ introspection and other libraries' instance-level wrappers see an ordinary metho
 gives each module its class back. What each stage
 sent and received is recorded per micro-batch, for the backward pass.
 
-Placeholder and receive shapes come from the plan, per input signature. A signature not seen before is
-*discovered* (only possible in a step's first micro-batch, when all stages run it in lock step): each owner
-shares its outputs' shapes with the replica right after computing them.
+Placeholder and receive shapes come from the plan, per input signature (and autocast state). A signature not
+seen before is *discovered* (only possible in a step's first micro-batch, when all stages run it in lock step):
+each owner shares its outputs' shapes with the replica right after computing them.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -73,6 +73,21 @@ def _dispatching_class(cls: type[nn.Module], runtime: StageRuntime, unit: str) -
     )
 
 
+def autocast_state() -> tuple[Any, ...]:
+    """What autocast changes about the dtypes modules return: whether it is on, and its dtype, per device type.
+
+    Part of the key of traced shapes: a script that trains under autocast and evaluates without it calls the
+    model with the same input shapes but gets other output dtypes, which must be discovered, not assumed.
+    """
+    return tuple(
+        (
+            torch.is_autocast_enabled(device),
+            torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None,
+        )
+        for device in ("cpu", "cuda")
+    )
+
+
 class StageRuntime:
     """Runs one stage of a partitioned model inside each ``@smp.step`` micro-batch."""
 
@@ -81,15 +96,21 @@ class StageRuntime:
         self.stage = stage
         self.link = link
         self.device = device
-        self._shapes: dict[tuple[Any, ...], Shapes] = {plan.signature: plan.shapes}
+        # Built inside the first forward, under the autocast state the plan was traced with.
+        self._shapes: dict[tuple[Any, ...], Shapes] = {(plan.signature, autocast_state()): plan.shapes}
         self._active: Optional[_Invocation] = None
         self._installed: list[tuple[nn.Module, type[nn.Module]]] = []
         self._placeholders: dict[tuple[tuple[int, ...], torch.dtype, torch.device], torch.Tensor] = {}
 
     # ---- installation -------------------------------------------------------------------------------------
 
-    def install(self, root: nn.Module) -> None:
-        """Route every unit module's calls through this runtime (see the module docstring)."""
+    def install(self, root: nn.Module, below: Sequence[tuple[nn.Module, type[nn.Module]]] = ()) -> None:
+        """Route every unit module's calls through this runtime (see the module docstring).
+
+        ``below`` lists (module, subclass of its class) changes made first, so they sit under the routing: a
+        checkpointing subclass there recomputes the module's own forward without dispatching again. All are
+        undone by :meth:`uninstall`.
+        """
         modules = [(name, root.get_submodule(name)) for name in self.plan.units]
         for name, module in modules:  # checked first: nothing changes when one cannot be routed
             if "forward" in vars(module):
@@ -98,13 +119,16 @@ class StageRuntime:
                     "routes a module's calls through its class, which an instance-level forward would bypass: "
                     "create the smp.DistributedModel before applying that patch, or remove it"
                 )
+        for module, cls in below:
+            self._installed.append((module, type(module)))
+            module.__class__ = cls
         for name, module in modules:
             original_cls = type(module)
             module.__class__ = _dispatching_class(original_cls, self, name)
             self._installed.append((module, original_cls))
 
     def uninstall(self) -> None:
-        """Give every unit module its own class back."""
+        """Give every unit module (and every module changed ``below`` the routing) its own class back."""
         for module, original_cls in reversed(self._installed):  # last routed first: nested routes unwind
             module.__class__ = original_cls
         self._installed = []
@@ -114,7 +138,7 @@ class StageRuntime:
     @contextmanager
     def invocation(self, record: MicrobatchRecord, args: Any, first_microbatch: bool) -> Iterator[None]:
         """Scope of one call of the wrapped model for micro-batch ``record``."""
-        signature = signature_of(args)
+        signature = (signature_of(args), autocast_state())
         shapes = self._shapes.get(signature)
         if shapes is None and not first_microbatch:
             raise RuntimeError(

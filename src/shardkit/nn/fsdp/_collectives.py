@@ -13,15 +13,13 @@ than its own collectives; NCCL keeps its native collectives.
 
 from __future__ import annotations
 
-import contextlib
-from datetime import timedelta
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from shardkit.distributed import collectives as c
-from shardkit.distributed.groups import GroupLike, group_size, is_dummy, planned_on_gloo, torch_group
+from shardkit.distributed.groups import GroupLike, group_size, group_timeout, is_dummy, planned_on_gloo, torch_group
 from shardkit.distributed.objects import all_gather_objects
 
 
@@ -66,18 +64,6 @@ def all_reduce_norm(partial: torch.Tensor, group: GroupLike, use_max: bool) -> N
     """Combine per-rank partial gradient norms (sums of powers, or maxima) in place."""
     op = dist.ReduceOp.MAX if use_max else dist.ReduceOp.SUM
     c.all_reduce(partial, op=op, group=group, label="fsdp:grad_norm")
-
-
-def group_timeout(group: Optional[GroupLike] = None) -> timedelta:
-    """How long a collective of ``group`` (default: the world) waits before it fails: the timeout the group was
-    created with (torch's default when it cannot be read)."""
-    pg = group if group is not None else dist.group.WORLD
-    for device in ("cpu", "cuda"):  # a group may run on either, or both
-        with contextlib.suppress(Exception):
-            timeout = pg._get_backend(torch.device(device)).options._timeout  # type: ignore[union-attr]
-            if isinstance(timeout, timedelta):
-                return timeout
-    return dist.default_pg_timeout
 
 
 def needs_channel(group: GroupLike) -> bool:

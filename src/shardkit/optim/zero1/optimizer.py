@@ -9,6 +9,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch.optim import Optimizer
 
+from shardkit.distributed.arrival import every_rank_calls
 from shardkit.distributed.buckets import BROADCAST_BUCKET_BYTES
 from shardkit.distributed.groups import GroupLike, global_rank, group_rank, group_size
 from shardkit.distributed.objects import all_gather_objects, gather_objects
@@ -27,6 +28,11 @@ from shardkit.optim.zero1.state_dict import (
 )
 
 OptimizerClass = Callable[..., Optimizer]
+
+_CONSOLIDATE_ADVICE = (
+    "Call it on every rank (optimizer.consolidate_state_dict(recipient_rank=0)), then optimizer.state_dict() on "
+    "rank 0 only."
+)
 
 
 def _check_optim_class(optim: Any) -> None:
@@ -317,6 +323,7 @@ class OSS(Optimizer):
         """
         if not -1 <= recipient_rank < self.world_size:
             raise ValueError(f"recipient_rank must be in [-1, {self.world_size}), got {recipient_rank}")
+        every_rank_calls("OSS.consolidate_state_dict()", self.group, _CONSOLIDATE_ADVICE)
         self._sync_param_groups()
         own = shard_state(self.optim, self._partition)
         if recipient_rank == -1:
