@@ -104,7 +104,7 @@ def build(family: str, rank: int, world_size: int, seed: int, mixed_precision: b
 
         options: dict[str, Any] = {"mixed_precision": True, "compute_dtype": torch.bfloat16} if mixed_precision else {}
         if family == "fsdp_hybrid":  # nodes from LOCAL_WORLD_SIZE; shards in CPU memory (offload)
-            options.update(sharding_strategy=ShardingStrategy.HYBRID_SHARD, cpu_offload=True)
+            options.update(sharding_strategy=ShardingStrategy.HYBRID_SHARD, cpu_offload=True, compute_device="cpu")
         if family in ("fsdp_nested", "fsdp_hybrid"):
             module[0] = FSDP(module[0], **options)
             module[2] = FSDP(module[2], **options)

@@ -18,7 +18,15 @@ from typing import Any, Optional
 import torch.distributed as dist
 from torch.profiler import record_function
 
+from shardkit.distributed.device import select_device
 from shardkit.distributed.groups import GroupLike, global_rank, group_rank, group_size, is_dummy, resolve_group
+
+
+def _on_rank_device(group: dist.ProcessGroup) -> None:
+    """NCCL's object collectives stage the pickled bytes on ``torch.cuda.current_device()``; on a node whose
+    processes never selected their GPU that is ``cuda:0`` on every rank, which NCCL refuses or hangs on."""
+    if dist.get_backend(group) == "nccl":
+        select_device()
 
 
 def all_gather_objects(obj: Any, group: Optional[GroupLike], label: str) -> list[Any]:
@@ -28,6 +36,7 @@ def all_gather_objects(obj: Any, group: Optional[GroupLike], label: str) -> list
     if is_dummy(group) or size == 1:
         return [obj]
     assert isinstance(group, dist.ProcessGroup)
+    _on_rank_device(group)
     gathered: list[Any] = [None] * size
     with record_function(f"shardkit::all_gather_object:{label}"):
         dist.all_gather_object(gathered, obj, group=group)
@@ -41,6 +50,7 @@ def gather_objects(obj: Any, dst_in_group: int, group: Optional[GroupLike], labe
     if is_dummy(group) or size == 1:
         return [obj]
     assert isinstance(group, dist.ProcessGroup)
+    _on_rank_device(group)
     receiving = group_rank(group) == dst_in_group
     gathered: Optional[list[Any]] = [None] * size if receiving else None
     with record_function(f"shardkit::gather_object:{label}"):
@@ -54,6 +64,7 @@ def broadcast_object(obj: Any, src_in_group: int = 0, group: Optional[GroupLike]
     if is_dummy(group) or group_size(group) == 1:
         return obj
     assert isinstance(group, dist.ProcessGroup)
+    _on_rank_device(group)
     holder = [obj]
     with record_function(f"shardkit::broadcast_object:{label or 'object'}"):
         dist.broadcast_object_list(holder, src=global_rank(group, src_in_group), group=group)

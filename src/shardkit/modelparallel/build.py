@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardkit.distributed import all_gather_objects, broadcast_object
+from shardkit.distributed.device import current_cuda_device
 from shardkit.distributed.model_check import check_same_model
 from shardkit.modelparallel.activation_checkpointing import plan_checkpointing
 from shardkit.modelparallel.auto_partition import Placement
@@ -37,7 +38,7 @@ def execution_device(state: SMPState, module: nn.Module) -> torch.device:
     """The device this rank computes on: its CUDA device under NCCL, else where the parameters are (the CPU for
     a model built inside ``smp.delay_param_initialization``)."""
     if state.distributed and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
+        return current_cuda_device()  # cuda:LOCAL_RANK, selected now if the script did not
     first = next(iter(module.parameters()), None)
     return first.device if first is not None and not first.is_meta else torch.device("cpu")
 

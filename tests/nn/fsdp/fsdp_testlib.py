@@ -33,6 +33,10 @@ def build_fsdp(name: str, rank: int, world_size: int, nested: bool, **fsdp_kwarg
     def inner(module: nn.Module) -> nn.Module:
         return FSDP(module, **fsdp_kwargs)
 
+    offload = fsdp_kwargs.get("cpu_offload") or fsdp_kwargs.get("move_params_to_cpu")
+    if offload and "compute_device" not in fsdp_kwargs:
+        # Offload computes on the rank's GPU when there is one; these CPU parity tests mean the host everywhere.
+        fsdp_kwargs = {**fsdp_kwargs, "compute_device": torch.device("cpu")}
     wrap_fn: Callable[[nn.Module], nn.Module] = inner if nested else (lambda m: m)
     kwargs: dict[str, Any] = {}
     if name == "moe":

@@ -73,19 +73,40 @@ def stage(source: UniversalSource, *, copy: bool) -> Staged:
         placements += more
     pieces = pieces_for(placements)
     if copy:
-        pieces = [dataclasses.replace(p, tensor=_host_copy(p.tensor)) for p in pieces]
-        if any(p.tensor.is_cuda for p in pieces):
-            torch.cuda.synchronize()
+        copies = HostCopies()
+        pieces = [dataclasses.replace(p, tensor=copies.copy(p.tensor)) for p in pieces]
+        # The background writer reads these host tensors at once: every device-to-host copy must have landed.
+        copies.wait()
     return Staged(pieces, side)
 
 
-def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
-    """A host copy; pinned and asynchronous when the tensor is on CUDA (the caller synchronises once)."""
-    if tensor.is_cuda:
+class HostCopies:
+    """Copies of tensors in host memory, for a writer that reads them on another thread.
+
+    A CUDA tensor is copied asynchronously into pinned memory (one stream's worth of copies overlap instead of
+    each waiting for the last), and an event is recorded after each copy on that tensor's stream;
+    :meth:`wait` blocks until every recorded event has passed. Host tensors are copied at once. Nothing a copy
+    returns may be read before :meth:`wait`."""
+
+    def __init__(self) -> None:
+        self._events: list[torch.cuda.Event] = []
+
+    def copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A host copy of ``tensor`` (complete only after :meth:`wait` when ``tensor`` is on CUDA)."""
+        if not tensor.is_cuda:
+            return tensor.detach().to("cpu", copy=True)
         out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
         out.copy_(tensor.detach(), non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(tensor.device))
+        self._events.append(event)
         return out
-    return tensor.detach().to("cpu", copy=True)
+
+    def wait(self) -> None:
+        """Block until every copy started by :meth:`copy` is complete."""
+        for event in self._events:
+            event.synchronize()
+        self._events.clear()
 
 
 def write_staged(directory: Path, staged: Staged, group: Optional[dist.ProcessGroup]) -> None:

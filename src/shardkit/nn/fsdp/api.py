@@ -25,6 +25,7 @@ from shardkit.nn.fsdp import grad_norm, ties
 from shardkit.nn.fsdp.forward_methods import check_forward_method
 from shardkit.nn.fsdp.full_params import FullParamsMethods
 from shardkit.nn.fsdp.hybrid import resolve_unit_groups
+from shardkit.nn.fsdp.input_cast import make_input_mover
 from shardkit.nn.fsdp.param_group import ParamGroup
 from shardkit.nn.fsdp.policies import (
     BackwardPrefetch,
@@ -248,6 +249,10 @@ class FullyShardedDataParallel(FullParamsMethods, StateDictMethods):
             self._unit.cast_inputs = make_input_caster(policies.mixed_precision.param_dtype)
         elif policies.mixed_precision.force_input_to_fp32:
             self._unit.cast_inputs = make_fp16_to_fp32_caster()
+        if policies.offload.offload_params and param_group.handles:
+            # Offload chose the compute device (the rank's GPU when there is one): bring the batch there too.
+            cast, move = self._unit.cast_inputs, make_input_mover(param_group.handles[0].compute_device)
+            self._unit.cast_inputs = lambda tree: cast(move(tree))
         #: Original dtypes of floating-point buffers cast for mixed precision (clean name -> dtype), root only.
         self.buffer_original_dtypes: dict[str, torch.dtype] = {}
 

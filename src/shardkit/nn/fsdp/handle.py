@@ -142,6 +142,10 @@ class FlatParamHandle:
             self._gather = None
             gather.wait()
             join(self._gather_stream)
+            if self._gather_stream is not None and self.full is not None:
+                # Allocated on the gather stream, read by the compute stream from now on: reshard's resize_(0)
+                # must not hand the memory back to the gather stream while queued compute kernels still read it.
+                self.full.record_stream(torch.cuda.current_stream(self.full.device))
             self._gather_stream = None
 
     def reshard(self) -> None:

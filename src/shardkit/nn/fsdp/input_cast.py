@@ -34,3 +34,17 @@ def make_fp16_to_fp32_caster() -> Callable[[Any], Any]:
         return tensor
 
     return lambda tree: tree_map(cast, tree)
+
+
+def make_input_mover(device: torch.device) -> Callable[[Any], Any]:
+    """Move every tensor of a nested structure that is elsewhere to ``device``.
+
+    Under CPU offload the unit computes on an accelerator the caller never named (the model and its batch stay in
+    host memory), so the unit brings the batch along, as torch's FSDP does for its root."""
+
+    def move(tensor: Any) -> Any:
+        if isinstance(tensor, torch.Tensor) and tensor.device != device:
+            return tensor.to(device)
+        return tensor
+
+    return lambda tree: tree_map(move, tree)

@@ -16,6 +16,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from shardkit.distributed.device import current_cuda_device
 from shardkit.distributed.groups import GroupLike, group_size
 from shardkit.distributed.objects import all_gather_objects
 from shardkit.memory.offload import to_host
@@ -138,7 +139,7 @@ def _compute_device(owners: Owners, policies: FSDPPolicies) -> torch.device:
         return policies.offload.compute_device
     device = owners[0][1].device if owners else torch.device("cpu")
     if policies.offload.offload_params and device.type == "cpu" and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
+        return current_cuda_device()  # cuda:LOCAL_RANK, selected now if the script did not
     return device
 
 

@@ -89,16 +89,20 @@ class PendingReduce:
             self.full_grad = None  # read by the reduce-scatter only: freed before the slow cross-node part
             self._replica_work = _collectives.all_reduce_replicas(self.grad_shard, replica, self.label)
 
-    def finish(self) -> bool:
+    def finish(self) -> Optional[torch.cuda.Event]:
         """Wait for the reduction and add its result to the shard's ``.grad`` (in the shard's dtype and device).
 
-        Returns True when a copy to CPU may still be in flight (offload from CUDA into pinned memory): the
-        caller synchronises before the optimizer reads the gradient.
+        Returns an event when a copy to CPU may still be in flight (offload from CUDA into pinned memory): the
+        caller synchronises on it before the optimizer reads the gradient.
         """
         if self.work is not None:
             self.work.wait()
             self.work = None
         join(self.stream)
+        if self.stream is not None:
+            # Allocated on the reduce stream, read from now on by the compute stream (the optimizer, as .grad):
+            # without this, freeing it lets the reduce stream reuse the memory under queued compute kernels.
+            self.grad_shard.record_stream(torch.cuda.current_stream(self.grad_shard.device))
         if self.replica is not None:
             self.start_replica()
         if self._replica_work is not None:
@@ -110,12 +114,14 @@ class PendingReduce:
         if self.post_divide != 1:
             grad.div_(self.post_divide)
         shard = self.shard
-        copying = False
+        copying: Optional[torch.cuda.Event] = None
         if shard.grad is None and grad.device != shard.device and shard.is_pinned():
             # Offloaded from CUDA: copy into pinned memory without blocking; synchronised at the end of backward.
             target = torch.empty(shard.shape, dtype=shard.dtype, pin_memory=True)
             target.copy_(grad, non_blocking=True)
-            grad, copying = target, True
+            copying = torch.cuda.Event()
+            copying.record(torch.cuda.current_stream(grad.device))  # the stream the copy was queued on
+            grad = target
         elif grad.device != shard.device and shard.device.type == "cpu":
             grad = to_host(grad, shard.dtype)  # the shard lives in host memory (CPU offload)
         elif grad.device != shard.device or grad.dtype != shard.dtype:
@@ -173,7 +179,8 @@ class ReduceQueue:
 
     def __init__(self) -> None:
         self._pending: deque[PendingReduce] = deque()
-        self._needs_sync: Optional[torch.device] = None
+        # Host copies still in flight (offload from CUDA): the optimizer must not read those gradients before.
+        self._copies: list[torch.cuda.Event] = []
 
     def add(self, pending: Optional[PendingReduce]) -> None:
         """Queue a started reduction, then finish every older one (one stays in flight behind the newest)."""
@@ -193,13 +200,16 @@ class ReduceQueue:
         """Finish every reduction in flight; synchronise pending copies to pinned CPU memory."""
         while self._pending:
             self._finish(self._pending.popleft())
-        if self._needs_sync is not None:
-            torch.cuda.current_stream(self._needs_sync).synchronize()
-            self._needs_sync = None
+        # Waits for exactly the copies, on whatever stream each was queued (the end-of-backward callback may run
+        # with another current stream than the hooks that queued them).
+        for event in self._copies:
+            event.synchronize()
+        self._copies.clear()
 
     def _finish(self, pending: PendingReduce) -> None:
-        if pending.finish():
-            self._needs_sync = pending.grad_shard.device
+        copying = pending.finish()
+        if copying is not None:
+            self._copies.append(copying)
 
     def abandon(self) -> None:
         """Drop everything in flight after a failed backward (the collectives keep their tensors alive)."""

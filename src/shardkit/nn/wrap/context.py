@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from shardkit.distributed.device import current_cuda_device
 from shardkit.nn.wrap.policies import AutoWrapPolicy, default_auto_wrap_policy
 from shardkit.nn.wrap.policy_call import policy_caller
 from shardkit.nn.wrap.walk import wrap_tree
@@ -175,7 +176,7 @@ def _wrap_with(config: WrapConfig, module: nn.Module, overrides: Mapping[str, An
             f"{type(module).__name__}.wrapper_config must be a dict of wrapper arguments, got {per_module!r}"
         )
     if config.move_module_cuda_half:
-        module = module.to(device=torch.device("cuda", torch.cuda.current_device()), dtype=torch.float16)
+        module = module.to(device=current_cuda_device(), dtype=torch.float16)
     return config.wrapper_cls(module, **{**config.wrapper_kwargs, **per_module, **overrides})
 
 

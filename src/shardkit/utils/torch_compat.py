@@ -1,0 +1,111 @@
+"""Every private or version-dependent torch API shardkit relies on, named once, with the releases checked.
+
+torch promises nothing about names that start with an underscore, and some public ones arrived late. Each entry of
+:data:`PRIVATE_APIS` says what shardkit uses, where, and since when torch has it; :func:`missing` resolves them all
+on the installed torch, so one test (``tests/compat/test_torch_compat.py``, run by ``tools/torch_matrix.sh`` on
+each release) tells which of them a release lacks before any strategy trips over it. The few that need a
+fallback or a guard are wrapped here (:func:`cuda_spin`); the others are imported where they are used.
+
+Checked on (``tools/torch_matrix.sh``, CPU): torch 2.13.0, 2.11.0 and 2.8.0. The floor, 2.8, is set by
+``torch.compiler.disable(..., reason=)``; ``dist.all_gather_single`` / ``reduce_scatter_single`` (2.13) are
+optional, with the older ``*_into_tensor`` / ``*_tensor`` names as the fallback.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class TorchAPI:
+    """One torch name shardkit depends on: ``module`` and the dotted ``attr`` inside it (empty: the module)."""
+
+    module: str
+    attr: str
+    used_by: str
+    #: What breaks without it, and whether shardkit falls back.
+    note: str = ""
+    #: A keyword argument the callable must take (a signature that changed between releases).
+    keyword: str = ""
+    optional: bool = False
+
+    @property
+    def name(self) -> str:
+        """``module.attr`` (``module(keyword=)`` for a signature entry)."""
+        base = f"{self.module}.{self.attr}" if self.attr else self.module
+        return f"{base}({self.keyword}=)" if self.keyword else base
+
+    def problem(self) -> str:
+        """Why the installed torch lacks it, or "" when it has it."""
+        try:
+            value: object = importlib.import_module(self.module)
+        except Exception as err:
+            return f"cannot import {self.module}: {type(err).__name__}: {err}"
+        for part in filter(None, self.attr.split(".")):
+            if not hasattr(value, part):
+                return f"{self.module} has no {self.attr}"
+            value = getattr(value, part)
+        if self.keyword:
+            try:
+                params = inspect.signature(value).parameters  # type: ignore[arg-type]
+            except (TypeError, ValueError):
+                return f"cannot read the signature of {self.name}"
+            if self.keyword not in params:
+                return f"{self.module}.{self.attr} takes no {self.keyword}="
+        return ""
+
+
+PRIVATE_APIS: tuple[TorchAPI, ...] = (
+    TorchAPI("torch.utils._pytree", "tree_flatten", "modelparallel (trace, runtime, plan), memory.tracker"),
+    TorchAPI("torch.utils._pytree", "tree_unflatten", "modelparallel runtime and pipeline"),
+    TorchAPI("torch.utils._pytree", "tree_map", "nn.fsdp.input_cast, memory.tracker"),
+    TorchAPI("torch.utils._pytree", "tree_leaves", "modelparallel.trace"),
+    TorchAPI("torch.utils._pytree", "TreeSpec", "modelparallel.plan"),
+    TorchAPI("torch.utils._python_dispatch", "TorchDispatchMode", "memory.tracker, plan.accountant, smp trace"),
+    TorchAPI("torch.utils._python_dispatch", "_get_current_dispatch_mode_stack", "memory.tracker"),
+    TorchAPI("torch.utils._python_dispatch", "is_in_torch_dispatch_mode", "memory.tracker"),
+    TorchAPI("torch.utils.flop_counter", "flop_registry", "plan.accountant, modelparallel.trace (FLOPs)"),
+    TorchAPI("torch.distributed._tools.mem_tracker", "MemTracker", "plan.measure (cross-check of the planner)"),
+    TorchAPI("torch._C._distributed_c10d", "_create_work_from_future", "plan.peerless (planned collectives)"),
+    TorchAPI("torch._C", "_current_graph_task_id", "utils.autograd (inside-backward test)"),
+    TorchAPI("torch._C", "_disabled_torch_function_impl", "utils.wrapper_tensor"),
+    TorchAPI("torch", "Tensor._make_wrapper_subclass", "utils.wrapper_tensor (FSDP placeholders, planner)"),
+    TorchAPI("torch.autograd", "Variable._execution_engine.queue_callback", "nn.fsdp runtime, sharded_ddp, slowmo"),
+    TorchAPI("torch.nn.modules.module", "_IncompatibleKeys", "nn.fsdp.state_dict (load_state_dict's result)"),
+    TorchAPI("torch.distributed.checkpoint.planner_helpers", "create_read_items_for_chunk_list", "checkpoint"),
+    TorchAPI("torch.distributed.checkpoint.filesystem", "_StorageInfo", "checkpoint.safe_dcp (allowed in index)"),
+    TorchAPI("torch.serialization", "_get_layout", "checkpoint.safe_dcp (allowed in index)"),
+    TorchAPI("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING", "checkpoint.safe_dcp"),
+    TorchAPI("torch.library", "custom_op", "memory.offload (shardkit::to_host)"),
+    TorchAPI("torch.compiler", "disable", "nn.fsdp.runtime at import", "sets the floor: 2.8", keyword="reason"),
+    TorchAPI("torch", "_foreach_norm", "optimizers, gradient clipping"),
+    TorchAPI("torch.cuda", "_sleep", "bench.gpu_check (race amplifier only)"),
+    TorchAPI("torch.distributed.pipelining", "Schedule1F1B", "bench.pipeline (comparison only)"),
+    TorchAPI("torch.distributed", "all_gather_single", "distributed.groups", "2.13+; falls back", optional=True),
+    TorchAPI("torch.distributed", "reduce_scatter_single", "distributed.groups", "2.13+; falls back", optional=True),
+)
+
+
+def missing(include_optional: bool = False) -> dict[str, str]:
+    """``{name: problem}`` for every required entry the installed torch lacks (optional ones on request)."""
+    return {
+        api.name: problem
+        for api in PRIVATE_APIS
+        if (include_optional or not api.optional) and (problem := api.problem())
+    }
+
+
+def cuda_spin(cycles: int) -> None:
+    """Keep the current CUDA stream busy for about ``cycles`` GPU clock cycles (nothing without CUDA).
+
+    A test tool: work queued behind the spin starts late, so code that forgets to wait for it reads
+    unfinished data."""
+    if torch.cuda.is_available():
+        torch.cuda._sleep(cycles)
+
+
+__all__ = ["PRIVATE_APIS", "TorchAPI", "cuda_spin", "missing"]
