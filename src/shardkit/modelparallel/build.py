@@ -145,4 +145,18 @@ def build_stage(
         broadcast_buffers=state.config.ddp and topo.dp_size > 1 and options.broadcast_buffers,
         buffers=lambda: (buf for _, buf in holding.local_named_buffers()),
         joining=joining,
+        checkpointed=_checkpointed_on(holding.module, checkpointing, plan, stage),
+    )
+
+
+def _checkpointed_on(
+    root: nn.Module, swaps: list[tuple[nn.Module, Any]], plan: PipelinePlan, stage: int
+) -> tuple[str, ...]:
+    """Names of the activation-checkpointed modules that run on ``stage``."""
+    swapped = {id(module) for module, _ in swaps}
+    names = [name for name, module in root.named_modules() if id(module) in swapped]
+    return tuple(
+        name
+        for name in names
+        if any(s == stage and (u == "" or name == u or name.startswith(u + ".")) for u, s in plan.units.items())
     )

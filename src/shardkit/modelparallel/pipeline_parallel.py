@@ -2,16 +2,23 @@
 
 A stage's schedule is a list of actions: ``F k`` runs the user's step function on micro-batch ``k`` (its model
 forward computes this stage's units; ``model.backward`` only records the request) and ``B k`` runs that
-micro-batch's backward on this stage. Two schedules, both starting with ``F 0`` on every stage:
+micro-batch's backward on this stage. In a schedule that also has ``W k`` actions, ``B k`` computes only the
+gradients of the stage's inputs (sent upstream at once) and ``W k`` the parameters' gradients
+(:mod:`~shardkit.modelparallel.split_backward`). Three schedules, all starting with ``F 0`` on every stage:
 
 - ``simple`` (GPipe): every forward, then every backward.
 - ``interleaved`` (1F1B): a warm-up of ``num_stages - stage - 1`` forwards, a steady state alternating one
   forward and one backward, and a cool-down of the remaining backwards, so each backward runs as early as
   its gradients can exist and at most ``num_stages - stage`` micro-batches hold activations.
+- ``zero_bubble`` (ZB-H1, Qi et al. 2024, arXiv 2401.10241; a shardkit addition to smp's two): 1F1B with
+  each backward split into B and W. Stage ``s`` holds back the W of its last ``s`` micro-batches and runs
+  them when the cool-down would leave it idle, so upstream stages get their gradients a W earlier on every
+  hop. At most ``num_stages`` micro-batches hold activations on any stage (1F1B's peak, on stage 0), and the
+  bubble drops from ``(p-1)(F+B+W)`` to ``(p-1)(F+B-W)`` per stage.
 
-Activations only flow to higher stages and gradients to lower ones, and every stage runs its forwards and its
-backwards in micro-batch order, so each blocking receive waits on work the sender's schedule puts before
-anything that could wait on the receiver: neither schedule can deadlock.
+Activations only flow to higher stages and gradients to lower ones, every stage runs its forwards and its
+backwards in micro-batch order, and W needs nothing from another stage, so each blocking receive waits on
+work the sender's schedule puts before anything that could wait on the receiver: no schedule can deadlock.
 """
 
 from __future__ import annotations
@@ -26,7 +33,8 @@ from shardkit.modelparallel.step_outputs import OutputSharing, share_from_output
 
 
 class Action(NamedTuple):
-    """One unit of a stage's schedule: ``kind`` is ``"F"`` (forward) or ``"B"`` (backward)."""
+    """One unit of a stage's schedule: ``kind`` is ``"F"`` (forward), ``"B"`` (backward; its input half where
+    the schedule has W actions) or ``"W"`` (the parameters' half of a split backward)."""
 
     kind: str
     microbatch: int
@@ -59,10 +67,51 @@ def one_f_one_b_schedule(stage: int, num_stages: int, microbatches: int) -> list
     return actions
 
 
+def zero_bubble_h1_schedule(stage: int, num_stages: int, microbatches: int) -> list[Action]:
+    """ZB-H1: 1F1B's warm-up, steady state and cool-down, each backward split into B and W, with stage ``stage``
+    running each W ``stage`` backwards late; the W's still held at the end close the cool-down.
+
+    Deadlock-free: the F and B actions are 1F1B's, in the same order (W sends and receives nothing), so every
+    receive waits on an action the sender reaches first, as in 1F1B. At most ``warm-up + 1 + stage =
+    num_stages`` micro-batches are between their F and their W on any stage.
+
+    Example::
+
+        >>> zero_bubble_h1_schedule(1, 2, 3)
+        [F0, B0, F1, B1, W0, F2, B2, W1, W2]
+    """
+    warmup = min(num_stages - stage - 1, microbatches)
+    held = stage  # W's a stage may owe: its share of the cool-down bubble they fill
+    actions = [Action("F", k) for k in range(warmup)]
+    forward, backward, weight = warmup, 0, 0
+
+    def weights_due() -> list[Action]:
+        nonlocal weight
+        if backward - weight <= held:
+            return []
+        weight += 1
+        return [Action("W", weight - 1)]
+
+    while forward < microbatches:  # steady state
+        actions += [Action("F", forward), Action("B", backward)]
+        forward += 1
+        backward += 1
+        actions += weights_due()
+    while backward < microbatches:  # cool-down
+        actions.append(Action("B", backward))
+        backward += 1
+        actions += weights_due()
+    actions += [Action("W", k) for k in range(weight, microbatches)]  # the held W's fill the last bubble
+    return actions
+
+
 def schedule_for(pipeline: str, stage: int, num_stages: int, microbatches: int) -> list[Action]:
-    """The actions of ``stage`` for the configured ``pipeline`` (``"simple"`` or ``"interleaved"``)."""
+    """The actions of ``stage`` for the configured ``pipeline`` (``"simple"``, ``"interleaved"`` or
+    ``"zero_bubble"``)."""
     if pipeline == "simple":
         return simple_schedule(microbatches)
+    if pipeline == "zero_bubble":
+        return zero_bubble_h1_schedule(stage, num_stages, microbatches)
     return one_f_one_b_schedule(stage, num_stages, microbatches)
 
 
@@ -124,14 +173,24 @@ class StepRun:
             raise RuntimeError("the @smp.step function never called the DistributedModel, so it was not partitioned")
         actions = schedule_for(execution.pipeline, execution.stage, execution.num_stages, self.microbatches)
         assert actions[0] == Action("F", 0)
-        last_backward = max((i for i, a in enumerate(actions) if a.kind == "B"), default=-1)
+        split = any(a.kind == "W" for a in actions)
+        grads_from = "W" if split else "B"  # the actions that produce parameter gradients
+        last_backward = max((i for i, a in enumerate(actions) if a.kind == grads_from), default=-1)
         for i, action in enumerate(actions[1:], start=1):
             if action.kind == "F":
                 self._forward(action.microbatch)
+                continue
+            if i == last_backward:
+                execution.before_last_backward()
+            record = self.records[action.microbatch]
+            if not record.backward_requested:
+                continue
+            if action.kind == "W":
+                execution.backward_weight(record)
+            elif split:
+                execution.backward_input(record, self.microbatches)
             else:
-                if i == last_backward:
-                    execution.before_last_backward()
-                self._backward(execution, action.microbatch)
+                execution.backward(record, self.microbatches)
         execution.finish_step(any(r.backward_requested for r in self.records))
         shared_at = time.perf_counter()
         outputs = self._share_outputs(execution, [r.outputs for r in self.records])
@@ -147,11 +206,6 @@ class StepRun:
             record.outputs = self._forward_fn(microbatch)
         finally:
             self.current = None
-
-    def _backward(self, execution: StageExecution, microbatch: int) -> None:
-        record = self.records[microbatch]
-        if record.backward_requested:
-            execution.backward(record, self.microbatches)
 
     def _share_outputs(self, execution: StageExecution, outputs: list[Any]) -> list[Any]:
         """Replace every returned value by the output stage's: only there is the loss real."""

@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from shardkit.modelparallel.plan import LeafSpec, PipelinePlan, UnitCall, signature_of
 from shardkit.modelparallel.pp_communications import StageLink
+from shardkit.modelparallel.split_backward import WeightGradients, backward_input
 
 Shapes = tuple[tuple[Optional[LeafSpec], ...], ...]
 
@@ -46,6 +47,8 @@ class MicrobatchRecord:
     backward: list[tuple[list[torch.Tensor], list[Optional[torch.Tensor]]]] = field(default_factory=list)
     backward_requested: bool = False
     outputs: Any = None
+    #: A split backward's W half, left by :meth:`StageRuntime.backward_input` (None when nothing is left).
+    weight_work: Optional[WeightGradients] = None
 
 
 @dataclass
@@ -257,6 +260,41 @@ class StageRuntime:
 
     def backward(self, record: MicrobatchRecord, loss_scale: float) -> None:
         """Backward of one micro-batch on this stage: gradients in from later stages, out to earlier ones."""
+        tensors, grad_tensors = self._roots(record, loss_scale)
+        if tensors:
+            torch.autograd.backward(tensors, grad_tensors)
+        self._send_input_grads(record, [leaf.grad for leaf, _ in record.received])
+
+    def backward_input(self, record: MicrobatchRecord, loss_scale: float, split: bool = True) -> Optional[str]:
+        """B of a split backward: this stage's input gradients, sent upstream at once; the parameters'
+        gradients wait in ``record.weight_work`` for :meth:`backward_weight`.
+
+        Runs the whole backward instead, and returns why, where it cannot be split (``split=False`` forces
+        that: a stage with activation-checkpointed modules would recompute them in W).
+        """
+        tensors, grad_tensors = self._roots(record, loss_scale)
+        leaves = [leaf for leaf, _ in record.received]
+        if not tensors:  # nothing flows back through this stage for this micro-batch
+            self._send_input_grads(record, [None] * len(leaves))
+            return None
+        result = backward_input(tensors, grad_tensors, leaves) if split else "a checkpointed module runs here"
+        if isinstance(result, str):
+            if tensors:
+                torch.autograd.backward(tensors, grad_tensors)
+            self._send_input_grads(record, [leaf.grad for leaf in leaves])
+            return result
+        grads, record.weight_work = result
+        self._send_input_grads(record, grads)
+        return None
+
+    def backward_weight(self, record: MicrobatchRecord) -> None:
+        """W of a split backward: the parameters' gradients of ``record`` (nothing if B ran unsplit)."""
+        work, record.weight_work = record.weight_work, None
+        if work is not None:
+            work.run()
+
+    def _roots(self, record: MicrobatchRecord, loss_scale: float) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Receive the gradients of what this stage sent; with the loss requests, where backward starts."""
         grads = self.link.recv_many(
             [(tuple(t.shape), t.dtype, dst) for t, dst in record.sent], self.device, label="bwd:grad_in"
         )
@@ -266,7 +304,7 @@ class StageRuntime:
                 prev = roots.get(id(tensor))
                 roots[id(tensor)] = (tensor, grad if prev is None else prev[1] + grad)
         tensors = [t for t, _ in roots.values()]
-        grad_tensors: list[Optional[torch.Tensor]] = [g for _, g in roots.values()]
+        grad_tensors = [g for _, g in roots.values()]
         if self.stage == self.plan.output_stage:
             for req_tensors, req_grads in record.backward:
                 for t, g in zip(req_tensors, req_grads):
@@ -274,11 +312,12 @@ class StageRuntime:
                         tensors.append(t)
                         base = torch.ones_like(t) if g is None else g
                         grad_tensors.append(base * loss_scale if loss_scale != 1.0 else base)
-        if tensors:
-            torch.autograd.backward(tensors, grad_tensors)
-        for leaf, src in record.received:
-            grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-            self.link.send(grad, src, label="bwd:grad_out")
+        return tensors, grad_tensors
+
+    def _send_input_grads(self, record: MicrobatchRecord, grads: Sequence[Optional[torch.Tensor]]) -> None:
+        """Send each received leaf's gradient back to the stage that computed it; then forget the micro-batch."""
+        for (leaf, src), grad in zip(record.received, grads):
+            self.link.send(grad if grad is not None else torch.zeros_like(leaf), src, label="bwd:grad_out")
         record.sent.clear()
         record.received.clear()
         record.backward.clear()
