@@ -11,10 +11,14 @@ sync by an all-reduce of the two copies' gradients, as smp does.
 The table gives the median and the minimum step time (slowest rank per step; the minimum is the least
 disturbed by other load on a shared machine), their ratios to torch's 1F1B, and smp's measured
 bubble (time each stage spent blocked on receives, averaged over stages) against the theory
-``(p - 1) / (m + p - 1)``.
+(:func:`bubble_theory`), and smp's peak activation memory per stage (bytes saved for backward, measured in one
+extra step per schedule: :mod:`shardkit.bench.pipeline_smp`). ``--schedules interleaved,zero_bubble`` runs
+several smp schedules side by side in the same processes, each with its own weights, and prints each against
+the first.
 
-Run it as ``shardkit bench pipeline`` (options ``--steps``, ``--warmup``, ``--world-size``, ``--quick``,
-``--microbatches``, ``--smp-pipeline simple|interleaved``, ``--smp-item-outputs``, ``--json PATH``) or
+Run it as ``shardkit bench pipeline`` (options ``--steps``, ``--warmup``, ``--world-size``/``--stages``,
+``--quick``, ``--microbatches``, ``--smp-pipeline simple|interleaved|zero_bubble``, ``--schedules``,
+``--smp-item-outputs``, ``--json PATH``) or
 ``python -m shardkit.bench.pipeline``. ``--smp-item-outputs`` makes smp's step also return ``loss.item()``, so each
 step broadcasts one small object over the stages; the cost of sharing the outputs is printed below the table.
 """
@@ -33,11 +37,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardkit.bench.pipeline_smp import SmpSchedules
 from shardkit.bench.report import format_table, ratio, write_json
 from shardkit.bench.runner import quiet_torch_deprecations
 from shardkit.demo.task import MarkovTask
 from shardkit.distributed import collectives
 from shardkit.launch import launch_local
+from shardkit.modelparallel.config import PIPELINES
 from shardkit.testing.models import LMConfig, TransformerLM
 from shardkit.utils.checks import at_least, positive
 
@@ -58,6 +64,8 @@ class PipelineSettings:
     lr: float = 1e-3
     seed: int = 0
     smp_pipeline: str = "interleaved"
+    #: smp schedules to run side by side (``--schedules``); empty means just ``smp_pipeline``.
+    smp_schedules: tuple[str, ...] = ()
     #: Auto-partition balancing compute (memory_weight 0.2)
     smp_optimize: str = "speed"
     #: smp's step also returns ``loss.item()``: every step then broadcasts one small object over the stages.
@@ -68,6 +76,15 @@ class PipelineSettings:
             at_least(self, name, getattr(self, name), 1)
         at_least(self, "warmup", self.warmup, 0)
         positive(self, "lr", self.lr)
+
+    @property
+    def schedules(self) -> list[str]:
+        """The smp schedules this run compares (the first is the baseline of the smp ratios)."""
+        return list(self.smp_schedules) or [self.smp_pipeline]
+
+    def smp_name(self, schedule: str) -> str:
+        """The row name of smp under ``schedule``: plain ``smp`` when only one schedule runs."""
+        return "smp" if len(self.schedules) == 1 else f"smp {schedule}"
 
     @property
     def global_batch(self) -> int:
@@ -164,54 +181,6 @@ class _TorchPipeline:
         return float(torch.stack(losses).mean()) if losses else float("nan")
 
 
-class _SmpPipeline:
-    """The smp pipeline over the bench LM (auto-partitioned)."""
-
-    def __init__(self, settings: PipelineSettings) -> None:
-        import shardkit.modelparallel as smp
-
-        smp.init(
-            {
-                "partitions": settings.stages,
-                "microbatches": settings.microbatches,
-                "pipeline": settings.smp_pipeline,
-                "optimize": settings.smp_optimize,
-            }
-        )
-        self.smp = smp
-        self.model = smp.DistributedModel(_build_lm(settings), trace_device="cpu")
-        self.optimizer = smp.DistributedOptimizer(torch.optim.AdamW(self.model.parameters(), lr=settings.lr))
-        self.waits: list[float] = []
-        self.shares: list[float] = []
-
-        @smp.step
-        def train_step(model: Any, tokens: torch.Tensor, targets: torch.Tensor) -> Any:
-            loss = TransformerLM.loss_fn(model(tokens), targets)
-            model.backward(loss)
-            return (loss, loss.item()) if settings.smp_item_outputs else (loss,)
-
-        @smp.step
-        def forward_only(model: Any, tokens: torch.Tensor) -> None:
-            model(tokens)
-
-        self.train_step = train_step
-        self.forward_only = forward_only
-
-    def partition(self, tokens: torch.Tensor) -> None:
-        """A forward-only step: partitions the model without changing it."""
-        with torch.no_grad():
-            self.forward_only(self.model, tokens)
-
-    def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
-        """One training step; returns the mean loss (on every stage)."""
-        self.optimizer.zero_grad()
-        loss = self.train_step(self.model, tokens, targets)[0].reduce_mean().item()
-        self.optimizer.step()
-        self.waits.append(self.model.last_step_stats.bubble_fraction)
-        self.shares.append(self.model.last_step_stats.share_s)
-        return float(loss)
-
-
 def _build_lm(settings: PipelineSettings) -> TransformerLM:
     torch.manual_seed(settings.seed)
     return TransformerLM(settings.lm)
@@ -230,17 +199,22 @@ def _worker(settings: PipelineSettings, names: list[str]) -> dict[str, Any]:
     task = MarkovTask.create(settings.lm.vocab_size, seed=settings.seed)
     lives: dict[str, Any] = {}
     placement = None
+    smp_live: Optional[SmpSchedules] = None
     if "smp" in names:  # smp partitions on its first step; torch's stages then get the same cut
-        lives["smp"] = _SmpPipeline(settings)
+        smp_live = SmpSchedules(settings, settings.schedules, lambda: _build_lm(settings))
         tokens, _ = task.batch(settings.global_batch, settings.lm.seq_len, torch.Generator().manual_seed(0))
-        lives["smp"].partition(tokens)
-        placement = lives["smp"].model.placement
+        smp_live.partition(tokens)
+        placement = smp_live.model.placement
+        at = names.index("smp")
+        names = names[:at] + [settings.smp_name(s) for s in settings.schedules] + names[at + 1 :]
+        for schedule in settings.schedules:
+            lives[settings.smp_name(schedule)] = _SmpRun(smp_live, schedule)
     torch_schedules = {"torch GPipe": ScheduleGPipe, "torch 1F1B": Schedule1F1B}
     for name in names:
         if name in torch_schedules:
             group = dist.new_group(list(range(n)))
             lives[name] = _TorchPipeline(torch_schedules[name], settings, group, tied_group, placement)
-        elif name != "smp":
+        elif name not in lives:
             raise ValueError(f"unknown strategy {name!r}; known: smp, {', '.join(torch_schedules)}")
     times: dict[str, list[float]] = {name: [] for name in names}
     losses: dict[str, list[float]] = {name: [] for name in names}
@@ -249,6 +223,8 @@ def _worker(settings: PipelineSettings, names: list[str]) -> dict[str, Any]:
         tokens, targets = task.batch(settings.global_batch, settings.lm.seq_len, gen)
         shift = step % len(names)
         for name in names[shift:] + names[:shift]:
+            if isinstance(lives[name], _SmpRun):
+                lives[name].prepare()
             collectives.barrier(bench_group, "bench.step_start")
             start = time.perf_counter()
             loss = lives[name].step(tokens, targets)
@@ -258,14 +234,32 @@ def _worker(settings: PipelineSettings, names: list[str]) -> dict[str, Any]:
             losses[name].append(loss)
     result: dict[str, Any] = {"rank": rank, "times": times, "losses": losses}
     result["split"] = [list(r) for r in _block_split(settings.lm.n_layers, n, placement)]
-    if "smp" in lives:
-        smp_live = lives["smp"]
-        result["smp_wait"] = smp_live.waits[settings.warmup :]
-        result["smp_share"] = smp_live.shares[settings.warmup :]
+    if smp_live is not None:
+        result["smp_peak_activation"] = {}
+        for schedule in settings.schedules:
+            name = settings.smp_name(schedule)
+            result["smp_peak_activation"][name] = smp_live.peak_activation_bytes(schedule, tokens, targets)
+            result.setdefault("smp_wait", {})[name] = smp_live.waits[schedule][settings.warmup :]
+            result.setdefault("smp_share", {})[name] = smp_live.shares[schedule][settings.warmup :]
         result["placement"] = str(smp_live.model.placement)
         smp_live.smp.reset()
     dist.destroy_process_group()
     return result
+
+
+class _SmpRun:
+    """One smp schedule as a strategy of the suite."""
+
+    def __init__(self, schedules: SmpSchedules, schedule: str) -> None:
+        self.schedules, self.schedule = schedules, schedule
+
+    def prepare(self) -> None:
+        """Swap this schedule's weights in (before the timed region)."""
+        self.schedules.use(self.schedule)
+
+    def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+        """One training step under this schedule."""
+        return self.schedules.step(self.schedule, tokens, targets)
 
 
 @dataclass
@@ -282,6 +276,8 @@ class Row:
     bubble_per_stage: Optional[list[float]]
     #: smp: median over steps of the slowest stage's time sharing the step's outputs.
     output_share_s: Optional[float] = None
+    #: smp: per stage, the peak bytes of activations saved for backward during one step (MiB).
+    peak_activation_mib: Optional[list[float]] = None
 
 
 def combine(settings: PipelineSettings, per_rank: list[dict[str, Any]]) -> list[Row]:
@@ -292,15 +288,18 @@ def combine(settings: PipelineSettings, per_rank: list[dict[str, Any]]) -> list[
     for name in names:
         step_times = [max(r["times"][name][i] for r in per_rank) for i in range(settings.steps)]
         losses = last["losses"][name]
-        diff = None
-        if "smp" in last["losses"] and name != "smp":
-            diff = max(abs(a - b) for a, b in zip(losses, last["losses"]["smp"]))
+        diff = memory = None
+        first_smp = settings.smp_name(settings.schedules[0])
+        if first_smp in last["losses"] and name != first_smp:
+            diff = max(abs(a - b) for a, b in zip(losses, last["losses"][first_smp]))
         bubble = per_stage = share = None
-        if name == "smp":
-            per_stage = [statistics.fmean(r["smp_wait"]) for r in per_rank]
+        if name in last.get("smp_wait", {}):
+            per_stage = [statistics.fmean(r["smp_wait"][name]) for r in per_rank]
             bubble = statistics.fmean(per_stage)
-            share = statistics.median(max(r["smp_share"][i] for r in per_rank) for i in range(settings.steps))
-        schedule = {"smp": settings.smp_pipeline, "torch GPipe": "GPipe", "torch 1F1B": "1F1B"}[name]
+            share = statistics.median(max(r["smp_share"][name][i] for r in per_rank) for i in range(settings.steps))
+            memory = [r["smp_peak_activation"][name] / 2**20 for r in per_rank]
+        smp_schedules = {settings.smp_name(s): s for s in settings.schedules}
+        schedule = {**smp_schedules, "torch GPipe": "GPipe", "torch 1F1B": "1F1B"}[name]
         rows.append(
             Row(
                 name,
@@ -312,14 +311,23 @@ def combine(settings: PipelineSettings, per_rank: list[dict[str, Any]]) -> list[
                 bubble,
                 per_stage,
                 share,
+                memory,
             )
         )
     return rows
 
 
+def bubble_theory(schedule: str, stages: int, microbatches: int) -> float:
+    """The bubble fraction of ``schedule`` with equal forward, input-backward and weight-backward times:
+    ``(p-1)/(m+p-1)`` for GPipe and 1F1B, ``(p-1)/(3m+p-1)`` for ZB-H1 (bubble ``(p-1)(F+B-W)``)."""
+    p, m = stages, microbatches
+    if schedule == "zero_bubble":
+        return (p - 1) / (3 * m + p - 1)
+    return (p - 1) / (m + p - 1)
+
+
 def _print(settings: PipelineSettings, rows: list[Row], placement: Optional[str], split: list[list[int]]) -> None:
     p, m = settings.stages, settings.microbatches
-    theory = (p - 1) / (m + p - 1)
     base = next((r for r in rows if r.name == "torch 1F1B"), None)
     print(
         f"pipeline: LM {settings.lm.n_layers} blocks x d{settings.lm.d_model}, vocab {settings.lm.vocab_size}, "
@@ -327,11 +335,12 @@ def _print(settings: PipelineSettings, rows: list[Row], placement: Optional[str]
         f"median of {settings.steps} steps after {settings.warmup} warm-up; load average {os.getloadavg()[0]:.1f}"
     )
     headers = ["strategy", "schedule", "median ms", "vs torch 1F1B", "min ms", "vs torch 1F1B (min)"]
-    headers += ["bubble measured", "bubble theory", "loss", "loss diff"]
+    headers += ["bubble measured", "bubble theory", "peak act. MiB/stage", "loss", "loss diff"]
     table = []
     for r in rows:
         measured = "-" if r.bubble_measured is None else f"{r.bubble_measured:.1%}"
         diff = "-" if r.max_loss_diff_vs_smp is None else f"{r.max_loss_diff_vs_smp:.1e}"
+        memory = "-" if r.peak_activation_mib is None else "/".join(f"{x:.1f}" for x in r.peak_activation_mib)
         table.append(
             [
                 r.name,
@@ -341,27 +350,46 @@ def _print(settings: PipelineSettings, rows: list[Row], placement: Optional[str]
                 f"{r.min_step_s * 1e3:.0f}",
                 ratio(r.min_step_s, base.min_step_s if base else None),
                 measured,
-                f"{theory:.1%}",
+                f"{bubble_theory(r.schedule, p, m):.1%}",
+                memory,
                 f"{r.final_loss:.4f}",
                 diff,
             ]
         )
     print(format_table(headers, table))
-    smp_row = next((r for r in rows if r.name == "smp"), None)
-    if smp_row is not None and smp_row.bubble_per_stage is not None:
+    smp_rows = [r for r in rows if r.name.startswith("smp") and r.bubble_per_stage is not None]
+    for smp_row in smp_rows:
+        assert smp_row.bubble_per_stage is not None
         print(
-            "smp bubble per stage (time blocked on receives / step time): "
+            f"{smp_row.name} bubble per stage (time blocked on receives / step time): "
             + ", ".join(f"stage {i}: {b:.1%}" for i, b in enumerate(smp_row.bubble_per_stage))
         )
+    _print_smp_ratios(smp_rows)
+    if smp_rows:
         returns = "(loss, loss.item())" if settings.smp_item_outputs else "(loss,)"
-        share = smp_row.output_share_s or 0.0
+        share = smp_rows[0].output_share_s or 0.0
         print(
             f"smp step returns {returns}: sharing the outputs from the output stage took {share * 1e3:.2f} ms "
-            f"per step (median of the slowest stage), {share / smp_row.median_step_s:.2%} of the step"
+            f"per step (median of the slowest stage), {share / smp_rows[0].median_step_s:.2%} of the step"
         )
     if placement:
         print(placement)
     print("torch.pipelining stages: " + " | ".join(f"blocks {b[0]}-{b[-1]}" for b in split) + " (embedding first)")
+
+
+def _print_smp_ratios(smp_rows: list[Row]) -> None:
+    """Each smp schedule against the first: bubble, peak activation memory (largest stage), median step."""
+    if len(smp_rows) < 2:
+        return
+    first = smp_rows[0]
+    for r in smp_rows[1:]:
+        assert r.bubble_measured is not None and first.bubble_measured is not None
+        assert r.peak_activation_mib is not None and first.peak_activation_mib is not None
+        print(
+            f"{r.name} vs {first.name}: bubble {ratio(r.bubble_measured, first.bubble_measured)}, peak activation "
+            f"memory (largest stage) {ratio(max(r.peak_activation_mib), max(first.peak_activation_mib))}, "
+            f"median step {ratio(r.median_step_s, first.median_step_s)}"
+        )
 
 
 def run(argv: list[str]) -> None:
@@ -371,7 +399,14 @@ def run(argv: list[str]) -> None:
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 8)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed warm-up steps (default 2)")
     parser.add_argument("--microbatches", type=int, default=8)
-    parser.add_argument("--smp-pipeline", choices=("interleaved", "simple"), default="interleaved")
+    parser.add_argument("--stages", type=int, default=None, help="the same as --world-size")
+    parser.add_argument("--smp-pipeline", choices=PIPELINES, default="interleaved")
+    parser.add_argument(
+        "--schedules",
+        default=None,
+        help="smp schedules to compare side by side, comma-separated (e.g. interleaved,zero_bubble; "
+        "default: --smp-pipeline)",
+    )
     parser.add_argument("--smp-optimize", choices=("speed", "memory"), default="speed")
     parser.add_argument("--smp-item-outputs", action="store_true", help="smp's step also returns loss.item()")
     parser.add_argument("--strategies", default="smp,torch GPipe,torch 1F1B")
@@ -379,8 +414,13 @@ def run(argv: list[str]) -> None:
     parser.add_argument("--json", default=None, metavar="PATH")
     args = parser.parse_args(argv)
     try:
+        schedules = tuple(s.strip() for s in (args.schedules or "").split(",") if s.strip())
+        unknown = [s for s in schedules if s not in PIPELINES]
+        if unknown:
+            parser.error(f"--schedules: unknown {unknown}; known: {', '.join(PIPELINES)}")
         settings = PipelineSettings(
-            stages=args.world_size,
+            stages=args.stages if args.stages is not None else args.world_size,
+            smp_schedules=schedules,
             microbatches=args.microbatches,
             smp_pipeline=args.smp_pipeline,
             smp_optimize=args.smp_optimize,

@@ -27,9 +27,16 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Optional
 
+import torch
+from torch.utils._pytree import tree_map
+
 from shardkit.modelparallel.execution import StageExecution
 from shardkit.modelparallel.runtime import MicrobatchRecord
 from shardkit.modelparallel.step_outputs import OutputSharing, share_from_output_stage
+
+
+def _detached(value: Any) -> Any:
+    return value.detach() if isinstance(value, torch.Tensor) else value
 
 
 class Action(NamedTuple):
@@ -189,6 +196,10 @@ class StepRun:
                 execution.backward_weight(record)
             elif split:
                 execution.backward_input(record, self.microbatches)
+                if self.detach_outputs:
+                    # The returned loss is the graph's root: dropping it lets autograd free the nodes above the
+                    # ones W re-runs (a language model's logits) now rather than at the step's end.
+                    record.outputs = tree_map(_detached, record.outputs)
             else:
                 execution.backward(record, self.microbatches)
         execution.finish_step(any(r.backward_requested for r in self.records))
