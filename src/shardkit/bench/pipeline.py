@@ -35,9 +35,9 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from shardkit.bench.pipeline_smp import SmpSchedules
+from shardkit.bench.pipeline_torch import TorchPipeline, block_split
 from shardkit.bench.report import format_table, ratio, write_json
 from shardkit.bench.runner import quiet_torch_deprecations
 from shardkit.demo.task import MarkovTask
@@ -92,95 +92,6 @@ class PipelineSettings:
         return self.batch_per_rank * self.stages
 
 
-class _FirstStage(nn.Module):
-    def __init__(self, lm: TransformerLM, blocks: list[nn.Module]) -> None:
-        super().__init__()
-        self.embed, self.pos, self.blocks = lm.embed, lm.pos, nn.ModuleList(blocks)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens) + self.pos[: tokens.shape[1]]
-        for block in self.blocks:
-            x = block(x)
-        return x
-
-
-class _MiddleStage(nn.Module):
-    def __init__(self, blocks: list[nn.Module]) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(blocks)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return x
-
-
-class _LastStage(_MiddleStage):
-    def __init__(self, lm: TransformerLM, blocks: list[nn.Module]) -> None:
-        super().__init__(blocks)
-        self.ln_f, self.head = lm.ln_f, lm.head
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.ln_f(super().forward(x)))
-
-
-def _block_split(n_layers: int, stages: int, placement: Any = None) -> list[range]:
-    """Blocks per stage: the cut smp's auto-partition chose (when it kept the embedding first and the output
-    projection last, as torch's stages here do), else an even split."""
-    if placement is not None:
-        per_stage = [
-            [int(n.split(".")[1]) for n in placement.modules_on(s) if n.startswith("blocks.")] for s in range(stages)
-        ]
-        flat = [b for blocks in per_stage for b in blocks]
-        ends_ok = placement.stage_of("embed") == 0 and placement.stage_of("head") == stages - 1
-        if ends_ok and flat == list(range(n_layers)) and all(per_stage):
-            return [range(blocks[0], blocks[-1] + 1) for blocks in per_stage]
-    edges = [round(i * n_layers / stages) for i in range(stages + 1)]
-    return [range(a, b) for a, b in zip(edges, edges[1:])]
-
-
-class _TorchPipeline:
-    """One torch.distributed.pipelining schedule over this rank's stage of the bench LM."""
-
-    def __init__(
-        self, schedule_cls: Any, settings: PipelineSettings, group: Any, tied_group: Any, placement: Any = None
-    ) -> None:
-        from torch.distributed.pipelining import PipelineStage
-
-        rank, n = dist.get_rank(), settings.stages
-        self.tied: Optional[torch.Tensor] = None
-        lm = _build_lm(settings)
-        blocks = [lm.blocks[i] for i in _block_split(settings.lm.n_layers, n, placement)[rank]]
-        if rank == 0:
-            module: nn.Module = _FirstStage(lm, blocks)
-            self.tied = lm.embed.weight
-        elif rank == n - 1:
-            module = _LastStage(lm, blocks)
-            self.tied = lm.head.weight
-        else:
-            module = _MiddleStage(blocks)
-        del lm
-        self.rank, self.last, self.module, self.tied_group = rank, rank == n - 1, module, tied_group
-        stage = PipelineStage(module, rank, n, torch.device("cpu"), group=group)
-        self.schedule = schedule_cls(stage, settings.microbatches, loss_fn=TransformerLM.loss_fn)
-        self.optimizer = torch.optim.AdamW(module.parameters(), lr=settings.lr)
-
-    def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
-        """One training step; returns the mean loss on the last stage (NaN elsewhere)."""
-        self.optimizer.zero_grad()
-        losses: list[torch.Tensor] = []
-        if self.rank == 0:
-            self.schedule.step(tokens)
-        elif self.last:
-            self.schedule.step(target=targets, losses=losses, return_outputs=False)
-        else:
-            self.schedule.step()
-        if self.tied is not None and self.tied.grad is not None:  # embedding and output projection are one weight
-            collectives.all_reduce(self.tied.grad, group=self.tied_group, label="bench.tied_grad")
-        self.optimizer.step()
-        return float(torch.stack(losses).mean()) if losses else float("nan")
-
-
 def _build_lm(settings: PipelineSettings) -> TransformerLM:
     torch.manual_seed(settings.seed)
     return TransformerLM(settings.lm)
@@ -213,7 +124,9 @@ def _worker(settings: PipelineSettings, names: list[str]) -> dict[str, Any]:
     for name in names:
         if name in torch_schedules:
             group = dist.new_group(list(range(n)))
-            lives[name] = _TorchPipeline(torch_schedules[name], settings, group, tied_group, placement)
+            lives[name] = TorchPipeline(
+                torch_schedules[name], settings, lambda: _build_lm(settings), group, tied_group, placement
+            )
         elif name not in lives:
             raise ValueError(f"unknown strategy {name!r}; known: smp, {', '.join(torch_schedules)}")
     times: dict[str, list[float]] = {name: [] for name in names}
@@ -233,7 +146,7 @@ def _worker(settings: PipelineSettings, names: list[str]) -> dict[str, Any]:
                 times[name].append(elapsed)
             losses[name].append(loss)
     result: dict[str, Any] = {"rank": rank, "times": times, "losses": losses}
-    result["split"] = [list(r) for r in _block_split(settings.lm.n_layers, n, placement)]
+    result["split"] = [list(r) for r in block_split(settings.lm.n_layers, n, placement)]
     if smp_live is not None:
         result["smp_peak_activation"] = {}
         for schedule in settings.schedules:
