@@ -144,3 +144,38 @@ def test_zero_bubble_keeps_one_f_one_b_order_and_memory(num_stages: int, microba
             live += {"F": 1, "B": 0, "W": -1}[action.kind]
             peak = max(peak, live)
         assert peak <= min(num_stages, microbatches)
+
+
+def test_a_torch_compiled_module_is_not_split() -> None:
+    """torch.compile's backward is one autograd.Function over the whole module: the stage runs unsplit."""
+    model = torch.compile(nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6)), backend="aot_eager")
+    x = torch.randn(5, 6).requires_grad_(True)
+    result = backward_input([model(x).sum()], [torch.tensor(1.0)], [x])
+    assert isinstance(result, str) and "CompiledFunctionBackward" in result
+
+
+def test_a_user_checkpointed_block_splits_exactly_but_recomputes_in_w() -> None:
+    """torch.utils.checkpoint inside a stage (not smp.set_activation_checkpointing, which runs unsplit): the
+    gradients are still bit-identical; each W call that reaches the block recomputes it (documented cost)."""
+    calls = [0]
+    torch.manual_seed(0)
+    a, b = nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def block(h: torch.Tensor) -> torch.Tensor:
+        calls[0] += 1
+        return b(torch.tanh(a(h)))
+
+    x0 = torch.randn(4, 6)
+    x = x0.clone().requires_grad_(True)
+    torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False).sum().backward()
+    expected = [a.weight.grad.clone(), b.weight.grad.clone(), x.grad.clone()]
+    unsplit_calls, calls[0] = calls[0], 0
+    a.zero_grad(), b.zero_grad()
+    x = x0.clone().requires_grad_(True)
+    y = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+    result = backward_input([y.sum()], [torch.tensor(1.0)], [x])
+    assert not isinstance(result, str)
+    result[1].run()
+    for got, want in zip([a.weight.grad, b.weight.grad, result[0][0]], expected):
+        assert torch.equal(got, want)
+    assert unsplit_calls == 2 and calls[0] > unsplit_calls

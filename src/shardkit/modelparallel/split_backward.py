@@ -20,7 +20,10 @@ second time. Separate calls for separate weights keep W from re-running the inpu
 
 The split is refused (:func:`backward_input` returns a reason; the caller then runs the unsplit backward) when
 a custom ``autograd.Function`` would have to run in both halves: its backward may compute or consume the
-weight gradient once, which W cannot repeat safely.
+weight gradient once, which W cannot repeat safely. A ``torch.compile``-d module is one such Function (its whole
+backward is one node), so a compiled stage runs unsplit. ``torch.utils.checkpoint`` (non-reentrant) inside a
+stage splits exactly, but every W call that reaches the checkpointed block recomputes it once more; modules
+given to ``smp.set_activation_checkpointing`` make their stage run unsplit instead (see ``StageExecution``).
 """
 
 from __future__ import annotations
