@@ -164,3 +164,9 @@ def test_custom_function_on_both_gradient_paths_runs_unsplit() -> None:
             assert len(a["warnings"]) == 1 and "_ScaleBackward" in a["warnings"][0], a["warnings"]
         else:
             assert a["warnings"] == []
+
+
+def test_gradient_accumulation_over_steps_with_replicas() -> None:
+    """backward_passes_per_step=2: W's gradients accumulate locally and are all-reduced every other step."""
+    cases = [("lm", {"partitions": 2, "microbatches": 2, "ddp": True, "pipeline": ZB}, {})]
+    _check(run_distributed(_parity, 4, cases, {"backward_passes_per_step": 2, "bucket_cap_mb": 0.01}))
