@@ -74,7 +74,10 @@ EXPECTED: dict[str, tuple[Callable[..., Any], list[tuple[str, Any]]]] = {
         smp.DistributedModel.backward,
         [("tensors", _NO_DEFAULT), ("grad_tensors", None)],
     ),
-    "smp.DistributedOptimizer": (smp.DistributedOptimizer.__init__, [("optimizer", _NO_DEFAULT)]),
+    "smp.DistributedOptimizer": (
+        smp.DistributedOptimizer.__init__,
+        [("optimizer", _NO_DEFAULT), ("static_loss_scale", 1.0), ("dynamic_loss_scale", False)],
+    ),
     "smp.partition": (smp.partition, [("index", _NO_DEFAULT)]),
     "smp.save": (
         smp.save,

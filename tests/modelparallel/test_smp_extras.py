@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 from smp_testlib import batch, loss_of, max_diff, mlp, train_step
@@ -64,8 +65,8 @@ def test_join_with_uneven_inputs_hooks_and_cpu() -> None:
         assert r["cpu_diff"] == 0.0 and r["local_before"] < r["total"]
 
 
-def _scaler(rank: int, world_size: int) -> list[tuple[float, bool]]:
-    smp.init({"partitions": 2, "microbatches": 2})
+def _scaler(rank: int, world_size: int, pipeline: str = "interleaved") -> list[tuple[float, bool]]:
+    smp.init({"partitions": 2, "microbatches": 2, "pipeline": pipeline})
     model = smp.DistributedModel(mlp())
     opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     scaler = smp.amp.GradScaler(init_scale=1024.0)
@@ -93,8 +94,9 @@ def _scaler(rank: int, world_size: int) -> list[tuple[float, bool]]:
     return out
 
 
-def test_grad_scaler_agrees_on_overflow_across_stages() -> None:
-    for per_rank in run_distributed(_scaler, 2):
+@pytest.mark.parametrize("pipeline", ["interleaved", "zero_bubble"])
+def test_grad_scaler_agrees_on_overflow_across_stages(pipeline: str) -> None:
+    for per_rank in run_distributed(_scaler, 2, pipeline):
         assert per_rank == [(512.0, False), (512.0, True)]
 
 

@@ -252,10 +252,12 @@ def _single_process(kind: str, name: str, steps: int) -> tuple[dict[str, torch.T
     return model.state_dict(), norms, opt.state_dict()
 
 
-def _pipelined(rank: int, world_size: int, kind: str, name: str, steps: int) -> dict[str, Any]:
+def _pipelined(
+    rank: int, world_size: int, kind: str, name: str, steps: int, pipeline: str = "interleaved"
+) -> dict[str, Any]:
     from smp_testlib import BUILDERS, batch, train_step
 
-    smp.init({"partitions": 2, "microbatches": 2})
+    smp.init({"partitions": 2, "microbatches": 2, "pipeline": pipeline})
     model = smp.DistributedModel(BUILDERS[name]())
     opt = smp.DistributedOptimizer(_make(kind, model.parameters()))
     norms = []
@@ -271,13 +273,16 @@ def _pipelined(rank: int, world_size: int, kind: str, name: str, steps: int) -> 
     return result
 
 
-@pytest.mark.parametrize("kind", ["lamb", "novograd"])
-def test_pipelined_training_matches_single_process(kind: str) -> None:
+@pytest.mark.parametrize(
+    "kind,pipeline", [("lamb", "interleaved"), ("novograd", "interleaved"), ("lamb", "zero_bubble")]
+)
+def test_pipelined_training_matches_single_process(kind: str, pipeline: str) -> None:
     """Two stages, the residual model (one parameter replicated on both stages): the same steps as one
-    process, and for LAMB the same global gradient norm (the replicated parameter counted once)."""
+    process, and for LAMB the same global gradient norm (the replicated parameter counted once); under the
+    zero-bubble schedule the norm is taken after every W, before the step."""
     steps = 3
     ref_state, ref_norms, ref_opt = _single_process(kind, "residual", steps)
-    for out in run_distributed(_pipelined, 2, kind, "residual", steps):
+    for out in run_distributed(_pipelined, 2, kind, "residual", steps, pipeline):
         for key, value in ref_state.items():
             torch.testing.assert_close(out["state"][key], value, atol=2e-5, rtol=1e-4)
         assert out["norms"] == pytest.approx(ref_norms, rel=1e-5)

@@ -7,8 +7,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 import pytest
+import torch
 
 import shardkit.modelparallel.pipeline_parallel as pipeline_parallel
+from shardkit.distributed import DummyProcessGroup
 from shardkit.modelparallel.pipeline_parallel import StepRun
 from shardkit.modelparallel.runtime import MicrobatchRecord
 
@@ -24,7 +26,8 @@ class _FakeExecution:
     def __init__(self, pipeline: str, stage: int, num_stages: int) -> None:
         self.pipeline, self.stage, self.num_stages = pipeline, stage, num_stages
         self.output_stage = num_stages - 1
-        self.mp_group = None
+        self.mp_group = DummyProcessGroup(rank=stage, size=num_stages)  # one process: no traffic
+        self.device = torch.device("cpu")
         self.link = _Link()
         self.calls: list[str] = []
 

@@ -11,10 +11,16 @@ sync by an all-reduce of the two copies' gradients, as smp does.
 The table gives the median and the minimum step time (slowest rank per step; the minimum is the least
 disturbed by other load on a shared machine), their ratios to torch's 1F1B, and smp's measured
 bubble (time each stage spent blocked on receives, averaged over stages) against the theory
-``(p - 1) / (m + p - 1)``.
+(:func:`bubble_theory`), and smp's peak activation memory per stage (bytes saved for backward, measured in one
+extra step per schedule: :mod:`shardkit.bench.pipeline_smp`). ``--schedules interleaved,zero_bubble`` runs
+several smp schedules side by side in the same processes, each with its own weights, and prints each against
+the first.
 
-Run it as ``shardkit bench pipeline`` (options ``--steps``, ``--warmup``, ``--world-size``, ``--quick``,
-``--microbatches``, ``--smp-pipeline simple|interleaved``, ``--json PATH``) or ``python -m shardkit.bench.pipeline``.
+Run it as ``shardkit bench pipeline`` (options ``--steps``, ``--warmup``, ``--world-size``/``--stages``,
+``--quick``, ``--microbatches``, ``--smp-pipeline simple|interleaved|zero_bubble``, ``--schedules``,
+``--smp-item-outputs``, ``--json PATH``) or
+``python -m shardkit.bench.pipeline``. ``--smp-item-outputs`` makes smp's step also return ``loss.item()``, so each
+step broadcasts one small object over the stages; the cost of sharing the outputs is printed below the table.
 """
 
 from __future__ import annotations
@@ -29,16 +35,17 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
+from shardkit.bench.pipeline_smp import SmpSchedules
+from shardkit.bench.pipeline_torch import TorchPipeline, block_split
 from shardkit.bench.report import format_table, ratio, write_json
 from shardkit.bench.runner import quiet_torch_deprecations
 from shardkit.demo.task import MarkovTask
 from shardkit.distributed import collectives
 from shardkit.launch import launch_local
+from shardkit.modelparallel.config import PIPELINES
 from shardkit.testing.models import LMConfig, TransformerLM
 from shardkit.utils.checks import at_least, positive
-from shardkit.utils.torch_compat import step_takes_return_outputs
 
 QUICK_LM = LMConfig(vocab_size=64, d_model=32, n_heads=4, n_layers=2, seq_len=16)
 
@@ -57,8 +64,12 @@ class PipelineSettings:
     lr: float = 1e-3
     seed: int = 0
     smp_pipeline: str = "interleaved"
+    #: smp schedules to run side by side (``--schedules``); empty means just ``smp_pipeline``.
+    smp_schedules: tuple[str, ...] = ()
     #: Auto-partition balancing compute (memory_weight 0.2)
     smp_optimize: str = "speed"
+    #: smp's step also returns ``loss.item()``: every step then broadcasts one small object over the stages.
+    smp_item_outputs: bool = False
 
     def __post_init__(self) -> None:
         for name in ("stages", "batch_per_rank", "microbatches", "steps"):
@@ -67,145 +78,18 @@ class PipelineSettings:
         positive(self, "lr", self.lr)
 
     @property
+    def schedules(self) -> list[str]:
+        """The smp schedules this run compares (the first is the baseline of the smp ratios)."""
+        return list(self.smp_schedules) or [self.smp_pipeline]
+
+    def smp_name(self, schedule: str) -> str:
+        """The row name of smp under ``schedule``: plain ``smp`` when only one schedule runs."""
+        return "smp" if len(self.schedules) == 1 else f"smp {schedule}"
+
+    @property
     def global_batch(self) -> int:
         """Sequences per step, over all micro-batches."""
         return self.batch_per_rank * self.stages
-
-
-class _FirstStage(nn.Module):
-    def __init__(self, lm: TransformerLM, blocks: list[nn.Module]) -> None:
-        super().__init__()
-        self.embed, self.pos, self.blocks = lm.embed, lm.pos, nn.ModuleList(blocks)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens) + self.pos[: tokens.shape[1]]
-        for block in self.blocks:
-            x = block(x)
-        return x
-
-
-class _MiddleStage(nn.Module):
-    def __init__(self, blocks: list[nn.Module]) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(blocks)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return x
-
-
-class _LastStage(_MiddleStage):
-    def __init__(self, lm: TransformerLM, blocks: list[nn.Module]) -> None:
-        super().__init__(blocks)
-        self.ln_f, self.head = lm.ln_f, lm.head
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.ln_f(super().forward(x)))
-
-
-def _block_split(n_layers: int, stages: int, placement: Any = None) -> list[range]:
-    """Blocks per stage: the cut smp's auto-partition chose (when it kept the embedding first and the output
-    projection last, as torch's stages here do), else an even split."""
-    if placement is not None:
-        per_stage = [
-            [int(n.split(".")[1]) for n in placement.modules_on(s) if n.startswith("blocks.")] for s in range(stages)
-        ]
-        flat = [b for blocks in per_stage for b in blocks]
-        ends_ok = placement.stage_of("embed") == 0 and placement.stage_of("head") == stages - 1
-        if ends_ok and flat == list(range(n_layers)) and all(per_stage):
-            return [range(blocks[0], blocks[-1] + 1) for blocks in per_stage]
-    edges = [round(i * n_layers / stages) for i in range(stages + 1)]
-    return [range(a, b) for a, b in zip(edges, edges[1:])]
-
-
-class _TorchPipeline:
-    """One torch.distributed.pipelining schedule over this rank's stage of the bench LM."""
-
-    def __init__(
-        self, schedule_cls: Any, settings: PipelineSettings, group: Any, tied_group: Any, placement: Any = None
-    ) -> None:
-        from torch.distributed.pipelining import PipelineStage
-
-        rank, n = dist.get_rank(), settings.stages
-        self.tied: Optional[torch.Tensor] = None
-        lm = _build_lm(settings)
-        blocks = [lm.blocks[i] for i in _block_split(settings.lm.n_layers, n, placement)[rank]]
-        if rank == 0:
-            module: nn.Module = _FirstStage(lm, blocks)
-            self.tied = lm.embed.weight
-        elif rank == n - 1:
-            module = _LastStage(lm, blocks)
-            self.tied = lm.head.weight
-        else:
-            module = _MiddleStage(blocks)
-        del lm
-        self.rank, self.last, self.module, self.tied_group = rank, rank == n - 1, module, tied_group
-        stage = PipelineStage(module, rank, n, torch.device("cpu"), group=group)
-        self.schedule = schedule_cls(stage, settings.microbatches, loss_fn=TransformerLM.loss_fn)
-        self.optimizer = torch.optim.AdamW(module.parameters(), lr=settings.lr)
-
-    def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
-        """One training step; returns the mean loss on the last stage (NaN elsewhere)."""
-        self.optimizer.zero_grad()
-        losses: list[torch.Tensor] = []
-        if self.rank == 0:
-            self.schedule.step(tokens)
-        elif self.last:
-            extra = {"return_outputs": False} if step_takes_return_outputs(self.schedule) else {}
-            self.schedule.step(target=targets, losses=losses, **extra)
-        else:
-            self.schedule.step()
-        if self.tied is not None and self.tied.grad is not None:  # embedding and output projection are one weight
-            collectives.all_reduce(self.tied.grad, group=self.tied_group, label="bench.tied_grad")
-        self.optimizer.step()
-        return float(torch.stack(losses).mean()) if losses else float("nan")
-
-
-class _SmpPipeline:
-    """The smp pipeline over the bench LM (auto-partitioned)."""
-
-    def __init__(self, settings: PipelineSettings) -> None:
-        import shardkit.modelparallel as smp
-
-        smp.init(
-            {
-                "partitions": settings.stages,
-                "microbatches": settings.microbatches,
-                "pipeline": settings.smp_pipeline,
-                "optimize": settings.smp_optimize,
-            }
-        )
-        self.smp = smp
-        self.model = smp.DistributedModel(_build_lm(settings), trace_device="cpu")
-        self.optimizer = smp.DistributedOptimizer(torch.optim.AdamW(self.model.parameters(), lr=settings.lr))
-        self.waits: list[float] = []
-
-        @smp.step
-        def train_step(model: Any, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-            loss = TransformerLM.loss_fn(model(tokens), targets)
-            model.backward(loss)
-            return loss
-
-        @smp.step
-        def forward_only(model: Any, tokens: torch.Tensor) -> None:
-            model(tokens)
-
-        self.train_step = train_step
-        self.forward_only = forward_only
-
-    def partition(self, tokens: torch.Tensor) -> None:
-        """A forward-only step: partitions the model without changing it."""
-        with torch.no_grad():
-            self.forward_only(self.model, tokens)
-
-    def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
-        """One training step; returns the mean loss (on every stage)."""
-        self.optimizer.zero_grad()
-        loss = self.train_step(self.model, tokens, targets).reduce_mean().item()
-        self.optimizer.step()
-        self.waits.append(self.model.last_step_stats.bubble_fraction)
-        return float(loss)
 
 
 def _build_lm(settings: PipelineSettings) -> TransformerLM:
@@ -226,17 +110,24 @@ def _worker(settings: PipelineSettings, names: list[str]) -> dict[str, Any]:
     task = MarkovTask.create(settings.lm.vocab_size, seed=settings.seed)
     lives: dict[str, Any] = {}
     placement = None
+    smp_live: Optional[SmpSchedules] = None
     if "smp" in names:  # smp partitions on its first step; torch's stages then get the same cut
-        lives["smp"] = _SmpPipeline(settings)
+        smp_live = SmpSchedules(settings, settings.schedules, lambda: _build_lm(settings))
         tokens, _ = task.batch(settings.global_batch, settings.lm.seq_len, torch.Generator().manual_seed(0))
-        lives["smp"].partition(tokens)
-        placement = lives["smp"].model.placement
+        smp_live.partition(tokens)
+        placement = smp_live.model.placement
+        at = names.index("smp")
+        names = names[:at] + [settings.smp_name(s) for s in settings.schedules] + names[at + 1 :]
+        for schedule in settings.schedules:
+            lives[settings.smp_name(schedule)] = _SmpRun(smp_live, schedule)
     torch_schedules = {"torch GPipe": ScheduleGPipe, "torch 1F1B": Schedule1F1B}
     for name in names:
         if name in torch_schedules:
             group = dist.new_group(list(range(n)))
-            lives[name] = _TorchPipeline(torch_schedules[name], settings, group, tied_group, placement)
-        elif name != "smp":
+            lives[name] = TorchPipeline(
+                torch_schedules[name], settings, lambda: _build_lm(settings), group, tied_group, placement
+            )
+        elif name not in lives:
             raise ValueError(f"unknown strategy {name!r}; known: smp, {', '.join(torch_schedules)}")
     times: dict[str, list[float]] = {name: [] for name in names}
     losses: dict[str, list[float]] = {name: [] for name in names}
@@ -245,6 +136,8 @@ def _worker(settings: PipelineSettings, names: list[str]) -> dict[str, Any]:
         tokens, targets = task.batch(settings.global_batch, settings.lm.seq_len, gen)
         shift = step % len(names)
         for name in names[shift:] + names[:shift]:
+            if isinstance(lives[name], _SmpRun):
+                lives[name].prepare()
             collectives.barrier(bench_group, "bench.step_start")
             start = time.perf_counter()
             loss = lives[name].step(tokens, targets)
@@ -253,14 +146,33 @@ def _worker(settings: PipelineSettings, names: list[str]) -> dict[str, Any]:
                 times[name].append(elapsed)
             losses[name].append(loss)
     result: dict[str, Any] = {"rank": rank, "times": times, "losses": losses}
-    result["split"] = [list(r) for r in _block_split(settings.lm.n_layers, n, placement)]
-    if "smp" in lives:
-        smp_live = lives["smp"]
-        result["smp_wait"] = smp_live.waits[settings.warmup :]
+    result["split"] = [list(r) for r in block_split(settings.lm.n_layers, n, placement)]
+    if smp_live is not None:
+        result["smp_peak_activation"] = {}
+        for schedule in settings.schedules:
+            name = settings.smp_name(schedule)
+            result["smp_peak_activation"][name] = smp_live.peak_activation_bytes(schedule, tokens, targets)
+            result.setdefault("smp_wait", {})[name] = smp_live.waits[schedule][settings.warmup :]
+            result.setdefault("smp_share", {})[name] = smp_live.shares[schedule][settings.warmup :]
         result["placement"] = str(smp_live.model.placement)
         smp_live.smp.reset()
     dist.destroy_process_group()
     return result
+
+
+class _SmpRun:
+    """One smp schedule as a strategy of the suite."""
+
+    def __init__(self, schedules: SmpSchedules, schedule: str) -> None:
+        self.schedules, self.schedule = schedules, schedule
+
+    def prepare(self) -> None:
+        """Swap this schedule's weights in (before the timed region)."""
+        self.schedules.use(self.schedule)
+
+    def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+        """One training step under this schedule."""
+        return self.schedules.step(self.schedule, tokens, targets)
 
 
 @dataclass
@@ -275,6 +187,10 @@ class Row:
     max_loss_diff_vs_smp: Optional[float]
     bubble_measured: Optional[float]
     bubble_per_stage: Optional[list[float]]
+    #: smp: median over steps of the slowest stage's time sharing the step's outputs.
+    output_share_s: Optional[float] = None
+    #: smp: per stage, the peak bytes of activations saved for backward during one step (MiB).
+    peak_activation_mib: Optional[list[float]] = None
 
 
 def combine(settings: PipelineSettings, per_rank: list[dict[str, Any]]) -> list[Row]:
@@ -285,45 +201,59 @@ def combine(settings: PipelineSettings, per_rank: list[dict[str, Any]]) -> list[
     for name in names:
         step_times = [max(r["times"][name][i] for r in per_rank) for i in range(settings.steps)]
         losses = last["losses"][name]
-        diff = None
-        if "smp" in last["losses"] and name != "smp":
-            diff = max(abs(a - b) for a, b in zip(losses, last["losses"]["smp"]))
-        bubble = per_stage = None
-        if name == "smp":
-            per_stage = [statistics.fmean(r["smp_wait"]) for r in per_rank]
+        diff = memory = None
+        first_smp = settings.smp_name(settings.schedules[0])
+        if first_smp in last["losses"] and name != first_smp:
+            diff = max(abs(a - b) for a, b in zip(losses, last["losses"][first_smp]))
+        bubble = per_stage = share = None
+        if name in last.get("smp_wait", {}):
+            per_stage = [statistics.fmean(r["smp_wait"][name]) for r in per_rank]
             bubble = statistics.fmean(per_stage)
-        schedule = {"smp": settings.smp_pipeline, "torch GPipe": "GPipe", "torch 1F1B": "1F1B"}[name]
+            share = statistics.median(max(r["smp_share"][name][i] for r in per_rank) for i in range(settings.steps))
+            memory = [r["smp_peak_activation"][name] / 2**20 for r in per_rank]
+        smp_schedules = {settings.smp_name(s): s for s in settings.schedules}
+        schedule = {**smp_schedules, "torch GPipe": "GPipe", "torch 1F1B": "1F1B"}[name]
         rows.append(
-            Row(name, schedule, statistics.median(step_times), min(step_times), losses[-1], diff, bubble, per_stage)
+            Row(
+                name,
+                schedule,
+                statistics.median(step_times),
+                min(step_times),
+                losses[-1],
+                diff,
+                bubble,
+                per_stage,
+                share,
+                memory,
+            )
         )
     return rows
 
 
+def bubble_theory(schedule: str, stages: int, microbatches: int) -> float:
+    """The bubble fraction of ``schedule`` with equal forward, input-backward and weight-backward times:
+    ``(p-1)/(m+p-1)`` for GPipe and 1F1B, ``(p-1)/(3m+p-1)`` for ZB-H1 (bubble ``(p-1)(F+B-W)``)."""
+    p, m = stages, microbatches
+    if schedule == "zero_bubble":
+        return (p - 1) / (3 * m + p - 1)
+    return (p - 1) / (m + p - 1)
+
+
 def _print(settings: PipelineSettings, rows: list[Row], placement: Optional[str], split: list[list[int]]) -> None:
     p, m = settings.stages, settings.microbatches
-    theory = (p - 1) / (m + p - 1)
     base = next((r for r in rows if r.name == "torch 1F1B"), None)
     print(
         f"pipeline: LM {settings.lm.n_layers} blocks x d{settings.lm.d_model}, vocab {settings.lm.vocab_size}, "
         f"seq {settings.lm.seq_len}; {p} stages x {m} micro-batches, global batch {settings.global_batch}; gloo/CPU; "
         f"median of {settings.steps} steps after {settings.warmup} warm-up; load average {os.getloadavg()[0]:.1f}"
     )
-    headers = [
-        "strategy",
-        "schedule",
-        "median ms",
-        "vs torch 1F1B",
-        "min ms",
-        "vs torch 1F1B (min)",
-        "bubble measured",
-        "bubble theory",
-        "loss",
-        "loss diff",
-    ]
+    headers = ["strategy", "schedule", "median ms", "vs torch 1F1B", "min ms", "vs torch 1F1B (min)"]
+    headers += ["bubble measured", "bubble theory", "peak act. MiB/stage", "loss", "loss diff"]
     table = []
     for r in rows:
         measured = "-" if r.bubble_measured is None else f"{r.bubble_measured:.1%}"
         diff = "-" if r.max_loss_diff_vs_smp is None else f"{r.max_loss_diff_vs_smp:.1e}"
+        memory = "-" if r.peak_activation_mib is None else "/".join(f"{x:.1f}" for x in r.peak_activation_mib)
         table.append(
             [
                 r.name,
@@ -333,21 +263,46 @@ def _print(settings: PipelineSettings, rows: list[Row], placement: Optional[str]
                 f"{r.min_step_s * 1e3:.0f}",
                 ratio(r.min_step_s, base.min_step_s if base else None),
                 measured,
-                f"{theory:.1%}",
+                f"{bubble_theory(r.schedule, p, m):.1%}",
+                memory,
                 f"{r.final_loss:.4f}",
                 diff,
             ]
         )
     print(format_table(headers, table))
-    smp_row = next((r for r in rows if r.name == "smp"), None)
-    if smp_row is not None and smp_row.bubble_per_stage is not None:
+    smp_rows = [r for r in rows if r.name.startswith("smp") and r.bubble_per_stage is not None]
+    for smp_row in smp_rows:
+        assert smp_row.bubble_per_stage is not None
         print(
-            "smp bubble per stage (time blocked on receives / step time): "
+            f"{smp_row.name} bubble per stage (time blocked on receives / step time): "
             + ", ".join(f"stage {i}: {b:.1%}" for i, b in enumerate(smp_row.bubble_per_stage))
+        )
+    _print_smp_ratios(smp_rows)
+    if smp_rows:
+        returns = "(loss, loss.item())" if settings.smp_item_outputs else "(loss,)"
+        share = smp_rows[0].output_share_s or 0.0
+        print(
+            f"smp step returns {returns}: sharing the outputs from the output stage took {share * 1e3:.2f} ms "
+            f"per step (median of the slowest stage), {share / smp_rows[0].median_step_s:.2%} of the step"
         )
     if placement:
         print(placement)
     print("torch.pipelining stages: " + " | ".join(f"blocks {b[0]}-{b[-1]}" for b in split) + " (embedding first)")
+
+
+def _print_smp_ratios(smp_rows: list[Row]) -> None:
+    """Each smp schedule against the first: bubble, peak activation memory (largest stage), median step."""
+    if len(smp_rows) < 2:
+        return
+    first = smp_rows[0]
+    for r in smp_rows[1:]:
+        assert r.bubble_measured is not None and first.bubble_measured is not None
+        assert r.peak_activation_mib is not None and first.peak_activation_mib is not None
+        print(
+            f"{r.name} vs {first.name}: bubble {ratio(r.bubble_measured, first.bubble_measured)}, peak activation "
+            f"memory (largest stage) {ratio(max(r.peak_activation_mib), max(first.peak_activation_mib))}, "
+            f"median step {ratio(r.median_step_s, first.median_step_s)}"
+        )
 
 
 def run(argv: list[str]) -> None:
@@ -357,18 +312,32 @@ def run(argv: list[str]) -> None:
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 8)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed warm-up steps (default 2)")
     parser.add_argument("--microbatches", type=int, default=8)
-    parser.add_argument("--smp-pipeline", choices=("interleaved", "simple"), default="interleaved")
+    parser.add_argument("--stages", type=int, default=None, help="the same as --world-size")
+    parser.add_argument("--smp-pipeline", choices=PIPELINES, default="interleaved")
+    parser.add_argument(
+        "--schedules",
+        default=None,
+        help="smp schedules to compare side by side, comma-separated (e.g. interleaved,zero_bubble; "
+        "default: --smp-pipeline)",
+    )
     parser.add_argument("--smp-optimize", choices=("speed", "memory"), default="speed")
+    parser.add_argument("--smp-item-outputs", action="store_true", help="smp's step also returns loss.item()")
     parser.add_argument("--strategies", default="smp,torch GPipe,torch 1F1B")
     parser.add_argument("--quick", action="store_true", help="tiny model and few steps (seconds), for tests")
     parser.add_argument("--json", default=None, metavar="PATH")
     args = parser.parse_args(argv)
     try:
+        schedules = tuple(s.strip() for s in (args.schedules or "").split(",") if s.strip())
+        unknown = [s for s in schedules if s not in PIPELINES]
+        if unknown:
+            parser.error(f"--schedules: unknown {unknown}; known: {', '.join(PIPELINES)}")
         settings = PipelineSettings(
-            stages=args.world_size,
+            stages=args.stages if args.stages is not None else args.world_size,
+            smp_schedules=schedules,
             microbatches=args.microbatches,
             smp_pipeline=args.smp_pipeline,
             smp_optimize=args.smp_optimize,
+            smp_item_outputs=args.smp_item_outputs,
         )
         if args.quick:
             settings = replace(settings, lm=QUICK_LM, steps=2, warmup=1)

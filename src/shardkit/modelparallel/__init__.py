@@ -33,8 +33,20 @@ object the schedule drives), :mod:`~.pipeline_parallel` (schedules; it imports n
 :mod:`~.startup`, :mod:`~.optimizer`, :mod:`~.checkpoint`, :mod:`~.amp`; ``smp.nn`` (``FusedLayerNorm``) and
 ``smp.optimizers`` (``FusedNovoGrad``, ``FusedLamb``), the Apex replacements smp ships, in plain torch.
 
-Layering, bottom up: config/topology -> state -> plan/runtime/pp_communications -> execution ->
-pipeline_parallel -> holding/build -> model -> step; no module imports one above it.
+smp's common API beyond the seed: :mod:`~.config_sources` (where ``smp.init()`` finds its config, smp v1's keys),
+:mod:`~.groups` (``CommGroup``, ``RankType``, the tp/rdp/pp helpers), :mod:`~.comm` (``allgather``,
+``broadcast``, ``send``, ``recv_from``, ``barrier``), :mod:`~.sharded_state` (``shard_optimizer_state``) and
+:mod:`~.tensor_parallel` (smp's tensor-parallel names, which refuse); ``__version__`` is the smp release whose API
+this follows.
+
+Script-facing calls of smp v1.10: :mod:`~.step_outputs` (what a step returns: every micro-batch's value, the output
+stage's on every rank), :mod:`~.checkpoint_folders` (``save_checkpoint``, ``resume_from_checkpoint``),
+:mod:`~.activation_checkpointing` (``set_activation_checkpointing``, applied below the routing at the partition) and
+:mod:`~.delayed_init` (``delay_param_initialization``: build on meta, each stage creates its share).
+
+Layering, bottom up: config/topology -> state -> plan/runtime/pp_communications/step_outputs -> execution ->
+pipeline_parallel -> activation_checkpointing/delayed_init -> holding/build -> model -> step; checkpoint_folders
+sits beside checkpoint; no module imports one above it.
 """
 
 from shardkit.modelparallel import amp, nn, optimizers
@@ -45,7 +57,6 @@ from shardkit.modelparallel.model import DistributedModel
 from shardkit.modelparallel.optimizer import DistributedOptimizer
 from shardkit.modelparallel.partition import partition
 from shardkit.modelparallel.state import (
-    barrier,
     dp_rank,
     dp_size,
     get_dp_group,
@@ -66,6 +77,44 @@ from shardkit.modelparallel.state import (
     size,
 )
 from shardkit.modelparallel.step import StepOutput, step
+
+# ---- smp's common API beyond the seed: groups, communication, tensor-parallel names (issue 21) ----------------
+# isort: split
+from shardkit.modelparallel.comm import allgather, barrier, broadcast, dp_barrier, mp_barrier, recv_from, send
+from shardkit.modelparallel.groups import (
+    DP_GROUP,
+    MP_GROUP,
+    PP_GROUP,
+    RDP_GROUP,
+    TP_GROUP,
+    WORLD,
+    CommGroup,
+    RankType,
+    get_pp_process_group,
+    get_rdp_process_group,
+    get_tp_process_group,
+    rdp_rank,
+    rdp_size,
+    tp_rank,
+    tp_size,
+)
+from shardkit.modelparallel.tensor_parallel import (
+    set_tensor_parallelism,
+    tensor_parallelism,
+    tp_register,
+    tp_register_with_module,
+)
+from shardkit.modelparallel.trace import is_tracing
+
+# isort: split
+# ---- smp v1.10+ checkpoints, activation checkpointing, delayed initialisation (issue 21, items 5 and 6) ----
+from shardkit.modelparallel.activation_checkpointing import set_activation_checkpointing
+from shardkit.modelparallel.checkpoint_folders import resume_from_checkpoint, save_checkpoint
+from shardkit.modelparallel.delayed_init import delay_param_initialization, delayed_parameter_initialization
+
+#: The smp release whose API this module follows (scripts compare it to pick code paths); shardkit's own version
+#: is ``shardkit.__version__``.
+__version__ = "1.10.0"
 
 __all__ = [
     "DistributedModel",
@@ -99,4 +148,41 @@ __all__ = [
     "save",
     "size",
     "step",
+]
+# smp's common API beyond the seed (issue 21)
+__all__ += [
+    "DP_GROUP",
+    "MP_GROUP",
+    "PP_GROUP",
+    "RDP_GROUP",
+    "TP_GROUP",
+    "WORLD",
+    "CommGroup",
+    "RankType",
+    "__version__",
+    "allgather",
+    "broadcast",
+    "dp_barrier",
+    "get_pp_process_group",
+    "get_rdp_process_group",
+    "get_tp_process_group",
+    "is_tracing",
+    "mp_barrier",
+    "rdp_rank",
+    "rdp_size",
+    "recv_from",
+    "send",
+    "set_tensor_parallelism",
+    "tensor_parallelism",
+    "tp_rank",
+    "tp_register",
+    "tp_register_with_module",
+    "tp_size",
+]
+__all__ += [
+    "delay_param_initialization",
+    "delayed_parameter_initialization",
+    "resume_from_checkpoint",
+    "save_checkpoint",
+    "set_activation_checkpointing",
 ]

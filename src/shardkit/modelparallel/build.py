@@ -15,11 +15,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardkit.distributed import broadcast_object
+from shardkit.distributed import all_gather_objects, broadcast_object
 from shardkit.distributed.device import current_cuda_device
 from shardkit.distributed.model_check import check_same_model
+from shardkit.modelparallel.activation_checkpointing import plan_checkpointing
 from shardkit.modelparallel.auto_partition import Placement
 from shardkit.modelparallel.config import ModelOptions
+from shardkit.modelparallel.delayed_init import check_delayable, is_delayed, materialize
 from shardkit.modelparallel.execution import StageExecution
 from shardkit.modelparallel.grad_sync import GradientSync
 from shardkit.modelparallel.holding import StageHolding
@@ -33,11 +35,12 @@ from shardkit.modelparallel.state import SMPState
 
 
 def execution_device(state: SMPState, module: nn.Module) -> torch.device:
-    """The device this rank computes on: its CUDA device under NCCL, else where the parameters are."""
+    """The device this rank computes on: its CUDA device under NCCL, else where the parameters are (the CPU for
+    a model built inside ``smp.delay_param_initialization``)."""
     if state.distributed and dist.get_backend() == "nccl":
         return current_cuda_device()  # cuda:LOCAL_RANK, selected now if the script did not
     first = next(iter(module.parameters()), None)
-    return first.device if first is not None else torch.device("cpu")
+    return first.device if first is not None and not first.is_meta else torch.device("cpu")
 
 
 def decide_plan(
@@ -46,10 +49,17 @@ def decide_plan(
     """Rank 0's partition plan for ``module`` called with ``(args, kwargs)``, on every rank (collective)."""
     cfg, topo = state.config, state.topology
     device = execution_device(state, module)
+    delayed = is_delayed(module)
     if state.distributed and topo.world_size > 1:
-        check_same_model(module, state.world_group, "smp.DistributedModel")  # before the broadcast
+        # Before the broadcast; a model that cannot be initialised late fails on every rank at once.
+        check_same_model(module, state.world_group, "smp.DistributedModel", local_error=_delay_error(module))
         check_same_inputs((args, kwargs), state.mp_group)
-        broadcast_initial_state(module, state.world_group, device)
+        if not delayed:  # a delayed model is created from the same seeds on every rank instead
+            broadcast_initial_state(module, state.world_group, device)
+    else:
+        check_delayable(module)
+    if delayed:
+        device = torch.device("meta")  # plan on shapes alone: no process ever holds the whole model
     payload: tuple[Any, Any, Optional[str]] = (None, None, None)
     if topo.rank == 0:
         try:
@@ -64,7 +74,7 @@ def decide_plan(
                 measure_time=options.trace_execution_times,
                 measure_memory=options.trace_memory_usage,
                 # "gpu" traces where this rank computes: a CPU-only run (gloo, CPU parameters) on the CPU
-                trace_device=torch.device("cpu") if options.trace_device == "cpu" else device,
+                trace_device=torch.device("cpu") if options.trace_device == "cpu" and not delayed else device,
             )
             check_plan(plan)
             payload = (plan, placement, None)
@@ -84,6 +94,14 @@ def decide_plan(
     return plan, placement
 
 
+def _delay_error(module: nn.Module) -> Optional[Exception]:
+    try:
+        check_delayable(module)
+    except ValueError as exc:
+        return exc
+    return None
+
+
 def build_stage(
     holding: StageHolding, plan: PipelinePlan, state: SMPState, options: ModelOptions, joining: bool
 ) -> StageExecution:
@@ -95,7 +113,12 @@ def build_stage(
     stage = topo.mp_rank
     device = execution_device(state, holding.module)
     runtime = StageRuntime(plan, stage, StageLink(state.p2p_group, topo, state.mp_group), device)
-    runtime.install(holding.module)  # first: it refuses a module it cannot route before anything changes
+    checkpointing = plan_checkpointing(holding.module, list(plan.units), manual=not state.config.auto_partition)
+    # First: it refuses a module it cannot route before anything changes.
+    runtime.install(holding.module, below=checkpointing)
+    if is_delayed(holding.module):
+        seed = all_gather_objects(torch.initial_seed(), state.world_group, "smp_delayed_init_seed")[0]
+        materialize(holding.module, lambda name: stage in plan.holders.get(name, ()), device, seed)
     named = holding.take(plan, stage, device)
     params = {n: t for n, t in named.items() if isinstance(t, nn.Parameter)}
     local_params = [p for n, p in params.items() if holding.holds(n)]
@@ -122,4 +145,18 @@ def build_stage(
         broadcast_buffers=state.config.ddp and topo.dp_size > 1 and options.broadcast_buffers,
         buffers=lambda: (buf for _, buf in holding.local_named_buffers()),
         joining=joining,
+        checkpointed=_checkpointed_on(holding.module, checkpointing, plan, stage),
+    )
+
+
+def _checkpointed_on(
+    root: nn.Module, swaps: list[tuple[nn.Module, Any]], plan: PipelinePlan, stage: int
+) -> tuple[str, ...]:
+    """Names of the activation-checkpointed modules that run on ``stage``."""
+    swapped = {id(module) for module, _ in swaps}
+    names = [name for name, module in root.named_modules() if id(module) in swapped]
+    return tuple(
+        name
+        for name in names
+        if any(s == stage and (u == "" or name == u or name.startswith(u + ".")) for u, s in plan.units.items())
     )

@@ -4,11 +4,16 @@ A *partial* state dict holds what one stage holds (marked ``_smp_is_partial``); 
 ordinary ``state_dict`` (same keys and order as the unwrapped module), so it loads into a plain torch model.
 Full dicts are built by gathering the partial ones over the replica's stages; a tensor several stages hold
 (tied or replicated) is taken from the lowest stage holding it.
+
+``smp.load`` reads partial checkpoints in both layouts smp v1 has written: the seed's ``<f>_<mp_rank>`` and
+v1.10+'s ``<f>_<pp_rank>_<tp_rank>.pt``; ``smp.save`` writes the seed's. Folders of ``smp.save_checkpoint`` are
+:mod:`~.checkpoint_folders`'s.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional
@@ -22,6 +27,8 @@ from shardkit.modelparallel import state as smp_state
 from shardkit.utils.tensors import to_cpu
 
 PARTIAL_KEY = "_smp_is_partial"
+MISSING = "no file"
+"""Words every missing-file problem contains (they make :func:`agree_on_problems` raise FileNotFoundError)."""
 #: The call a user made, by the label of the gather it leads to (for the every-rank check's messages).
 _GATHER_CALLS = {
     "smp_model_state_dict": "DistributedModel.state_dict()",
@@ -84,12 +91,78 @@ def merge_optimizer_partials(partials: Sequence[Mapping[str, Any]]) -> dict[str,
     return {"state": dict(sorted(state.items())), "param_groups": partials[0]["param_groups"]}
 
 
-def _path(f: str, partial: bool) -> str:
+def _checked_name(f: Any) -> str:
     if not isinstance(f, (str, os.PathLike)):
         raise TypeError(f"smp.save/smp.load take a file name (str), got {type(f).__name__}")
-    if not partial:
-        return os.fspath(f)
-    return f"{os.fspath(f)}_{smp_state.mp_rank() if smp_state.is_initialized() else 0}"
+    return os.fspath(f)
+
+
+def _save_path(f: str, partial: bool) -> str:
+    name = _checked_name(f)
+    return f"{name}_{smp_state.mp_rank() if smp_state.is_initialized() else 0}" if partial else name
+
+
+def stage_files(name: str) -> tuple[str, str]:
+    """This stage's file of a partial checkpoint ``name``, in the seed's layout (``<f>_<mp_rank>``) and in smp
+    v1.10+'s (``<f>_<pp_rank>_<tp_rank>.pt``, tp_rank 0 here: no tensor parallelism)."""
+    stage = smp_state.pp_rank() if smp_state.is_initialized() else 0
+    return f"{name}_{stage}", f"{name}_{stage}_0.pt"
+
+
+def partial_file_problem(name: str, files: Sequence[str], what: str) -> Optional[str]:
+    """Why this stage cannot read the partial checkpoint whose stage files would be ``files`` (None if it can).
+
+    ``files`` are this stage's candidate names; the checkpoint ``name`` is refused when it was written with
+    tensor parallelism (a ``_1.pt`` sibling: shards we cannot merge) or with more pipeline stages than this run.
+    """
+    stages = smp_state.pp_size() if smp_state.is_initialized() else 1
+    stage = smp_state.pp_rank() if smp_state.is_initialized() else 0
+    if os.path.exists(f"{name}_{stage}_1.pt"):
+        return (
+            f"{what} {name!r} was saved with tensor parallelism ({name}_{stage}_1.pt exists): shardkit has no "
+            "tensor parallelism and cannot merge tensor-parallel shards; save a full checkpoint (partial=False) "
+            "with smp and load that instead"
+        )
+    for extra in (f"{name}_{stages}", f"{name}_{stages}_0.pt"):
+        if os.path.exists(extra):
+            return (
+                f"{what} {name!r} has a file for pipeline stage {stages} ({extra}) but this run has {stages} stages: "
+                "load it with the number of partitions it was saved with, or save a full checkpoint (partial=False)"
+            )
+    if not any(os.path.exists(candidate) for candidate in files):
+        return f"{what}: {MISSING} for pipeline stage {stage} (looked for {' and '.join(map(repr, files))})"
+    return None
+
+
+def agree_on_problems(problem: Optional[str], what: str) -> None:
+    """Raise on every rank if any rank found a problem with its checkpoint files (collective over the world).
+
+    Each rank reads its own stage's files; without this, a rank missing its file would fail alone and the others
+    would wait for it in the next collective. The error is a ``FileNotFoundError`` when a file is missing, else
+    a ``ValueError`` (a layout this run cannot load).
+    """
+    problems: list[Optional[str]] = [problem]
+    if smp_state.is_initialized() and smp_state.current().distributed:
+        world = smp_state.current().world_group
+        every_rank_calls(what, world, "load a checkpoint on every rank: each stage reads its own file")
+        problems = all_gather_objects(problem, world, "smp_checkpoint_files")
+    found = [f"rank {rank}: {p}" for rank, p in enumerate(problems) if p is not None]
+    if found:
+        message = f"{what} cannot be loaded; " + "; ".join(found)
+        if any(MISSING in p for p in found):
+            raise FileNotFoundError(message)
+        raise ValueError(message)
+
+
+def load_weights(path: str, map_location: Any = None, **kwargs: Any) -> Any:
+    """``torch.load`` with weights-only unpickling (tensors, containers, numbers, strings: no code runs)."""
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True, **kwargs)
+    except pickle.UnpicklingError as exc:
+        raise pickle.UnpicklingError(
+            f"{path!r} holds objects that weights-only loading refuses (only tensors, containers, numbers and "
+            f"strings load without running code): {str(exc).splitlines()[0]}"
+        ) from exc
 
 
 def save(
@@ -105,7 +178,7 @@ def save(
         if smp.dp_rank() == 0:
             smp.save({"model": model.local_state_dict()}, "ckpt.pt", partial=True)
     """
-    path = _path(f, partial)
+    path = _save_path(f, partial)
     if not partial and smp_state.is_initialized() and smp_state.mp_rank() != 0:
         return
     extra: dict[str, Any] = {"pickle_protocol": pickle_protocol, **kwargs}
@@ -119,23 +192,34 @@ def load(
     map_location: Any = None,
     pickle_module: Any = None,
     partial: bool = True,
-    weights_only: Optional[bool] = None,
+    weights_only: bool = True,
     **pickle_load_args: Any,
 ) -> Any:
-    """Load what :func:`save` wrote; with ``partial=True`` each stage reads its own ``f"{f}_{mp_rank}"``.
+    """Load what :func:`save` (or smp) wrote; with ``partial=True`` each stage reads its own file.
+
+    A partial checkpoint is read in the seed's layout (``f"{f}_{mp_rank}"``) or in smp v1.10+'s
+    (``f"{f}_{pp_rank}_{tp_rank}.pt"``); one saved with tensor parallelism, or with more stages than this run,
+    is refused. Collective over every rank (call it on all of them): when any rank lacks its file, every rank
+    raises a ``FileNotFoundError`` naming the ranks and files. Loading is weights-only unless
+    ``weights_only=False`` is passed for a file you trust.
 
     Example::
 
         checkpoint = smp.load("ckpt.pt", partial=True)
         model.load_state_dict(checkpoint["model"])
     """
-    path = _path(f, partial)
-    if not os.path.exists(path):
-        hint = " (partial checkpoints are one file per stage, named <f>_<mp_rank>)" if partial else ""
-        raise FileNotFoundError(f"smp.load: no checkpoint at {path!r}{hint}")
+    name = _checked_name(f)
+    if partial:
+        files = stage_files(name)
+        agree_on_problems(partial_file_problem(name, files, "smp.load: partial checkpoint"), "smp.load")
+        path = next(candidate for candidate in files if os.path.exists(candidate))
+    else:
+        problem = None if os.path.exists(name) else f"smp.load: {MISSING} {name!r}"
+        agree_on_problems(problem, "smp.load")
+        path = name
+    if weights_only:
+        return load_weights(path, map_location, **pickle_load_args)
     extra: dict[str, Any] = dict(pickle_load_args)
     if pickle_module is not None:
         extra["pickle_module"] = pickle_module
-    if weights_only is not None:
-        extra["weights_only"] = weights_only
-    return torch.load(path, map_location=map_location, **extra)
+    return torch.load(path, map_location=map_location, weights_only=False, **extra)

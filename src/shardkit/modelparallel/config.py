@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Optional, Union
 
-#: Environment variable holding a JSON config, read by ``smp.init()`` when no config is passed.
-CONFIG_ENV_VAR = "SHARDKIT_SMP_CONFIG"
+from shardkit.modelparallel.config_sources import CONFIG_ENV_VAR, SAGEMAKER_ENV_VAR, read_config, translate
 
-PIPELINES = ("interleaved", "simple")
+__all__ = ["CONFIG_ENV_VAR", "SAGEMAKER_ENV_VAR", "ModelOptions", "ModelParallelConfig", "resolve_config"]
+
+PIPELINES = ("interleaved", "simple", "zero_bubble")
 OPTIMIZE = ("speed", "memory")
 PLACEMENTS = ("cluster", "spread")
 
@@ -29,7 +28,9 @@ class ModelParallelConfig:
     partitions: int = 1
     #: Micro-batches per step; the batch size must be divisible by it. 1 means no pipelining.
     microbatches: int = 1
-    #: ``"interleaved"``: 1F1B, each backward as early as possible; ``"simple"``: all forwards, then all backwards.
+    #: ``"interleaved"``: 1F1B, each backward as early as possible; ``"simple"``: all forwards, then all backwards;
+    #: ``"zero_bubble"`` (a shardkit addition): ZB-H1, 1F1B with each backward split into its input and weight
+    #: gradients, the latter filling the bubble (see ``pipeline_parallel``).
     pipeline: str = "interleaved"
     #: Trace the model on the first step and balance stages automatically; ``smp.partition`` contexts are ignored.
     auto_partition: bool = True
@@ -44,6 +45,16 @@ class ModelParallelConfig:
     ddp: bool = False
     #: ``"cluster"``: one replica's stages on neighbouring ranks; ``"spread"``: as far apart as possible.
     placement_strategy: str = "cluster"
+    #: smp trains an FP16 copy of the model with FP32 master weights. shardkit keeps parameters in the dtype the
+    #: model was built in (mixed precision comes from ``torch.autocast`` in the step and ``smp.amp.GradScaler``);
+    #: ``DistributedOptimizer`` refuses FP16 parameters under this key rather than train them without masters.
+    fp16: bool = False
+    #: As ``fp16``, for bfloat16.
+    bf16: bool = False
+    #: Shard the optimizer state across the data-parallel replicas of each stage (ZeRO-1, ``shardkit.optim.OSS``).
+    shard_optimizer_state: bool = False
+    #: smp v1 keys given that have no effect here, as (key, value) pairs (see ``config_sources.NO_EFFECT``).
+    accepted: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
         _check_int("partitions", self.partitions, 1)
@@ -52,7 +63,7 @@ class ModelParallelConfig:
         _check_choice("pipeline", self.pipeline, PIPELINES)
         _check_choice("optimize", self.optimize, OPTIMIZE)
         _check_choice("placement_strategy", self.placement_strategy, PLACEMENTS)
-        for name in ("auto_partition", "ddp"):
+        for name in ("auto_partition", "ddp", "fp16", "bf16", "shard_optimizer_state"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"smp config {name!r} must be True or False, got {getattr(self, name)!r}")
         if self.default_partition >= self.partitions:
@@ -64,6 +75,8 @@ class ModelParallelConfig:
             isinstance(self.memory_weight, (int, float)) and 0.0 <= float(self.memory_weight) <= 1.0
         ):
             raise ValueError(f"smp config memory_weight must be a number in [0, 1], got {self.memory_weight!r}")
+        if self.fp16 and self.bf16:
+            raise ValueError("smp config has both fp16 and bf16 set to true; choose one")
 
     @property
     def effective_memory_weight(self) -> float:
@@ -73,9 +86,9 @@ class ModelParallelConfig:
         return 0.2 if self.optimize == "speed" else 0.8
 
     @classmethod
-    def from_dict(cls, values: Mapping[str, Any]) -> ModelParallelConfig:
-        """Build from the documented keys; an unknown key is an error that lists the known ones."""
-        values = dict(values)
+    def from_dict(cls, values: Mapping[str, Any], source: str = "a dict") -> ModelParallelConfig:
+        """Build from smp's keys (see :mod:`~.config_sources`); unknown and unsupported keys are one error."""
+        values, accepted = translate(values, source)
         if "pipeline_parallel_degree" in values:
             degree = values.pop("pipeline_parallel_degree")
             if "partitions" in values and values["partitions"] != degree:
@@ -84,14 +97,9 @@ class ModelParallelConfig:
                     "they name the same setting, give one"
                 )
             values["partitions"] = degree
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(
-                f"unknown smp config key{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
-                f"supported keys: {', '.join(sorted(known))}"
-            )
-        return cls(**values)
+        known = {f.name for f in fields(cls)} - {"accepted"}
+        assert set(values) <= known, sorted(set(values) - known)  # translate() admits only field names
+        return cls(**values, accepted=tuple(sorted(accepted.items())))
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as a plain dict (what ranks compare at ``smp.init``)."""
@@ -138,22 +146,11 @@ ConfigLike = Union[ModelParallelConfig, Mapping[str, Any], None]
 
 
 def resolve_config(config: ConfigLike) -> ModelParallelConfig:
-    """``config`` as a :class:`ModelParallelConfig`; ``None`` reads JSON from ``$SHARDKIT_SMP_CONFIG``."""
+    """``config`` as a :class:`ModelParallelConfig`; ``None`` reads the environment (see :mod:`~.config_sources`)."""
     if isinstance(config, ModelParallelConfig):
         return config
-    if config is None:
-        raw = os.environ.get(CONFIG_ENV_VAR)
-        if not raw:
-            return ModelParallelConfig()
-        try:
-            config = json.loads(raw)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"${CONFIG_ENV_VAR} must hold a JSON object of smp config keys: {exc}") from exc
-        if not isinstance(config, dict):
-            raise ValueError(f"${CONFIG_ENV_VAR} must hold a JSON object of smp config keys, got {raw!r}")
-    if not isinstance(config, Mapping):
-        raise TypeError(f"smp.init(config) takes a dict of config keys, got {type(config).__name__}")
-    return ModelParallelConfig.from_dict(config)
+    values, source = read_config(config)
+    return ModelParallelConfig.from_dict(values, source)
 
 
 def config_differences(configs: list[dict[str, Any]]) -> list[str]:

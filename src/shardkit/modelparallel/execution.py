@@ -9,8 +9,9 @@ needs no model class and the model exposes no internals to it.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -24,10 +25,10 @@ from shardkit.modelparallel.runtime import MicrobatchRecord, StageRuntime
 class StageExecution:
     """This rank's stage of the partitioned model: what a step's schedule calls, in schedule order.
 
-    ``pipeline`` is the configured schedule (``"simple"``/``"interleaved"``), ``mp_group`` joins the replica's
-    stages (step outputs are broadcast from the output stage over it), ``average_grads`` divides each
-    micro-batch's loss gradient by the number of micro-batches, and ``buffers`` lists the buffers this stage
-    holds, broadcast from the first replica before every step when ``broadcast_buffers`` is set.
+    ``pipeline`` is the configured schedule (``"simple"``/``"interleaved"``/``"zero_bubble"``), ``mp_group``
+    joins the replica's stages (step outputs are broadcast from the output stage over it), ``average_grads``
+    divides each micro-batch's loss gradient by the number of micro-batches, and ``buffers`` lists the
+    buffers this stage holds, broadcast from the first replica before every step when ``broadcast_buffers`` is set.
     """
 
     def __init__(
@@ -43,6 +44,7 @@ class StageExecution:
         broadcast_buffers: bool,
         buffers: Callable[[], Iterable[torch.Tensor]],
         joining: bool = False,
+        checkpointed: tuple[str, ...] = (),
     ) -> None:
         self.runtime = runtime
         self.sync = sync
@@ -53,6 +55,10 @@ class StageExecution:
         self.average_grads = average_grads
         self.joining = joining
         """True inside ``DistributedModel.join()``: each step first tells the other replicas it still trains."""
+        self.checkpointed = checkpointed
+        """Activation-checkpointed modules on this stage: its backward is never split (W would recompute them)."""
+        self.unsplit_reason: Optional[str] = None
+        """Why this stage's backward ran unsplit under a zero-bubble schedule (None while it splits)."""
         self._dp_group = dp_group
         self._broadcast_buffers = broadcast_buffers
         self._buffers = buffers
@@ -66,6 +72,11 @@ class StageExecution:
     def output_stage(self) -> int:
         """The stage where the model's outputs (and so the loss) are real."""
         return self.runtime.plan.output_stage
+
+    @property
+    def device(self) -> torch.device:
+        """The device this stage computes on (where it allocates what it receives)."""
+        return self.runtime.device
 
     @property
     def link(self) -> StageLink:
@@ -89,13 +100,35 @@ class StageExecution:
                 C.broadcast(buf.data, 0, group=self._dp_group, label="smp_ddp_buffers")
 
     def before_last_backward(self) -> None:
-        """Arm the gradient reduction: the next backward is this step's last one on this stage."""
+        """Arm the gradient reduction: the next backward (W, in a split schedule) is this step's last one to
+        produce parameter gradients on this stage."""
         self.sync.arm()
 
     def backward(self, record: MicrobatchRecord, microbatches: int) -> None:
         """Backward of one micro-batch on this stage (the loss gradient scaled per ``average_grads``)."""
         scale = 1.0 / microbatches if self.average_grads else 1.0
         self.runtime.backward(record, scale)
+
+    def backward_input(self, record: MicrobatchRecord, microbatches: int) -> None:
+        """B of a split backward (zero-bubble schedules): input gradients now, parameter gradients at W.
+
+        Where the backward cannot be split, it runs whole here (W is then empty) and a warning says why, once.
+        """
+        scale = 1.0 / microbatches if self.average_grads else 1.0
+        reason = self.runtime.backward_input(record, scale, split=not self.checkpointed)
+        if reason is not None and self.unsplit_reason is None:
+            if self.checkpointed:
+                reason = f"activation-checkpointed modules {list(self.checkpointed)} run on this stage"
+            self.unsplit_reason = reason
+            warnings.warn(
+                f"pipeline {self.pipeline!r}: stage {self.stage} runs its backward unsplit ({reason}); training is "
+                "the same, but this stage's weight gradients no longer fill the pipeline's bubble",
+                stacklevel=2,
+            )
+
+    def backward_weight(self, record: MicrobatchRecord) -> None:
+        """W of a split backward: the parameter gradients B left for later (their ``.grad`` hooks fire here)."""
+        self.runtime.backward_weight(record)
 
     def finish_step(self, had_backward: bool) -> None:
         """After the last backward: wait for sends, then complete the gradient reduction."""

@@ -120,6 +120,10 @@ class DistributedModel(nn.Module):
         state.model = self
         state.on_reset.append(self._release)
 
+    def get_module(self) -> nn.Module:
+        """The module this model wraps (smp's ``model.get_module()``; the same object as ``model.module``)."""
+        return self.module
+
     # ---- calls inside @smp.step ---------------------------------------------------------------------------
 
     @property
@@ -159,7 +163,8 @@ class DistributedModel(nn.Module):
         assert record is not None
         if self._execution is None:
             first = next(iter(self.module.parameters()), None)
-            args, kwargs = to_device((args, kwargs), first.device if first is not None else torch.device("cpu"))
+            on = first.device if first is not None and not first.is_meta else torch.device("cpu")
+            args, kwargs = to_device((args, kwargs), on)
             self._partition(args, kwargs)
         assert self._execution is not None
         args, kwargs = to_device((args, kwargs), self._holding.device)

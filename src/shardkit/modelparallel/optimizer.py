@@ -1,15 +1,22 @@
-"""``smp.DistributedOptimizer``: an optimizer whose state dicts know about pipeline stages.
+"""``smp.DistributedOptimizer``: the user's optimizer, with state dicts that know about pipeline stages.
 
-The wrapped optimizer is used as is (``step``, ``zero_grad``, ``param_groups`` pass through); parameters a stage
-released have no gradient, so the optimizer skips them and never builds state for them. State dicts use the
-torch format (parameters by index in ``param_groups`` order), so a full one loads into a plain optimizer built
-over the unwrapped model's parameters in the same order.
+As in smp, the object returned is the user's optimizer with some methods overridden: an instance of a subclass
+of the optimizer's own class (same name) that shares the optimizer's attributes (``param_groups``, ``state``,
+``defaults``, hooks) through one ``__dict__``. So ``isinstance(opt, torch.optim.Optimizer)`` holds and LR
+schedulers, ``GradScaler.step``, ``add_param_group`` and step hooks work unchanged; the original object and the
+returned one are two views of one optimizer (no copy of any state). Overridden: ``state_dict``,
+``load_state_dict`` and ``local_state_dict``; ``step`` and ``zero_grad`` are the optimizer's own (parameters a
+stage released have no gradient, so the optimizer skips them and never builds state for them).
+
+State dicts use the torch format (parameters by index in ``param_groups`` order), so a full one loads into a
+plain optimizer built over the unwrapped model's parameters in the same order.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -17,107 +24,234 @@ from shardkit.distributed import collectives as C
 from shardkit.modelparallel import checkpoint as ckpt
 from shardkit.modelparallel import state as smp_state
 from shardkit.modelparallel.optimizers import FusedLamb
+from shardkit.modelparallel.sharded_state import ShardedOptimizerState
+
+# One subclass per (optimizer class, sharded state), so wrapped optimizers of one class share a type.
+_SUBCLASSES: dict[tuple[type, bool], type] = {}
 
 
-class DistributedOptimizer:
+class DistributedOptimizer(torch.optim.Optimizer):
     """Wrap ``optimizer`` (built over the DistributedModel's parameters) for stage-aware state dicts.
 
-    A :class:`~shardkit.modelparallel.optimizers.FusedLamb` inside gets its global gradient norm summed over
-    the replica's stages (each parameter counted once), so its clipping matches single-process training;
-    every rank must then call ``step()``.
+    Returns the optimizer itself under a subclass of its class (see the module docstring): it is an instance of
+    that class, of ``torch.optim.Optimizer`` and of ``smp.DistributedOptimizer``.
+
+    ``static_loss_scale``, ``dynamic_loss_scale`` and ``dynamic_loss_args`` are smp's FP16 loss-scaling options;
+    smp applies them only with ``"fp16": true``. shardkit scales losses with ``smp.amp.GradScaler`` instead, so
+    the defaults are accepted and any other value with ``fp16``/``bf16`` is refused (it would otherwise be
+    silently ignored). A :class:`~shardkit.modelparallel.optimizers.FusedLamb` gets its global gradient norm
+    summed over the replica's stages (each parameter counted once), so its clipping matches single-process
+    training; every rank must then call ``step()``.
 
     Example::
 
         optimizer = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10)
         ...
         optimizer.step()
+        scheduler.step()
         smp.save({"optimizer": optimizer.local_state_dict()}, "ckpt.pt", partial=True)
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+    def __new__(
+        cls, optimizer: Optional[torch.optim.Optimizer] = None, *args: Any, **kwargs: Any
+    ) -> DistributedOptimizer:
+        if optimizer is None and cls is not DistributedOptimizer:  # copy.copy rebuilding an instance
+            return super().__new__(cls)
+        if isinstance(optimizer, DistributedOptimizer):
+            raise TypeError("this optimizer is already an smp.DistributedOptimizer; wrap the optimizer once")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"smp.DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        base = type(optimizer)
+        sharded = smp_state.current().config.shard_optimizer_state
+        sub = _SUBCLASSES.get((base, sharded))
+        if sub is None:
+            namespace = {"__module__": base.__module__, "__qualname__": base.__qualname__, "__doc__": base.__doc__}
+            bases = (_ShardedStep, DistributedOptimizer, base) if sharded else (DistributedOptimizer, base)
+            sub = _SUBCLASSES[(base, sharded)] = type(base.__name__, bases, namespace)
+        wrapped: DistributedOptimizer = object.__new__(sub)
+        wrapped.__dict__ = optimizer.__dict__  # one optimizer, two views: nothing is copied
+        return wrapped
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        static_loss_scale: Optional[float] = 1.0,
+        dynamic_loss_scale: bool = False,
+        **dynamic_loss_args: Any,
+    ) -> None:
+        # Optimizer.__init__ is not called: the attributes are the wrapped optimizer's own (shared __dict__).
         state = smp_state.current()
-        self.optimizer = optimizer
-        self._smp = state
-        self._pending: Optional[dict[str, Any]] = None
+        _check_precision(self, state.config, static_loss_scale, dynamic_loss_scale, dynamic_loss_args)
+        self._smp_state = state
+        self._smp_inner = optimizer
+        self._smp_pending: Optional[dict[str, Any]] = None
+        self._smp_sharded: Optional[ShardedOptimizerState] = None
+        if isinstance(self, FusedLamb):  # its global gradient norm spans every stage
+            if state.config.shard_optimizer_state:
+                raise ValueError(
+                    "FusedLamb's global gradient norm needs every gradient of its parameters, which "
+                    "'shard_optimizer_state' spreads over the replicas: turn one of them off"
+                )
+            self.set_sum_of_squares(self._sum_over_stages)
         state.optimizer = self
-        if isinstance(optimizer, FusedLamb):  # its global gradient norm spans every stage
-            optimizer.set_sum_of_squares(self._sum_over_stages)
+        if state.model is not None and state.model.partitioned:  # built after the first step: shard now
+            self.load_pending_state()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return dict(self.__dict__)  # a copy keeps smp's attributes along with the optimizer's
+
+    def is_state_sharded(self) -> bool:
+        """True when the config's ``shard_optimizer_state`` spreads this optimizer's state over the replicas
+        (``self.state`` is then empty; the state dicts gather it)."""
+        return bool(self._smp_state.config.shard_optimizer_state)
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer as the user built it: the same attributes, its own class's methods (plain torch state
+        dicts over every parameter). An optimizer class with its own ``optimizer`` attribute keeps it."""
+        own = self.__dict__.get("optimizer")
+        return own if own is not None else self.__dict__["_smp_inner"]
+
+    @optimizer.setter
+    def optimizer(self, value: Any) -> None:
+        self.__dict__["optimizer"] = value
 
     def _sum_over_stages(self, params: Sequence[torch.Tensor], squares: torch.Tensor) -> torch.Tensor:
         """Sum of per-parameter squares over the replica's stages, each parameter counted once (collective)."""
-        model = self._smp.model
-        if model is None or not model.partitioned or self._smp.topology.mp_size == 1 or not self._smp.distributed:
+        smp = self._smp_state
+        model = smp.model
+        if model is None or not model.partitioned or smp.topology.mp_size == 1 or not smp.distributed:
             return squares.sum()
         mask = torch.tensor(model.first_holder_mask(params), dtype=torch.bool, device=squares.device)
         total = torch.where(mask, squares, torch.zeros_like(squares)).sum().reshape(1).to(model.execution_device)
-        C.all_reduce(total, group=self._smp.mp_group, label="smp_global_grad_norm")
+        C.all_reduce(total, group=smp.mp_group, label="smp_global_grad_norm")
         return total.reshape(()).to(squares.device)
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.__dict__["optimizer"], name)
-
-    def step(self, *args: Any, **kwargs: Any) -> Any:
-        """The wrapped optimizer's step (only parameters with gradients, i.e. this stage's, move)."""
-        return self.optimizer.step(*args, **kwargs)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """The wrapped optimizer's ``zero_grad``."""
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        """The wrapped optimizer's parameter groups."""
-        return self.optimizer.param_groups
-
-    @property
-    def state(self) -> Any:
-        """The wrapped optimizer's per-parameter state."""
-        return self.optimizer.state
-
     def _held_indices(self) -> Optional[set[int]]:
-        model = self._smp.model
+        model = self._smp_state.model
         if model is None or not model.partitioned:
             return None
         held = {id(p) for p in model.local_parameters()}
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        params = [p for group in self.param_groups for p in group["params"]]
         return {i for i, p in enumerate(params) if id(p) in held}
 
     def local_state_dict(self) -> dict[str, Any]:
-        """State of the parameters this stage holds, marked ``_smp_is_partial``."""
-        full = self.optimizer.state_dict()
+        """State of the parameters this stage holds, marked ``_smp_is_partial``.
+
+        With ``shard_optimizer_state`` the stage's state is gathered from its shards first: a collective over
+        the data-parallel group (call it on every replica).
+        """
+        full = super().state_dict()
         held = self._held_indices()
-        if held is not None:
+        if self._smp_sharded is not None:
+            full["state"] = self._smp_sharded.gathered_state()
+        elif held is not None:
             full["state"] = {i: v for i, v in full["state"].items() if i in held}
         full[ckpt.PARTIAL_KEY] = True
         return full
 
     def state_dict(self) -> dict[str, Any]:
         """State of every stage's parameters, gathered (collective over the replica's stages)."""
-        partials = ckpt.gather_partials(self.local_state_dict(), self._smp.mp_group, "smp_optimizer_state_dict")
+        partials = ckpt.gather_partials(self.local_state_dict(), self._smp_state.mp_group, "smp_optimizer_state_dict")
         return ckpt.merge_optimizer_partials(partials)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a full or partial (gathered first: collective) state dict; waits for the partition if needed."""
         if ckpt.is_partial(state_dict):
-            partials = ckpt.gather_partials(state_dict, self._smp.mp_group, "smp_optimizer_load_state_dict")
+            partials = ckpt.gather_partials(state_dict, self._smp_state.mp_group, "smp_optimizer_load_state_dict")
             full = ckpt.merge_optimizer_partials(partials)
         else:
             full = {"state": state_dict["state"], "param_groups": state_dict["param_groups"]}
-        model = self._smp.model
+        model = self._smp_state.model
         if model is not None and not model.partitioned:
-            self._pending = full
+            # The state waits for the partition (it must know which stage holds what); the hyper-parameters do
+            # not, and an LR scheduler stepped or read before the first step must see the loaded ones.
+            self._load_hyperparameters(full["param_groups"])
+            self._smp_pending = full
             return
         self._load(full)
 
+    def _load_hyperparameters(self, saved_groups: list[dict[str, Any]]) -> None:
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(
+                f"the loaded optimizer state has {len(saved_groups)} parameter groups, this optimizer "
+                f"{len(self.param_groups)}: build the optimizer with the same groups as the one saved"
+            )
+        for group, saved in zip(self.param_groups, saved_groups):
+            group.update({key: value for key, value in saved.items() if key != "params"})
+
     def load_pending_state(self) -> None:
-        """Load a state dict given before the model was partitioned (the model calls it right after)."""
-        if self._pending is not None:
-            pending, self._pending = self._pending, None
+        """Right after the partition (the model calls it): shard the optimizer state when the config says so,
+        then load a state dict given before the partition."""
+        smp = self._smp_state
+        model = smp.model
+        if smp.config.shard_optimizer_state and self._smp_sharded is None and model is not None:
+            held = {id(p) for p in model.local_parameters()}
+            inner = self._smp_inner
+            self._smp_sharded = ShardedOptimizerState(
+                self.param_groups, held, type(inner), dict(self.defaults), smp.dp_group
+            )
+        if self._smp_pending is not None:
+            pending, self._smp_pending = self._smp_pending, None
             self._load(pending)
 
     def _load(self, full: dict[str, Any]) -> None:
+        if self._smp_sharded is not None:
+            self._load_hyperparameters(full["param_groups"])
+            self._smp_sharded.load(full)
+            return
         held = self._held_indices()
         state = full["state"] if held is None else {i: v for i, v in full["state"].items() if int(i) in held}
-        self.optimizer.load_state_dict({"state": state, "param_groups": full["param_groups"]})
+        super().load_state_dict({"state": state, "param_groups": full["param_groups"]})
+
+
+def _sharded_step(self: DistributedOptimizer, closure: Optional[Callable[[], Any]] = None, **kwargs: Any) -> Any:
+    """With ``shard_optimizer_state``: each replica updates the parameters it owns, then shares them (collective
+    over the data-parallel group: every rank must call it)."""
+    sharded = self.__dict__.get("_smp_sharded")
+    if sharded is None:  # before the partition no parameter has a gradient: nothing to update
+        return closure() if closure is not None else None
+    return sharded.step(self.param_groups, closure, **kwargs)
+
+
+class _ShardedStep:
+    """``step`` of a DistributedOptimizer whose state is sharded; runs the optimizer's step hooks once, as
+    torch's own ``step`` wrapper does."""
+
+    step = torch.optim.Optimizer.profile_hook_step(_sharded_step)
+    setattr(step, "hooked", True)  # noqa: B010  (what torch's own step wrapper sets: never wrap it again)
+
+
+def _check_precision(
+    optimizer: torch.optim.Optimizer,
+    config: Any,
+    static_loss_scale: Optional[float],
+    dynamic_loss_scale: bool,
+    dynamic_loss_args: dict[str, Any],
+) -> None:
+    """Refuse what smp's FP16 optimizer would do and shardkit would silently not (see the class docstring)."""
+    low = "fp16" if config.fp16 else "bf16" if config.bf16 else None
+    if low is None:
+        return  # smp applies the loss-scaling options only under fp16/bf16: no effect, as there
+    if dynamic_loss_scale or static_loss_scale not in (1.0, None) or dynamic_loss_args:
+        raise ValueError(
+            f"smp.DistributedOptimizer's loss-scaling options are not supported with '{low}': true; scale the loss "
+            "with smp.amp.GradScaler (scaler.scale(loss) in the step, scaler.step(optimizer) after it)"
+        )
+    halves = [p.dtype for group in optimizer.param_groups for p in group["params"] if p.dtype in _LOW_DTYPES]
+    if halves:
+        raise ValueError(
+            f"the smp config sets '{low}': true and the optimizer holds {halves[0]} parameters: smp would keep FP32 "
+            "master weights for them, shardkit does not. Build the model in float32 and run the step under "
+            "torch.autocast with smp.amp.GradScaler (parameters and optimizer state stay FP32)"
+        )
+    warnings.warn(
+        f"smp config '{low}': true does not convert the model in shardkit: parameters and optimizer state stay FP32, "
+        "and the step computes in the precision the script asks for (use torch.autocast with smp.amp.GradScaler "
+        "for mixed precision)",
+        stacklevel=3,
+    )
+
+
+_LOW_DTYPES = (torch.float16, torch.bfloat16)

@@ -2,16 +2,23 @@
 
 A stage's schedule is a list of actions: ``F k`` runs the user's step function on micro-batch ``k`` (its model
 forward computes this stage's units; ``model.backward`` only records the request) and ``B k`` runs that
-micro-batch's backward on this stage. Two schedules, both starting with ``F 0`` on every stage:
+micro-batch's backward on this stage. In a schedule that also has ``W k`` actions, ``B k`` computes only the
+gradients of the stage's inputs (sent upstream at once) and ``W k`` the parameters' gradients
+(:mod:`~shardkit.modelparallel.split_backward`). Three schedules, all starting with ``F 0`` on every stage:
 
 - ``simple`` (GPipe): every forward, then every backward.
 - ``interleaved`` (1F1B): a warm-up of ``num_stages - stage - 1`` forwards, a steady state alternating one
   forward and one backward, and a cool-down of the remaining backwards, so each backward runs as early as
   its gradients can exist and at most ``num_stages - stage`` micro-batches hold activations.
+- ``zero_bubble`` (ZB-H1, Qi et al. 2024, arXiv 2401.10241; a shardkit addition to smp's two): 1F1B with
+  each backward split into B and W. Stage ``s`` holds back the W of its last ``s`` micro-batches and runs
+  them when the cool-down would leave it idle, so upstream stages get their gradients a W earlier on every
+  hop. At most ``num_stages`` micro-batches hold activations on any stage (1F1B's peak, on stage 0), and the
+  bubble drops from ``(p-1)(F+B+W)`` to ``(p-1)(F+B-W)`` per stage.
 
-Activations only flow to higher stages and gradients to lower ones, and every stage runs its forwards and its
-backwards in micro-batch order, so each blocking receive waits on work the sender's schedule puts before
-anything that could wait on the receiver: neither schedule can deadlock.
+Activations only flow to higher stages and gradients to lower ones, every stage runs its forwards and its
+backwards in micro-batch order, and W needs nothing from another stage, so each blocking receive waits on
+work the sender's schedule puts before anything that could wait on the receiver: no schedule can deadlock.
 """
 
 from __future__ import annotations
@@ -21,15 +28,20 @@ from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Optional
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_map
 
 from shardkit.modelparallel.execution import StageExecution
-from shardkit.modelparallel.pp_communications import broadcast_tensors
 from shardkit.modelparallel.runtime import MicrobatchRecord
+from shardkit.modelparallel.step_outputs import OutputSharing, share_from_output_stage
+
+
+def _detached(value: Any) -> Any:
+    return value.detach() if isinstance(value, torch.Tensor) else value
 
 
 class Action(NamedTuple):
-    """One unit of a stage's schedule: ``kind`` is ``"F"`` (forward) or ``"B"`` (backward)."""
+    """One unit of a stage's schedule: ``kind`` is ``"F"`` (forward), ``"B"`` (backward; its input half where
+    the schedule has W actions) or ``"W"`` (the parameters' half of a split backward)."""
 
     kind: str
     microbatch: int
@@ -62,10 +74,51 @@ def one_f_one_b_schedule(stage: int, num_stages: int, microbatches: int) -> list
     return actions
 
 
+def zero_bubble_h1_schedule(stage: int, num_stages: int, microbatches: int) -> list[Action]:
+    """ZB-H1: 1F1B's warm-up, steady state and cool-down, each backward split into B and W, with stage ``stage``
+    running each W ``stage`` backwards late; the W's still held at the end close the cool-down.
+
+    Deadlock-free: the F and B actions are 1F1B's, in the same order (W sends and receives nothing), so every
+    receive waits on an action the sender reaches first, as in 1F1B. At most ``warm-up + 1 + stage =
+    num_stages`` micro-batches are between their F and their W on any stage.
+
+    Example::
+
+        >>> zero_bubble_h1_schedule(1, 2, 3)
+        [F0, B0, F1, B1, W0, F2, B2, W1, W2]
+    """
+    warmup = min(num_stages - stage - 1, microbatches)
+    held = stage  # W's a stage may owe: its share of the cool-down bubble they fill
+    actions = [Action("F", k) for k in range(warmup)]
+    forward, backward, weight = warmup, 0, 0
+
+    def weights_due() -> list[Action]:
+        nonlocal weight
+        if backward - weight <= held:
+            return []
+        weight += 1
+        return [Action("W", weight - 1)]
+
+    while forward < microbatches:  # steady state
+        actions += [Action("F", forward), Action("B", backward)]
+        forward += 1
+        backward += 1
+        actions += weights_due()
+    while backward < microbatches:  # cool-down
+        actions.append(Action("B", backward))
+        backward += 1
+        actions += weights_due()
+    actions += [Action("W", k) for k in range(weight, microbatches)]  # the held W's fill the last bubble
+    return actions
+
+
 def schedule_for(pipeline: str, stage: int, num_stages: int, microbatches: int) -> list[Action]:
-    """The actions of ``stage`` for the configured ``pipeline`` (``"simple"`` or ``"interleaved"``)."""
+    """The actions of ``stage`` for the configured ``pipeline`` (``"simple"``, ``"interleaved"`` or
+    ``"zero_bubble"``)."""
     if pipeline == "simple":
         return simple_schedule(microbatches)
+    if pipeline == "zero_bubble":
+        return zero_bubble_h1_schedule(stage, num_stages, microbatches)
     return one_f_one_b_schedule(stage, num_stages, microbatches)
 
 
@@ -79,6 +132,8 @@ class StepStats:
     wait_s: float = 0.0
     #: Bytes this stage sent to the other stages (activations and gradients).
     sent_bytes: int = 0
+    #: Time spent giving every stage the output stage's returned values (a broadcast over the stages).
+    share_s: float = 0.0
 
     @property
     def bubble_fraction(self) -> float:
@@ -100,9 +155,12 @@ class StepRun:
         microbatches: int,
         forward: Callable[[int], Any],
         detach_outputs: bool = True,
+        sharing: Optional[OutputSharing] = None,
     ) -> None:
         self.microbatches = microbatches
         self.detach_outputs = detach_outputs
+        self.sharing = sharing if sharing is not None else OutputSharing()
+        """What earlier calls of the same step function learned about its outputs."""
         self.stats = StepStats()
         """Timing of this step, filled in by :meth:`run`."""
         self._execution = execution
@@ -122,18 +180,34 @@ class StepRun:
             raise RuntimeError("the @smp.step function never called the DistributedModel, so it was not partitioned")
         actions = schedule_for(execution.pipeline, execution.stage, execution.num_stages, self.microbatches)
         assert actions[0] == Action("F", 0)
-        last_backward = max((i for i, a in enumerate(actions) if a.kind == "B"), default=-1)
+        split = any(a.kind == "W" for a in actions)
+        grads_from = "W" if split else "B"  # the actions that produce parameter gradients
+        last_backward = max((i for i, a in enumerate(actions) if a.kind == grads_from), default=-1)
         for i, action in enumerate(actions[1:], start=1):
             if action.kind == "F":
                 self._forward(action.microbatch)
+                continue
+            if i == last_backward:
+                execution.before_last_backward()
+            record = self.records[action.microbatch]
+            if not record.backward_requested:
+                continue
+            if action.kind == "W":
+                execution.backward_weight(record)
+            elif split:
+                execution.backward_input(record, self.microbatches)
+                if self.detach_outputs:
+                    # The returned loss is the graph's root: dropping it lets autograd free the nodes above the
+                    # ones W re-runs (a language model's logits) now rather than at the step's end.
+                    record.outputs = tree_map(_detached, record.outputs)
             else:
-                if i == last_backward:
-                    execution.before_last_backward()
-                self._backward(execution, action.microbatch)
+                execution.backward(record, self.microbatches)
         execution.finish_step(any(r.backward_requested for r in self.records))
+        shared_at = time.perf_counter()
         outputs = self._share_outputs(execution, [r.outputs for r in self.records])
+        end = time.perf_counter()
         link = execution.link
-        self.stats = StepStats(time.perf_counter() - start, link.wait_s, link.sent_bytes)
+        self.stats = StepStats(end - start, link.wait_s, link.sent_bytes, end - shared_at)
         return outputs
 
     def _forward(self, microbatch: int) -> None:
@@ -144,21 +218,14 @@ class StepRun:
         finally:
             self.current = None
 
-    def _backward(self, execution: StageExecution, microbatch: int) -> None:
-        record = self.records[microbatch]
-        if record.backward_requested:
-            execution.backward(record, self.microbatches)
-
     def _share_outputs(self, execution: StageExecution, outputs: list[Any]) -> list[Any]:
-        """Replace every returned tensor by the output stage's value: only there is the loss real."""
-        leaves, spec = tree_flatten(outputs)
-        leaves = [x.detach() if self.detach_outputs and isinstance(x, torch.Tensor) else x for x in leaves]
-        if execution.num_stages == 1:
-            return tree_unflatten(leaves, spec)
-        index = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-        shared = broadcast_tensors(
-            [leaves[i] for i in index], execution.output_stage, execution.mp_group, label="step_outputs"
+        """Replace every returned value by the output stage's: only there is the loss real."""
+        return share_from_output_stage(
+            outputs,
+            execution.output_stage,
+            execution.mp_group,
+            execution.num_stages,
+            execution.device,
+            self.detach_outputs,
+            self.sharing,
         )
-        for i, tensor in zip(index, shared):
-            leaves[i] = tensor
-        return tree_unflatten(leaves, spec)

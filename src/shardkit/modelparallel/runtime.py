@@ -10,15 +10,15 @@ introspection and other libraries' instance-level wrappers see an ordinary metho
 gives each module its class back. What each stage
 sent and received is recorded per micro-batch, for the backward pass.
 
-Placeholder and receive shapes come from the plan, per input signature. A signature not seen before is
-*discovered* (only possible in a step's first micro-batch, when all stages run it in lock step): each owner
-shares its outputs' shapes with the replica right after computing them.
+Placeholder and receive shapes come from the plan, per input signature (and autocast state). A signature not
+seen before is *discovered* (only possible in a step's first micro-batch, when all stages run it in lock step):
+each owner shares its outputs' shapes with the replica right after computing them.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from shardkit.modelparallel.plan import LeafSpec, PipelinePlan, UnitCall, signature_of
 from shardkit.modelparallel.pp_communications import StageLink
+from shardkit.modelparallel.split_backward import WeightGradients, backward_input
 
 Shapes = tuple[tuple[Optional[LeafSpec], ...], ...]
 
@@ -46,6 +47,8 @@ class MicrobatchRecord:
     backward: list[tuple[list[torch.Tensor], list[Optional[torch.Tensor]]]] = field(default_factory=list)
     backward_requested: bool = False
     outputs: Any = None
+    #: A split backward's W half, left by :meth:`StageRuntime.backward_input` (None when nothing is left).
+    weight_work: Optional[WeightGradients] = None
 
 
 @dataclass
@@ -73,6 +76,21 @@ def _dispatching_class(cls: type[nn.Module], runtime: StageRuntime, unit: str) -
     )
 
 
+def autocast_state() -> tuple[Any, ...]:
+    """What autocast changes about the dtypes modules return: whether it is on, and its dtype, per device type.
+
+    Part of the key of traced shapes: a script that trains under autocast and evaluates without it calls the
+    model with the same input shapes but gets other output dtypes, which must be discovered, not assumed.
+    """
+    return tuple(
+        (
+            torch.is_autocast_enabled(device),
+            torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None,
+        )
+        for device in ("cpu", "cuda")
+    )
+
+
 class StageRuntime:
     """Runs one stage of a partitioned model inside each ``@smp.step`` micro-batch."""
 
@@ -81,15 +99,21 @@ class StageRuntime:
         self.stage = stage
         self.link = link
         self.device = device
-        self._shapes: dict[tuple[Any, ...], Shapes] = {plan.signature: plan.shapes}
+        # Built inside the first forward, under the autocast state the plan was traced with.
+        self._shapes: dict[tuple[Any, ...], Shapes] = {(plan.signature, autocast_state()): plan.shapes}
         self._active: Optional[_Invocation] = None
         self._installed: list[tuple[nn.Module, type[nn.Module]]] = []
         self._placeholders: dict[tuple[tuple[int, ...], torch.dtype, torch.device], torch.Tensor] = {}
 
     # ---- installation -------------------------------------------------------------------------------------
 
-    def install(self, root: nn.Module) -> None:
-        """Route every unit module's calls through this runtime (see the module docstring)."""
+    def install(self, root: nn.Module, below: Sequence[tuple[nn.Module, type[nn.Module]]] = ()) -> None:
+        """Route every unit module's calls through this runtime (see the module docstring).
+
+        ``below`` lists (module, subclass of its class) changes made first, so they sit under the routing: a
+        checkpointing subclass there recomputes the module's own forward without dispatching again. All are
+        undone by :meth:`uninstall`.
+        """
         modules = [(name, root.get_submodule(name)) for name in self.plan.units]
         for name, module in modules:  # checked first: nothing changes when one cannot be routed
             if "forward" in vars(module):
@@ -98,13 +122,16 @@ class StageRuntime:
                     "routes a module's calls through its class, which an instance-level forward would bypass: "
                     "create the smp.DistributedModel before applying that patch, or remove it"
                 )
+        for module, cls in below:
+            self._installed.append((module, type(module)))
+            module.__class__ = cls
         for name, module in modules:
             original_cls = type(module)
             module.__class__ = _dispatching_class(original_cls, self, name)
             self._installed.append((module, original_cls))
 
     def uninstall(self) -> None:
-        """Give every unit module its own class back."""
+        """Give every unit module (and every module changed ``below`` the routing) its own class back."""
         for module, original_cls in reversed(self._installed):  # last routed first: nested routes unwind
             module.__class__ = original_cls
         self._installed = []
@@ -114,7 +141,7 @@ class StageRuntime:
     @contextmanager
     def invocation(self, record: MicrobatchRecord, args: Any, first_microbatch: bool) -> Iterator[None]:
         """Scope of one call of the wrapped model for micro-batch ``record``."""
-        signature = signature_of(args)
+        signature = (signature_of(args), autocast_state())
         shapes = self._shapes.get(signature)
         if shapes is None and not first_microbatch:
             raise RuntimeError(
@@ -233,6 +260,41 @@ class StageRuntime:
 
     def backward(self, record: MicrobatchRecord, loss_scale: float) -> None:
         """Backward of one micro-batch on this stage: gradients in from later stages, out to earlier ones."""
+        tensors, grad_tensors = self._roots(record, loss_scale)
+        if tensors:
+            torch.autograd.backward(tensors, grad_tensors)
+        self._send_input_grads(record, [leaf.grad for leaf, _ in record.received])
+
+    def backward_input(self, record: MicrobatchRecord, loss_scale: float, split: bool = True) -> Optional[str]:
+        """B of a split backward: this stage's input gradients, sent upstream at once; the parameters'
+        gradients wait in ``record.weight_work`` for :meth:`backward_weight`.
+
+        Runs the whole backward instead, and returns why, where it cannot be split (``split=False`` forces
+        that: a stage with activation-checkpointed modules would recompute them in W).
+        """
+        tensors, grad_tensors = self._roots(record, loss_scale)
+        leaves = [leaf for leaf, _ in record.received]
+        if not tensors:  # nothing flows back through this stage for this micro-batch
+            self._send_input_grads(record, [None] * len(leaves))
+            return None
+        result = backward_input(tensors, grad_tensors, leaves) if split else "a checkpointed module runs here"
+        if isinstance(result, str):
+            if tensors:
+                torch.autograd.backward(tensors, grad_tensors)
+            self._send_input_grads(record, [leaf.grad for leaf in leaves])
+            return result
+        grads, record.weight_work = result
+        self._send_input_grads(record, grads)
+        return None
+
+    def backward_weight(self, record: MicrobatchRecord) -> None:
+        """W of a split backward: the parameters' gradients of ``record`` (nothing if B ran unsplit)."""
+        work, record.weight_work = record.weight_work, None
+        if work is not None:
+            work.run()
+
+    def _roots(self, record: MicrobatchRecord, loss_scale: float) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Receive the gradients of what this stage sent; with the loss requests, where backward starts."""
         grads = self.link.recv_many(
             [(tuple(t.shape), t.dtype, dst) for t, dst in record.sent], self.device, label="bwd:grad_in"
         )
@@ -242,7 +304,7 @@ class StageRuntime:
                 prev = roots.get(id(tensor))
                 roots[id(tensor)] = (tensor, grad if prev is None else prev[1] + grad)
         tensors = [t for t, _ in roots.values()]
-        grad_tensors: list[Optional[torch.Tensor]] = [g for _, g in roots.values()]
+        grad_tensors = [g for _, g in roots.values()]
         if self.stage == self.plan.output_stage:
             for req_tensors, req_grads in record.backward:
                 for t, g in zip(req_tensors, req_grads):
@@ -250,11 +312,12 @@ class StageRuntime:
                         tensors.append(t)
                         base = torch.ones_like(t) if g is None else g
                         grad_tensors.append(base * loss_scale if loss_scale != 1.0 else base)
-        if tensors:
-            torch.autograd.backward(tensors, grad_tensors)
-        for leaf, src in record.received:
-            grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-            self.link.send(grad, src, label="bwd:grad_out")
+        return tensors, grad_tensors
+
+    def _send_input_grads(self, record: MicrobatchRecord, grads: Sequence[Optional[torch.Tensor]]) -> None:
+        """Send each received leaf's gradient back to the stage that computed it; then forget the micro-batch."""
+        for (leaf, src), grad in zip(record.received, grads):
+            self.link.send(grad if grad is not None else torch.zeros_like(leaf), src, label="bwd:grad_out")
         record.sent.clear()
         record.received.clear()
         record.backward.clear()

@@ -102,10 +102,12 @@ def is_initialized() -> bool:
 def init(config: ConfigLike = None) -> None:
     """Initialise smp from the environment torchrun sets, or from an already initialised process group.
 
-    ``config`` holds the documented keys (``partitions``, ``microbatches``, ``pipeline``, ``auto_partition``,
-    ``default_partition``, ``optimize``, ``memory_weight``, ``ddp``, ``placement_strategy``); without it the
-    JSON in ``$SHARDKIT_SMP_CONFIG`` is used, else the defaults. Every rank must pass the same config: a
-    difference is reported on every rank. Without torchrun's variables and without a process group, smp runs
+    ``config`` holds smp's keys (``partitions``, ``microbatches``, ``pipeline``, ``auto_partition``,
+    ``default_partition``, ``optimize``, ``memory_weight``, ``ddp``, ``placement_strategy``, ...); without it
+    the JSON object in ``$SM_HP_MP_PARAMETERS`` (what SageMaker sets) is used, else ``$SHARDKIT_SMP_CONFIG``
+    (a JSON object or a file path), else the defaults (see :mod:`~.config_sources`; each rank reads its own
+    environment before any collective). Every rank must pass the same config: a difference is reported on
+    every rank. Without torchrun's variables and without a process group, smp runs
     as a single process.
 
     Example::
@@ -286,7 +288,8 @@ def get_dp_process_group() -> GroupLike:
 
 
 def barrier() -> None:
-    """Wait until every process reaches this point."""
+    """Wait until every process reaches this point (shardkit's internal world barrier; scripts' ``smp.barrier``
+    is :func:`shardkit.modelparallel.comm.barrier`, per group and checked)."""
     state = current()
     if state.distributed:
         dist.barrier(group=torch_group(state.world_group, "smp.barrier"))

@@ -2,8 +2,9 @@
 
 The decorated function's tensor arguments (also inside lists, tuples, dicts and sets, and objects with an
 ``smp_slice(num_mb, mb, axis)`` method) are split along their batch axis into ``microbatches`` pieces. The
-function then runs once per piece, in the pipeline schedule's order; each returned tensor becomes a
-:class:`StepOutput` holding its value for every micro-batch.
+function then runs once per piece, in the pipeline schedule's order. What it returns keeps its structure: each
+tensor becomes a :class:`StepOutput` holding its value for every micro-batch, each other value (``loss.item()``,
+a count) a list of its per-micro-batch values, the output stage's on every rank (see :mod:`~.step_outputs`).
 """
 
 from __future__ import annotations
@@ -14,45 +15,14 @@ from collections.abc import Iterable
 from typing import Any, Callable, Optional, Union, overload
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from shardkit.modelparallel import state as smp_state
 from shardkit.modelparallel.pipeline_parallel import StepRun
+from shardkit.modelparallel.step_outputs import OutputSharing, StepOutput, gather_microbatch_outputs
+
+__all__ = ["StepOutput", "gather_microbatch_outputs", "split_microbatch", "step"]
 
 StepFunction = Callable[..., Any]
-
-
-class StepOutput:
-    """One returned tensor's value for every micro-batch of an ``@smp.step`` call.
-
-    Example::
-
-        loss = train_step(model, x, y)      # a StepOutput
-        print(loss.reduce_mean().item())    # the mean over micro-batches
-    """
-
-    def __init__(self, outputs: list[Any]) -> None:
-        self.outputs = outputs
-        """The per-micro-batch values, in micro-batch order."""
-
-    def reduce_mean(self) -> torch.Tensor:
-        """The mean over micro-batches."""
-        return self.reduce_sum() / len(self.outputs)
-
-    def reduce_sum(self) -> torch.Tensor:
-        """The sum over micro-batches."""
-        return torch.stack(self.outputs).sum(dim=0)
-
-    def concat(self) -> torch.Tensor:
-        """The micro-batch values concatenated along the batch axis (axis 0)."""
-        return torch.cat(self.outputs, dim=0)
-
-    def stack(self) -> torch.Tensor:
-        """The micro-batch values stacked along a new leading axis."""
-        return torch.stack(self.outputs, dim=0)
-
-    def __repr__(self) -> str:
-        return f"StepOutput({len(self.outputs)} microbatches)"
 
 
 def split_microbatch(value: Any, num_mb: int, mb: int, axis: int, where: str) -> Any:
@@ -81,16 +51,6 @@ def split_microbatch(value: Any, num_mb: int, mb: int, axis: int, where: str) ->
     if isinstance(value, (set, frozenset)):
         return type(value)(split_microbatch(v, num_mb, mb, axis, where) for v in value)
     return value
-
-
-def _gather(per_mb: list[Any]) -> Any:
-    leaves0, spec = tree_flatten(per_mb[0])
-    columns = [tree_flatten(out)[0] for out in per_mb]
-    merged = [
-        StepOutput([col[i] for col in columns]) if isinstance(leaf, torch.Tensor) else leaf
-        for i, leaf in enumerate(leaves0)
-    ]
-    return tree_unflatten(merged, spec)
 
 
 @overload
@@ -136,6 +96,8 @@ def step(
 
     def decorate(fn: StepFunction) -> StepFunction:
         signature = inspect.signature(fn)
+        # Per decorated function and model: its outputs' layout is checked on its first call.
+        sharings: dict[int, OutputSharing] = {}
 
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -154,11 +116,12 @@ def step(
             def forward(mb: int) -> Any:
                 return fn(*per_mb[mb].args, **per_mb[mb].kwargs)
 
-            run = StepRun(lambda: model.stage_execution, num_mb, forward, detach_outputs)
+            sharing = sharings.setdefault(id(model), OutputSharing())
+            run = StepRun(lambda: model.stage_execution, num_mb, forward, detach_outputs, sharing)
             with model.running(run):
                 outputs = run.run()
             model.last_step_stats = run.stats
-            return _gather(outputs)
+            return gather_microbatch_outputs(outputs)
 
         return wrapper
 

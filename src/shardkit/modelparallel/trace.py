@@ -14,6 +14,7 @@ on another device than the one the model lives on (smp's ``trace_device``).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import time
 import warnings
 from collections.abc import Iterator
@@ -132,18 +133,32 @@ def traced_on(module: nn.Module, device: torch.device) -> Iterator[None]:
             tensor.data = original
 
 
+#: True while this thread runs one of the partitioner's extra forwards (``smp.is_tracing()``). A ContextVar: the
+#: user's forward reads it on the thread that runs the trace.
+_TRACING: contextvars.ContextVar[bool] = contextvars.ContextVar("shardkit_smp_tracing", default=False)
+
+
+def is_tracing() -> bool:
+    """True while this process runs the forward that traces the model to decide the partition (smp's
+    ``smp.is_tracing()``): a model's ``forward`` can skip work that only matters in training steps."""
+    return _TRACING.get()
+
+
 @contextlib.contextmanager
 def side_effect_free(module: nn.Module, record_autograd: bool = False) -> Iterator[None]:
     """Run extra forwards without changing the model: buffers (BatchNorm statistics) and RNG are restored.
 
     Autograd is off unless ``record_autograd`` (the memory pass needs the tensors backward would keep).
+    :func:`is_tracing` is True inside.
     """
     saved = [(b, b.detach().clone()) for b in module.buffers()]
     devices = sorted({b.device.index for b, _ in saved if b.device.type == "cuda" and b.device.index is not None})
+    token = _TRACING.set(True)
     try:
         with torch.random.fork_rng(devices=devices), torch.set_grad_enabled(record_autograd):
             yield
     finally:
+        _TRACING.reset(token)
         with torch.no_grad():
             for buf, copy in saved:
                 buf.copy_(copy)

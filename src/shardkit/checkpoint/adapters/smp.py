@@ -31,6 +31,16 @@ _MODEL = ("shardkit.modelparallel.model", "DistributedModel")
 _OPTIMIZER = ("shardkit.modelparallel.optimizer", "DistributedOptimizer")
 
 
+def _refuse_sharded_state(optimizer: Optional[Any]) -> None:
+    """The adapters read the optimizer's own ``state``, which ``shard_optimizer_state`` leaves empty (the state
+    lives in the shards): saving would silently drop it."""
+    if optimizer is not None and optimizer.is_state_sharded():
+        raise ValueError(
+            "shardkit checkpoints of an smp optimizer with 'shard_optimizer_state' are not supported yet: save "
+            "optimizer.state_dict() (gathered from the shards, on every rank) with smp.save instead"
+        )
+
+
 class SMPAdapter(FullStateAdapter):
     """smp model (and optimizer): gathered on save, each stage keeps its part on load."""
 
@@ -43,6 +53,7 @@ class SMPAdapter(FullStateAdapter):
                 f"an smp.DistributedModel is saved with its smp.DistributedOptimizer, got {type(optimizer).__name__};"
                 " wrap it: smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), ...))"
             )
+        _refuse_sharded_state(optimizer)
 
     @staticmethod
     def handles(model: nn.Module, optimizer: Optional[Any]) -> bool:
@@ -101,6 +112,7 @@ class SMPSource(UniversalSource):
                 f"an smp.DistributedModel is saved with its smp.DistributedOptimizer, got {type(optimizer).__name__};"
                 " wrap it: smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), ...))"
             )
+        _refuse_sharded_state(optimizer)
         self.model: Any = model
         self.optimizer = optimizer
         self._stage_view: Optional[torch.optim.Optimizer] = None

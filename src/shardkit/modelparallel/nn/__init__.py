@@ -1,5 +1,8 @@
 """``smp.nn``: layers that SageMaker's smp ships in place of Apex's (same arguments, plain torch inside).
 
+The tensor-parallel ``smp.nn.Distributed*`` modules exist so scripts import, and refuse construction with a clear
+error (shardkit has no tensor parallelism yet; see :mod:`shardkit.modelparallel.tensor_parallel`).
+
 Example::
 
     import shardkit.modelparallel as smp
@@ -8,5 +11,23 @@ Example::
 """
 
 from shardkit.modelparallel.nn.fused_layer_norm import FusedLayerNorm
+from shardkit.modelparallel.tensor_parallel import DISTRIBUTED_MODULES
 
-__all__ = ["FusedLayerNorm"]
+DistributedLinear = DISTRIBUTED_MODULES["DistributedLinear"]
+DistributedEmbedding = DISTRIBUTED_MODULES["DistributedEmbedding"]
+DistributedAttentionLayer = DISTRIBUTED_MODULES["DistributedAttentionLayer"]
+DistributedTransformer = DISTRIBUTED_MODULES["DistributedTransformer"]
+DistributedTransformerLayer = DISTRIBUTED_MODULES["DistributedTransformerLayer"]
+DistributedTransformerLMHead = DISTRIBUTED_MODULES["DistributedTransformerLMHead"]
+DistributedTransformerOutputLayer = DISTRIBUTED_MODULES["DistributedTransformerOutputLayer"]
+
+__all__ = [
+    "DistributedAttentionLayer",
+    "DistributedEmbedding",
+    "DistributedLinear",
+    "DistributedTransformer",
+    "DistributedTransformerLMHead",
+    "DistributedTransformerLayer",
+    "DistributedTransformerOutputLayer",
+    "FusedLayerNorm",
+]

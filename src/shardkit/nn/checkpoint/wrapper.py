@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -72,22 +72,8 @@ class CheckpointWrapper(nn.Module):
         inner = self.wrapped_module
         if not (self.training and torch.is_grad_enabled()) or is_checkpointing_disabled():
             return inner(*args, **kwargs)
-        # Keyword values travel as positional inputs so the checkpoint saves (and offloads) them like the rest.
-        kw_names = tuple(kwargs)
-        num_positional = len(args)
-
-        def run(*inputs: Any) -> Any:
-            return inner(*inputs[:num_positional], **dict(zip(kw_names, inputs[num_positional:])))
-
-        inputs = (*args, *kwargs.values())
-        with self._offload_context(inputs):
-            return checkpoint(
-                run,
-                *inputs,
-                use_reentrant=False,
-                preserve_rng_state=True,
-                context_fn=lambda: (enable_checkpointing(), _recomputation(inner)),
-            )
+        with self._offload_context((*args, *kwargs.values())):
+            return checkpointed_call(inner, inner, args, kwargs)
 
     def _offload_context(self, inputs: tuple[Any, ...]) -> contextlib.AbstractContextManager[Any]:
         # Only the checkpoint's inputs are saved across the region, so they are what goes to host memory.
@@ -116,6 +102,37 @@ class CheckpointWrapper(nn.Module):
 
     def extra_repr(self) -> str:
         return f"offload_to_cpu={self.offload_to_cpu}"
+
+
+def checkpointed_call(
+    fn: Callable[..., Any],
+    module: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    preserve_rng_state: bool = True,
+) -> Any:
+    """``fn(*args, **kwargs)`` under non-reentrant checkpointing, with this package's semantics for ``module``
+    (the module ``fn`` runs: its normalisation statistics are restored after the recomputation, and
+    :func:`~shardkit.nn.checkpoint.flags.is_checkpointing` / ``is_recomputing`` hold inside).
+
+    The caller decides whether to checkpoint at all (training, grad enabled, not disabled). Keyword values
+    travel as positional inputs so the checkpoint saves (and an offload hook moves) them like the rest.
+    ``preserve_rng_state=False`` skips replaying the RNG state (dropout then draws new masks when recomputed).
+    """
+    kw_names = tuple(kwargs)
+    num_positional = len(args)
+
+    def run(*inputs: Any) -> Any:
+        return fn(*inputs[:num_positional], **dict(zip(kw_names, inputs[num_positional:])))
+
+    return checkpoint(
+        run,
+        *args,
+        *kwargs.values(),
+        use_reentrant=False,
+        preserve_rng_state=preserve_rng_state,
+        context_fn=lambda: (enable_checkpointing(), _recomputation(module)),
+    )
 
 
 def _to_host_memory(tensor: torch.Tensor, pin: bool) -> tuple[torch.device, torch.Tensor]:

@@ -1,0 +1,121 @@
+"""``smp.delay_param_initialization``: build a model too big for one process, create only the stage's share.
+
+Inside the context every tensor a module creates lives on the ``meta`` device (shapes and dtypes, no memory).
+At the first step rank 0 plans the partition on those shapes, and each rank then creates the parameters and
+buffers its stage holds, on its device, by calling ``reset_parameters()`` of each module that owns them. So no
+process ever holds the whole model.
+
+Values: module ``name`` is reset under ``torch.manual_seed(initialization_seed(base, name))``, modules in
+``named_modules()`` order, where ``base`` is rank 0's ``torch.initial_seed()`` at the partition. The values
+equal those of the whole model built normally and reset module by module that way, whatever the partition:
+stages, replicas and tied copies agree without any broadcast. A module that owns parameters or buffers but has
+no ``reset_parameters()`` cannot be recreated (values its ``__init__`` computed were never stored) and is
+refused at the partition, naming it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import zlib
+from collections.abc import Iterator
+from typing import Callable
+
+import torch
+from torch import nn
+
+from shardkit.modelparallel.startup import canonical_tensors
+
+
+@contextlib.contextmanager
+def delay_param_initialization(enabled: bool = True) -> Iterator[None]:
+    """Create modules inside without allocating their parameters; each stage creates its own after the partition.
+
+    Example::
+
+        with smp.delay_param_initialization():
+            model = BigModel()                  # no memory used for weights yet
+        model = smp.DistributedModel(model)     # the first step partitions, then each stage initialises its share
+    """
+    if not enabled:
+        yield
+        return
+    with torch.device("meta"):
+        yield
+
+
+#: The name smp's ``model_creation`` documentation uses for the same context.
+delayed_parameter_initialization = delay_param_initialization
+
+
+def is_delayed(module: nn.Module) -> bool:
+    """True when ``module``'s parameters and buffers were created inside :func:`delay_param_initialization`."""
+    tensors = list(canonical_tensors(module).values())
+    return bool(tensors) and all(t.is_meta for t in tensors)
+
+
+def check_delayable(module: nn.Module) -> None:
+    """For a model built inside :func:`delay_param_initialization`: raise ``ValueError`` unless every module owning
+    tensors can recreate them (``reset_parameters``), or when only some tensors are on the meta device (a model
+    half built inside the context). Other models pass."""
+    tensors = list(canonical_tensors(module).values())
+    if not any(t.is_meta for t in tensors):
+        return
+    if not all(t.is_meta for t in tensors):
+        raise ValueError(
+            "part of the model was built inside smp.delay_param_initialization and part outside it: build the "
+            "whole model inside the context, or none of it"
+        )
+    missing = [
+        f"{name or '<root>'} ({type(sub).__name__})"
+        for name, sub in module.named_modules()
+        if _direct_tensors(sub) and not callable(getattr(sub, "reset_parameters", None))
+    ]
+    if missing:
+        raise ValueError(
+            "smp.delay_param_initialization creates parameters and buffers after the partition by calling each "
+            f"module's reset_parameters(), but these modules own tensors and have none: {', '.join(missing[:5])}"
+            f"{'...' if len(missing) > 5 else ''}; give them a reset_parameters() method, or build the model "
+            "outside the context"
+        )
+
+
+def initialization_seed(base: int, name: str) -> int:
+    """The seed module ``name`` is reset under (``base`` is rank 0's ``torch.initial_seed()``)."""
+    return (base + zlib.crc32(name.encode())) % (2**63)
+
+
+def _direct_tensors(module: nn.Module) -> list[torch.Tensor]:
+    return [t for _, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]]
+
+
+def materialize(module: nn.Module, holds: Callable[[str], bool], device: torch.device, base_seed: int) -> None:
+    """Create on ``device`` the tensors this stage holds (``holds(canonical_name)``) and initialise them.
+
+    Runs before the stage releases what it does not hold. Every module owning a held tensor is reset (seeded per
+    :func:`initialization_seed`); its tensors this stage does not hold exist only during that call, so a tied
+    tensor gets the value the last module resetting it gives it, on every stage that holds it, as in the
+    unpartitioned model.
+    """
+    canonical = {id(t): name for name, t in canonical_tensors(module).items()}
+    with torch.no_grad():
+        for name, sub in module.named_modules():
+            direct = _direct_tensors(sub)
+            if not any(holds(canonical[id(t)]) for t in direct):
+                continue
+            for t in direct:
+                if t.is_meta:
+                    _replace(t, torch.empty(t.shape, dtype=t.dtype, device=device))
+            # The user's random streams continue as if nothing was drawn (the CUDA one too when initialising there).
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                torch.manual_seed(initialization_seed(base_seed, name))
+                sub.reset_parameters()  # checked by check_delayable
+            for t in direct:
+                if not holds(canonical[id(t)]) and not t.is_meta:
+                    _replace(t, torch.empty(t.shape, dtype=t.dtype, device="meta"))
+
+
+def _replace(tensor: torch.Tensor, data: torch.Tensor) -> None:
+    """Give ``tensor`` (the same Python object: optimizers and tied modules keep their references) ``data``,
+    across devices (``.data =`` cannot move a tensor off the meta device)."""
+    new = nn.Parameter(data, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else data
+    torch.utils.swap_tensors(tensor, new)
