@@ -203,12 +203,22 @@ def load(
     raises a ``FileNotFoundError`` naming the ranks and files. Loading is weights-only unless
     ``weights_only=False`` is passed for a file you trust.
 
+    ``f`` may also be a folder ``smp.save_checkpoint`` wrote (the checkpoint in its ``newest`` file) or one of
+    its ``<tag>_partial`` folders: this stage's ``{"model": ..., "optimizer": ..., "user_content": ...}`` comes
+    back (``optimizer`` None when the checkpoint has none).
+
     Example::
 
         checkpoint = smp.load("ckpt.pt", partial=True)
         model.load_state_dict(checkpoint["model"])
     """
     name = _checked_name(f)
+    if os.path.isdir(name):
+        from shardkit.modelparallel.checkpoint_folders import load_folder  # it builds on this module
+
+        loaded = load_folder(name, partial, map_location)
+        if loaded is not None:
+            return loaded
     if partial:
         files = stage_files(name)
         agree_on_problems(partial_file_problem(name, files, "smp.load: partial checkpoint"), "smp.load")

@@ -29,6 +29,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from shardkit.distributed import all_gather_objects
 from shardkit.modelparallel import state as smp_state
 from shardkit.modelparallel.checkpoint import MISSING, agree_on_problems, load_weights, partial_file_problem
 from shardkit.utils.tensors import to_cpu
@@ -138,6 +139,72 @@ def newest_tag(path: str) -> Optional[str]:
         return None
 
 
+def read_checkpoint(
+    path: str, tag: Optional[str], partial: bool, optimizer: Optional[bool], what: str, map_location: Any = "cpu"
+) -> dict[str, Any]:
+    """What :func:`save_checkpoint` wrote under ``path`` for ``tag`` (None: ``path/newest``), for this stage:
+    ``{"model": ..., "optimizer": ... or None, "user_content": ...}`` (the model and optimizer partial for a
+    partial checkpoint, full otherwise), read weights-only.
+
+    ``optimizer``: True needs the optimizer's state (a partial checkpoint without it is an error), False skips
+    it, None takes it when the checkpoint has it. Collective over every rank: when any rank lacks a file it
+    needs, every rank raises a ``FileNotFoundError`` naming the ranks and files; ``what`` names the caller.
+    """
+    tag = tag if tag is not None else newest_tag(path)
+    if tag is None:
+        agree_on_problems(f"no tag given and {MISSING} {os.path.join(path, NEWEST)!r}", what)
+    assert tag is not None
+    files: dict[str, Optional[str]]
+    if partial:
+        folder = os.path.join(path, f"{tag}_partial")
+        if optimizer is None:  # every stage must agree on whether the checkpoint has optimizer state
+            optimizer = os.path.isfile(_stage_name(os.path.join(folder, "optimizer")))
+            if smp_state.is_initialized() and smp_state.current().distributed:
+                world = smp_state.current().world_group
+                optimizer = any(all_gather_objects(optimizer, world, "smp_checkpoint_optimizer"))
+        agree_on_problems(_partial_problem(folder, optimizer, what), what)
+        files = {"model": _stage_name(os.path.join(folder, "model")), "optimizer": None}
+        if optimizer:
+            files["optimizer"] = _stage_name(os.path.join(folder, "optimizer"))
+        user_content = os.path.join(folder, USER_CONTENT)
+    else:
+        model_file, optimizer_file = os.path.join(path, tag), os.path.join(path, f"optimizer_{tag}")
+        user_content = os.path.join(path, f"user_content_{tag}")
+        missing = [f for f in (model_file, user_content) if not os.path.isfile(f)]
+        agree_on_problems(f"{MISSING} {missing}" if missing else None, what)
+        files = {"model": model_file, "optimizer": optimizer_file if optimizer is not False else None}
+        if files["optimizer"] is not None and not os.path.isfile(optimizer_file):
+            files["optimizer"] = None  # a full checkpoint saved without an optimizer (resume warns)
+    loaded = {name: load_weights(f, map_location) if f else None for name, f in files.items()}
+    return {**loaded, "user_content": load_weights(user_content, map_location)}
+
+
+def _partial_problem(folder: str, optimizer: bool, what: str) -> Optional[str]:
+    what = f"{what}: partial checkpoint folder {folder!r}"
+    if not os.path.isdir(folder):
+        return f"{what}: {MISSING} (the folder does not exist)"
+    if not os.path.isfile(os.path.join(folder, USER_CONTENT)):
+        return f"{what}: {MISSING} {USER_CONTENT}"
+    for name in ["model"] + (["optimizer"] if optimizer else []):
+        prefix = os.path.join(folder, name)
+        problem = partial_file_problem(prefix, [_stage_name(prefix)], what)
+        if problem is not None:
+            return problem
+    return None
+
+
+def load_folder(f: str, partial: bool, map_location: Any = None) -> Optional[dict[str, Any]]:
+    """``smp.load`` of a folder :func:`save_checkpoint` wrote (``path``, read through ``newest``, or one
+    ``<tag>_partial`` folder): this stage's ``{"model", "optimizer", "user_content"}``; None for other paths."""
+    if os.path.isfile(os.path.join(f, NEWEST)):
+        return read_checkpoint(f, None, partial, None, "smp.load", map_location)
+    name = os.path.basename(os.path.normpath(f))
+    if name.endswith("_partial") and os.path.isfile(os.path.join(f, USER_CONTENT)):
+        parent = os.path.dirname(os.path.normpath(f))
+        return read_checkpoint(parent, name[: -len("_partial")], True, None, "smp.load", map_location)
+    return None
+
+
 def resume_from_checkpoint(
     path: str,
     tag: Optional[str] = None,
@@ -165,45 +232,18 @@ def resume_from_checkpoint(
     model, optimizer = state.model, state.optimizer if load_optimizer else None
     if model is None:
         raise RuntimeError("smp.resume_from_checkpoint: create the smp.DistributedModel before resuming into it")
-    tag = tag if tag is not None else newest_tag(path)
-    if tag is None:
-        agree_on_problems(f"no tag given and {MISSING} {os.path.join(path, NEWEST)!r}", "smp.resume_from_checkpoint")
-    assert tag is not None
-    if partial:
-        return _resume_partial(os.path.join(path, f"{tag}_partial"), model, optimizer, strict)
-    files = [os.path.join(path, tag), os.path.join(path, f"user_content_{tag}")]
-    missing = [f for f in files if not os.path.isfile(f)]
-    agree_on_problems(f"{MISSING} {missing}" if missing else None, "smp.resume_from_checkpoint")
-    full = load_weights(files[0], map_location="cpu")
-    model.load_state_dict(translate_function(full) if translate_function is not None else full, strict=strict)
-    if optimizer is not None:
-        optimizer_file = os.path.join(path, f"optimizer_{tag}")
-        if os.path.isfile(optimizer_file):
-            optimizer.load_state_dict(load_weights(optimizer_file, map_location="cpu"))
-        else:
-            warnings.warn(
-                f"smp.resume_from_checkpoint: the full checkpoint {tag!r} holds no optimizer state (it was saved "
-                "without optimizer=), so the optimizer keeps its current state; pass load_optimizer=False if that "
-                "is intended",
-                stacklevel=2,
-            )
-    return load_weights(files[1], map_location="cpu")
-
-
-def _resume_partial(folder: str, model: Any, optimizer: Any, strict: bool) -> Any:
-    what = f"smp.resume_from_checkpoint: partial checkpoint folder {folder!r}"
-    names = ["model"] + (["optimizer"] if optimizer is not None else [])
-    problem = None
-    if not os.path.isdir(folder):
-        problem = f"{what}: {MISSING} (the folder does not exist)"
-    elif not os.path.isfile(os.path.join(folder, USER_CONTENT)):
-        problem = f"{what}: {MISSING} {USER_CONTENT}"
-    else:
-        for name in names:
-            prefix = os.path.join(folder, name)
-            problem = problem or partial_file_problem(prefix, [_stage_name(prefix)], what)
-    agree_on_problems(problem, "smp.resume_from_checkpoint")
-    model.load_state_dict(load_weights(_stage_name(os.path.join(folder, "model")), map_location="cpu"), strict)
-    if optimizer is not None:
-        optimizer.load_state_dict(load_weights(_stage_name(os.path.join(folder, "optimizer")), map_location="cpu"))
-    return load_weights(os.path.join(folder, USER_CONTENT), map_location="cpu")
+    loaded = read_checkpoint(path, tag, partial, optimizer is not None, "smp.resume_from_checkpoint")
+    weights = loaded["model"]
+    if not partial and translate_function is not None:
+        weights = translate_function(weights)
+    model.load_state_dict(weights, strict=strict)
+    if optimizer is not None and loaded["optimizer"] is not None:
+        optimizer.load_state_dict(loaded["optimizer"])
+    elif optimizer is not None:
+        warnings.warn(
+            f"smp.resume_from_checkpoint: the full checkpoint {tag or newest_tag(path)!r} holds no optimizer state "
+            "(it was saved without optimizer=), so the optimizer keeps its current state; pass "
+            "load_optimizer=False if that is intended",
+            stacklevel=2,
+        )
+    return loaded["user_content"]
