@@ -29,17 +29,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from shardkit.distributed import all_gather_objects
 from shardkit.modelparallel import state as smp_state
-from shardkit.modelparallel.checkpoint import MISSING, agree_on_problems, load_weights, partial_file_problem
+from shardkit.modelparallel.checkpoint_files import NEWEST, USER_CONTENT, newest_tag, read_checkpoint, stage_name
 from shardkit.utils.tensors import to_cpu
-
-NEWEST = "newest"
-USER_CONTENT = "user_content.pt"
-
-
-def _stage_name(prefix: str) -> str:
-    return f"{prefix}_{smp_state.pp_rank()}_0.pt"
 
 
 def _check_user_content(user_content: Any) -> None:
@@ -89,9 +81,9 @@ def save_checkpoint(
         if first_replica:
             os.makedirs(folder, exist_ok=True)
             if model is not None:
-                torch.save(to_cpu(model.local_state_dict()), os.path.join(folder, _stage_name("model")))
+                torch.save(to_cpu(model.local_state_dict()), os.path.join(folder, stage_name("model")))
             if optimizer is not None:
-                torch.save(to_cpu(optimizer.local_state_dict()), os.path.join(folder, _stage_name("optimizer")))
+                torch.save(to_cpu(optimizer.local_state_dict()), os.path.join(folder, stage_name("optimizer")))
             if smp_state.rank() == 0:
                 torch.save(to_cpu(user_content), os.path.join(folder, USER_CONTENT))
     else:
@@ -128,81 +120,6 @@ def _prune(path: str, keep_tag: str, keep: int) -> None:
             folders.append((os.stat(marker).st_mtime_ns, entry))
     for _, entry in sorted(folders)[: max(0, len(folders) - (keep - 1))]:
         shutil.rmtree(os.path.join(path, entry))
-
-
-def newest_tag(path: str) -> Optional[str]:
-    """The tag in ``path/newest``, or None when there is none."""
-    try:
-        with open(os.path.join(path, NEWEST), encoding="utf-8") as src:
-            return src.read().strip() or None
-    except FileNotFoundError:
-        return None
-
-
-def read_checkpoint(
-    path: str, tag: Optional[str], partial: bool, optimizer: Optional[bool], what: str, map_location: Any = "cpu"
-) -> dict[str, Any]:
-    """What :func:`save_checkpoint` wrote under ``path`` for ``tag`` (None: ``path/newest``), for this stage:
-    ``{"model": ..., "optimizer": ... or None, "user_content": ...}`` (the model and optimizer partial for a
-    partial checkpoint, full otherwise), read weights-only.
-
-    ``optimizer``: True needs the optimizer's state (a partial checkpoint without it is an error), False skips
-    it, None takes it when the checkpoint has it. Collective over every rank: when any rank lacks a file it
-    needs, every rank raises a ``FileNotFoundError`` naming the ranks and files; ``what`` names the caller.
-    """
-    tag = tag if tag is not None else newest_tag(path)
-    if tag is None:
-        agree_on_problems(f"no tag given and {MISSING} {os.path.join(path, NEWEST)!r}", what)
-    assert tag is not None
-    files: dict[str, Optional[str]]
-    if partial:
-        folder = os.path.join(path, f"{tag}_partial")
-        if optimizer is None:  # every stage must agree on whether the checkpoint has optimizer state
-            optimizer = os.path.isfile(_stage_name(os.path.join(folder, "optimizer")))
-            if smp_state.is_initialized() and smp_state.current().distributed:
-                world = smp_state.current().world_group
-                optimizer = any(all_gather_objects(optimizer, world, "smp_checkpoint_optimizer"))
-        agree_on_problems(_partial_problem(folder, optimizer, what), what)
-        files = {"model": _stage_name(os.path.join(folder, "model")), "optimizer": None}
-        if optimizer:
-            files["optimizer"] = _stage_name(os.path.join(folder, "optimizer"))
-        user_content = os.path.join(folder, USER_CONTENT)
-    else:
-        model_file, optimizer_file = os.path.join(path, tag), os.path.join(path, f"optimizer_{tag}")
-        user_content = os.path.join(path, f"user_content_{tag}")
-        missing = [f for f in (model_file, user_content) if not os.path.isfile(f)]
-        agree_on_problems(f"{MISSING} {missing}" if missing else None, what)
-        files = {"model": model_file, "optimizer": optimizer_file if optimizer is not False else None}
-        if files["optimizer"] is not None and not os.path.isfile(optimizer_file):
-            files["optimizer"] = None  # a full checkpoint saved without an optimizer (resume warns)
-    loaded = {name: load_weights(f, map_location) if f else None for name, f in files.items()}
-    return {**loaded, "user_content": load_weights(user_content, map_location)}
-
-
-def _partial_problem(folder: str, optimizer: bool, what: str) -> Optional[str]:
-    what = f"{what}: partial checkpoint folder {folder!r}"
-    if not os.path.isdir(folder):
-        return f"{what}: {MISSING} (the folder does not exist)"
-    if not os.path.isfile(os.path.join(folder, USER_CONTENT)):
-        return f"{what}: {MISSING} {USER_CONTENT}"
-    for name in ["model"] + (["optimizer"] if optimizer else []):
-        prefix = os.path.join(folder, name)
-        problem = partial_file_problem(prefix, [_stage_name(prefix)], what)
-        if problem is not None:
-            return problem
-    return None
-
-
-def load_folder(f: str, partial: bool, map_location: Any = None) -> Optional[dict[str, Any]]:
-    """``smp.load`` of a folder :func:`save_checkpoint` wrote (``path``, read through ``newest``, or one
-    ``<tag>_partial`` folder): this stage's ``{"model", "optimizer", "user_content"}``; None for other paths."""
-    if os.path.isfile(os.path.join(f, NEWEST)):
-        return read_checkpoint(f, None, partial, None, "smp.load", map_location)
-    name = os.path.basename(os.path.normpath(f))
-    if name.endswith("_partial") and os.path.isfile(os.path.join(f, USER_CONTENT)):
-        parent = os.path.dirname(os.path.normpath(f))
-        return read_checkpoint(parent, name[: -len("_partial")], True, None, "smp.load", map_location)
-    return None
 
 
 def resume_from_checkpoint(
