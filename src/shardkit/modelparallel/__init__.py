@@ -40,8 +40,9 @@ smp's common API beyond the seed: :mod:`~.config_sources` (where ``smp.init()`` 
 this follows.
 
 Script-facing calls of smp v1.10: :mod:`~.step_outputs` (what a step returns: every micro-batch's value, the output
-stage's on every rank), :mod:`~.checkpoint_folders` (``save_checkpoint``, ``resume_from_checkpoint``) over :mod:`~.checkpoint_files`
-(reading both partial layouts and the folders, weights-only, problems agreed on every rank),
+stage's on every rank), :mod:`~.checkpoint_folders` (``save_checkpoint``, ``resume_from_checkpoint``) over
+:mod:`~.checkpoint_files` (reading both partial layouts and the folders, weights-only, problems agreed on every
+rank),
 :mod:`~.activation_checkpointing` (``set_activation_checkpointing``, applied below the routing at the partition) and
 :mod:`~.delayed_init` (``delay_param_initialization``: build on meta, each stage creates its share).
 
