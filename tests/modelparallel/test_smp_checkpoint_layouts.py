@@ -166,6 +166,22 @@ def _folders(rank: int, world_size: int, directory: str) -> dict[str, Any]:
     out["plain_vs_saved"] = max_diff(plain.state_dict(), saved)
     smp.reset()
 
+    # smp.load of a <tag>_partial folder, and of the checkpoint folder (its newest: the model-only full one)
+    model, opt = _build(1)
+    folder = smp.load(os.path.join(directory, "step4_partial"))
+    model.load_state_dict(folder["model"])
+    opt.load_state_dict(folder["optimizer"])
+    out["folder_user_content"] = folder["user_content"]
+    out["folder_loss_diff"] = max(abs(a - b) for a, b in zip(_train(model, opt, range(4, 6)), continued))
+    smp.reset()
+    model, opt = _build(1)
+    newest = smp.load(directory, partial=False)
+    model.load_state_dict(newest["model"])
+    _partition(model)
+    out["newest_vs_saved"] = max_diff(model.state_dict(), saved)
+    out["newest_optimizer"] = newest["optimizer"]
+    smp.reset()
+
     model, opt = _build(1)
     if rank == 0:
         os.remove(os.path.join(directory, "step4_partial", "optimizer_1_0.pt"))
@@ -206,6 +222,8 @@ def test_save_checkpoint_folders_resume_training_and_refuse_missing_files(tmp_pa
         assert r["full_vs_saved"] == 0.0 and r["plain_vs_saved"] == 0.0, r
         assert r["full_loss_diff"] <= 1e-6, r  # the full checkpoint's optimizer state came back too
         assert len(r["model_only_warning"]) == 1, r
+        assert r["folder_user_content"] == {"step": 4} and r["folder_loss_diff"] <= 1e-6, r
+        assert r["newest_vs_saved"] == 0.0 and r["newest_optimizer"] is None, r
         assert r["bad_user_content"].startswith("TypeError") and "user_content" in r["bad_user_content"]
         assert r["newest"] == "model_only"
         assert r["missing"].startswith("FileNotFoundError") and "rank 1:" in r["missing"], r

@@ -242,6 +242,25 @@ def test_module_without_reset_parameters_is_refused_on_every_rank() -> None:
         assert "reset_parameters" in message and "_NoReset" in message, message
 
 
+def _mixed(rank: int, world_size: int) -> str:
+    smp.init({"partitions": world_size, "microbatches": 1})
+    with smp.delay_param_initialization(enabled=rank == 0):
+        net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    model = smp.DistributedModel(net)
+    try:
+        _train_step(model, torch.ones(2, 4), torch.zeros(2, 4))
+    except Exception as exc:  # the test asserts the message
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        smp.reset()
+    return "no error"
+
+
+def test_delayed_on_some_ranks_only_is_refused_on_every_rank() -> None:
+    for message in run_distributed(_mixed, 2):
+        assert message.startswith("ValueError") and "ranks [0]" in message, message
+
+
 def test_disabled_context_builds_normally() -> None:
     with smp.delay_param_initialization(enabled=False):
         assert not nn.Linear(2, 2).weight.is_meta

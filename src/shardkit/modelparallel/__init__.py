@@ -40,13 +40,15 @@ smp's common API beyond the seed: :mod:`~.config_sources` (where ``smp.init()`` 
 this follows.
 
 Script-facing calls of smp v1.10: :mod:`~.step_outputs` (what a step returns: every micro-batch's value, the output
-stage's on every rank), :mod:`~.checkpoint_folders` (``save_checkpoint``, ``resume_from_checkpoint``),
+stage's on every rank), :mod:`~.checkpoint_folders` (``save_checkpoint``, ``resume_from_checkpoint``) over
+:mod:`~.checkpoint_files` (reading both partial layouts and the folders, weights-only, problems agreed on every
+rank),
 :mod:`~.activation_checkpointing` (``set_activation_checkpointing``, applied below the routing at the partition) and
 :mod:`~.delayed_init` (``delay_param_initialization``: build on meta, each stage creates its share).
 
 Layering, bottom up: config/topology -> state -> plan/runtime/pp_communications/step_outputs -> execution ->
-pipeline_parallel -> activation_checkpointing/delayed_init -> holding/build -> model -> step; checkpoint_folders
-sits beside checkpoint; no module imports one above it.
+pipeline_parallel -> activation_checkpointing/delayed_init -> holding/build -> model -> step; checkpoint_files
+under checkpoint and checkpoint_folders; no module imports one above it.
 """
 
 from shardkit.modelparallel import amp, nn, optimizers

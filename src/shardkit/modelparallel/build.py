@@ -54,6 +54,7 @@ def decide_plan(
         # Before the broadcast; a model that cannot be initialised late fails on every rank at once.
         check_same_model(module, state.world_group, "smp.DistributedModel", local_error=_delay_error(module))
         check_same_inputs((args, kwargs), state.mp_group)
+        _check_same_delay(delayed, state)
         if not delayed:  # a delayed model is created from the same seeds on every rank instead
             broadcast_initial_state(module, state.world_group, device)
     else:
@@ -92,6 +93,18 @@ def decide_plan(
     if error is not None:
         raise RuntimeError(f"smp could not partition the model (error on rank 0): {error}")
     return plan, placement
+
+
+def _check_same_delay(delayed: bool, state: SMPState) -> None:
+    """Every rank built the model inside ``smp.delay_param_initialization``, or none did (else the initial
+    broadcast would meet ranks that skip it)."""
+    flags = all_gather_objects(delayed, state.world_group, "smp_delayed_init")
+    if len(set(flags)) > 1:
+        inside = [rank for rank, flag in enumerate(flags) if flag]
+        raise ValueError(
+            f"ranks {inside} built the model inside smp.delay_param_initialization and the others did not: build it "
+            "the same way on every rank"
+        )
 
 
 def _delay_error(module: nn.Module) -> Optional[Exception]:

@@ -7,16 +7,15 @@ Full dicts are built by gathering the partial ones over the replica's stages; a 
 
 ``smp.load`` reads partial checkpoints in both layouts smp v1 has written: the seed's ``<f>_<mp_rank>`` and
 v1.10+'s ``<f>_<pp_rank>_<tp_rank>.pt``; ``smp.save`` writes the seed's. Folders of ``smp.save_checkpoint`` are
-:mod:`~.checkpoint_folders`'s.
+:mod:`~.checkpoint_folders`'s; reading the files is :mod:`~.checkpoint_files`'s.
 """
 
 from __future__ import annotations
 
 import os
-import pickle
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -24,11 +23,17 @@ from torch import nn
 from shardkit.distributed import GroupLike, all_gather_objects
 from shardkit.distributed.arrival import every_rank_calls
 from shardkit.modelparallel import state as smp_state
+from shardkit.modelparallel.checkpoint_files import (
+    MISSING,
+    agree_on_problems,
+    load_folder,
+    load_weights,
+    partial_file_problem,
+    stage_files,
+)
 from shardkit.utils.tensors import to_cpu
 
 PARTIAL_KEY = "_smp_is_partial"
-MISSING = "no file"
-"""Words every missing-file problem contains (they make :func:`agree_on_problems` raise FileNotFoundError)."""
 #: The call a user made, by the label of the gather it leads to (for the every-rank check's messages).
 _GATHER_CALLS = {
     "smp_model_state_dict": "DistributedModel.state_dict()",
@@ -102,69 +107,6 @@ def _save_path(f: str, partial: bool) -> str:
     return f"{name}_{smp_state.mp_rank() if smp_state.is_initialized() else 0}" if partial else name
 
 
-def stage_files(name: str) -> tuple[str, str]:
-    """This stage's file of a partial checkpoint ``name``, in the seed's layout (``<f>_<mp_rank>``) and in smp
-    v1.10+'s (``<f>_<pp_rank>_<tp_rank>.pt``, tp_rank 0 here: no tensor parallelism)."""
-    stage = smp_state.pp_rank() if smp_state.is_initialized() else 0
-    return f"{name}_{stage}", f"{name}_{stage}_0.pt"
-
-
-def partial_file_problem(name: str, files: Sequence[str], what: str) -> Optional[str]:
-    """Why this stage cannot read the partial checkpoint whose stage files would be ``files`` (None if it can).
-
-    ``files`` are this stage's candidate names; the checkpoint ``name`` is refused when it was written with
-    tensor parallelism (a ``_1.pt`` sibling: shards we cannot merge) or with more pipeline stages than this run.
-    """
-    stages = smp_state.pp_size() if smp_state.is_initialized() else 1
-    stage = smp_state.pp_rank() if smp_state.is_initialized() else 0
-    if os.path.exists(f"{name}_{stage}_1.pt"):
-        return (
-            f"{what} {name!r} was saved with tensor parallelism ({name}_{stage}_1.pt exists): shardkit has no "
-            "tensor parallelism and cannot merge tensor-parallel shards; save a full checkpoint (partial=False) "
-            "with smp and load that instead"
-        )
-    for extra in (f"{name}_{stages}", f"{name}_{stages}_0.pt"):
-        if os.path.exists(extra):
-            return (
-                f"{what} {name!r} has a file for pipeline stage {stages} ({extra}) but this run has {stages} stages: "
-                "load it with the number of partitions it was saved with, or save a full checkpoint (partial=False)"
-            )
-    if not any(os.path.exists(candidate) for candidate in files):
-        return f"{what}: {MISSING} for pipeline stage {stage} (looked for {' and '.join(map(repr, files))})"
-    return None
-
-
-def agree_on_problems(problem: Optional[str], what: str) -> None:
-    """Raise on every rank if any rank found a problem with its checkpoint files (collective over the world).
-
-    Each rank reads its own stage's files; without this, a rank missing its file would fail alone and the others
-    would wait for it in the next collective. The error is a ``FileNotFoundError`` when a file is missing, else
-    a ``ValueError`` (a layout this run cannot load).
-    """
-    problems: list[Optional[str]] = [problem]
-    if smp_state.is_initialized() and smp_state.current().distributed:
-        world = smp_state.current().world_group
-        every_rank_calls(what, world, "load a checkpoint on every rank: each stage reads its own file")
-        problems = all_gather_objects(problem, world, "smp_checkpoint_files")
-    found = [f"rank {rank}: {p}" for rank, p in enumerate(problems) if p is not None]
-    if found:
-        message = f"{what} cannot be loaded; " + "; ".join(found)
-        if any(MISSING in p for p in found):
-            raise FileNotFoundError(message)
-        raise ValueError(message)
-
-
-def load_weights(path: str, map_location: Any = None, **kwargs: Any) -> Any:
-    """``torch.load`` with weights-only unpickling (tensors, containers, numbers, strings: no code runs)."""
-    try:
-        return torch.load(path, map_location=map_location, weights_only=True, **kwargs)
-    except pickle.UnpicklingError as exc:
-        raise pickle.UnpicklingError(
-            f"{path!r} holds objects that weights-only loading refuses (only tensors, containers, numbers and "
-            f"strings load without running code): {str(exc).splitlines()[0]}"
-        ) from exc
-
-
 def save(
     obj: Any, f: str, partial: bool = True, pickle_module: Any = None, pickle_protocol: int = 2, **kwargs: Any
 ) -> None:
@@ -203,12 +145,20 @@ def load(
     raises a ``FileNotFoundError`` naming the ranks and files. Loading is weights-only unless
     ``weights_only=False`` is passed for a file you trust.
 
+    ``f`` may also be a folder ``smp.save_checkpoint`` wrote (the checkpoint in its ``newest`` file) or one of
+    its ``<tag>_partial`` folders: this stage's ``{"model": ..., "optimizer": ..., "user_content": ...}`` comes
+    back (``optimizer`` None when the checkpoint has none).
+
     Example::
 
         checkpoint = smp.load("ckpt.pt", partial=True)
         model.load_state_dict(checkpoint["model"])
     """
     name = _checked_name(f)
+    if os.path.isdir(name):
+        loaded = load_folder(name, partial, map_location)
+        if loaded is not None:
+            return loaded
     if partial:
         files = stage_files(name)
         agree_on_problems(partial_file_problem(name, files, "smp.load: partial checkpoint"), "smp.load")

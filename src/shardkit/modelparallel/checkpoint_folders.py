@@ -30,15 +30,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from shardkit.modelparallel import state as smp_state
-from shardkit.modelparallel.checkpoint import MISSING, agree_on_problems, load_weights, partial_file_problem
+from shardkit.modelparallel.checkpoint_files import NEWEST, USER_CONTENT, newest_tag, read_checkpoint, stage_name
 from shardkit.utils.tensors import to_cpu
-
-NEWEST = "newest"
-USER_CONTENT = "user_content.pt"
-
-
-def _stage_name(prefix: str) -> str:
-    return f"{prefix}_{smp_state.pp_rank()}_0.pt"
 
 
 def _check_user_content(user_content: Any) -> None:
@@ -88,9 +81,9 @@ def save_checkpoint(
         if first_replica:
             os.makedirs(folder, exist_ok=True)
             if model is not None:
-                torch.save(to_cpu(model.local_state_dict()), os.path.join(folder, _stage_name("model")))
+                torch.save(to_cpu(model.local_state_dict()), os.path.join(folder, stage_name("model")))
             if optimizer is not None:
-                torch.save(to_cpu(optimizer.local_state_dict()), os.path.join(folder, _stage_name("optimizer")))
+                torch.save(to_cpu(optimizer.local_state_dict()), os.path.join(folder, stage_name("optimizer")))
             if smp_state.rank() == 0:
                 torch.save(to_cpu(user_content), os.path.join(folder, USER_CONTENT))
     else:
@@ -129,15 +122,6 @@ def _prune(path: str, keep_tag: str, keep: int) -> None:
         shutil.rmtree(os.path.join(path, entry))
 
 
-def newest_tag(path: str) -> Optional[str]:
-    """The tag in ``path/newest``, or None when there is none."""
-    try:
-        with open(os.path.join(path, NEWEST), encoding="utf-8") as src:
-            return src.read().strip() or None
-    except FileNotFoundError:
-        return None
-
-
 def resume_from_checkpoint(
     path: str,
     tag: Optional[str] = None,
@@ -165,45 +149,18 @@ def resume_from_checkpoint(
     model, optimizer = state.model, state.optimizer if load_optimizer else None
     if model is None:
         raise RuntimeError("smp.resume_from_checkpoint: create the smp.DistributedModel before resuming into it")
-    tag = tag if tag is not None else newest_tag(path)
-    if tag is None:
-        agree_on_problems(f"no tag given and {MISSING} {os.path.join(path, NEWEST)!r}", "smp.resume_from_checkpoint")
-    assert tag is not None
-    if partial:
-        return _resume_partial(os.path.join(path, f"{tag}_partial"), model, optimizer, strict)
-    files = [os.path.join(path, tag), os.path.join(path, f"user_content_{tag}")]
-    missing = [f for f in files if not os.path.isfile(f)]
-    agree_on_problems(f"{MISSING} {missing}" if missing else None, "smp.resume_from_checkpoint")
-    full = load_weights(files[0], map_location="cpu")
-    model.load_state_dict(translate_function(full) if translate_function is not None else full, strict=strict)
-    if optimizer is not None:
-        optimizer_file = os.path.join(path, f"optimizer_{tag}")
-        if os.path.isfile(optimizer_file):
-            optimizer.load_state_dict(load_weights(optimizer_file, map_location="cpu"))
-        else:
-            warnings.warn(
-                f"smp.resume_from_checkpoint: the full checkpoint {tag!r} holds no optimizer state (it was saved "
-                "without optimizer=), so the optimizer keeps its current state; pass load_optimizer=False if that "
-                "is intended",
-                stacklevel=2,
-            )
-    return load_weights(files[1], map_location="cpu")
-
-
-def _resume_partial(folder: str, model: Any, optimizer: Any, strict: bool) -> Any:
-    what = f"smp.resume_from_checkpoint: partial checkpoint folder {folder!r}"
-    names = ["model"] + (["optimizer"] if optimizer is not None else [])
-    problem = None
-    if not os.path.isdir(folder):
-        problem = f"{what}: {MISSING} (the folder does not exist)"
-    elif not os.path.isfile(os.path.join(folder, USER_CONTENT)):
-        problem = f"{what}: {MISSING} {USER_CONTENT}"
-    else:
-        for name in names:
-            prefix = os.path.join(folder, name)
-            problem = problem or partial_file_problem(prefix, [_stage_name(prefix)], what)
-    agree_on_problems(problem, "smp.resume_from_checkpoint")
-    model.load_state_dict(load_weights(_stage_name(os.path.join(folder, "model")), map_location="cpu"), strict)
-    if optimizer is not None:
-        optimizer.load_state_dict(load_weights(_stage_name(os.path.join(folder, "optimizer")), map_location="cpu"))
-    return load_weights(os.path.join(folder, USER_CONTENT), map_location="cpu")
+    loaded = read_checkpoint(path, tag, partial, optimizer is not None, "smp.resume_from_checkpoint")
+    weights = loaded["model"]
+    if not partial and translate_function is not None:
+        weights = translate_function(weights)
+    model.load_state_dict(weights, strict=strict)
+    if optimizer is not None and loaded["optimizer"] is not None:
+        optimizer.load_state_dict(loaded["optimizer"])
+    elif optimizer is not None:
+        warnings.warn(
+            f"smp.resume_from_checkpoint: the full checkpoint {tag or newest_tag(path)!r} holds no optimizer state "
+            "(it was saved without optimizer=), so the optimizer keeps its current state; pass "
+            "load_optimizer=False if that is intended",
+            stacklevel=2,
+        )
+    return loaded["user_content"]
