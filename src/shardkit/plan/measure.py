@@ -3,7 +3,8 @@
 Each gloo rank builds the model with the same builder the planner uses and trains the same steps. It reports its
 peak as torch's ``MemTracker`` (``torch.distributed._tools.mem_tracker``) saw it (for smp, whose micro-batches run
 each module several times per step, which MemTracker refuses: shardkit's ``MemoryTracker``); its state, the
-storages of its parameters, gradients and optimizer state after the reported step, counted on the real tensors;
+storages of its parameters, gradients, optimizer state and buffers (a BERT's position ids: the planner counts them
+with the parameters) after the reported step, counted on the real tensors;
 and what shardkit's comm meter counted in the reported step. Used by the accuracy tests and ``shardkit bench plan``.
 
 Example::
@@ -98,6 +99,12 @@ class _ShardkitTracker:
         return int(self.tracker.peak.total)
 
 
+def _buffer_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the module's buffers, each storage once."""
+    storages = {buf.untyped_storage().data_ptr(): buf.untyped_storage().nbytes() for buf in model.buffers()}
+    return sum(storages.values())
+
+
 def _measure_one(workload: Workload, strategy: str, topology: Optional[Topology]) -> RealRank:
     torch.manual_seed(0)
     batch = workload.batch()
@@ -129,7 +136,7 @@ def _measure_one(workload: Workload, strategy: str, topology: Optional[Topology]
             if step == warmup:
                 # Counted on the real tensors themselves: MemTracker files gradients that a strategy assigns
                 # (rather than autograd accumulating them) under temporaries.
-                state = training_memory(wrapped, optimizer).total
+                state = training_memory(wrapped, optimizer).total + _buffer_bytes(wrapped)
             optimizer.zero_grad()
             tracker.step_done()
         peak = tracker.peak()
