@@ -104,3 +104,32 @@ def test_sdpa_models_plan_within_5_percent_of_real_runs(work: Workload) -> None:
         assert abs(row.peak_error) <= 0.05, row.format()
         assert abs(row.state_error) <= 0.05, row.format()
         assert row.planned_comm == row.real_comm, row.format()
+
+
+def _checkpointed_attention_peak(device: str) -> tuple[int, dict[str, int]]:
+    from torch.utils.checkpoint import checkpoint
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        q = (x * 2).view(2, 64, 4, 16).transpose(1, 2)
+        return F.scaled_dot_product_attention(q, q, q, is_causal=True).transpose(1, 2).reshape(2, 64, 64)
+
+    with Accountant() as acct, DeviceAttention("cpu") as mode, torch.device(device):
+        x = torch.empty(2, 64, 64).requires_grad_()
+        checkpoint(block, x, use_reentrant=False).sum().backward()
+    return acct.peak.total, mode.calls
+
+
+def test_a_checkpoint_recomputed_in_backward_takes_the_forward_path() -> None:
+    # The recomputation runs inside loss.backward(): it must be answered as the forward was, or torch's checkpoint
+    # refuses the different saved tensors.
+    peak, calls = _checkpointed_attention_peak("meta")
+    assert calls == {"FLASH_ATTENTION": 2}  # forward and recomputation
+    assert peak == _checkpointed_attention_peak("cpu")[0]
+
+
+def test_outside_a_device_attention_meta_runs_the_math_path_as_before() -> None:
+    q = torch.empty(2, 4, 64, 16, device="meta", requires_grad=True)
+    with DeviceAttention("cpu"):
+        pass  # registers the meta kernel
+    out = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+    assert out.grad_fn is not None and "Flash" not in type(out.grad_fn).__name__

@@ -4,8 +4,8 @@
 kernel (flash attention, memory-efficient attention) that keeps only the output and a float32 log-sum-exp per query
 row for backward; on the meta device always the math fallback, which materialises the ``batch x heads x seq x seq``
 attention weights, softmax and all, and saves them for backward. A plan on meta would therefore carry one phantom
-quadratic tensor per layer (a 60M GPT at sequence 1024: +22% on DDP's peak). :class:`DeviceAttention` is a
-``TorchFunctionMode`` that answers the call on meta tensors with the operator the planned device would choose:
+quadratic tensor per layer (a 60M GPT at sequence 1024: +22% on DDP's peak). While a :class:`DeviceAttention`
+is open, SDPA on meta tensors is answered with the operator the planned device would choose:
 
 - **CPU plans** (``target="cpu"``, a gloo run): torch's own choice, asked of small CPU stand-ins with the same
   dtypes, head counts, head sizes, mask, dropout and layout (``torch._fused_sdp_choice``), so the answer is the CPU
@@ -18,41 +18,44 @@ quadratic tensor per layer (a 60M GPT at sequence 1024: +22% on DDP's peak). :cl
   rounds the rows up to 32), so flash is planned with that operator and memory-efficient attention with its own.
   Kernel workspaces are not tensors and are not planned.
 
-Calls on real tensors pass through untouched (a planner run that fell back to the CPU takes the CPU's path itself).
+How: a kernel for ``aten::scaled_dot_product_attention`` at the ``AutogradMeta`` dispatch key, registered once per
+process, so only meta tensors reach it and it runs wherever the call comes from: a ``TorchFunctionMode`` would be
+popped while ``loss.backward()`` runs through it, and a checkpointed block recomputed in backward would then take
+the math path its forward did not (torch's checkpoint refuses the mismatch). Outside a :class:`DeviceAttention` the
+kernel runs the operator's own composite, exactly what meta tensors ran before. Real tensors never reach it (a
+planner run that fell back to the CPU takes the CPU's path itself).
 """
 
 from __future__ import annotations
 
-import inspect
-from typing import Any, Callable
+import contextvars
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
-from torch.overrides import TorchFunctionMode
 
 aten = torch.ops.aten
 
 #: Where the planned run executes attention.
 TARGETS = ("cpu", "accelerator")
-
-_SDPA = F.scaled_dot_product_attention
-_SDPA_SIGNATURE = inspect.Signature(
-    [
-        inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default)
-        for name, default in (
-            ("query", inspect.Parameter.empty),
-            ("key", inspect.Parameter.empty),
-            ("value", inspect.Parameter.empty),
-            ("attn_mask", None),
-            ("dropout_p", 0.0),
-            ("is_causal", False),
-            ("scale", None),
-            ("enable_gqa", False),
-        )
-    ]
-)
 _HALF = (torch.float16, torch.bfloat16)
+
+
+@dataclass
+class SdpaCall:
+    """One ``scaled_dot_product_attention`` call's arguments."""
+
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    attn_mask: Optional[torch.Tensor] = None
+    dropout_p: float = 0.0
+    is_causal: bool = False
+    scale: Optional[float] = None
+    enable_gqa: bool = False
 
 
 def _stand_in(tensor: torch.Tensor, seq: int) -> torch.Tensor:
@@ -77,25 +80,22 @@ def _mask_stand_in(mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -
     return torch.zeros(shape, dtype=mask.dtype).requires_grad_(mask.requires_grad)
 
 
-def cpu_backend(call: inspect.BoundArguments) -> SDPBackend:
-    """The backend the CPU would choose for ``call`` (bound to the SDPA signature), asked of torch itself."""
-    a = call.arguments
-    query, key, value, mask = a["query"], a["key"], a["value"], a["attn_mask"]
+def cpu_backend(call: SdpaCall) -> SDPBackend:
+    """The backend the CPU would choose for ``call``, asked of torch itself."""
+    query, key, value, mask = call.query, call.key, call.value, call.attn_mask
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4 or query.is_nested:
         return SDPBackend.MATH
     q, k, v = _stand_in(query, 2), _stand_in(key, 2), _stand_in(value, 2)
     m = _mask_stand_in(mask, q, k) if isinstance(mask, torch.Tensor) else None
-    with torch.set_grad_enabled(torch.is_grad_enabled()):
-        choice = torch._fused_sdp_choice(
-            q, k, v, m, a["dropout_p"], a["is_causal"], scale=a["scale"], enable_gqa=a["enable_gqa"]
-        )
+    choice = torch._fused_sdp_choice(
+        q, k, v, m, call.dropout_p, call.is_causal, scale=call.scale, enable_gqa=call.enable_gqa
+    )
     return SDPBackend(choice)
 
 
-def accelerator_backend(call: inspect.BoundArguments) -> SDPBackend:
+def accelerator_backend(call: SdpaCall) -> SDPBackend:
     """The backend a CUDA device would choose for ``call``, by the fused kernels' documented constraints."""
-    a = call.arguments
-    query, key, value, mask = a["query"], a["key"], a["value"], a["attn_mask"]
+    query, key, value, mask = call.query, call.key, call.value, call.attn_mask
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4 or query.is_nested:
         return SDPBackend.MATH
     same_dtype = query.dtype == key.dtype == value.dtype
@@ -127,62 +127,104 @@ def _efficient_bias(mask: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
     return mask
 
 
-def fused_attention(backend: SDPBackend, call: inspect.BoundArguments) -> torch.Tensor:
+def fused_attention(backend: SDPBackend, call: SdpaCall) -> torch.Tensor:
     """Run ``call`` with the fused operator of ``backend`` (flash or memory-efficient)."""
-    a = call.arguments
-    query, key, value, mask = a["query"], a["key"], a["value"], a["attn_mask"]
+    query, key, value, mask = call.query, call.key, call.value, call.attn_mask
     if backend == SDPBackend.FLASH_ATTENTION:
         if isinstance(mask, torch.Tensor):
             mask = _additive(mask, query)
         out = aten._scaled_dot_product_flash_attention_for_cpu(
-            query, key, value, a["dropout_p"], a["is_causal"], attn_mask=mask, scale=a["scale"]
+            query, key, value, call.dropout_p, call.is_causal, attn_mask=mask, scale=call.scale
         )
         return out[0]
     bias = _efficient_bias(mask, query) if isinstance(mask, torch.Tensor) else None
     needs_lse = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
     out = aten._scaled_dot_product_efficient_attention(
-        query, key, value, bias, needs_lse, a["dropout_p"], a["is_causal"], scale=a["scale"]
+        query, key, value, bias, needs_lse, call.dropout_p, call.is_causal, scale=call.scale
     )
     return out[0]
 
 
-_CHOOSERS: dict[str, Callable[[inspect.BoundArguments], SDPBackend]] = {
+_CHOOSERS: dict[str, Callable[[SdpaCall], SDPBackend]] = {
     "cpu": cpu_backend,
     "accelerator": accelerator_backend,
 }
 
 
-class DeviceAttention(TorchFunctionMode):
-    """Answer ``F.scaled_dot_product_attention`` on meta tensors as the ``target`` device would run it.
+class DeviceAttention:
+    """Within the block, SDPA on meta tensors runs as the ``target`` device would run it (this thread and
+    context; see the module docstring).
 
     Example::
 
-        with torch.device("meta"), DeviceAttention("cpu"):
+        with DeviceAttention("cpu") as attention, torch.device("meta"):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # flash attention's tensors, not bmm's
+        assert attention.calls == {"FLASH_ATTENTION": 1}
     """
 
     def __init__(self, target: str) -> None:
         if target not in TARGETS:
             raise ValueError(f"DeviceAttention target must be one of {TARGETS}, got {target!r}")
-        super().__init__()
         self.target = target
-        #: Calls answered per backend name (what the plan assumed, for tests and notes).
+        #: Calls answered per backend name (what the plan assumed).
         self.calls: dict[str, int] = {}
+        self._token: Optional[contextvars.Token[Optional[DeviceAttention]]] = None
 
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if func is not _SDPA:
-            return func(*args, **kwargs)
-        call = _SDPA_SIGNATURE.bind(*args, **kwargs)
-        call.apply_defaults()
-        query = call.arguments["query"]
-        if not isinstance(query, torch.Tensor) or query.device.type != "meta":
-            return func(*args, **kwargs)
+    def answer(self, call: SdpaCall) -> Optional[torch.Tensor]:
+        """The fused kernel's output for ``call``, or None where the device runs the math path too."""
         backend = _CHOOSERS[self.target](call)
         self.calls[backend.name] = self.calls.get(backend.name, 0) + 1
         if backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
             return fused_attention(backend, call)
-        return func(*args, **kwargs)
+        return None
+
+    def __enter__(self) -> DeviceAttention:
+        _register_meta_kernel()
+        self._token = _ACTIVE.set(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._token is not None:
+            _ACTIVE.reset(self._token)
+            self._token = None
+
+
+#: The DeviceAttention open in this context, if any (read by the meta kernel, on the thread running the op).
+_ACTIVE: contextvars.ContextVar[Optional[DeviceAttention]] = contextvars.ContextVar(
+    "shardkit_plan_device_attention", default=None
+)
+_SDPA_OP = aten.scaled_dot_product_attention.default
+
+
+def _meta_sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """SDPA on meta tensors: the open DeviceAttention's answer, else the operator's own composite (math)."""
+    active = _ACTIVE.get()
+    if active is not None:
+        call = SdpaCall(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        out = active.answer(call)
+        if out is not None:
+            return out
+    result: torch.Tensor = _SDPA_OP.decompose(
+        query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
+    )
+    return result
+
+
+@functools.cache
+def _register_meta_kernel() -> torch.library.Library:
+    """Register :func:`_meta_sdpa` for meta tensors, once per process (the cache keeps the registration alive)."""
+    library = torch.library.Library("aten", "IMPL")
+    library.impl("scaled_dot_product_attention", _meta_sdpa, "AutogradMeta")
+    return library
 
 
 def attention_target(backend: str) -> str:
@@ -191,4 +233,12 @@ def attention_target(backend: str) -> str:
     return "cpu" if backend == "gloo" else "accelerator"
 
 
-__all__ = ["TARGETS", "DeviceAttention", "accelerator_backend", "attention_target", "cpu_backend", "fused_attention"]
+__all__ = [
+    "TARGETS",
+    "DeviceAttention",
+    "SdpaCall",
+    "accelerator_backend",
+    "attention_target",
+    "cpu_backend",
+    "fused_attention",
+]
