@@ -66,7 +66,7 @@ def test_plot_tells_which_settings_fit_at_a_glance(tmp_path: Path) -> None:
     assert len(looks) == len({s.label for s, _ in results}) and len(set(looks)) == len(looks)
     assert len({(color, style) for color, style, _ in looks}) == len(looks)  # no repeated colour + line style
     (memory_line,) = [line for line in ax.get_lines() if line.get_label().startswith("device memory")]
-    assert list(memory_line.get_ydata()) == [limit / 2**30] * 2
+    assert list(memory_line.get_ydata()) == [limit / 2**20] * 2  # a small model: drawn in MiB
     assert "demo LM" in ax.get_title() and "fits" in ax.get_title()
     # Hollow markers (white face) exactly for the points that do not fit.
     points = [line for line in ax.get_lines() if line.get_linestyle() == "None"]

@@ -107,11 +107,13 @@ def _buffer_bytes(model: torch.nn.Module) -> int:
 
 def _measure_one(workload: Workload, strategy: str, topology: Optional[Topology]) -> RealRank:
     torch.manual_seed(0)
-    batch = workload.batch()
     options, optim_options = dict(workload.strategy_options), dict(workload.optimizer_options)
     world_size = dist.get_world_size()
     tracker: Union[_ShardkitTracker, _TorchTracker] = _ShardkitTracker() if strategy == PIPELINE else _TorchTracker()
     with tracker:
+        # Made while tracked: a real run holds its batch in device memory, as the planner counts it (for images a
+        # visible share of a small model's peak).
+        batch = workload.batch()
         model = workload.build()
         if strategy == PIPELINE:
             build = builder(smp_config(options, world_size), workload.optimizer, optim_options)
