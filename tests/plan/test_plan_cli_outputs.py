@@ -194,3 +194,15 @@ class _Records(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         self.messages.append(record.getMessage())
+
+
+def test_a_model_that_cannot_run_says_why_once_and_fails(capsys: pytest.CaptureFixture[str]) -> None:
+    bert = "num_hidden_layers=1,hidden_size=32,num_attention_heads=2,intermediate_size=64"
+    argv = ["--hf", "bert", bert, "--seq-len", "1024", "--batch-size", "1", "--world-sizes", "2,4",
+            "--strategies", "ddp,oss_sdp"]  # fmt: skip
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    (line,) = [line for line in captured.out.splitlines() if line.startswith("not planned: ddp")]
+    assert line.startswith("not planned: ddp x2, zero2 (oss_sdp) x2, ddp x4, zero2 (oss_sdp) x4: ")
+    assert "plan it with the override max_position_embeddings=1024" in line
+    assert "no setting could be planned" in captured.err and "recommended" not in captured.out

@@ -27,7 +27,7 @@ from shardkit.plan.cost import DeviceSpec, LinkSpec
 from shardkit.plan.losses import LOSS_HELP, import_attribute, resolve_loss
 from shardkit.plan.once import each_warning_once
 from shardkit.plan.plot import save_plot
-from shardkit.plan.report import plan_document, recommend, table
+from shardkit.plan.report import plan_document, plot_title, position_hint, print_failures, recommend, table
 from shardkit.plan.runner import LossFn, PlanError
 from shardkit.plan.strategies import PIPELINE, STRATEGIES
 from shardkit.plan.workloads import Workload
@@ -311,7 +311,7 @@ def _plan_all(
                     nprocs_per_node=per_node, backend=backend,
                 )  # fmt: skip
             except PlanError as exc:
-                failed.append(f"{setting.label} x{ws}: {exc}")
+                failed.append(f"{setting.label} x{ws}: {exc}{position_hint(work)}")
                 continue
             results.append((setting, est))
     return results, failed
@@ -337,17 +337,6 @@ def _check_output_paths(args: argparse.Namespace, parser: argparse.ArgumentParse
             parser.error(f"{flag} {path}: the folder {os.path.dirname(os.path.abspath(path))} does not exist")
     if args.plot and not args.plot.lower().endswith(".png"):
         parser.error(f"--plot {args.plot}: give a .png path")
-
-
-def _title(work: Workload) -> str:
-    """What was planned, for the plot's title."""
-    if work.kind == "hf":
-        what = f"transformers {os.path.basename(work.name) or work.name} ({work.task.replace('_', ' ')})"
-        size = f"{work.batch_size} x {work.seq_len} tokens per rank" if work.task != "image_classification" else ""
-    else:
-        what = {"bench_lm": "shardkit bench LM", "demo_lm": "shardkit demo LM"}.get(work.kind, work.name)
-        size = f"{work.batch_size} x {work.seq_len} tokens per rank"
-    return f"Peak memory per rank: {what}" + (f", {size}" if size else "")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -381,19 +370,24 @@ def main(argv: Optional[list[str]] = None) -> int:
     except (ValueError, TypeError, NotImplementedError) as exc:  # PlanError and OptionError are ValueErrors
         print(f"shardkit plan: {exc}", file=sys.stderr)
         return 2
+    if not results:
+        print_failures(failed)
+        print("shardkit plan: no setting could be planned (reasons above)", file=sys.stderr)
+        return 2
     print(table(results, args.device_memory, args.host_memory))
-    for line in failed:
-        print(f"not planned: {line}")
+    print_failures(failed)
     if not args.nprocs_per_node:
         print("not planned here: hybrid sharding (give --nprocs-per-node)")
     for ws in args.world_sizes:
-        print(recommend(results, args.device_memory, ws, args.host_memory))
+        planned = any(est.world_size == ws for _, est in results)
+        print(recommend(results, args.device_memory, ws, args.host_memory) if planned else
+              f"world size {ws}: no setting could be planned (reasons above)")  # fmt: skip
     if args.json:
         document = plan_document(results, args.world_sizes, args.device_memory, args.host_memory, args.backend, failed)
         with open(args.json, "w") as f:
             json.dump(document, f, indent=1)
     if args.plot:
-        save_plot(results, args.plot, args.device_memory, _title(work), args.host_memory)
+        save_plot(results, args.plot, args.device_memory, plot_title(work), args.host_memory)
     return 0
 
 

@@ -14,6 +14,7 @@ A world size where nothing fits has ``"setting": null`` in its recommendation.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -22,6 +23,7 @@ from shardkit.bench.memory import format_bytes
 if TYPE_CHECKING:
     from shardkit.plan.api import Estimate
     from shardkit.plan.cli import Setting
+    from shardkit.plan.workloads import Workload
 
 Result = tuple["Setting", "Estimate"]
 
@@ -118,4 +120,40 @@ def plan_document(
     }
 
 
-__all__ = ["fitting", "plan_document", "recommend", "table"]
+def position_hint(work: Workload) -> str:
+    """Why a transformers model may not run at the planned sequence length, when that is the likely reason."""
+    if work.kind != "hf" or work.task == "image_classification":
+        return ""
+    config = work.hf_config()
+    for field in ("n_positions", "max_position_embeddings"):
+        limit = getattr(config, field, None)
+        if isinstance(limit, int) and work.seq_len > limit:
+            return (
+                f" (--seq-len {work.seq_len} is longer than the config's {field}={limit}: if the model has learned "
+                f"positions, plan it with the override {field}={work.seq_len})"
+            )
+    return ""
+
+
+def print_failures(failed: Sequence[str]) -> None:
+    """The settings that could not be planned, one line per distinct reason (a broken model fails them all)."""
+    by_reason: dict[str, list[str]] = {}
+    for line in failed:
+        setting, _, reason = line.partition(": ")
+        by_reason.setdefault(reason, []).append(setting)
+    for reason, settings in by_reason.items():
+        print(f"not planned: {', '.join(settings)}: {reason}")
+
+
+def plot_title(work: Workload) -> str:
+    """What was planned, for the plot's title."""
+    if work.kind == "hf":
+        what = f"transformers {os.path.basename(work.name) or work.name} ({work.task.replace('_', ' ')})"
+        size = f"{work.batch_size} x {work.seq_len} tokens per rank" if work.task != "image_classification" else ""
+    else:
+        what = {"bench_lm": "shardkit bench LM", "demo_lm": "shardkit demo LM"}.get(work.kind, work.name)
+        size = f"{work.batch_size} x {work.seq_len} tokens per rank"
+    return f"Peak memory per rank: {what}" + (f", {size}" if size else "")
+
+
+__all__ = ["fitting", "plan_document", "plot_title", "position_hint", "print_failures", "recommend", "table"]
