@@ -133,3 +133,16 @@ def test_outside_a_device_attention_meta_runs_the_math_path_as_before() -> None:
         pass  # registers the meta kernel
     out = F.scaled_dot_product_attention(q, q, q, is_causal=True)
     assert out.grad_fn is not None and "Flash" not in type(out.grad_fn).__name__
+
+
+def test_the_estimate_names_the_attention_kernel_it_planned() -> None:
+    from shardkit.plan.api import estimate
+
+    work = Workload.hf("gpt2", {**SDPA_MODELS["gpt2"], "vocab_size": 1000}, batch_size=1, seq_len=32)
+    notes = {}
+    for backend in ("gloo", "nccl"):
+        est = estimate(work.build, work.batch(), loss_fn=work.loss, strategy="ddp", world_size=2, backend=backend)
+        (notes[backend],) = [n for n in est.notes if "scaled_dot_product_attention" in n]
+    # Two layers, three steps (DDP warms up twice): six calls.
+    assert notes["gloo"].endswith("the cpu runs it: flash_attention (6 calls)")
+    assert notes["nccl"].endswith("the accelerator runs it: efficient_attention (6 calls)")  # fp32 on CUDA

@@ -332,10 +332,14 @@ def _run_steps(
         peak, host_peak = acct.peak, acct.host_peak
         host_state = acct.host_state_bytes()
         built[1].zero_grad()
+    notes: tuple[str, ...] = ()
+    if isinstance(attention, DeviceAttention) and attention.calls:
+        kernels = ", ".join(f"{name.lower()} ({count} calls)" for name, count in attention.calls.items())
+        notes = (f"scaled_dot_product_attention planned as the {attention.target} runs it: {kernels}",)
     return RankRun(
         device.type, peak.total, peak.by_category, peak.phase, peak.module, state_bytes, state, phases, flops,
         host_peak.total, host_peak.by_category if host_peak.total else {}, host_peak.phase, host_state,
-        acct.total_peak,
+        acct.total_peak, notes,
     )  # fmt: skip
 
 
