@@ -4,11 +4,18 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from shardkit.cli import main as shardkit_main
 from shardkit.plan.cli import main, parse_bytes
+
+
+def _estimates(path: Path) -> list[dict[str, Any]]:
+    """The estimates of a ``--json`` document."""
+    rows: list[dict[str, Any]] = json.loads(path.read_text())["estimates"]
+    return rows
 
 
 def test_plans_every_setting_over_world_sizes_with_json_and_plot(
@@ -22,7 +29,7 @@ def test_plans_every_setting_over_world_sizes_with_json_and_plot(
     assert code == 0
     printed = capsys.readouterr().out
     assert "world size 8: recommended" in printed
-    rows = json.loads(out_json.read_text())
+    rows = _estimates(out_json)
     assert {(r["strategy"], r["world_size"]) for r in rows} == {(s, w) for s in ("ddp", "fsdp") for w in (2, 8)}
     fsdp = {r["world_size"]: r for r in rows if r["setting"] == "zero3 (fsdp, reshard)"}
     assert fsdp[8]["state_bytes"] < fsdp[2]["state_bytes"]
@@ -40,7 +47,7 @@ def test_offload_settings_report_host_memory_and_must_fit_it(
     argv = ["--lm", "demo", "--batch-size", "1", "--world-sizes", "4", "--strategies", "ddp,fsdp",
             "--json", str(out_json)]  # fmt: skip
     assert main(argv) == 0
-    rows = {r["setting"]: r for r in json.loads(out_json.read_text())}
+    rows = {r["setting"]: r for r in _estimates(out_json)}
     off, plain = rows["zero3 (fsdp) + cpu offload"], rows["zero3 (fsdp, reshard)"]
     assert (
         off["host"]["state_bytes"] > 0
@@ -90,7 +97,7 @@ def test_nodes_add_hybrid_settings_and_inter_node_bytes(tmp_path: Path) -> None:
     argv = ["--lm", "demo", "--batch-size", "2", "--world-sizes", "8", "--nprocs-per-node", "4",
             "--strategies", "fsdp", "--json", str(out_json)]  # fmt: skip
     assert main(argv) == 0
-    rows = {r["setting"]: r for r in json.loads(out_json.read_text())}
+    rows = {r["setting"]: r for r in _estimates(out_json)}
     hybrid, full = rows["zero3 hybrid (fsdp)"], rows["zero3 (fsdp, reshard)"]
     assert hybrid["nprocs_per_node"] == 4
     # Hybrid sharding gathers inside the node: fewer bytes cross nodes, more state stays per rank.
@@ -106,7 +113,7 @@ def test_pipeline_settings_train_the_same_global_batch(tmp_path: Path) -> None:
     out_json = tmp_path / "plan.json"
     argv = ["--lm", "demo", "--batch-size", "2", "--world-sizes", "4", "--strategies", "smp", "--json", str(out_json)]
     assert main(argv) == 0
-    rows = json.loads(out_json.read_text())
+    rows = _estimates(out_json)
     labels = {r["setting"] for r in rows}
     assert labels == {"pipeline (smp) 2 stages x 4 mb", "pipeline (smp) 4 stages x 8 mb"}
     assert all("highest peak" in r["notes"][-1] for r in rows)
@@ -130,7 +137,7 @@ def test_offload_is_recommended_when_nothing_else_fits(tmp_path: Path, capsys: p
     out_json = tmp_path / "plan.json"
     argv = ["--lm", "demo", "--batch-size", "1", "--world-sizes", "4", "--strategies", "ddp,fsdp"]
     assert main([*argv, "--json", str(out_json)]) == 0
-    rows = json.loads(out_json.read_text())
+    rows = _estimates(out_json)
     offloaded = min(r["peak_bytes"] for r in rows if r["host"]["state_bytes"])
     kept = min(r["peak_bytes"] for r in rows if not r["host"]["state_bytes"])
     assert offloaded < kept  # offload frees device memory
@@ -148,7 +155,7 @@ def test_hf_model_from_a_local_config_file(tmp_path: Path, capsys: pytest.Captur
     argv = ["--hf", str(tmp_path / "config.json"), "n_layer=3", "--batch-size", "1", "--seq-len", "32",
             "--world-sizes", "2", "--strategies", "ddp", "--json", str(out_json)]  # fmt: skip
     assert main(argv) == 0
-    (row,) = json.loads(out_json.read_text())
+    (row,) = _estimates(out_json)
     # Three blocks of 64 wide (the override) and the 512 x 64 embedding, tied with the head: about 0.18 M parameters.
     params = 3 * (12 * 64 * 64 + 13 * 64) + 512 * 64 + 64 * 64 + 2 * 64
     assert row["state_breakdown"]["parameters"] == pytest.approx(params * 4, rel=0.05)
@@ -163,7 +170,7 @@ def test_the_optimizer_is_planned_by_name_with_its_options(tmp_path: Path, capsy
     for name, extra in (("adamw", []), ("sgd", ["--optimizer-options", "momentum=0.9"]), ("sgd", [])):
         out_json = tmp_path / f"{name}{len(extra)}.json"
         assert main([*argv, str(out_json), "--optimizer", name, *extra]) == 0
-        (row,) = json.loads(out_json.read_text())
+        (row,) = _estimates(out_json)
         states[name, bool(extra)] = row["state_breakdown"]
     params = states["adamw", False]["parameters"]
     assert states["adamw", False]["optimizer_state"] >= 2 * params  # two moments (and step counters)

@@ -31,6 +31,12 @@ def ddp_allreduce_bytes(model: nn.Module, world_size: int) -> int:
     return int(2 * (n - 1) / n * trainable_bytes(model))
 
 
+def ddp_buffer_broadcast_bytes(model: nn.Module, world_size: int) -> int:
+    """torch DDP (``broadcast_buffers=True``, its default): rank 0's buffers are broadcast before every forward."""
+    buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
+    return int((world_size - 1) / world_size * buffer_bytes)
+
+
 def ddp_plus_param_broadcast_bytes(model: nn.Module, world_size: int) -> int:
     """torch DDP + ZeroRedundancyOptimizer: the all-reduce, then each rank's updated shard broadcast to all."""
     broadcast = int((world_size - 1) / world_size * param_bytes(model))

@@ -2,7 +2,9 @@
 
 Memory is compared with torch's ``MemTracker`` (peak) and the real tensors (state). Traffic is compared with
 shardkit's comm meter in the real run, plus, for the strategies built on torch DDP, DDP's own gradient all-reduce
-(which the meter cannot see; :func:`shardkit.bench.comm.ddp_allreduce_bytes`, the volume the benchmarks add for it).
+and its broadcast of the buffers before each forward (which the meter cannot see;
+:func:`shardkit.bench.comm.ddp_allreduce_bytes` and :func:`~shardkit.bench.comm.ddp_buffer_broadcast_bytes`, the
+volumes the benchmarks add for them).
 The real run is on the CPU, where device and host memory are one memory, so the planned peak compared is that of
 both together (:attr:`~shardkit.plan.api.Estimate.total_peak_bytes`; the device peak when nothing is offloaded) and
 the planned state is the device's plus the host's. The real run is on gloo, so the planner plans a gloo run
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shardkit.bench.comm import ddp_allreduce_bytes
+from shardkit.bench.comm import ddp_allreduce_bytes, ddp_buffer_broadcast_bytes
 from shardkit.plan.api import estimate
 from shardkit.plan.measure import measure_real
 from shardkit.plan.strategies import PIPELINE
@@ -98,7 +100,10 @@ def compare(work: Workload, strategies: Sequence[str], world_size: int, label: s
         seconds[name] = time.perf_counter() - start
     real = measure_real(work, strategies, world_size)
     with torch.device("meta"):
-        ddp_bytes = ddp_allreduce_bytes(work.build(), world_size)
+        model = work.build()
+        ddp_bytes = ddp_allreduce_bytes(model, world_size)
+        if work.strategy_options.get("broadcast_buffers", True):
+            ddp_bytes += ddp_buffer_broadcast_bytes(model, world_size)
     rows = []
     for name in strategies:
         est, ranks = planned[name], real[name]

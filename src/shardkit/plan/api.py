@@ -221,7 +221,7 @@ def _run(*args: Any) -> RankRun:
             "tuple passed as model(*batch) or a dict passed as model(**batch), with the dtypes the model expects) "
             "and that loss_fn(output, batch) returns a scalar"
         ) from cpu_error
-    run.notes = (f"ran on CPU: not on meta ({type(meta_error).__name__}: {meta_error})",)
+    run.notes = (*run.notes, f"ran on CPU: not on meta ({type(meta_error).__name__}: {meta_error})")
     return run
 
 

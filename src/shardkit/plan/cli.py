@@ -3,7 +3,8 @@
 Examples::
 
     shardkit plan --hf llama hidden_size=4096,num_hidden_layers=32,intermediate_size=11008 --world-sizes 8,64
-    shardkit plan mypkg.models:build --batch-shape 8,512 --device-memory 40GiB --json out.json
+    shardkit plan mypkg.models:build --batch-shape 8,512 --loss cross_entropy --device-memory 40GiB --json out.json
+    shardkit plan mypkg.models:build --batch-shape 8,512 --loss mypkg.models:loss_fn
     shardkit plan --hf ./my-model/config.json num_hidden_layers=48 --world-sizes 64,128
     shardkit plan --lm bench --world-sizes 2,4,8 --plot memory.png
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from collections.abc import Sequence
@@ -20,10 +22,14 @@ from typing import Any, Optional
 
 import torch
 
-from shardkit.bench.memory import format_bytes
 from shardkit.plan.api import Estimate, estimate
 from shardkit.plan.cost import DeviceSpec, LinkSpec
-from shardkit.plan.runner import PlanError
+from shardkit.plan.losses import LOSS_HELP, import_attribute, resolve_loss
+from shardkit.plan.once import each_warning_once
+from shardkit.plan.plot import save_plot
+from shardkit.plan.report import plan_document, plot_title, position_hint, print_failures, recommend, table
+from shardkit.plan.runner import LossFn, PlanError
+from shardkit.plan.strategies import PIPELINE, STRATEGIES
 from shardkit.plan.workloads import Workload
 
 _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6,
@@ -49,6 +55,16 @@ def _overrides(text: str) -> dict[str, Any]:
         except json.JSONDecodeError:
             out[key.strip()] = value
     return out
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
 
 
 def _ints(text: str) -> list[int]:
@@ -146,8 +162,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--lm", choices=("bench", "demo"), help="shardkit's bench or demo LM")
     p.add_argument("--batch-shape", type=_ints, help="one rank's token batch for a factory model, e.g. 8,512")
-    p.add_argument("--batch-size", type=int, default=8, help="sequences per rank (--hf, --lm)")
-    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (--hf default 2048)")
+    p.add_argument("--batch-size", type=_positive, default=8, help="sequences per rank (--hf, --lm)")
+    p.add_argument("--seq-len", type=_positive, default=None, help="tokens per sequence (--hf default 2048)")
+    p.add_argument(
+        "--loss",
+        default=None,
+        help=f"the training loss: {LOSS_HELP} (default: the task's loss for --hf and --lm, mean for a factory)",
+    )
     p.add_argument("--world-sizes", type=_ints, default=[8], help="comma-separated world sizes (default 8)")
     p.add_argument("--nprocs-per-node", type=int, default=None, help="ranks per node (intra/inter-node bytes)")
     p.add_argument("--strategies", default=None, help="comma-separated subset: ddp,oss_ddp,oss_sdp,fsdp,slowmo,smp")
@@ -177,8 +198,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--optimizer-options", type=_overrides, default={}, metavar="KEY=VALUE,...", help="e.g. momentum=0.9"
     )
-    p.add_argument("--json", metavar="PATH", help="write every estimate as JSON")
-    p.add_argument("--plot", metavar="PATH", help="write a PNG: peak memory per rank against world size")
+    p.add_argument(
+        "--json",
+        metavar="PATH",
+        help="write the plan as JSON: device and host memory, every estimate with whether it fits, the "
+        "recommendation per world size, what could not be planned",
+    )
+    p.add_argument("--plot", metavar="PATH", help="write a PNG: peak memory per rank against world size, and what fits")
     return p
 
 
@@ -218,14 +244,17 @@ def _model_workload(args: argparse.Namespace, parser: argparse.ArgumentParser) -
         parser.error(f"model {args.model!r} must be package.module:factory")
     if not args.batch_shape or len(args.batch_shape) != 2:
         parser.error("a factory model needs --batch-shape BATCH,SEQ (one rank's token ids)")
+    module_name, _, factory = args.model.partition(":")
+    import_attribute(module_name, factory, "model")  # a clear error now, not after every setting failed
     batch, seq = args.batch_shape
     return Workload("factory", args.model, {}, batch_size=batch, seq_len=seq)
 
 
-def _factory_loss(output: Any, batch: Any) -> Any:
-    """A factory model's loss: its scalar output, else the mean of its output (only backward's shape matters)."""
-    value = output if not hasattr(output, "logits") else output.logits
-    return value if value.dim() == 0 else value.float().mean()
+def _loss(args: argparse.Namespace, work: Workload) -> LossFn:
+    """The loss named by ``--loss``, else the workload's own (a factory's: the output's mean)."""
+    if args.loss:
+        return resolve_loss(args.loss)
+    return resolve_loss("mean") if work.kind == "factory" else work.loss
 
 
 def plan_all(
@@ -236,12 +265,29 @@ def plan_all(
     link: LinkSpec,
     nprocs_per_node: Optional[int] = None,
     backend: str = "nccl",
+    loss: Optional[LossFn] = None,
 ) -> tuple[list[tuple[Setting, Estimate]], list[str]]:
-    """Every setting at every world size (planning a run on ``backend``); estimates, and lines for the ones that
-    could not be planned."""
+    """Every setting at every world size (planning a run on ``backend``, training with ``loss``: default the
+    workload's, a factory's the output's mean); estimates, and lines for the ones that could not be planned.
+    Each warning the model gives while it is built over and over is shown once."""
+    with each_warning_once():
+        return _plan_all(work, world_sizes, settings, device, link, nprocs_per_node, backend, loss)
+
+
+def _plan_all(
+    work: Workload,
+    world_sizes: Sequence[int],
+    settings: Sequence[Setting],
+    device: DeviceSpec,
+    link: LinkSpec,
+    nprocs_per_node: Optional[int],
+    backend: str,
+    loss: Optional[LossFn],
+) -> tuple[list[tuple[Setting, Estimate]], list[str]]:
     results: list[tuple[Setting, Estimate]] = []
     failed: list[str] = []
-    loss = _factory_loss if work.kind == "factory" else work.loss
+    if loss is None:
+        loss = resolve_loss("mean") if work.kind == "factory" else work.loss
     for ws in world_sizes:
         per_node = nprocs_per_node if nprocs_per_node is not None and ws % nprocs_per_node == 0 else None
         with_pipelines = [s for s in settings if s.strategy != "smp"]
@@ -265,80 +311,32 @@ def plan_all(
                     nprocs_per_node=per_node, backend=backend,
                 )  # fmt: skip
             except PlanError as exc:
-                failed.append(f"{setting.label} x{ws}: {exc}")
+                failed.append(f"{setting.label} x{ws}: {exc}{position_hint(work)}")
                 continue
             results.append((setting, est))
     return results, failed
 
 
-def _table(results: list[tuple[Setting, Estimate]], memory: int, host_memory: Optional[int] = None) -> str:
-    gib = 2**30
-    lines = [
-        f"{'world':>5}  {'setting':<36} {'peak GiB':>9} {'state GiB':>9} {'host GiB':>9} {'sends GiB':>9} "
-        f"{'inter GiB':>9} {'step ms':>9}  fits"
-    ]
-
-    def order(result: tuple[Setting, Estimate]) -> tuple[int, bool, float]:
-        est = result[1]
-        return est.world_size, not est.fits(memory, host_memory), est.step_seconds
-
-    for setting, est in sorted(results, key=order):
-        sends = sum(est.comm_bytes.values()) / gib
-        inter = f"{sum(est.inter_node_bytes.values()) / gib:>9.3f}" if est.nprocs_per_node else f"{'-':>9}"
-        host = f"{est.host.peak_bytes / gib:>9.2f}" if est.host.peak_bytes else f"{'-':>9}"
-        lines.append(
-            f"{est.world_size:>5}  {setting.label:<36} {est.peak_bytes / gib:>9.2f} {est.state_bytes / gib:>9.2f} "
-            f"{host} {sends:>9.3f} {inter} {est.step_seconds * 1e3:>9.1f}  "
-            f"{'yes' if est.fits(memory, host_memory) else 'no'}"
+def _settings(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[Setting]:
+    if not args.strategies:
+        return list(SETTINGS)
+    known = [*STRATEGIES, PIPELINE]
+    names = [n.strip() for n in args.strategies.split(",") if n.strip()]
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        parser.error(
+            f"no known strategy {', '.join(map(repr, unknown))} in --strategies; choose from {','.join(known)}"
         )
-    return "\n".join(lines)
+    return [s for s in SETTINGS if s.strategy in names]
 
 
-def recommend(
-    results: list[tuple[Setting, Estimate]], memory: int, world_size: int, host_memory: Optional[int] = None
-) -> str:
-    """The fastest setting that fits at ``world_size`` (device memory ``memory``; offloaded state within
-    ``host_memory`` per rank when given), and why."""
-    # SlowMo trains a different algorithm (local SGD between nodes), so it is listed but never picked for you.
-    fitting = sorted((r for r in results if r[1].world_size == world_size and r[1].fits(memory, host_memory)
-                      and r[0].strategy != "slowmo"),
-                     key=lambda r: r[1].step_seconds)  # fmt: skip
-    if not fitting:
-        host = f" and {format_bytes(host_memory)} of host memory per rank" if host_memory is not None else ""
-        return f"world size {world_size}: nothing fits in {format_bytes(memory)} per device{host}"
-    best, est = fitting[0]
-    why = f"the fastest predicted step ({est.step_seconds * 1e3:.1f} ms) among the {len(fitting)} settings that fit"
-    if len(fitting) > 1:
-        runner_up = fitting[1][1]
-        why += f"; next {fitting[1][0].label} at {runner_up.step_seconds * 1e3:.1f} ms"
-    too_big = [r for r in results if r[1].world_size == world_size and not r[1].fits(memory, host_memory)]
-    if too_big:
-        listed = ", ".join(f"{s.label} {format_bytes(e.peak_bytes)}" for s, e in too_big[:3])
-        why += f"; {len(too_big)} do not fit ({listed}{', ...' if len(too_big) > 3 else ''})"
-    host = f" and {format_bytes(est.host.peak_bytes)} of host memory" if est.host.peak_bytes else ""
-    return (
-        f"world size {world_size}: recommended {best.label}: peak {format_bytes(est.peak_bytes)} of "
-        f"{format_bytes(memory)}{host}, {why}"
-    )
-
-
-def _plot(results: list[tuple[Setting, Estimate]], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for label in dict.fromkeys(s.label for s, _ in results):
-        points = sorted((e.world_size, e.peak_bytes / 2**30) for s, e in results if s.label == label)
-        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("world size")
-    ax.set_ylabel("peak memory per rank (GiB)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+def _check_output_paths(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Refuse an output path that cannot be written before planning, not after minutes of it."""
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            parser.error(f"{flag} {path}: the folder {os.path.dirname(os.path.abspath(path))} does not exist")
+    if args.plot and not args.plot.lower().endswith(".png"):
+        parser.error(f"--plot {args.plot}: give a .png path")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -350,11 +348,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         or any(ws % args.nprocs_per_node for ws in args.world_sizes if ws > args.nprocs_per_node)
     ):
         parser.error(f"--nprocs-per-node {args.nprocs_per_node} must be positive and divide every world size above it")
-    work = _workload(args, parser)
-    names = set(args.strategies.split(",")) if args.strategies else None
-    settings = [s for s in SETTINGS if names is None or s.strategy in names]
-    if names is not None and not settings:
-        parser.error(f"no known strategy in {args.strategies!r}; choose from ddp,oss_ddp,oss_sdp,fsdp,slowmo,smp")
+    settings = _settings(args, parser)
+    _check_output_paths(args, parser)
     device = DeviceSpec(
         flops_per_s=args.device_tflops * 1e12,
         memory_bytes=args.device_memory,
@@ -366,22 +361,33 @@ def main(argv: Optional[list[str]] = None) -> int:
         latency_s=args.link_latency_us * 1e-6,
     )
     try:
-        results, failed = plan_all(work, args.world_sizes, settings, device, link, args.nprocs_per_node, args.backend)
-    except (ValueError, TypeError, NotImplementedError) as exc:
+        with each_warning_once():
+            work = _workload(args, parser)
+            loss = _loss(args, work)
+            results, failed = plan_all(
+                work, args.world_sizes, settings, device, link, args.nprocs_per_node, args.backend, loss
+            )
+    except (ValueError, TypeError, NotImplementedError) as exc:  # PlanError and OptionError are ValueErrors
         print(f"shardkit plan: {exc}", file=sys.stderr)
         return 2
-    print(_table(results, args.device_memory, args.host_memory))
-    for line in failed:
-        print(f"not planned: {line}")
+    if not results:
+        print_failures(failed)
+        print("shardkit plan: no setting could be planned (reasons above)", file=sys.stderr)
+        return 2
+    print(table(results, args.device_memory, args.host_memory))
+    print_failures(failed)
     if not args.nprocs_per_node:
         print("not planned here: hybrid sharding (give --nprocs-per-node)")
     for ws in args.world_sizes:
-        print(recommend(results, args.device_memory, ws, args.host_memory))
+        planned = any(est.world_size == ws for _, est in results)
+        print(recommend(results, args.device_memory, ws, args.host_memory) if planned else
+              f"world size {ws}: no setting could be planned (reasons above)")  # fmt: skip
     if args.json:
+        document = plan_document(results, args.world_sizes, args.device_memory, args.host_memory, args.backend, failed)
         with open(args.json, "w") as f:
-            json.dump([{"setting": s.label, **e.to_dict()} for s, e in results], f, indent=1)
+            json.dump(document, f, indent=1)
     if args.plot:
-        _plot(results, args.plot)
+        save_plot(results, args.plot, args.device_memory, plot_title(work), args.host_memory)
     return 0
 
 

@@ -3,7 +3,8 @@
 Each gloo rank builds the model with the same builder the planner uses and trains the same steps. It reports its
 peak as torch's ``MemTracker`` (``torch.distributed._tools.mem_tracker``) saw it (for smp, whose micro-batches run
 each module several times per step, which MemTracker refuses: shardkit's ``MemoryTracker``); its state, the
-storages of its parameters, gradients and optimizer state after the reported step, counted on the real tensors;
+storages of its parameters, gradients, optimizer state and buffers (a BERT's position ids: the planner counts them
+with the parameters) after the reported step, counted on the real tensors;
 and what shardkit's comm meter counted in the reported step. Used by the accuracy tests and ``shardkit bench plan``.
 
 Example::
@@ -98,13 +99,21 @@ class _ShardkitTracker:
         return int(self.tracker.peak.total)
 
 
+def _buffer_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the module's buffers, each storage once."""
+    storages = {buf.untyped_storage().data_ptr(): buf.untyped_storage().nbytes() for buf in model.buffers()}
+    return sum(storages.values())
+
+
 def _measure_one(workload: Workload, strategy: str, topology: Optional[Topology]) -> RealRank:
     torch.manual_seed(0)
-    batch = workload.batch()
     options, optim_options = dict(workload.strategy_options), dict(workload.optimizer_options)
     world_size = dist.get_world_size()
     tracker: Union[_ShardkitTracker, _TorchTracker] = _ShardkitTracker() if strategy == PIPELINE else _TorchTracker()
     with tracker:
+        # Made while tracked: a real run holds its batch in device memory, as the planner counts it (for images a
+        # visible share of a small model's peak).
+        batch = workload.batch()
         model = workload.build()
         if strategy == PIPELINE:
             build = builder(smp_config(options, world_size), workload.optimizer, optim_options)
@@ -129,7 +138,7 @@ def _measure_one(workload: Workload, strategy: str, topology: Optional[Topology]
             if step == warmup:
                 # Counted on the real tensors themselves: MemTracker files gradients that a strategy assigns
                 # (rather than autograd accumulating them) under temporaries.
-                state = training_memory(wrapped, optimizer).total
+                state = training_memory(wrapped, optimizer).total + _buffer_bytes(wrapped)
             optimizer.zero_grad()
             tracker.step_done()
         peak = tracker.peak()

@@ -25,6 +25,7 @@ from shardkit.bench.memory import optimizer_state_tensors
 from shardkit.distributed import CommMeter, NodeLayout, Topology, count_comm_bytes, set_topology
 from shardkit.distributed.node_traffic import active_layout, inter_node_share
 from shardkit.plan.accountant import STATE, Accountant, Category
+from shardkit.plan.attention import DeviceAttention, attention_target
 from shardkit.plan.peerless import Mailbox, TorchTraffic, peerless_world
 from shardkit.plan.strategies import Built
 
@@ -246,7 +247,7 @@ def run_rank(
     with peerless_world(world_size, rank, mailbox, backend) as traffic, _nodes(nprocs_per_node) as topology:
         return _run_steps(
             device, build_model, wrap, batch, loss_fn, traffic, topology, host_limit_bytes, forward_backward, warmup,
-            build_in_host_memory, state_to_device,
+            build_in_host_memory, state_to_device, backend,
         )  # fmt: skip
 
 
@@ -301,9 +302,12 @@ def _run_steps(
     warmup: int,
     build_in_host_memory: bool = False,
     state_to_device: bool = False,
+    backend: str = "nccl",
 ) -> RankRun:
     phases: dict[str, PhaseTraffic] = {}
-    with _collector_at_phase_boundaries(), Accountant(limit_bytes=host_limit_bytes) as acct:
+    # On meta, attention is answered as the planned device runs it (fused kernels), not by meta's math fallback.
+    attention = DeviceAttention(attention_target(backend)) if device.type == "meta" else contextlib.nullcontext()
+    with _collector_at_phase_boundaries(), Accountant(limit_bytes=host_limit_bytes) as acct, attention:
         traffic.on_buffer = acct.comm_buffer
         with acct.in_host_memory() if build_in_host_memory else contextlib.nullcontext():
             with torch.device(device):
@@ -328,10 +332,14 @@ def _run_steps(
         peak, host_peak = acct.peak, acct.host_peak
         host_state = acct.host_state_bytes()
         built[1].zero_grad()
+    notes: tuple[str, ...] = ()
+    if isinstance(attention, DeviceAttention) and attention.calls:
+        kernels = ", ".join(f"{name.lower()} ({count} calls)" for name, count in attention.calls.items())
+        notes = (f"scaled_dot_product_attention planned as the {attention.target} runs it: {kernels}",)
     return RankRun(
         device.type, peak.total, peak.by_category, peak.phase, peak.module, state_bytes, state, phases, flops,
         host_peak.total, host_peak.by_category if host_peak.total else {}, host_peak.phase, host_state,
-        acct.total_peak,
+        acct.total_peak, notes,
     )  # fmt: skip
 
 

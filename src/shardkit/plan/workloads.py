@@ -4,6 +4,10 @@ A :class:`Workload` names a model (the bench LM, the demo LM, a transformers con
 ``package.module:factory``), the shape of one rank's token batch, and the optimizer and strategy options. It can
 be sent to worker processes, so the accuracy checks build exactly what the planner built.
 
+A transformers config is built with the head its task needs (:mod:`shardkit.plan.hf_tasks`): a causal LM, a masked
+LM (BERT), a sequence-to-sequence LM (T5) or an image classifier (ViT), with transformers' default attention
+(SDPA where the model supports it), as a training script would build it.
+
 Example::
 
     work = Workload.hf("gpt2", {"n_layer": 2, "n_embd": 128}, batch_size=2, seq_len=64)
@@ -55,6 +59,11 @@ class Workload:
     #: ``offload_activations`` move the checkpoints' saved inputs to host memory.
     activation_checkpointing: bool = False
     offload_activations: bool = False
+    #: transformers models: the task whose head is built (one of :data:`~shardkit.plan.hf_tasks.TASKS`; set by
+    #: :meth:`hf` from the config) and the attention implementation (empty: transformers' default, SDPA where the
+    #: model supports it; or ``"eager"``, ``"sdpa"``).
+    task: str = ""
+    attention: str = ""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -63,6 +72,15 @@ class Workload:
         at_least(self, "seq_len", self.seq_len, 1)
         if self.offload_activations and not self.activation_checkpointing:
             raise ValueError("Workload.offload_activations needs activation_checkpointing=True")
+        if self.kind == "hf":
+            from shardkit.plan.hf_tasks import ATTENTION, TASKS, task_of
+
+            if self.attention not in ATTENTION:
+                raise ValueError(f"Workload.attention must be one of {ATTENTION}, got {self.attention!r}")
+            if not self.task:  # resolved once, so every copy builds, feeds and scores the same head
+                object.__setattr__(self, "task", task_of(self.hf_config()))
+            elif self.task not in TASKS:
+                raise ValueError(f"Workload.task must be one of {', '.join(TASKS)}, got {self.task!r}")
 
     @classmethod
     def bench_lm(cls, **kwargs: Any) -> Workload:
@@ -76,8 +94,10 @@ class Workload:
 
     @classmethod
     def hf(cls, model_type: str, overrides: Mapping[str, Any], **kwargs: Any) -> Workload:
-        """A transformers causal LM of ``model_type`` (or of a local ``config.json``, or a folder holding one) with
-        config ``overrides``; random weights, nothing downloaded."""
+        """A transformers model of ``model_type`` (or of a local ``config.json``, or a folder holding one) with
+        config ``overrides``; random weights, nothing downloaded. Its head is the config's ``architectures`` entry
+        when it names one, else the task the model type is made for (:func:`~shardkit.plan.hf_tasks.task_of`),
+        unless ``task=`` is given."""
         return cls("hf", model_type, dict(overrides), **kwargs)
 
     @property
@@ -85,7 +105,7 @@ class Workload:
         if self.kind in ("bench_lm", "demo_lm"):
             return self._lm_config().vocab_size
         if self.kind == "hf":
-            return int(self.hf_config().vocab_size)
+            return int(getattr(self.hf_config(), "vocab_size", 2))
         return 2  # token ids 0 and 1 are valid for any factory model's embedding
 
     def _lm_config(self) -> Any:
@@ -136,9 +156,9 @@ class Workload:
 
             return TransformerLM(self._lm_config())
         if self.kind == "hf":
-            from transformers import AutoModelForCausalLM
+            from shardkit.plan.hf_tasks import build_hf
 
-            return AutoModelForCausalLM.from_config(self.hf_config(), attn_implementation="eager")
+            return build_hf(self.hf_config(), self.task, self.attention)
         module_name, _, attr = self.name.partition(":")
         factory = getattr(importlib.import_module(module_name), attr)
         model = factory(**self.overrides)
@@ -147,16 +167,32 @@ class Workload:
         return model
 
     def batch(self) -> Any:
-        """One rank's batch: ``(tokens,)`` for the LMs, ``{"input_ids": tokens}`` for transformers models."""
+        """One rank's batch: ``(tokens,)`` for the LMs, the model's keyword inputs for transformers models
+        (:func:`~shardkit.plan.hf_tasks.hf_batch`)."""
+        if self.kind == "hf":
+            from shardkit.plan.hf_tasks import hf_batch
+
+            return hf_batch(self.hf_config(), self.task, self.batch_size, self.seq_len)
         gen = torch.Generator().manual_seed(0)
         tokens = torch.randint(0, self.vocab_size, (self.batch_size, self.seq_len), generator=gen)
-        return {"input_ids": tokens} if self.kind == "hf" else (tokens,)
+        return (tokens,)
 
     def loss(self, output: Any, batch: Any) -> torch.Tensor:
-        """Mean next-token cross-entropy of the logits against the tokens shifted by one."""
-        logits = output if isinstance(output, torch.Tensor) else output.logits
-        tokens = batch["input_ids"] if isinstance(batch, Mapping) else batch[0]
-        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+        """The task's training loss: next-token cross-entropy for causal LMs (and the bench and demo LMs), the
+        cross-entropy of every position for masked and sequence-to-sequence LMs, of the class for classifiers."""
+        if self.kind == "hf" and self.task != "causal_lm":
+            from shardkit.plan.hf_tasks import hf_loss
+
+            return hf_loss(self.task, output, batch)
+        return next_token_cross_entropy(output, batch)
 
 
-__all__ = ["KINDS", "Workload"]
+def next_token_cross_entropy(output: Any, batch: Any) -> torch.Tensor:
+    """Mean next-token cross-entropy of the logits (the output, or its ``.logits``) against the batch's tokens (its
+    ``input_ids``, or its first element) shifted by one."""
+    logits = output if isinstance(output, torch.Tensor) else output.logits
+    tokens = batch["input_ids"] if isinstance(batch, Mapping) else batch[0]
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+__all__ = ["KINDS", "Workload", "next_token_cross_entropy"]
