@@ -17,7 +17,7 @@ import os
 import re
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Optional
 
 import torch
@@ -29,6 +29,7 @@ from shardkit.plan.once import each_warning_once
 from shardkit.plan.plot import save_plot
 from shardkit.plan.report import plan_document, plot_title, position_hint, print_failures, recommend, table
 from shardkit.plan.runner import LossFn, PlanError
+from shardkit.plan.settings import SETTINGS, Setting
 from shardkit.plan.strategies import PIPELINE, STRATEGIES
 from shardkit.plan.workloads import Workload
 
@@ -75,63 +76,6 @@ def _ints(text: str) -> list[int]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
     return values
-
-
-@dataclass(frozen=True)
-class Setting:
-    """One strategy with one set of options, under a short label."""
-
-    label: str
-    strategy: str
-    options: dict[str, Any]
-    checkpointing: bool = False
-    #: With ``checkpointing``: the checkpoints' saved inputs go to host memory (``offload_to_cpu=True``).
-    offload_activations: bool = False
-    #: Only planned with a node layout (``--nprocs-per-node``): hybrid sharding.
-    needs_nodes: bool = False
-    #: The batch is this many ranks' batches: a pipeline replica spans ``partitions`` ranks, so it takes their
-    #: batches together (every setting then trains the same global batch).
-    batch_ranks: int = 1
-
-
-SETTINGS = (
-    Setting("ddp", "ddp", {}),
-    Setting("zero1 (oss_ddp)", "oss_ddp", {}),
-    Setting("zero2 (oss_sdp)", "oss_sdp", {}),
-    Setting("zero3 (fsdp, reshard)", "fsdp", {"reshard_after_forward": True}),
-    Setting("zero3 (fsdp, no reshard)", "fsdp", {"reshard_after_forward": False}),
-    Setting("zero3 (fsdp) + act. ckpt", "fsdp", {"reshard_after_forward": True}, checkpointing=True),
-    Setting(
-        "zero3 (fsdp, bf16 compute)",
-        "fsdp",
-        {"reshard_after_forward": True, "mixed_precision": True, "compute_dtype": torch.bfloat16},
-    ),
-    Setting(
-        "zero3 (fsdp) + act. ckpt on cpu",
-        "fsdp",
-        {"reshard_after_forward": True},
-        checkpointing=True,
-        offload_activations=True,
-    ),
-    Setting("zero3 (fsdp) + cpu offload", "fsdp", {"reshard_after_forward": True, "cpu_offload": True}),
-    Setting(
-        "zero3 (fsdp) + offload + act. ckpt",
-        "fsdp",
-        {"reshard_after_forward": True, "cpu_offload": True},
-        checkpointing=True,
-    ),
-    Setting("slowmo", "slowmo", {}),
-    Setting("zero1 hybrid (oss_ddp)", "oss_ddp", {"hybrid": True}, needs_nodes=True),
-    Setting("zero2 hybrid (oss_sdp)", "oss_sdp", {"hybrid": True}, needs_nodes=True),
-    Setting("zero3 hybrid (fsdp)", "fsdp", {"sharding_strategy": "HYBRID_SHARD"}, needs_nodes=True),
-    Setting(
-        "zero3 hybrid (fsdp) + cpu offload",
-        "fsdp",
-        {"sharding_strategy": "HYBRID_SHARD", "cpu_offload": True},
-        needs_nodes=True,
-    ),
-    Setting("pipeline (smp)", "smp", {}),  # expanded per world size by pipeline_settings
-)
 
 
 def pipeline_settings(world_size: int, batch_size: int) -> list[Setting]:
@@ -209,7 +153,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _optimizer(name: str, parser: argparse.ArgumentParser) -> type:
-    import torch
 
     found = {n.lower(): getattr(torch.optim, n) for n in dir(torch.optim) if not n.startswith("_")}
     found = {n: c for n, c in found.items() if isinstance(c, type) and issubclass(c, torch.optim.Optimizer)}

@@ -22,7 +22,7 @@ from shardkit.bench.memory import format_bytes
 
 if TYPE_CHECKING:
     from shardkit.plan.api import Estimate
-    from shardkit.plan.cli import Setting
+    from shardkit.plan.settings import Setting
     from shardkit.plan.workloads import Workload
 
 Result = tuple["Setting", "Estimate"]
