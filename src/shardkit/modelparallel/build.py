@@ -39,8 +39,10 @@ def execution_device(state: SMPState, module: nn.Module) -> torch.device:
     a model built inside ``smp.delay_param_initialization``)."""
     if state.distributed and dist.get_backend() == "nccl":
         return current_cuda_device()  # cuda:LOCAL_RANK, selected now if the script did not
+    if is_delayed(module):
+        return torch.device("cpu")
     first = next(iter(module.parameters()), None)
-    return first.device if first is not None and not first.is_meta else torch.device("cpu")
+    return first.device if first is not None else torch.device("cpu")
 
 
 def decide_plan(

@@ -18,10 +18,14 @@ from __future__ import annotations
 import contextlib
 import zlib
 from collections.abc import Iterator
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from torch import nn
+from torch.nn.modules.module import (
+    register_module_buffer_registration_hook,
+    register_module_parameter_registration_hook,
+)
 
 from shardkit.modelparallel.startup import canonical_tensors
 
@@ -39,18 +43,40 @@ def delay_param_initialization(enabled: bool = True) -> Iterator[None]:
     if not enabled:
         yield
         return
-    with torch.device("meta"):
-        yield
 
+    def mark(module: nn.Module, name: str, tensor: Optional[torch.Tensor]) -> None:
+        if tensor is not None and tensor.is_meta:
+            setattr(tensor, DELAYED_MARK, True)
+
+    # The registration hooks are torch's global ones, so they are open only while the context is.
+    param_hook = register_module_parameter_registration_hook(mark)
+    buffer_hook = register_module_buffer_registration_hook(mark)
+    try:
+        with torch.device("meta"):
+            yield
+    finally:
+        param_hook.remove()
+        buffer_hook.remove()
+
+
+#: Set on every parameter and buffer a module registers inside :func:`delay_param_initialization`.
+DELAYED_MARK = "shardkit_delayed_init"
 
 #: The name smp's ``model_creation`` documentation uses for the same context.
 delayed_parameter_initialization = delay_param_initialization
 
 
+def _delayed(tensor: torch.Tensor) -> bool:
+    return tensor.is_meta and getattr(tensor, DELAYED_MARK, False)
+
+
 def is_delayed(module: nn.Module) -> bool:
-    """True when ``module``'s parameters and buffers were created inside :func:`delay_param_initialization`."""
+    """True when ``module``'s parameters and buffers were created inside :func:`delay_param_initialization`.
+
+    Only tensors the context registered count: a model merely built on the meta device (as ``shardkit plan``
+    builds every model) is not delayed, and is partitioned on meta like any other."""
     tensors = list(canonical_tensors(module).values())
-    return bool(tensors) and all(t.is_meta for t in tensors)
+    return bool(tensors) and all(_delayed(t) for t in tensors)
 
 
 def check_delayable(module: nn.Module) -> None:
@@ -58,9 +84,9 @@ def check_delayable(module: nn.Module) -> None:
     tensors can recreate them (``reset_parameters``), or when only some tensors are on the meta device (a model
     half built inside the context). Other models pass."""
     tensors = list(canonical_tensors(module).values())
-    if not any(t.is_meta for t in tensors):
+    if not any(_delayed(t) for t in tensors):
         return
-    if not all(t.is_meta for t in tensors):
+    if not all(_delayed(t) for t in tensors):
         raise ValueError(
             "part of the model was built inside smp.delay_param_initialization and part outside it: build the "
             "whole model inside the context, or none of it"

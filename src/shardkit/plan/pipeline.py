@@ -11,6 +11,7 @@ gets the strategy options as its config; ``ddp`` defaults to true when the world
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any, Callable, Optional, cast
 
@@ -22,8 +23,11 @@ from shardkit.plan.runner import Built, LossFn, RankRun, run_rank, warmup_steps
 from shardkit.plan.strategies import PIPELINE, OptionError
 
 
-def pipeline_forward_backward(model: nn.Module, batch: Any, loss_fn: LossFn) -> None:
-    """One ``@smp.step``: ``loss_fn(model(*micro_batch), micro_batch)`` and ``model.backward`` per micro-batch."""
+@functools.lru_cache(maxsize=8)
+def _train_step(loss_fn: LossFn) -> Callable[..., Any]:
+    """The ``@smp.step`` function for ``loss_fn``, made once: a script defines its step function once, and smp
+    compares the stages' output layouts on a step function's first call only, so the planned step must not be a
+    first call either."""
     import shardkit.modelparallel as smp
 
     @smp.step
@@ -32,6 +36,15 @@ def pipeline_forward_backward(model: nn.Module, batch: Any, loss_fn: LossFn) -> 
         model.backward(loss)
         return loss
 
+    return cast(Callable[..., Any], train_step)
+
+
+def pipeline_forward_backward(model: nn.Module, batch: Any, loss_fn: LossFn) -> None:
+    """One ``@smp.step``: ``loss_fn(model(*micro_batch), micro_batch)`` and ``model.backward`` per micro-batch."""
+    try:
+        train_step = _train_step(loss_fn)
+    except TypeError:  # an unhashable loss object: one step function per call (its first-call check is counted)
+        train_step = _train_step.__wrapped__(loss_fn)
     if isinstance(batch, Mapping):
         train_step(model, **batch)
     else:

@@ -40,10 +40,11 @@ def make_input_mover(device: torch.device) -> Callable[[Any], Any]:
     """Move every tensor of a nested structure that is elsewhere to ``device``.
 
     Under CPU offload the unit computes on an accelerator the caller never named (the model and its batch stay in
-    host memory), so the unit brings the batch along, as torch's FSDP does for its root."""
+    host memory), so the unit brings the batch along, as torch's FSDP does for its root. Meta tensors stay: they
+    are a plan's stand-ins (``shardkit plan``), and copying one to a real device would invent its data."""
 
     def move(tensor: Any) -> Any:
-        if isinstance(tensor, torch.Tensor) and tensor.device != device:
+        if isinstance(tensor, torch.Tensor) and tensor.device != device and not tensor.is_meta:
             return tensor.to(device)
         return tensor
 
