@@ -9,7 +9,7 @@ from typing import Any, Optional, Union
 from shardkit.checkpoint.adapters import Adapter
 from shardkit.checkpoint.errors import CorruptCheckpointError, IncompatibleCheckpointError
 from shardkit.checkpoint.files import sha256
-from shardkit.checkpoint.metadata import CheckpointInfo, CheckpointMeta, read_meta
+from shardkit.checkpoint.metadata import CheckpointInfo, CheckpointMeta, check_size, read_meta
 from shardkit.checkpoint.universal import load as universal_load
 from shardkit.checkpoint.universal.layout import LAYOUT
 from shardkit.checkpoint.universal.source import UniversalSource
@@ -79,14 +79,7 @@ def verify_files(path: Path, meta: CheckpointMeta, rank: int, world_size: int) -
         if i % world_size != rank:
             continue
         file = path / name
-        if not file.is_file():
-            raise CorruptCheckpointError(f"{file} is missing; the checkpoint was damaged after it was written")
-        size = file.stat().st_size
-        if size != record.bytes:
-            raise CorruptCheckpointError(
-                f"{file} has {size} bytes, {record.bytes} were written: it is truncated or damaged. "
-                "Load an earlier checkpoint."
-            )
+        check_size(file, record.bytes)
         if sha256(file) != record.sha256:
             raise CorruptCheckpointError(
                 f"{file} does not match the SHA-256 recorded when it was written: it is damaged. "

@@ -151,15 +151,19 @@ def check_sizes(directory: Path, meta: CheckpointMeta) -> None:
     """Raise :class:`CorruptCheckpointError` if a file ``meta`` records is missing or has another size (a stat per
     file: the cheap part of verification, which the SHA-256 comparison completes)."""
     for name, record in meta.files.items():
-        file = directory / name
-        if not file.is_file():
-            raise CorruptCheckpointError(f"{file} is missing; the checkpoint was damaged after it was written")
-        size = file.stat().st_size
-        if size != record.bytes:
-            raise CorruptCheckpointError(
-                f"{file} has {size} bytes, {record.bytes} were written: it is truncated or damaged. "
-                "Load an earlier checkpoint."
-            )
+        check_size(directory / name, record.bytes)
+
+
+def check_size(file: Path, written_bytes: int) -> None:
+    """Raise :class:`CorruptCheckpointError` unless ``file`` exists with the ``written_bytes`` its record gives."""
+    if not file.is_file():
+        raise CorruptCheckpointError(f"{file} is missing; the checkpoint was damaged after it was written")
+    size = file.stat().st_size
+    if size != written_bytes:
+        raise CorruptCheckpointError(
+            f"{file} has {size} bytes, {written_bytes} were written: it is truncated or damaged. "
+            "Load an earlier checkpoint."
+        )
 
 
 def _indexed(root: Path) -> list[tuple[int, str, Path]]:
