@@ -4,8 +4,8 @@
 (transformers logs them, libraries ``warnings.warn`` them) would print that many times. :func:`each_warning_once`
 lets the first of each through and drops the repeats, for Python warnings (by text and category, whatever the
 filters say: a ``"once"`` filter forgets what it showed whenever any filter changes, as importing sympy does) and
-for log records on every handler of the root logger and of the loggers that do not propagate to it (transformers'
-own).
+for log records on every handler of every logger (transformers' own handler sits on a logger that propagates to
+the root only when the ``CI`` variable is set, so the root's handlers alone are not enough).
 """
 
 from __future__ import annotations
@@ -47,11 +47,7 @@ def _show_once(show: Callable[..., None]) -> Callable[..., None]:
 
 def _handlers() -> list[logging.Handler]:
     loggers = [logging.getLogger()]
-    loggers += [
-        logger
-        for logger in logging.Logger.manager.loggerDict.values()
-        if isinstance(logger, logging.Logger) and not logger.propagate
-    ]
+    loggers += [logger for logger in logging.Logger.manager.loggerDict.values() if isinstance(logger, logging.Logger)]
     return list({id(h): h for logger in loggers for h in logger.handlers}.values())
 
 
