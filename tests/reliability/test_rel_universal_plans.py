@@ -12,10 +12,22 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 
-from shardkit.checkpoint import CorruptCheckpointError, safe_dcp
+from shardkit.checkpoint import CheckpointError, CorruptCheckpointError, safe_dcp
 from shardkit.checkpoint.universal.placement import Placement
-from shardkit.checkpoint.universal.plans import UniversalLoadPlanner, UniversalSavePlanner, check_pieces, pieces_for
+from shardkit.checkpoint.universal.plans import (
+    UniversalLoadPlanner,
+    UniversalSavePlanner,
+    check_boxes,
+    check_pieces,
+    pieces_for,
+)
 
 FULL = {
     "model/a": torch.arange(35, dtype=torch.float32).reshape(5, 7),
@@ -83,3 +95,29 @@ def test_a_missing_chunk_is_refused_before_reading(tmp_path: Path) -> None:
     wanted, _ = _placements({}, pad=0)
     with pytest.raises(CorruptCheckpointError, match="cover only 23 of the 35 elements"):
         check_pieces(pieces_for(wanted), safe_dcp.read_metadata(store), store, {})
+
+
+def test_a_one_rank_save_of_part_of_a_key_is_written_and_overlaps_are_refused(tmp_path: Path) -> None:
+    # One process writing part of a key is a valid plan on every torch (2.8's DCP refused it; our planner builds
+    # that plan itself there); chunks that overlap are refused on every torch, by DCP's check or by ours.
+    part, _ = _placements({"model/a": [11]}, pad=0)
+    _save(tmp_path / "part", [p for p in part if p.key != "model/a" or p.start == 0])
+    chunks = safe_dcp.read_metadata(tmp_path / "part").state_dict_metadata["model/a"].chunks  # type: ignore[union-attr]
+    assert sum(torch.Size(c.sizes).numel() for c in chunks) == 11
+    full, _ = _placements({}, pad=0)
+    overlapping = [*full, Placement("model/a", (5, 7), torch.float32, 3, 10, torch.zeros(7), 0)]
+    with pytest.raises(CheckpointError, match="overlapping chunks"):
+        safe_dcp.save_planned(tmp_path / "overlap", UniversalSavePlanner(pieces_for(overlapping)))
+
+
+def test_check_boxes_refuses_a_chunk_out_of_bounds_and_overlapping_chunks() -> None:
+    def metadata(*boxes: tuple[tuple[int, ...], tuple[int, ...]]) -> Metadata:
+        chunks = [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in boxes]
+        return Metadata({"k": TensorStorageMetadata(TensorProperties(), torch.Size([4, 6]), chunks)})
+
+    check_boxes(metadata(((0, 0), (2, 6)), ((2, 0), (1, 6)), ((3, 3), (1, 3))))  # a part, no overlap: valid
+    with pytest.raises(ValueError, match="out of bounds"):
+        check_boxes(metadata(((3, 0), (2, 6))))
+    with pytest.raises(ValueError, match="overlapping chunks"):
+        check_boxes(metadata(((0, 0), (2, 6)), ((3, 0), (1, 6)), ((1, 4), (1, 2))))
+    check_boxes(metadata(((0, 0), (2, 3)), ((0, 3), (2, 3)), ((2, 0), (0, 6))))  # side by side, and an empty box

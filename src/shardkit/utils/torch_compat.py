@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import re
 from dataclasses import dataclass
 
 import torch
@@ -77,6 +78,11 @@ PRIVATE_APIS: tuple[TorchAPI, ...] = (
     TorchAPI("torch.autograd", "Variable._execution_engine.queue_callback", "nn.fsdp runtime, sharded_ddp, slowmo"),
     TorchAPI("torch.nn.modules.module", "_IncompatibleKeys", "nn.fsdp.state_dict (load_state_dict's result)"),
     TorchAPI("torch.distributed.checkpoint.planner_helpers", "create_read_items_for_chunk_list", "checkpoint"),
+    TorchAPI(
+        "torch.distributed.checkpoint.default_planner",
+        "create_default_global_save_plan",
+        "checkpoint.universal.plans (a one-rank save's global plan before torch 2.9)",
+    ),
     TorchAPI("torch.distributed.checkpoint.filesystem", "_StorageInfo", "checkpoint.safe_dcp (allowed in index)"),
     TorchAPI("torch.serialization", "_get_layout", "checkpoint.safe_dcp (allowed in index)"),
     TorchAPI("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING", "checkpoint.safe_dcp"),
@@ -118,6 +124,23 @@ def step_takes_return_outputs(schedule: object) -> bool:
         return False
 
 
+def release() -> tuple[int, int]:
+    """The installed torch's ``(major, minor)`` (``2.8.0+cpu`` -> ``(2, 8)``)."""
+    found = re.match(r"(\d+)\.(\d+)", torch.__version__)
+    if found is None:
+        raise RuntimeError(f"cannot read torch's version from {torch.__version__!r}")
+    return int(found.group(1)), int(found.group(2))
+
+
+def dcp_save_needs_full_cover_on_one_rank() -> bool:
+    """Whether DCP's default save planner refuses a save by one rank whose chunks do not cover each whole tensor.
+
+    torch 2.8 checks the cover whatever the world size; from 2.9 (pytorch#147758) only a plan of several ranks is
+    checked, since one rank may legitimately save its own part. Checked: 2.8.0 refuses; 2.11.0, 2.13.0 and 2.14.1
+    do not."""
+    return release() < (2, 9)
+
+
 def cuda_spin(cycles: int) -> None:
     """Keep the current CUDA stream busy for about ``cycles`` GPU clock cycles (nothing without CUDA).
 
@@ -127,4 +150,12 @@ def cuda_spin(cycles: int) -> None:
         torch.cuda._sleep(cycles)
 
 
-__all__ = ["PRIVATE_APIS", "TorchAPI", "cuda_spin", "missing", "step_takes_return_outputs"]
+__all__ = [
+    "PRIVATE_APIS",
+    "TorchAPI",
+    "cuda_spin",
+    "dcp_save_needs_full_cover_on_one_rank",
+    "missing",
+    "release",
+    "step_takes_return_outputs",
+]

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner, create_default_global_save_plan
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from shardkit.checkpoint.errors import CorruptCheckpointError, IncompatibleCheckpointError
 from shardkit.checkpoint.universal.placement import Placement
+from shardkit.utils.torch_compat import dcp_save_needs_full_cover_on_one_rank
 
 
 @dataclass(frozen=True)
@@ -142,8 +143,39 @@ class UniversalSavePlanner(DefaultSavePlanner):
         self.plan = SavePlan(items)
         return self.plan
 
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        if len(all_plans) > 1 or not dcp_save_needs_full_cover_on_one_rank():
+            return super().create_global_plan(all_plans)
+        # One rank may write part of a key (a tool writing one rank's share, a store with a shard left out to test
+        # the loader's refusal); torch before 2.9 refuses that plan, later releases check the cover only across
+        # ranks. The plan is built as torch builds it, with the checks a one-rank plan gets there.
+        global_plan, metadata = create_default_global_save_plan(all_plans)
+        check_boxes(metadata)
+        self.global_plan, self.metadata = global_plan, metadata
+        return global_plan, metadata
+
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
         return exact_storage(self._pieces[(write_item.index.fqn, tuple(write_item.index.offset or ()))].tensor)
+
+
+def check_boxes(metadata: Metadata) -> None:
+    """Refuse a save plan with a chunk outside its tensor or two chunks of a key that overlap (a store whose
+    chunks would contradict each other on load)."""
+    for key, entry in metadata.state_dict_metadata.items():
+        if not isinstance(entry, TensorStorageMetadata):
+            continue
+        for chunk in entry.chunks:
+            if any(o < 0 or o + n > s for o, n, s in zip(chunk.offsets, chunk.sizes, entry.size)):
+                raise ValueError(f"'{key}' of shape {tuple(entry.size)} has a chunk out of bounds: {chunk}")
+        # Chunks sorted along the first dimension: each is compared only with those it may still meet there.
+        active: list[ChunkStorageMetadata] = []
+        for chunk in sorted((c for c in entry.chunks if math.prod(c.sizes)), key=lambda c: tuple(c.offsets)):
+            if entry.size:
+                active = [a for a in active if a.offsets[0] + a.sizes[0] > chunk.offsets[0]]
+            for other in active:
+                if _overlap(chunk.offsets, chunk.sizes, other.offsets, other.sizes):
+                    raise ValueError(f"'{key}' has overlapping chunks {other} and {chunk}")
+            active.append(chunk)
 
 
 def exact_storage(view: torch.Tensor) -> torch.Tensor:
