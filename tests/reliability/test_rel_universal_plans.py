@@ -105,7 +105,7 @@ def test_a_one_rank_save_of_part_of_a_key_is_written_and_overlaps_are_refused(tm
     chunks = safe_dcp.read_metadata(tmp_path / "part").state_dict_metadata["model/a"].chunks  # type: ignore[union-attr]
     assert sum(torch.Size(c.sizes).numel() for c in chunks) == 11
     full, _ = _placements({}, pad=0)
-    overlapping = [*full, Placement("model/a", (5, 7), torch.float32, 3, 10, torch.zeros(7), 0)]
+    overlapping = [*full, Placement("model/a", torch.Size([5, 7]), torch.float32, 3, 10, torch.zeros(7), 0)]
     with pytest.raises(CheckpointError, match="overlapping chunks"):
         safe_dcp.save_planned(tmp_path / "overlap", UniversalSavePlanner(pieces_for(overlapping)))
 
