@@ -13,6 +13,7 @@ from shardkit.plan.accountant import Accountant
 from shardkit.plan.accuracy import compare
 from shardkit.plan.attention import DeviceAttention
 from shardkit.plan.workloads import Workload
+from shardkit.utils.torch_compat import cpu_flash_attention_takes_gqa
 
 CASES = {
     "causal": {"is_causal": True},
@@ -47,8 +48,10 @@ def test_meta_attention_counts_what_the_cpu_counts(name: str) -> None:
     cpu_peak, cpu_forward, _ = _attention_bytes("cpu", "cpu", CASES[name])
     meta_peak, meta_forward, calls = _attention_bytes("meta", "cpu", CASES[name])
     assert (meta_peak, meta_forward) == (cpu_peak, cpu_forward)
-    # The CPU runs the math path only with dropout; everything else is flash attention, as planned.
-    assert calls == ({"MATH": 1} if name == "dropout" else {"FLASH_ATTENTION": 1})
+    # The CPU runs the math path only with dropout (and, before torch 2.9, with grouped-query attention);
+    # everything else is flash attention, as planned.
+    math = name == "dropout" or (name == "gqa" and not cpu_flash_attention_takes_gqa())
+    assert calls == ({"MATH": 1} if math else {"FLASH_ATTENTION": 1})
 
 
 def test_accelerator_plans_fused_kernels_without_the_quadratic_tensor() -> None:

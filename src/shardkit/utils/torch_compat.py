@@ -141,6 +141,14 @@ def dcp_save_needs_full_cover_on_one_rank() -> bool:
     return release() < (2, 9)
 
 
+def cpu_flash_attention_takes_gqa() -> bool:
+    """Whether SDPA on CPU runs grouped-query attention (``enable_gqa=True`` with fewer key heads) with flash
+    attention: from torch 2.9 (pytorch#157893); before, the CPU takes the math path for it, which the planner's
+    :func:`shardkit.plan.attention.cpu_backend` learns from torch itself. Checked: 2.8.0 math; 2.11.0, 2.13.0 and
+    2.14.1 flash."""
+    return release() >= (2, 9)
+
+
 def cuda_spin(cycles: int) -> None:
     """Keep the current CUDA stream busy for about ``cycles`` GPU clock cycles (nothing without CUDA).
 
@@ -153,6 +161,7 @@ def cuda_spin(cycles: int) -> None:
 __all__ = [
     "PRIVATE_APIS",
     "TorchAPI",
+    "cpu_flash_attention_takes_gqa",
     "cuda_spin",
     "dcp_save_needs_full_cover_on_one_rank",
     "missing",
