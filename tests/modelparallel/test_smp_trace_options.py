@@ -148,3 +148,17 @@ def test_gpu_trace_device_on_a_cpu_run_traces_where_the_model_runs() -> None:
         assert model.module[1].devices[0] == "cpu"
     finally:
         smp.reset()
+
+
+def test_a_trace_inside_autocast_leaves_the_next_forward_its_gradients() -> None:
+    # smp traces on the first step, inside the script's autocast region and under no_grad; the step's own forward
+    # follows in the same region. Torch before 2.10 cached the trace's grad-less parameter casts and the forward
+    # reused them: its parameters got no gradient (the bf16 smp script then trained wrongly on torch 2.8).
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2)), torch.randn(4, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = torch.autograd.grad(model(x).float().sum(), list(model.parameters()))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        trace_costs(model, (x,), {}, measure_time=True, measure_memory=True)
+        got = torch.autograd.grad(model(x).float().sum(), list(model.parameters()), allow_unused=True)
+    assert all(g is not None and torch.equal(g, w) for g, w in zip(got, want))

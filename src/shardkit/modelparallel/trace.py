@@ -27,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from shardkit.memory.tracker import MemoryTracker
+from shardkit.utils.torch_compat import autocast_cache_off
 
 try:  # torch's FLOP formulas; absent or changed in some versions, then every op is costed by size
     from torch.utils.flop_counter import flop_registry as _FLOP_REGISTRY
@@ -155,7 +156,8 @@ def side_effect_free(module: nn.Module, record_autograd: bool = False) -> Iterat
     devices = sorted({b.device.index for b, _ in saved if b.device.type == "cuda" and b.device.index is not None})
     token = _TRACING.set(True)
     try:
-        with torch.random.fork_rng(devices=devices), torch.set_grad_enabled(record_autograd):
+        # The cache off: a parameter's cast made here under no_grad must not stand in for the step's own cast.
+        with torch.random.fork_rng(devices=devices), torch.set_grad_enabled(record_autograd), autocast_cache_off():
             yield
     finally:
         _TRACING.reset(token)

@@ -13,9 +13,11 @@ optional, with the older ``*_into_tensor`` / ``*_tensor`` names as the fallback.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -149,6 +151,23 @@ def cpu_flash_attention_takes_gqa() -> bool:
     return release() >= (2, 9)
 
 
+@contextlib.contextmanager
+def autocast_cache_off() -> Iterator[None]:
+    """Inside, autocast neither reads nor fills its cache of low-precision parameter casts.
+
+    For forwards a library runs inside the user's autocast region besides the user's own (smp's trace, under
+    ``no_grad``). Before torch 2.10 (pytorch#165068, issue #158232) a cast made under ``no_grad`` was cached
+    without its autograd history, and the next forward of the same autocast region reused it: that forward gave its
+    parameters no gradient, silently. Later releases cache a cast with its history; turning the cache off costs
+    those forwards a cast per use. Checked: 2.8.0 loses the gradient without it; 2.11.0, 2.13.0, 2.14.1 do not."""
+    enabled = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
+    try:
+        yield
+    finally:
+        torch.set_autocast_cache_enabled(enabled)
+
+
 def cuda_spin(cycles: int) -> None:
     """Keep the current CUDA stream busy for about ``cycles`` GPU clock cycles (nothing without CUDA).
 
@@ -161,6 +180,7 @@ def cuda_spin(cycles: int) -> None:
 __all__ = [
     "PRIVATE_APIS",
     "TorchAPI",
+    "autocast_cache_off",
     "cpu_flash_attention_takes_gqa",
     "cuda_spin",
     "dcp_save_needs_full_cover_on_one_rank",
