@@ -106,7 +106,8 @@ def test_a_one_rank_save_of_part_of_a_key_is_written_and_overlaps_are_refused(tm
     assert sum(torch.Size(c.sizes).numel() for c in chunks) == 11
     full, _ = _placements({}, pad=0)
     overlapping = [*full, Placement("model/a", torch.Size([5, 7]), torch.float32, 3, 10, torch.zeros(7), 0)]
-    with pytest.raises(CheckpointError, match="overlapping chunks"):
+    # torch 2.13 and our own check name the overlap; 2.9 to 2.11 only log it and raise their generic message
+    with pytest.raises(CheckpointError, match=r"overlapping chunks|Failed to validate global plan"):
         safe_dcp.save_planned(tmp_path / "overlap", UniversalSavePlanner(pieces_for(overlapping)))
 
 
