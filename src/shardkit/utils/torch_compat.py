@@ -97,7 +97,7 @@ PRIVATE_APIS: tuple[TorchAPI, ...] = (
         keyword="return_outputs",
         optional=True,
     ),
-    TorchAPI("torch.distributed", "ProcessGroup._get_backend", "nn.fsdp._collectives.group_timeout (falls back)"),
+    TorchAPI("torch.distributed", "ProcessGroup._get_backend", "distributed.groups.group_timeout (falls back)"),
     TorchAPI("torch.distributed", "all_gather_single", "distributed.groups", "2.13+; falls back", optional=True),
     TorchAPI("torch.distributed", "reduce_scatter_single", "distributed.groups", "2.13+; falls back", optional=True),
     # Reached through the import points (``*/_torch_private.py``), listed here too so gpu-check resolves them.
