@@ -1,6 +1,7 @@
 """Labelled collectives: identity on a size-1 dummy group, correct on gloo, metered and delayable."""
 
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from link_spy import link_sleeps
 from shardkit.distributed import DummyProcessGroup, comm_delay, count_comm_bytes, group_rank, group_size
 from shardkit.distributed import collectives as C
 from shardkit.testing import run_distributed
+from shardkit.utils.wrapper_tensor import NO_TORCH_FUNCTION, new_wrapper
 
 
 def test_dummy_group_collectives_are_identity() -> None:
@@ -145,3 +147,34 @@ def test_barrier_waits_for_every_rank() -> None:
     early, late = run_distributed(_late_rank_barrier, 2)
     assert early["left"] >= late["arrived"], (early, late)  # nobody leaves before the last rank arrives
     C.barrier(DummyProcessGroup(rank=0, size=1))  # nothing to wait for in a group of one
+
+
+class _DeviceLooking(torch.Tensor):
+    """Metadata of a CUDA tensor with no data: what a gloo send would be handed on a GPU host."""
+
+    __torch_function__ = NO_TORCH_FUNCTION
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        raise AssertionError(f"the transfer reached torch ({func}) instead of being refused")
+
+
+def _device_tensor_on_gloo(rank: int, world_size: int) -> dict[str, str]:
+    fake_cuda = new_wrapper(_DeviceLooking, (4,), torch.float32, torch.device("cuda", 0), False)
+    errors = {}
+    for op in ("send", "recv"):
+        try:
+            if op == "send":
+                C.send(fake_cuda, dst=1 - rank, label="probe")
+            else:
+                C.recv(fake_cuda, src=1 - rank, label="probe")
+        except ValueError as err:
+            errors[op] = str(err)
+    C.all_reduce(torch.ones(1))  # the group still works: nothing was posted
+    return errors
+
+
+def test_gloo_point_to_point_refuses_cuda_tensors_on_every_rank() -> None:
+    for errors in run_distributed(_device_tensor_on_gloo, 2, timeout_s=60):
+        assert set(errors) == {"send", "recv"}
+        assert all("gloo sends and receives CPU tensors only" in e and "cuda:0" in e for e in errors.values())

@@ -90,3 +90,14 @@ def test_nccl_object_collectives_select_the_device(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(dist, "get_backend", lambda *a, **k: "gloo")
     objects._on_rank_device(object())  # type: ignore[arg-type]
     assert calls == ["select"]
+
+
+def test_object_sends_on_nccl_use_the_ranks_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: cuda:current_device() without selecting, i.e. cuda:0 on every rank of the node.
+    from shardkit.distributed import object_p2p
+
+    fake = FakeCuda(monkeypatch, visible=4)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setattr(dist, "get_backend", lambda *a, **k: "nccl")
+    assert object_p2p._wire_device(object(), None) == torch.device("cuda", 3)  # type: ignore[arg-type]
+    assert fake.set_calls == [3]

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint import CheckpointException, FileSystemReader, 
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
+from shardkit.checkpoint._torch_private import DCP_INDEX_PRIVATE_GLOBALS
 from shardkit.checkpoint.errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
 
 _METADATA_FILE = ".metadata"
@@ -38,10 +39,7 @@ _ALLOWED: dict[str, set[str]] = {
         "BytesStorageMetadata",
         "StorageMeta",
         "MetadataIndex",
-        "_MEM_FORMAT_ENCODING",
     },
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    "torch.serialization": {"_get_layout"},
     "torch": {"Size"},
     "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path"},
     "collections": {"OrderedDict"},
@@ -52,7 +50,7 @@ class _IndexUnpickler(pickle.Unpickler):
     """Builds only the classes a DCP index is made of; refuses every other global before importing it."""
 
     def find_class(self, module: str, name: str) -> Any:
-        if name in _ALLOWED.get(module, ()):
+        if name in _ALLOWED.get(module, ()) or name in DCP_INDEX_PRIVATE_GLOBALS.get(module, ()):
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)

@@ -44,6 +44,7 @@ __all__ = [
     "all_reduce",
     "barrier",
     "broadcast",
+    "check_p2p_tensors",
     "comm_delay",
     "count_comm_bytes",
     "custom_collective",
@@ -278,6 +279,7 @@ def send(tensor: torch.Tensor, dst: int, group: Optional[GroupLike] = None, labe
     open while other traffic flows between the same ranks gives its messages a tag of their own.
     """
     peers = torch_group(group)
+    check_p2p_tensors([tensor], peers, f"send '{label}'")
     return custom_collective(
         "send", label, tensor, peers, tensor_nbytes(tensor), True,
         lambda: dist.isend(tensor, dst=dst, group=peers, tag=tag), "p2p", peer=dst,
@@ -287,10 +289,25 @@ def send(tensor: torch.Tensor, dst: int, group: Optional[GroupLike] = None, labe
 def recv(tensor: torch.Tensor, src: int, group: Optional[GroupLike] = None, label: str = "", tag: int = 0) -> Handle:
     """Asynchronously receive into ``tensor`` from global rank ``src`` (a send with the same ``tag``)."""
     peers = torch_group(group)
+    check_p2p_tensors([tensor], peers, f"recv '{label}'")
     return custom_collective(
         "recv", label, tensor, peers, 0, True,
         lambda: dist.irecv(tensor, src=src, group=peers, tag=tag),
     )  # fmt: skip
+
+
+def check_p2p_tensors(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup, who: str) -> None:
+    """Refuse a point-to-point transfer of device tensors on a gloo group, before anything is posted.
+
+    gloo's send and receive move host memory only and do not check: given a CUDA tensor they would read its device
+    address as a host one (a crash, or garbage on the wire). CPU tensors (and meta ones, in a planned run) pass
+    without asking the backend."""
+    devices = {t.device for t in tensors if t.device.type not in ("cpu", "meta")}
+    if devices and dist.get_backend(group) == "gloo":
+        raise ValueError(
+            f"{who}: gloo sends and receives CPU tensors only, got tensors on {sorted(map(str, devices))}; copy "
+            "them to the CPU first (or use the NCCL backend for CUDA tensors)"
+        )
 
 
 def wait_all(handles: Sequence[Handle]) -> None:

@@ -9,6 +9,7 @@ from typing import Optional, Union
 import torch
 import torch.distributed as dist
 
+from shardkit.distributed._torch_private import backend_timeout
 from shardkit.distributed.dummy import DummyProcessGroup
 
 GroupLike = Union[dist.ProcessGroup, DummyProcessGroup]
@@ -123,7 +124,7 @@ def group_timeout(group: Optional[GroupLike] = None) -> timedelta:
     pg = group if group is not None else dist.group.WORLD
     for device in ("cpu", "cuda"):  # a group may run on either, or both
         with contextlib.suppress(Exception):
-            timeout = pg._get_backend(torch.device(device)).options._timeout  # type: ignore[union-attr]
+            timeout = backend_timeout(pg, device)
             if isinstance(timeout, timedelta):
                 return timeout
     return dist.default_pg_timeout

@@ -26,6 +26,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from shardkit.distributed._torch_private import default_store as torch_default_store
 from shardkit.distributed.groups import all_gather_flat
 from shardkit.distributed.instrumentation import INSTRUMENTATION, CheckState
 from shardkit.distributed.objects import all_gather_objects
@@ -73,7 +74,7 @@ def default_store() -> Optional[dist.Store]:
     if not dist.is_available() or not dist.is_initialized():
         return None
     try:
-        return dist.distributed_c10d._get_default_store()
+        return torch_default_store()
     except Exception:
         return None
 

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from shardkit.distributed import collectives as C
+from shardkit.distributed.device import current_cuda_device
 from shardkit.distributed.groups import GroupLike, resolve_group
 
 #: Tag of object messages.
@@ -31,12 +32,13 @@ _OBJECT_TAG = 0x0B1
 
 
 def _wire_device(group: dist.ProcessGroup, device: Optional[torch.device]) -> torch.device:
-    """Where an object's bytes travel: ``device`` if given, else the current CUDA device under NCCL (which cannot
-    send host memory), else the CPU."""
+    """Where an object's bytes travel: ``device`` if given, else this rank's GPU under NCCL (which cannot send host
+    memory; selected from ``LOCAL_RANK`` first, as every shardkit NCCL path does, or every rank would use cuda:0),
+    else the CPU."""
     if device is not None:
         return device
     if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
+        return current_cuda_device()
     return torch.device("cpu")
 
 

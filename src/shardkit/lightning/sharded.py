@@ -15,6 +15,7 @@ from typing_extensions import override
 
 from shardkit.lightning import _collectives
 from shardkit.lightning.base import ShardkitParallelStrategy
+from shardkit.utils._torch_private import mark_optimizer_stepped
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -105,7 +106,7 @@ class DDPShardedStrategy(ShardkitParallelStrategy):
             ) from exc
         # The schedulers still point at the original optimizer, whose param-group dicts OSS now shares, so their
         # learning-rate updates reach OSS. Its step is never called again; tell torch's order check it was.
-        optimizer._opt_called = True  # type: ignore[attr-defined]
+        mark_optimizer_stepped(optimizer)
         return sharded
 
     @contextmanager

@@ -36,15 +36,16 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-from torch.utils._python_dispatch import (
-    TorchDispatchMode,
-    _get_current_dispatch_mode_stack,
-    is_in_torch_dispatch_mode,
-)
-from torch.utils._pytree import tree_flatten
 
 from shardkit.memory._book import Category, MemorySnapshot, StorageBook
 from shardkit.memory.resize_watch import watch_resizes
+from shardkit.utils._torch_private import (
+    TorchDispatchMode,
+    current_dispatch_mode_stack,
+    dtensor_local_tensor,
+    is_in_torch_dispatch_mode,
+    tree_flatten,
+)
 from shardkit.utils.autograd import backward_running
 
 _PATCH_MARK = "_shardkit_memory_tracker"
@@ -70,8 +71,8 @@ def _is_dtensor_type(cls: type) -> bool:
 
 
 def _storage(tensor: torch.Tensor) -> Optional[torch.UntypedStorage]:
-    local = getattr(tensor, "_local_tensor", None)  # DTensor parameters (torch FSDP2): the rank's shard
-    if isinstance(local, torch.Tensor):
+    local = dtensor_local_tensor(tensor)  # DTensor parameters (torch FSDP2): the rank's shard
+    if local is not None:
         tensor = local
     try:
         return tensor.untyped_storage()
@@ -282,7 +283,7 @@ def tag(tensor: torch.Tensor, category: Category) -> None:
     """
     if not is_in_torch_dispatch_mode():
         return
-    for mode in _get_current_dispatch_mode_stack():
+    for mode in current_dispatch_mode_stack():
         if isinstance(mode, MemoryTracker):
             mode.tag(tensor, category)
             return

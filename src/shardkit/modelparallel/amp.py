@@ -15,6 +15,7 @@ import torch.distributed as dist
 from shardkit.distributed import DummyProcessGroup
 from shardkit.distributed import collectives as C
 from shardkit.modelparallel import state as smp_state
+from shardkit.utils._torch_private import scaler_optimizer_state, scaler_scale
 
 
 class GradScaler(torch.amp.GradScaler):
@@ -51,12 +52,13 @@ class GradScaler(torch.amp.GradScaler):
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Unscale this rank's gradients, then agree on overflow with every other rank."""
         super().unscale_(optimizer)
-        if not self._enabled:
+        if not self.is_enabled():
             return
-        per_device = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+        per_device = scaler_optimizer_state(self, optimizer)["found_inf_per_device"]
         if not per_device:  # a stage without gradients still votes, and step() needs one entry
-            assert self._scale is not None
-            per_device[self._scale.device] = torch.zeros((), dtype=torch.float32, device=self._scale.device)
+            scale = scaler_scale(self)
+            assert scale is not None
+            per_device[scale.device] = torch.zeros((), dtype=torch.float32, device=scale.device)
         flags = list(per_device.values())
         found = torch.stack([f.to(flags[0].device) for f in flags]).amax()
         group = smp_state.current().world_group if smp_state.is_initialized() else None

@@ -28,11 +28,11 @@ from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Optional
 
 import torch
-from torch.utils._pytree import tree_map
 
 from shardkit.modelparallel.execution import StageExecution
 from shardkit.modelparallel.runtime import MicrobatchRecord
 from shardkit.modelparallel.step_outputs import OutputSharing, share_from_output_stage
+from shardkit.utils._torch_private import tree_map
 
 
 def _detached(value: Any) -> Any:

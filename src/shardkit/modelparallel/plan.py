@@ -20,9 +20,9 @@ from typing import Any, Optional
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import TreeSpec, tree_flatten, tree_leaves
 
 from shardkit.modelparallel.trace import side_effect_free
+from shardkit.utils._torch_private import TreeSpec, tree_flatten, tree_leaves
 
 Source = tuple[int, int]  # (unit call index, output leaf index)
 

@@ -25,11 +25,11 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from shardkit.modelparallel.plan import LeafSpec, PipelinePlan, UnitCall, signature_of
 from shardkit.modelparallel.pp_communications import StageLink
 from shardkit.modelparallel.split_backward import WeightGradients, backward_input
+from shardkit.utils._torch_private import tree_flatten, tree_unflatten
 
 Shapes = tuple[tuple[Optional[LeafSpec], ...], ...]
 

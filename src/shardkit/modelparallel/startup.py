@@ -7,10 +7,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_leaves
 
 from shardkit.distributed import GroupLike, all_gather_objects
 from shardkit.distributed import collectives as C
+from shardkit.utils._torch_private import tree_leaves
 
 
 def check_same_inputs(inputs: Any, mp_group: GroupLike) -> None:

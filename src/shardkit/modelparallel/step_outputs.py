@@ -20,10 +20,10 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
-from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from shardkit.distributed import GroupLike, all_gather_objects, broadcast_object
 from shardkit.modelparallel.pp_communications import broadcast_tensors
+from shardkit.utils._torch_private import TreeSpec, tree_flatten, tree_unflatten
 
 
 class StepOutput:

@@ -23,10 +23,9 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from shardkit.memory.tracker import MemoryTracker
+from shardkit.utils._torch_private import TorchDispatchMode, tree_leaves
 from shardkit.utils.torch_compat import autocast_cache_off
 
 try:  # torch's FLOP formulas; absent or changed in some versions, then every op is costed by size
@@ -75,7 +74,7 @@ def op_cost(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) 
     """Estimated cost of one operator call: its FLOPs when torch knows a formula, else the elements it writes."""
     if getattr(func, "is_view", False):
         return 0.0
-    packet = getattr(func, "_overloadpacket", func)
+    packet = getattr(func, "overloadpacket", func)
     formula = _FLOP_REGISTRY.get(packet)
     if formula is not None:
         with contextlib.suppress(Exception):

@@ -10,6 +10,7 @@ from torch.amp import GradScaler as TorchGradScaler
 
 from shardkit.distributed import collectives
 from shardkit.distributed.groups import GroupLike
+from shardkit.utils._torch_private import scaler_optimizer_state, scaler_scale, set_scaler_device
 
 
 def _check_init_scale(init_scale: Any, who: str) -> None:
@@ -39,10 +40,10 @@ class _DeviceInferringScaler(TorchGradScaler):
 
     def scale(self, outputs: Any) -> Any:
         """Multiply ``outputs`` by the scale (see ``torch.amp.GradScaler.scale``); fixes the device if inferred."""
-        if self._infer_device and self._enabled and getattr(self, "_scale", None) is None:
+        if self._infer_device and self.is_enabled() and scaler_scale(self) is None:
             first = _first_tensor(outputs)
             if first is not None:
-                self._device = first.device.type
+                set_scaler_device(self, first.device.type)
         return super().scale(outputs)
 
 
@@ -160,12 +161,12 @@ class ShardedGradScaler(_DeviceInferringScaler):
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Unscale this rank's gradients of ``optimizer``, then agree with every rank on whether any had inf/NaN."""
-        if not self._enabled:
+        if not self.is_enabled():
             return
         super().unscale_(optimizer)
-        state = self._per_optimizer_states[id(optimizer)]
+        state = scaler_optimizer_state(self, optimizer)
         found_per_device: dict[torch.device, torch.Tensor] = state["found_inf_per_device"]
-        scale = self._scale
+        scale = scaler_scale(self)
         assert scale is not None
         # One flag per rank, on the scale's device: ranks may hold gradients on different devices, or none at all
         # (every gradient it would check was freed by ShardedDataParallel), yet all must issue the same collective.

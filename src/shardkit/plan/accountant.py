@@ -27,8 +27,6 @@ from typing import Any, Optional
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
 from shardkit.memory import Category, MemoryLimitExceeded, StorageBook
@@ -36,6 +34,7 @@ from shardkit.memory.offload import TO_HOST
 from shardkit.memory.resize_watch import watch_resizes
 from shardkit.plan.host import HostTensor, host_copy
 from shardkit.plan.oracle import COPY_TO, MetaData
+from shardkit.utils._torch_private import TorchDispatchMode, tree_flatten
 
 aten = torch.ops.aten
 

@@ -36,7 +36,13 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
-from torch.utils._python_dispatch import _disable_current_modes
+
+from shardkit.plan._torch_private import (
+    disable_current_modes,
+    efficient_attention,
+    flash_attention_for_cpu,
+    fused_sdp_choice,
+)
 
 aten = torch.ops.aten
 
@@ -87,10 +93,10 @@ def cpu_backend(call: SdpaCall) -> SDPBackend:
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4 or query.is_nested:
         return SDPBackend.MATH
     # The stand-ins are not the planned run's memory: made with the planner's dispatch modes set aside.
-    with _disable_current_modes():
+    with disable_current_modes():
         q, k, v = _stand_in(query, 2), _stand_in(key, 2), _stand_in(value, 2)
         m = _mask_stand_in(mask, q, k) if isinstance(mask, torch.Tensor) else None
-        choice = torch._fused_sdp_choice(
+        choice = fused_sdp_choice(
             q, k, v, m, call.dropout_p, call.is_causal, scale=call.scale, enable_gqa=call.enable_gqa
         )
     return SDPBackend(choice)
@@ -136,15 +142,13 @@ def fused_attention(backend: SDPBackend, call: SdpaCall) -> torch.Tensor:
     if backend == SDPBackend.FLASH_ATTENTION:
         if isinstance(mask, torch.Tensor):
             mask = _additive(mask, query)
-        out = aten._scaled_dot_product_flash_attention_for_cpu(
+        out = flash_attention_for_cpu(
             query, key, value, call.dropout_p, call.is_causal, attn_mask=mask, scale=call.scale
         )
         return out[0]
     bias = _efficient_bias(mask, query) if isinstance(mask, torch.Tensor) else None
     needs_lse = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-    out = aten._scaled_dot_product_efficient_attention(
-        query, key, value, bias, needs_lse, call.dropout_p, call.is_causal, scale=call.scale
-    )
+    out = efficient_attention(query, key, value, bias, needs_lse, call.dropout_p, call.is_causal, scale=call.scale)
     return out[0]
 
 

@@ -22,8 +22,8 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
 
+from shardkit.utils._torch_private import tree_flatten, tree_map
 from shardkit.utils.wrapper_tensor import NO_TORCH_FUNCTION, new_wrapper
 
 aten = torch.ops.aten

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from shardkit.bench.memory import training_memory
 from shardkit.distributed import Topology, count_comm_bytes, set_topology
+from shardkit.plan._torch_private import mem_tracker
 from shardkit.plan.pipeline import builder, pipeline_forward_backward, smp_config
 from shardkit.plan.runner import call_model, warmup_steps
 from shardkit.plan.strategies import PIPELINE, get
@@ -51,9 +52,7 @@ class _TorchTracker:
     """torch's ``MemTracker``: the peak over every step."""
 
     def __init__(self) -> None:
-        from torch.distributed._tools.mem_tracker import MemTracker
-
-        self.tracker = MemTracker()
+        self.tracker = mem_tracker()
 
     def __enter__(self) -> _TorchTracker:
         self.tracker.__enter__()

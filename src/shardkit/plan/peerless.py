@@ -30,8 +30,9 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _create_work_from_future  # type: ignore[attr-defined]
 from torch.futures import Future
+
+from shardkit.plan._torch_private import create_work_from_future
 
 BACKEND_NAME = "shardkit_peerless"
 
@@ -108,7 +109,7 @@ _MAIL: list[Mailbox] = []  # the mailbox of the open peerless_world
 def _done(result: Any) -> Any:
     future: Future[Any] = Future()
     future.set_result(result)
-    return _create_work_from_future(future)
+    return create_work_from_future(future)
 
 
 class _InFlight(dist.Work):

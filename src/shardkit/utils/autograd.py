@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import torch
+from shardkit.utils._torch_private import current_graph_task_id
 
 
 def backward_running() -> bool:
@@ -11,7 +11,7 @@ def backward_running() -> bool:
     torch has no public call for this; its own FSDP2 and module tracker read the current graph task id the same
     way, so every shardkit caller goes through this one function.
     """
-    return bool(torch._C._current_graph_task_id() != -1)
+    return current_graph_task_id() != -1
 
 
 __all__ = ["backward_running"]

@@ -3,10 +3,12 @@
 torch promises nothing about names that start with an underscore, and some public ones arrived late. Each entry of
 :data:`PRIVATE_APIS` says what shardkit uses, where, and since when torch has it; :func:`missing` resolves them all
 on the installed torch, so one test (``tests/compat/test_torch_compat.py``, run by ``tools/torch_matrix.sh`` on
-each release) tells which of them a release lacks before any strategy trips over it. The few that need a
-fallback or a guard are wrapped here (:func:`cuda_spin`); the others are imported where they are used.
+each release) tells which of them a release lacks before any strategy trips over it. The private names are
+imported (or reached) in one import point per package, ``_torch_private.py`` in ``utils``, ``distributed``,
+``nn``, ``checkpoint``, ``modelparallel`` and ``plan``, and nowhere else: ``tests/compat/test_torch_private.py``
+scans ``src/`` for any other reach and checks every name an import point reaches is listed here.
 
-Checked on (``tools/torch_matrix.sh``, CPU): torch 2.13.0, 2.11.0 and 2.8.0. The floor, 2.8, is set by
+Checked on (``tools/torch_matrix.sh``, CPU): torch 2.14.1, 2.13.0, 2.11.0 and 2.8.0. The floor, 2.8, is set by
 ``torch.compiler.disable(..., reason=)``; ``dist.all_gather_single`` / ``reduce_scatter_single`` (2.13) are
 optional, with the older ``*_into_tensor`` / ``*_tensor`` names as the fallback.
 """
@@ -21,6 +23,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+
+from shardkit.utils._torch_private import cuda_sleep
 
 
 @dataclass(frozen=True)
@@ -101,9 +105,28 @@ PRIVATE_APIS: tuple[TorchAPI, ...] = (
         keyword="return_outputs",
         optional=True,
     ),
-    TorchAPI("torch.distributed", "ProcessGroup._get_backend", "nn.fsdp._collectives.group_timeout (falls back)"),
+    TorchAPI("torch.distributed", "ProcessGroup._get_backend", "distributed.groups.group_timeout (falls back)"),
     TorchAPI("torch.distributed", "all_gather_single", "distributed.groups", "2.13+; falls back", optional=True),
     TorchAPI("torch.distributed", "reduce_scatter_single", "distributed.groups", "2.13+; falls back", optional=True),
+    # Reached through the import points (``*/_torch_private.py``), listed here too so gpu-check resolves them.
+    TorchAPI("torch.distributed.distributed_c10d", "_get_default_store", "distributed.health (falls back)"),
+    TorchAPI("torch.distributed", "ProcessGroupGloo.Options._timeout", "distributed.groups.group_timeout"),
+    TorchAPI("torch.nn.modules.batchnorm", "_BatchNorm", "nn.fsdp.helpers.auto_wrap_bn"),
+    TorchAPI("torch", "Tensor._base", "nn.slowmo.flat (a view's learning rate)"),
+    TorchAPI("torch.distributed.tensor", "DTensor._local_tensor", "memory.tracker (FSDP2 shards)"),
+    TorchAPI("torch.amp", "GradScaler._unscale_grads_", "optim.grad_scaler (overridden: fp16 gradients)"),
+    TorchAPI("torch.utils._python_dispatch", "_disable_current_modes", "plan.attention"),
+    TorchAPI("torch", "_fused_sdp_choice", "plan.attention (the CPU's SDPA backend)"),
+    TorchAPI("torch", "ops.aten._scaled_dot_product_flash_attention_for_cpu", "plan.attention"),
+    TorchAPI("torch", "ops.aten._scaled_dot_product_efficient_attention", "plan.attention"),
+    TorchAPI("torch.distributed", "ProcessGroup._allgather_base", "plan.peerless (overridden)"),
+    TorchAPI("torch.distributed", "ProcessGroup._reduce_scatter_base", "plan.peerless (overridden)"),
+    TorchAPI("torch.distributed", "ProcessGroup._set_group_name", "plan.peerless (overridden)"),
+    TorchAPI("torch.distributed", "ProcessGroup._set_group_desc", "plan.peerless (overridden)"),
+    *(
+        TorchAPI("torch", f"_foreach_{op}", "modelparallel.optimizers (LAMB, NovoGrad)")
+        for op in ("add_", "addcmul_", "copy_", "div", "div_", "mul", "mul_", "sqrt_")
+    ),
 )
 
 
@@ -174,7 +197,7 @@ def cuda_spin(cycles: int) -> None:
     A test tool: work queued behind the spin starts late, so code that forgets to wait for it reads
     unfinished data."""
     if torch.cuda.is_available():
-        torch.cuda._sleep(cycles)
+        cuda_sleep(cycles)
 
 
 __all__ = [

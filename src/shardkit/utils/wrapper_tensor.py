@@ -21,10 +21,12 @@ from typing import Any, Optional, TypeVar, cast
 
 import torch
 
+from shardkit.utils._torch_private import disabled_torch_function_impl, make_wrapper_subclass
+
 T = TypeVar("T", bound=torch.Tensor)
 
 #: ``__torch_function__`` for a wrapper subclass: no Python-level override, operators reach ``__torch_dispatch__``.
-NO_TORCH_FUNCTION: Any = torch._C._disabled_torch_function_impl  # Any: it replaces a classmethod
+NO_TORCH_FUNCTION: Any = disabled_torch_function_impl  # Any: it replaces a classmethod
 
 
 def new_wrapper(
@@ -39,7 +41,7 @@ def new_wrapper(
     """A tensor of class ``cls`` with this metadata and no storage of its own (``__new__`` of a wrapper subclass)."""
     return cast(
         T,
-        torch.Tensor._make_wrapper_subclass(
+        make_wrapper_subclass(
             cls,
             shape,
             strides=strides,

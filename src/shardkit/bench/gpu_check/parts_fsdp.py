@@ -122,12 +122,60 @@ def _fsdp_case(small: bool, kwargs: dict[str, Any], on_device: bool = True) -> C
     return check
 
 
+@contextlib.contextmanager
+def lagging_offload_copies(cycles: int = 2_000_000) -> Iterator[None]:
+    """Each activation copy down starts behind a GPU spin on its side stream, so an upload that does not wait for
+    it reads an unfinished host buffer, and a source not kept from reuse is overwritten before it is read."""
+    from shardkit.nn.checkpoint.offload import CudaCopies
+    from shardkit.utils.torch_compat import cuda_spin
+
+    original = CudaCopies.copy_down
+
+    def copy_down(self: Any, stream: Any, after: Any, host: torch.Tensor, tensor: torch.Tensor) -> Any:
+        stream.wait_stream(after)
+        with torch.cuda.stream(stream):
+            cuda_spin(cycles)
+        return original(self, stream, after, host, tensor)
+
+    CudaCopies.copy_down = copy_down  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        CudaCopies.copy_down = original  # type: ignore[method-assign]
+
+
+def _activation_offload_case(small: bool) -> dict[str, Any]:
+    """``checkpoint_wrapper(offload_to_cpu=True)`` on every block (asynchronous copies to pinned memory on a side
+    stream, lagging) against the same model without offload: the same losses and parameters."""
+    from shardkit.nn.checkpoint import checkpoint_wrapper
+
+    cfg = small_lm(small)
+    data = batches(cfg, 3, 8, seed=13)
+
+    def run(offload: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
+        model = build_lm(cfg, DEVICE)
+        if offload:
+            blocks: Any = model.blocks
+            for i, block in enumerate(blocks):
+                blocks[i] = checkpoint_wrapper(block, offload_to_cpu=True)
+        losses = train(model, torch.optim.SGD(model.parameters(), lr=0.05), data)
+        sync()
+        return losses, host_params(model)
+
+    ref_losses, ref_params = run(False)
+    with lagging_offload_copies():
+        losses, params = run(True)
+    out = {"loss_gap": loss_gap(losses, ref_losses), "param_gap": max_diff(params, ref_params)}
+    out["ok"] = out["loss_gap"] < 1e-5 and out["param_gap"] < 1e-5
+    return out
+
+
 def _compile_case(small: bool) -> dict[str, Any]:
     cfg = small_lm(small)
     data = batches(cfg, 3, 8, seed=11)
     eager = wrap_blocks(build_lm(cfg, DEVICE), mixed_precision=True, compute_dtype=torch.bfloat16)
     eager_losses = train(eager, torch.optim.SGD(eager.parameters(), lr=0.05), data)
-    torch._dynamo.reset()
+    torch.compiler.reset()
     model = wrap_blocks(build_lm(cfg, DEVICE), mixed_precision=True, compute_dtype=torch.bfloat16)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     compiled: Any = torch.compile(model)  # inductor, Triton kernels on CUDA
@@ -147,6 +195,7 @@ def part_fsdp(res: Results, small: bool) -> None:
         "fsdp:bf16_prefetch", _fsdp_case(small, {"mixed_precision": True, "compute_dtype": torch.bfloat16, **prefetch})
     )
     res.check("fsdp:cpu_offload_pinned", _fsdp_case(small, {"cpu_offload": True, **prefetch}, on_device=False))
+    res.check("checkpoint_wrapper:activation_offload", lambda: _activation_offload_case(small))
 
 
 def part_compile(res: Results, small: bool) -> None:

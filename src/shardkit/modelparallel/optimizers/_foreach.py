@@ -9,18 +9,19 @@ from typing import Any
 
 import torch
 
-# torch's multi-tensor ("foreach") kernels, the ones torch.optim's own fast paths use: one launch per batch of
-# tensors instead of one per tensor. torch exposes them only under underscore names, so they are named here once
-# and the optimizers call these.
-foreach_add_ = torch._foreach_add_
-foreach_addcmul_ = torch._foreach_addcmul_
-foreach_copy_ = torch._foreach_copy_
-foreach_div = torch._foreach_div
-foreach_div_ = torch._foreach_div_
-foreach_mul = torch._foreach_mul
-foreach_mul_ = torch._foreach_mul_
-foreach_norm = torch._foreach_norm
-foreach_sqrt_ = torch._foreach_sqrt_
+# torch's multi-tensor kernels (private names, imported once in modelparallel._torch_private), re-exported for the
+# optimizers, which call them as ``F.foreach_*``.
+from shardkit.modelparallel._torch_private import (
+    foreach_add_,
+    foreach_addcmul_,
+    foreach_copy_,
+    foreach_div,
+    foreach_div_,
+    foreach_mul,
+    foreach_mul_,
+    foreach_norm,
+    foreach_sqrt_,
+)
 
 #: Low-precision parameters are updated in fp32 (as Apex's kernels do) and written back.
 _UPCAST = (torch.float16, torch.bfloat16)
@@ -116,3 +117,24 @@ def check_non_negative(who: str, **values: float) -> None:
     for name, value in values.items():
         if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
             raise ValueError(f"{who} {name} must be a number >= 0, got {value!r}")
+
+
+__all__ = [
+    "Batch",
+    "advance_steps",
+    "as_fp32",
+    "batches",
+    "check_betas",
+    "check_non_negative",
+    "foreach_add_",
+    "foreach_addcmul_",
+    "foreach_copy_",
+    "foreach_div",
+    "foreach_div_",
+    "foreach_mul",
+    "foreach_mul_",
+    "foreach_norm",
+    "foreach_sqrt_",
+    "fp32_math",
+    "zero_grad",
+]

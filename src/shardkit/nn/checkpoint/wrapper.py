@@ -20,7 +20,6 @@ fairscale's ``checkpoint_wrapper`` rely on:
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Iterator
 from typing import Any, Callable
 
@@ -28,9 +27,10 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from shardkit.memory.offload import to_host
+from shardkit.nn._torch_private import state_dict_metadata
 from shardkit.nn.checkpoint.flags import enable_checkpointing, enable_recomputing, is_checkpointing_disabled
 from shardkit.nn.checkpoint.norm_stats import restore_norm_stats_after
+from shardkit.nn.checkpoint.offload import ActivationOffload
 
 #: The child name the wrapped module is registered under; stripped from every name the wrapper reports.
 WRAPPED_NAME = "_checkpoint_wrapped_module"
@@ -77,14 +77,12 @@ class CheckpointWrapper(nn.Module):
 
     def _offload_context(self, inputs: tuple[Any, ...]) -> contextlib.AbstractContextManager[Any]:
         # Only the checkpoint's inputs are saved across the region, so they are what goes to host memory.
-        # Copying tensors that already live on the CPU would only double them, hence the device test.
-        # The copy down goes through shardkit::to_host (as torch's save_on_cpu would copy), so a planned run sees it
-        # as host memory.
+        # Copying tensors that already live on the CPU would only double them, hence the device test. CUDA
+        # tensors go down asynchronously on a side stream; others through shardkit::to_host (see offload.py).
         devices = {x.device.type for x in inputs if isinstance(x, torch.Tensor)}
         if not self.offload_to_cpu or devices <= {"cpu"}:
             return contextlib.nullcontext()
-        pin = "cuda" in devices
-        return torch.autograd.graph.saved_tensors_hooks(functools.partial(_to_host_memory, pin=pin), _back_from_host)
+        return ActivationOffload(pin="cuda" in devices).hooks()
 
     def named_parameters(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
@@ -133,17 +131,6 @@ def checkpointed_call(
         preserve_rng_state=preserve_rng_state,
         context_fn=lambda: (enable_checkpointing(), _recomputation(module)),
     )
-
-
-def _to_host_memory(tensor: torch.Tensor, pin: bool) -> tuple[torch.device, torch.Tensor]:
-    """Pack a saved tensor: a copy in (page-locked when ``pin``) host memory, and the device it came from."""
-    return tensor.device, to_host(tensor, pin=pin)
-
-
-def _back_from_host(packed: tuple[torch.device, torch.Tensor]) -> torch.Tensor:
-    """Unpack: the saved tensor, back on its device (asynchronously from page-locked memory)."""
-    device, host = packed
-    return host.to(device, non_blocking=host.is_pinned())
 
 
 @contextlib.contextmanager
@@ -201,7 +188,7 @@ def _strip_names_on_save(module: nn.Module, state_dict: dict[str, Any], prefix: 
     inner_prefix = prefix + _INFIX
     for key in [k for k in state_dict if k.startswith(inner_prefix)]:
         state_dict[prefix + key[len(inner_prefix) :]] = state_dict.pop(key)
-    metadata = getattr(state_dict, "_metadata", None)
+    metadata = state_dict_metadata(state_dict)
     if metadata is None:
         return
     # Metadata (module versions) is keyed by module path without the trailing dot; the inner module's entry

@@ -12,6 +12,7 @@ from torch import nn
 
 from shardkit.distributed.dummy import DummyProcessGroup
 from shardkit.distributed.groups import GroupLike
+from shardkit.nn._torch_private import BatchNormBase
 from shardkit.nn.fsdp.api import FullyShardedDataParallel
 
 
@@ -58,7 +59,7 @@ def auto_wrap_bn(
     """
     from shardkit.nn.wrap import auto_wrap, config_auto_wrap_policy, enable_wrap
 
-    bns = [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    bns = [m for m in module.modules() if isinstance(m, BatchNormBase)]
     if assert_on_collision:
         tagged = [type(m).__name__ for m in bns if hasattr(m, "wrapper_config")]
         if tagged:

@@ -11,7 +11,8 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
-from torch.utils._pytree import tree_map
+
+from shardkit.utils._torch_private import tree_map
 
 
 def make_input_caster(dtype: torch.dtype) -> Callable[[Any], Any]:

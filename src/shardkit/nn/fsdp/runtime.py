@@ -22,7 +22,6 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch.profiler import record_function
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from shardkit.nn.fsdp.comm_context import CommContext
 from shardkit.nn.fsdp.handle import FlatParamHandle
@@ -32,6 +31,7 @@ from shardkit.nn.fsdp.policies import BackwardPrefetch, FSDPPolicies
 from shardkit.nn.fsdp.prefetch import Schedule
 from shardkit.nn.fsdp.reduce import ReduceQueue
 from shardkit.nn.fsdp.unit_state import IN_BACKWARD, TrainingState, check_event, may_start, state_hint
+from shardkit.utils._torch_private import queue_autograd_callback, tree_flatten, tree_unflatten
 from shardkit.utils.autograd import backward_running
 
 __all__ = [
@@ -318,7 +318,7 @@ class Unit:
         """Root only: have autograd's engine call :meth:`finish_backward` at the end of this backward (once)."""
         if not self._callback_queued:
             self._callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
+            queue_autograd_callback(self.finish_backward)
 
     def _abandon_forward(self) -> None:
         """A forward run without a guard (under torch.compile) raised: free what it gathered, return to IDLE."""

@@ -31,7 +31,7 @@ import warnings
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -40,6 +40,7 @@ from shardkit.distributed import collectives
 from shardkit.distributed.groups import GroupLike, group_rank, group_size, on_host_path
 from shardkit.nn.sharded_ddp.plan import ReduceUnit, plan_reduction
 from shardkit.nn.sharded_ddp.policy import ReducePolicy
+from shardkit.utils._torch_private import queue_autograd_callback
 
 #: Attribute naming, on each hooked parameter, the reducer that hooks it (a weak reference).
 _REDUCER_ATTR = "_shardkit_sdp_reducer"
@@ -182,8 +183,7 @@ class GradReducer:
             return
         if self.state is ReducerState.IDLE:
             self._begin_round()
-            engine: Any = torch.autograd.Variable._execution_engine
-            engine.queue_callback(self._end_of_backward)
+            queue_autograd_callback(self._end_of_backward)
         unit_index, member = self._slot_of[param]
         unit_round = self._round[unit_index]
         if unit_round.ready[member]:

@@ -14,6 +14,8 @@ from typing import Any
 
 from torch import nn
 
+from shardkit.nn._torch_private import state_dict_metadata
+
 WRAPPED = "module"
 
 
@@ -37,7 +39,7 @@ def add_wrapper_level_hook(inner_keys: Callable[[], set[str]]) -> Callable[..., 
         inner = prefix + WRAPPED + "."
         for key in under:
             state_dict[inner + key[len(prefix) :]] = state_dict.pop(key)
-        metadata = getattr(state_dict, "_metadata", None)
+        metadata = state_dict_metadata(state_dict)
         if metadata is None:
             return
         # The loader looks metadata up by each module's own prefix; alias (never remove) the caller's entries.

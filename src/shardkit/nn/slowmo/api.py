@@ -35,6 +35,7 @@ from shardkit.nn.slowmo.schedule import plan_step
 from shardkit.nn.slowmo.slow_momentum import SlowMomentum
 from shardkit.nn.slowmo.state import SlowMoStateMixin
 from shardkit.nn.slowmo.timing import PhaseTimer, configure_logging, logger
+from shardkit.utils._torch_private import queue_autograd_callback
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -179,7 +180,7 @@ class SlowMoDistributedDataParallel(SlowMoStateMixin):
     def _on_grad_ready(self, _param: torch.Tensor) -> None:
         if not self._callback_queued:
             self._callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._post_backward)
+            queue_autograd_callback(self._post_backward)
 
     def _post_backward(self) -> None:
         """End of backward: average gradients inside the node; parameters become numerators again."""

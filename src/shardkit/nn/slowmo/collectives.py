@@ -106,6 +106,7 @@ def batched_exchange(
     which only wrap shardkit's own collectives)."""
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"gossip needs a real process group, got {group!r}")
+    C.check_p2p_tensors([*outgoing.values(), *incoming.values()], group, "SlowMo gossip")
     ops = [dist.P2POp(dist.irecv, buf, global_rank(group, peer), group) for peer, buf in incoming.items()]
     ops += [dist.P2POp(dist.isend, buf, global_rank(group, peer), group) for peer, buf in outgoing.items()]
     if not ops:

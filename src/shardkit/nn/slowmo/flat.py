@@ -13,6 +13,8 @@ from typing import Optional
 
 import torch
 
+from shardkit.nn._torch_private import view_base
+
 
 @dataclass(frozen=True)
 class Segment:
@@ -83,7 +85,7 @@ class FlatParams:
         rates = {float(g["lr"]) for g in optimizer.param_groups}
         segments: list[Segment] = []
         for t, offset in zip(self.tensors, self.offsets):
-            lr = by_id.get(id(t), by_id.get(id(t._base)) if t._base is not None else None)
+            lr = by_id.get(id(t), by_id.get(id(base)) if (base := view_base(t)) is not None else None)
             if lr is None:
                 if len(rates) != 1:
                     raise ValueError(

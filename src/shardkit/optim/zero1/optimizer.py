@@ -27,6 +27,11 @@ from shardkit.optim.zero1.state_dict import (
     pack_param_groups,
     shard_state,
 )
+from shardkit.utils._torch_private import (
+    optimizer_load_state_dict_post_hooks,
+    optimizer_state_dict_post_hooks,
+    optimizer_state_dict_pre_hooks,
+)
 
 OptimizerClass = Callable[..., Optimizer]
 _CONSOLIDATE = "Call it on every rank, then optimizer.state_dict() on the recipient rank only."
@@ -351,14 +356,14 @@ class OSS(Optimizer):
                 "Call optimizer.consolidate_state_dict(recipient_rank=R) on every rank after the last step, then "
                 "state_dict() on rank R (or state_dict(all_ranks=True) on every rank)."
             )
-        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+        for pre_hook in optimizer_state_dict_pre_hooks(self):
             pre_hook(self)
         self._sync_param_groups()
         state_dict: dict[str, Any] = {
             "state": copy.copy(self._consolidated),
             "param_groups": pack_param_groups(self.param_groups),
         }
-        for post_hook in self._optimizer_state_dict_post_hooks.values():
+        for post_hook in optimizer_state_dict_post_hooks(self):
             result = post_hook(self, state_dict)
             if result is not None:
                 state_dict = result
@@ -395,5 +400,5 @@ class OSS(Optimizer):
         self._synced = [{} for _ in self.param_groups]
         self._sync_param_groups()
         self._consolidated = None
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+        for post_hook in optimizer_load_state_dict_post_hooks(self):
             post_hook(self)

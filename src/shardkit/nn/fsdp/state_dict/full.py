@@ -9,9 +9,9 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.modules.module import _IncompatibleKeys
 
 from shardkit.distributed.groups import is_dummy
+from shardkit.nn._torch_private import IncompatibleKeys, attach_state_dict_metadata, state_dict_metadata
 from shardkit.nn.fsdp.state_dict._layout import (
     agree,
     buffer_dtypes,
@@ -65,9 +65,9 @@ def state_dict(
     out: dict[str, Any] = OrderedDict() if destination is None else destination
     if not keep:
         return out
-    metadata = getattr(out, "_metadata", None)
+    metadata = state_dict_metadata(out)
     if metadata is None and destination is None:
-        metadata = _attach_metadata(out, OrderedDict())
+        metadata = attach_state_dict_metadata(out, OrderedDict())
     if metadata is not None:
         for path, version in versions.items():
             metadata[join(prefix.rstrip("."), path) if prefix else path] = version
@@ -94,12 +94,12 @@ def _global_rank(fsdp: UnitModule) -> int:
 
 def load_state_dict(
     fsdp: UnitModule, full_state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
-) -> _IncompatibleKeys:
+) -> IncompatibleKeys:
     """Load a full state dict (from :func:`state_dict` or the unwrapped model) into the shards and buffers.
 
     Every rank passes the same full dict. Missing or unexpected keys (with ``strict``) and wrong shapes raise a
     ``ValueError`` naming the keys, on every rank, before anything is written. Returns torch's
-    ``_IncompatibleKeys(missing_keys, unexpected_keys)``.
+    ``IncompatibleKeys(missing_keys, unexpected_keys)``.
     """
     if assign:
         raise ValueError(
@@ -117,7 +117,7 @@ def load_state_dict(
         for b in buffers:
             if b.key in full_state_dict:
                 b.module._buffers[b.attr].copy_(full_state_dict[b.key])  # type: ignore[union-attr]
-    return _IncompatibleKeys(missing, unexpected)
+    return IncompatibleKeys(missing, unexpected)
 
 
 def load_from_state_dict_hook(
@@ -203,22 +203,22 @@ def local_state_dict(
     dtypes = buffer_dtypes(fsdp)
     for b in buffers:
         out[prefix + b.key] = buffer_value(b, dtypes, None)
-    metadata = getattr(out, "_metadata", None)
+    metadata = state_dict_metadata(out)
     if metadata is not None:
         metadata.setdefault(_LOCAL_META_KEY, {}).update(saved_layout)
     elif destination is None or hasattr(destination, "__dict__"):  # a plain dict takes no attribute (torch skips it)
-        _attach_metadata(out, OrderedDict({_LOCAL_META_KEY: saved_layout}))
+        attach_state_dict_metadata(out, OrderedDict({_LOCAL_META_KEY: saved_layout}))
     return out
 
 
-def load_local_state_dict(fsdp: UnitModule, local_state: Mapping[str, Any], strict: bool = True) -> _IncompatibleKeys:
+def load_local_state_dict(fsdp: UnitModule, local_state: Mapping[str, Any], strict: bool = True) -> IncompatibleKeys:
     """Load what :func:`local_state_dict` returned on this rank, at the same world size and wrapping."""
     check_idle(fsdp, "load_local_state_dict()")
     _, buffers, _ = layout(fsdp)
     flats = flat_entries(fsdp)
     expected = {key: h.shard.shape for key, h, _ in flats}
     expected.update(expected_shapes([], buffers))
-    saved = (getattr(local_state, "_metadata", None) or {}).get(_LOCAL_META_KEY, {})
+    saved = (state_dict_metadata(local_state) or {}).get(_LOCAL_META_KEY, {})
     layout_errors = []
     for key, h, _ in flats:
         was = saved.get(key)
@@ -241,10 +241,4 @@ def load_local_state_dict(fsdp: UnitModule, local_state: Mapping[str, Any], stri
         for b in buffers:
             if b.key in local_state:
                 b.module._buffers[b.attr].copy_(local_state[b.key])  # type: ignore[union-attr]
-    return _IncompatibleKeys(missing, unexpected)
-
-
-def _attach_metadata(out: dict[str, Any], metadata: dict[str, Any]) -> dict[str, Any]:
-    """Give ``out`` the ``_metadata`` attribute torch's state dicts carry (per-module versions and layouts)."""
-    out._metadata = metadata  # type: ignore[attr-defined]
-    return metadata
+    return IncompatibleKeys(missing, unexpected)

@@ -13,8 +13,8 @@ from collections.abc import Mapping
 from typing import Any, Optional
 
 import torch
-from torch.nn.modules.module import _IncompatibleKeys
 
+from shardkit.nn._torch_private import IncompatibleKeys
 from shardkit.nn.fsdp import state_dict as sd
 from shardkit.nn.fsdp.collective_calls import every_rank_calls
 from shardkit.nn.fsdp.unit_module import UnitModule
@@ -48,7 +48,7 @@ class StateDictMethods(UnitModule):
 
     def load_state_dict(
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
-    ) -> _IncompatibleKeys:
+    ) -> IncompatibleKeys:
         """Load a full state dict (as returned by :meth:`state_dict` or by the unwrapped model)."""
         every_rank_calls(self.process_group, "load_state_dict()")
         return sd.load_state_dict(self, state_dict, strict, assign)
@@ -65,7 +65,7 @@ class StateDictMethods(UnitModule):
         """
         return sd.local_state_dict(self, **_state_dict_arguments("local_state_dict", args, kwargs))
 
-    def load_local_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> _IncompatibleKeys:
+    def load_local_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> IncompatibleKeys:
         """Load what :meth:`local_state_dict` returned on this rank."""
         return sd.load_local_state_dict(self, state_dict, strict)
 
@@ -115,7 +115,7 @@ class StateDictMethods(UnitModule):
         every_rank_calls(self.process_group, "sharded_state_dict()")
         return sd.sharded_state_dict(self)
 
-    def load_sharded_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> _IncompatibleKeys:
+    def load_sharded_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> IncompatibleKeys:
         """Load what ``torch.distributed.checkpoint.load`` filled in from :meth:`sharded_state_dict`, at any
         world size."""
         every_rank_calls(self.process_group, "load_sharded_state_dict()")

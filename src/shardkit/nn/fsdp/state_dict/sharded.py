@@ -7,9 +7,9 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch.nn.modules.module import _IncompatibleKeys
 
 from shardkit.distributed.groups import GroupLike, is_dummy, torch_group
+from shardkit.nn._torch_private import IncompatibleKeys
 from shardkit.nn.fsdp.state_dict._layout import (
     agree,
     buffer_dtypes,
@@ -96,7 +96,7 @@ def sharded_state_dict(fsdp: UnitModule) -> dict[str, Any]:
     return out
 
 
-def load_sharded_state_dict(fsdp: UnitModule, sharded: Mapping[str, Any], strict: bool = True) -> _IncompatibleKeys:
+def load_sharded_state_dict(fsdp: UnitModule, sharded: Mapping[str, Any], strict: bool = True) -> IncompatibleKeys:
     """Load a dict shaped like :func:`sharded_state_dict` (filled by ``dcp.load``, any saving world size).
 
     Plain full tensors are accepted in place of DTensors. Validation and the all-or-nothing guarantee are those of
@@ -118,4 +118,4 @@ def load_sharded_state_dict(fsdp: UnitModule, sharded: Mapping[str, Any], strict
         for b in buffers:
             if b.key in sharded:
                 b.module._buffers[b.attr].copy_(sharded[b.key])  # type: ignore[union-attr]
-    return _IncompatibleKeys(missing, unexpected)
+    return IncompatibleKeys(missing, unexpected)

@@ -1,0 +1,21 @@
+"""The private torch names ``shardkit.checkpoint`` relies on, named here and nowhere else.
+
+They are not imported: they are the globals a torch.distributed.checkpoint (DCP) index pickles, which
+``shardkit.checkpoint.safe_dcp``'s unpickler lets through by name (and pickle then imports). Each was checked
+present on torch 2.8.0, 2.11.0, 2.13.0 and 2.14.1 (CPU and CUDA wheels, 2026-11-27). If torch renames one, indexes
+written by that torch are refused as unsafe (a clear error, never a silent load) until it is added here, and
+``tests/compat/test_torch_private.py`` fails first.
+"""
+
+from __future__ import annotations
+
+#: Module -> the private names in it that a DCP ``.metadata`` index may name (besides DCP's public metadata
+#: classes): the memory-format enum of ``TensorProperties``, the file-system writer's per-item storage record and the
+#: tensor-layout reconstructor torch's pickler uses.
+DCP_INDEX_PRIVATE_GLOBALS: dict[str, frozenset[str]] = {
+    "torch.distributed.checkpoint.metadata": frozenset({"_MEM_FORMAT_ENCODING"}),
+    "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo"}),
+    "torch.serialization": frozenset({"_get_layout"}),
+}
+
+__all__ = ["DCP_INDEX_PRIVATE_GLOBALS"]
