@@ -12,7 +12,7 @@ from torch import nn
 
 from shardkit.memory.offload import to_host
 from shardkit.nn.checkpoint.apply import apply_activation_checkpointing
-from shardkit.nn.checkpoint.wrapper import _back_from_host, _to_host_memory
+from shardkit.nn.checkpoint.offload import ActivationOffload
 from shardkit.plan import Estimate, PlanError, estimate
 from shardkit.plan.accountant import Accountant, Category
 from shardkit.plan.host import HostTensor
@@ -149,6 +149,7 @@ def test_offloaded_activation_checkpoints_go_down_in_forward_and_come_back_in_ba
 
 def test_saved_tensors_round_trip_through_host_memory() -> None:
     x = torch.randn(3, 4)
-    device, packed = _to_host_memory(x, pin=False)
-    assert device == x.device and packed.data_ptr() != x.data_ptr()
-    assert torch.equal(_back_from_host((device, packed)), x)
+    offload = ActivationOffload(pin=False)
+    packed = offload.pack(x)  # a CPU tensor: the synchronous shardkit::to_host copy
+    assert packed.device == x.device and packed.host.data_ptr() != x.data_ptr() and packed.done is None
+    assert torch.equal(offload.unpack(packed), x)
