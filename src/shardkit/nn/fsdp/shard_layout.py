@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from shardkit.distributed.groups import GroupLike
-from shardkit.nn.fsdp.flat_param import FlatParamMeta, ParamInfo
+from shardkit.nn.fsdp.flat_param import FlatParamMeta
 from shardkit.nn.fsdp.runtime import TrainingState
 from shardkit.nn.fsdp.unit_module import UnitModule, walk_modules
 
@@ -100,10 +100,6 @@ class FlatLayout:
     def padding(self) -> int:
         """Elements added after the last parameter so every rank's chunk has the same size."""
         return self.meta.padded_numel - self.meta.numel
-
-    def param(self, index: int) -> ParamInfo:
-        """Original parameter ``index`` (shape, numel, offset in the unpadded flat buffer)."""
-        return self.meta.params[index]
 
     def pieces(self, rank: Optional[int] = None) -> list[FlatPiece]:
         """Which slice of which original parameter ``rank``'s chunk holds (default: this rank's), named from
