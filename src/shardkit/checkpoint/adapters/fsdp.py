@@ -107,20 +107,9 @@ class FSDPSource(UniversalSource):
         """An FSDP model."""
         return isinstance_of(model, *_FSDP)
 
-    def _idle_layout(self) -> ShardLayout:
-        view = layout(self.model)
-        busy = view.busy_unit()
-        if busy is not None:
-            raise RuntimeError(
-                f"a checkpoint of an FSDP model was requested while unit '{busy.path or '<root>'}' is in state "
-                f"{busy.state.name}: save and load between training steps, outside forward, backward "
-                "and summon_full_params()"
-            )
-        return view
-
     def held(self) -> list[Held]:
         """Every unit's flat parameter shards with the ranges they hold, then every buffer whole."""
-        view = self._idle_layout()
+        view = layout(self.model).require_idle("save_checkpoint() or load_checkpoint()")
         _, world = rank_and_size()
         out: list[Held] = []
         for unit in view.units:
@@ -160,7 +149,7 @@ class FSDPSource(UniversalSource):
 
     def before_save(self) -> None:
         """FSDP must be between steps."""
-        self._idle_layout()
+        layout(self.model).require_idle("save_checkpoint()")
 
     def after_load(self) -> None:
         """Cast staged buffers back into the model's buffers and drop stale gathered copies."""

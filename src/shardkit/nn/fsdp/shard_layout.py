@@ -203,6 +203,17 @@ class ShardLayout:
         """The first unit that was not IDLE when the view was taken (None: safe to read and write)."""
         return next((u for u in self.units if u.state != TrainingState.IDLE), None)
 
+    def require_idle(self, what: str) -> ShardLayout:
+        """This view, or an error naming ``what`` and the busy unit when any unit was inside forward, backward
+        or ``summon_full_params()`` (state dicts and checkpoints are only read and written between steps)."""
+        busy = self.busy_unit()
+        if busy is not None:
+            raise RuntimeError(
+                f"{what} was called while unit '{busy.name}' is in state {busy.state.name}; call it between "
+                "training steps, outside forward, backward and summon_full_params()"
+            )
+        return self
+
     def expected_shapes(self) -> dict[str, torch.Size]:
         """The shape every key of a full state dict must have."""
         shapes = {p.key: p.shape for p in self.params}
@@ -222,7 +233,7 @@ def layout(model: nn.Module) -> ShardLayout:
     root; a nested unit gives the view of its subtree, named from it). No communication. Example::
 
         view = shardkit.nn.fsdp.layout(model)
-        assert [p.key for p in view.params] == [k for k, _ in plain_model.named_parameters()]
+        assert view.state_dict_keys() == list(plain_model.state_dict())   # the unwrapped model's keys
     """
     if not isinstance(model, UnitModule):
         raise TypeError(f"layout() reads a FullyShardedDataParallel model, got {type(model).__name__}")

@@ -1,5 +1,5 @@
 """What every state-dict function shares, on top of the read model (:mod:`shardkit.nn.fsdp.shard_layout`): the
-idle check, the one gather, and the validate-then-write helpers every loader uses."""
+one gather, and the validate-then-write helpers every loader uses."""
 
 from __future__ import annotations
 
@@ -11,20 +11,8 @@ import torch.distributed as dist
 
 from shardkit.distributed import collectives as c
 from shardkit.distributed.groups import is_dummy
-from shardkit.nn.fsdp.shard_layout import FlatLayout, ParamName, ShardLayout, UnitLayout, layout
+from shardkit.nn.fsdp.shard_layout import FlatLayout, ParamName, ShardLayout, UnitLayout
 from shardkit.nn.fsdp.unit_module import UnitModule
-
-
-def idle_layout(fsdp: UnitModule, what: str) -> ShardLayout:
-    """The layout view of ``fsdp``, refusing to go on while any unit is inside forward, backward or a summon."""
-    view = layout(fsdp)
-    busy = view.busy_unit()
-    if busy is not None:
-        raise RuntimeError(
-            f"{what} was called while unit '{busy.name}' is in state {busy.state.name}; call it "
-            "between training steps, outside forward, backward and summon_full_params()"
-        )
-    return view
 
 
 def gather_flat(flat: FlatLayout, shard: torch.Tensor, label: str) -> torch.Tensor:

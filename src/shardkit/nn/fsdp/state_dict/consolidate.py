@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from shardkit.nn.fsdp.state_dict._io import idle_layout
+from shardkit.nn.fsdp.shard_layout import layout
 from shardkit.nn.fsdp.unit_module import UnitModule
 
 FORMAT = "shardkit.fsdp.local_metadata/1"
@@ -32,7 +32,7 @@ def local_metadata_dict(fsdp: UnitModule) -> dict[str, Any]:
 
     Plain Python data (strings, ints, lists), so it can be saved next to the local state dict.
     """
-    view = idle_layout(fsdp, "local_metadata_dict()")
+    view = layout(fsdp).require_idle("local_metadata_dict()")
     name_of = {(id(e.flat.shard), e.index): e.key for e in view.params if not e.alias}
     aliases: dict[int, list[list[str]]] = {}
     for e in view.params:

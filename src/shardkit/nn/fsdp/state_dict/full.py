@@ -16,7 +16,6 @@ from shardkit.nn.fsdp.shard_layout import FlatLayout, join_name, layout, reshard
 from shardkit.nn.fsdp.state_dict._io import (
     agree,
     gathered_params,
-    idle_layout,
     load_buffers,
     validation_error,
     write_shards,
@@ -43,7 +42,7 @@ def state_dict(
     """
     if args:
         raise TypeError("state_dict() takes keyword arguments only (destination=, prefix=, keep_vars=)")
-    view = idle_layout(fsdp, "state_dict()")
+    view = layout(fsdp).require_idle("state_dict()")
     device = fsdp.state_dict_device
     keep = not fsdp.state_dict_on_rank_0_only or _global_rank(fsdp) == 0
     full_values: dict[tuple[int, int], torch.Tensor] = {}
@@ -89,7 +88,7 @@ def load_state_dict(
             "load_state_dict(assign=True) is not supported by FullyShardedDataParallel: shards are "
             "copied into, never replaced"
         )
-    view = idle_layout(fsdp, "load_state_dict()")
+    view = layout(fsdp).require_idle("load_state_dict()")
     error, missing, unexpected = validation_error("load_state_dict", view.expected_shapes(), full_state_dict, strict)
     agree(fsdp, view, error)
     reshard(fsdp)
@@ -117,7 +116,7 @@ def load_from_state_dict_hook(
     :func:`load_state_dict` other modules may already be loaded when a bad key is reported, and a unit nested in
     another unit names its keys by the path torch visits (``body.module.0.weight`` for ``body.0.weight``).
     """
-    view = idle_layout(fsdp, "load_state_dict()")
+    view = layout(fsdp).require_idle("load_state_dict()")
     own = {id(flat.shard) for flat in view.units[0].flats}
     params = [e for e in view.params if id(e.flat.shard) in own]
     refile: dict[str, str] = {}  # clean key -> the key torch's recursion will look up, both relative to prefix
@@ -169,7 +168,7 @@ def local_state_dict(
     parameters themselves with ``keep_vars``. ``destination`` and ``prefix`` work as in ``nn.Module.state_dict``
     (the layout is recorded under the prefixed keys, so strip the prefix before loading back).
     """
-    view = idle_layout(fsdp, "local_state_dict()")
+    view = layout(fsdp).require_idle("local_state_dict()")
     if not isinstance(prefix, str):
         raise TypeError(f"local_state_dict(prefix=...) takes a string such as 'model.', got {type(prefix).__name__}")
     out: dict[str, Any] = OrderedDict() if destination is None else destination
@@ -189,7 +188,7 @@ def local_state_dict(
 
 def load_local_state_dict(fsdp: UnitModule, local_state: Mapping[str, Any], strict: bool = True) -> _IncompatibleKeys:
     """Load what :func:`local_state_dict` returned on this rank, at the same world size and wrapping."""
-    view = idle_layout(fsdp, "load_local_state_dict()")
+    view = layout(fsdp).require_idle("load_local_state_dict()")
     expected = {flat.key: flat.shard.shape for flat in view.flats}
     expected.update((b.key, b.tensor.shape) for b in view.buffers)
     saved = (getattr(local_state, "_metadata", None) or {}).get(_LOCAL_META_KEY, {})

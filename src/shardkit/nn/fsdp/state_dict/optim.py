@@ -8,7 +8,7 @@ from typing import Any, Optional
 import torch
 
 from shardkit.nn.fsdp.shard_layout import FlatLayout, ParamName, ShardLayout, layout
-from shardkit.nn.fsdp.state_dict._io import gather_flat, idle_layout
+from shardkit.nn.fsdp.state_dict._io import gather_flat
 from shardkit.nn.fsdp.unit_module import UnitModule
 
 
@@ -78,7 +78,7 @@ def gather_full_optim_state_dict(fsdp: UnitModule, optim: Any, recipient_rank: i
     ``no_broadcast_optim_state=True`` and sharded over several ranks are not gathered: their parameters get no
     state, and their ids are listed under ``uncollected_local_ids`` (fairscale's key) for the caller to fill in.
     """
-    view = idle_layout(fsdp, "gather_full_optim_state_dict()")
+    view = layout(fsdp).require_idle("gather_full_optim_state_dict()")
     state_of = _state_by_param(optim)
     group_of = _optim_groups(view, optim)
     keep = fsdp.rank == recipient_rank

@@ -10,11 +10,10 @@ import torch
 from torch.nn.modules.module import _IncompatibleKeys
 
 from shardkit.distributed.groups import GroupLike, is_dummy, torch_group
-from shardkit.nn.fsdp.shard_layout import ShardLayout, reshard
+from shardkit.nn.fsdp.shard_layout import ShardLayout, layout, reshard
 from shardkit.nn.fsdp.state_dict._io import (
     agree,
     gathered_params,
-    idle_layout,
     load_buffers,
     validation_error,
     write_shards,
@@ -59,7 +58,7 @@ def sharded_state_dict(fsdp: UnitModule) -> dict[str, Any]:
     """
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    view = idle_layout(fsdp, "sharded_state_dict()")
+    view = layout(fsdp).require_idle("sharded_state_dict()")
     _check_one_sharding_group(fsdp, view)
     meshes: dict[int, Any] = {}
     values: dict[tuple[int, int], Any] = {}
@@ -91,7 +90,7 @@ def load_sharded_state_dict(fsdp: UnitModule, sharded: Mapping[str, Any], strict
     Plain full tensors are accepted in place of DTensors. Validation and the all-or-nothing guarantee are those of
     :func:`load_state_dict`. Cost: one all-gather per parameter (``DTensor.full_tensor``), peak one parameter.
     """
-    view = idle_layout(fsdp, "load_sharded_state_dict()")
+    view = layout(fsdp).require_idle("load_sharded_state_dict()")
     error, missing, unexpected = validation_error("load_sharded_state_dict", view.expected_shapes(), sharded, strict)
     agree(fsdp, view, error)
     reshard(fsdp)
