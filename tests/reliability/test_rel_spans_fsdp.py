@@ -7,13 +7,13 @@ import pytest
 import torch
 from torch import nn
 
-from shardkit.checkpoint.adapters.fsdp_spans import (
+from shardkit.checkpoint.adapters.fsdp import unit_replicas
+from shardkit.nn.fsdp.flat_param import ParamLocation, build_meta
+from shardkit.nn.fsdp.shard_layout import (
     flat_param_aliases,
     flat_param_pieces,
     join_name,
-    unit_replicas,
 )
-from shardkit.nn.fsdp.flat_param import ParamLocation, build_meta
 
 
 def _owners() -> tuple[list[tuple[ParamLocation, nn.Parameter]], list[tuple[ParamLocation, int]]]:

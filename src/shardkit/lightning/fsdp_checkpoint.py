@@ -129,7 +129,9 @@ def _as_dtensors(state: Any, mesh: Any, shard_numels: set[int]) -> Any:
 
 
 def _shard_numels(root: FullyShardedDataParallel) -> set[int]:
-    return {p.numel() for p in root.parameters()}
+    from shardkit.nn.fsdp import layout
+
+    return {flat.meta.shard_numel for flat in layout(root).flats}
 
 
 def save_sharded(root: FullyShardedDataParallel, checkpoint: dict[str, Any], path: Any, is_global_zero: bool) -> None:
@@ -222,7 +224,10 @@ def _template(root: FullyShardedDataParallel, path: Path, num_optimizers: int) -
 
 
 def _shard_device(root: FullyShardedDataParallel) -> torch.device:
-    return next(root.parameters()).device
+    """Where the shards, and the optimizer state shaped like them, live."""
+    from shardkit.nn.fsdp import layout
+
+    return layout(root).flats[0].shard.device
 
 
 def _to_local(state: Any) -> Any:

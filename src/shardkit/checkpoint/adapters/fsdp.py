@@ -1,11 +1,11 @@
 """``shardkit.nn.FullyShardedDataParallel`` (ZeRO-3) in the universal layout: every rank saves and loads its rows.
 
 Each wrapped unit keeps, per flat parameter, one shard of ``[p0 | p1 | ... | padding]`` (see
-:mod:`shardkit.nn.fsdp.flat_param`). :class:`FSDPSource` tells the layout which elements of which original
-parameter every shard holds (:func:`~shardkit.checkpoint.adapters.fsdp_spans.flat_param_pieces`), named as the
-unwrapped model names it, so nothing is gathered: a rank writes its rows on save and reads exactly its rows on
-load, whatever strategy and world size wrote the checkpoint. The optimizer state follows the shards it belongs to
-(the engine maps it by parameter identity).
+:mod:`shardkit.nn.fsdp.flat_param`). :class:`FSDPSource` reads the FSDP read model (:func:`shardkit.nn.fsdp.layout`):
+which elements of which original parameter every shard holds, named as the unwrapped model names it, so nothing
+is gathered: a rank writes its rows on save and reads exactly its rows on load, whatever strategy and world size
+wrote the checkpoint. The optimizer state follows the shards it belongs to (the engine maps it by parameter
+identity).
 
 - **Nested units** prefix their clean path (the wrapper levels add no segment).
 - **Mixed precision**: the shard is the FP32 master copy (the low-precision copy is only ever the gathered full
@@ -35,33 +35,59 @@ from torch import nn
 
 from shardkit.checkpoint._collectives import rank_and_size
 from shardkit.checkpoint.adapters.fsdp_legacy import FSDPAdapter
-from shardkit.checkpoint.adapters.fsdp_spans import (
-    flat_param_aliases,
-    flat_param_pieces,
-    join_name,
-    unit_replicas,
-)
 from shardkit.checkpoint.adapters.registry import isinstance_of
 from shardkit.checkpoint.universal.source import Held, Span, UniversalSource
 from shardkit.distributed.groups import group_rank, group_size
+from shardkit.nn.fsdp.shard_layout import BufferLayout, ShardLayout, UnitLayout, layout, reshard
 
 _FSDP = ("shardkit.nn.fsdp.api", "FullyShardedDataParallel")
 
 
-def _unit_modules(model: nn.Module) -> list[tuple[str, Any]]:
-    """``(clean path, unit)`` of every FSDP unit under ``model`` (itself included), each once, pre-order."""
-    from shardkit.nn.fsdp.unit_module import UnitModule, walk_modules
+def unit_replicas(
+    unit_name: str, shard_size: int, replica_rank: int, replica_count: int, world_size: int
+) -> tuple[int, int]:
+    """``(replica_rank, replica_count)`` of a unit whose shard group has ``shard_size`` ranks, checked.
 
-    return [(path, m) for path, _, m in walk_modules(model) if isinstance(m, UnitModule)]
+    The ranks holding the same shards are the unit's replica group (hybrid sharding: the same local rank on every
+    node; NO_SHARD: every rank); without one, the unit must shard over the whole job. Anything else (a unit over a
+    subgroup with no replicas, e.g. per-rank experts) may hold different values per group, which one checkpoint key
+    cannot: refused.
+
+    Example::
+
+        >>> unit_replicas("blocks.0", 4, 1, 2, 8)   # hybrid: node 1's copy of 4-way shards, 2 nodes
+        (1, 2)
+    """
+    if shard_size * replica_count != world_size:
+        raise ValueError(
+            f"FSDP unit '{unit_name}' is sharded over {shard_size} ranks with {replica_count} replica(s), which is "
+            f"not the {world_size} ranks of this job: its groups may hold different values (e.g. per-rank experts), "
+            "which one checkpoint cannot store. Shard every unit over the whole job, or use "
+            "sharding_strategy=HYBRID_SHARD for replicas across nodes"
+        )
+    if not 0 <= replica_rank < replica_count:
+        raise ValueError(f"FSDP unit '{unit_name}': replica rank {replica_rank} is outside 0..{replica_count - 1}")
+    return replica_rank, replica_count
 
 
-def _replicas(path: str, unit: Any, world: int) -> tuple[int, int]:
-    """This rank's index among the ranks holding the same shards of ``unit`` (its replica group under hybrid
-    sharding and NO_SHARD), and their number."""
-    replica_group = unit.replica_group
-    if replica_group is None:
-        return unit_replicas(path or "<root>", unit.world_size, 0, 1, world)
-    return unit_replicas(path or "<root>", unit.world_size, group_rank(replica_group), group_size(replica_group), world)
+def _replicas(unit: UnitLayout, world: int) -> tuple[int, int]:
+    """This rank's index among the ranks holding the same shards of ``unit``, and their number."""
+    replicas = unit.replica_group
+    rank, count = (0, 1) if replicas is None else (group_rank(replicas), group_size(replicas))
+    return unit_replicas(unit.path or "<root>", unit.world_size, rank, count, world)
+
+
+def _unique_buffers(view: ShardLayout) -> tuple[list[BufferLayout], dict[str, str]]:
+    """Each buffer once (its first name), and the other names of buffers reached along several module paths."""
+    first: dict[int, str] = {}
+    unique, aliases = [], {}
+    for b in view.buffers:
+        stored = first.setdefault(id(b.tensor), b.key)
+        if stored == b.key:
+            unique.append(b)
+        else:
+            aliases[b.key] = stored
+    return unique, aliases
 
 
 class FSDPSource(UniversalSource):
@@ -81,54 +107,24 @@ class FSDPSource(UniversalSource):
         """An FSDP model."""
         return isinstance_of(model, *_FSDP)
 
-    def _check_idle(self) -> None:
-        from shardkit.nn.fsdp.runtime import TrainingState
-
-        for path, unit in _unit_modules(self.model):
-            if unit.training_state != TrainingState.IDLE:
-                raise RuntimeError(
-                    f"a checkpoint of an FSDP model was requested while unit '{path or '<root>'}' is in state "
-                    f"{unit.training_state.name}: save and load between training steps, outside forward, backward "
-                    "and summon_full_params()"
-                )
-
     def held(self) -> list[Held]:
         """Every unit's flat parameter shards with the ranges they hold, then every buffer whole."""
-        self._check_idle()
+        view = layout(self.model).require_idle("save_checkpoint() or load_checkpoint()")
         _, world = rank_and_size()
         out: list[Held] = []
-        for path, unit in _unit_modules(self.model):
-            replica_rank, replica_count = _replicas(path, unit, world)
-            for shard, meta in zip(unit.flat_params, unit.flat_param_metas):
-                spans = tuple(
-                    Span(p.fqn, p.shape, p.start, p.stop, p.local_offset) for p in flat_param_pieces(path, meta)
-                )
+        for unit in view.units:
+            replica_rank, replica_count = _replicas(unit, world)
+            for flat in unit.flats:
+                spans = tuple(Span(p.fqn, p.shape, p.start, p.stop, p.local_offset) for p in flat.pieces())
                 # A shard of padding only has no span, but stays listed: the optimizer steps it.
-                out.append(Held(shard, spans, replica_rank, replica_count))
-        out.extend(self._buffers())
-        return out
-
-    def _buffers(self) -> list[Held]:
-        from shardkit.nn.fsdp.unit_module import UnitModule, walk_modules
-
-        original = dict(getattr(self.model, "buffer_original_dtypes", {}))
-        out: list[Held] = []
-        seen: set[int] = set()
-        for path, _, module in walk_modules(self.model, once=False):
-            if isinstance(module, UnitModule):
-                continue
-            for attr, buf in module._buffers.items():
-                if buf is None or attr in module._non_persistent_buffers_set or id(buf) in seen:
-                    continue
-                seen.add(id(buf))
-                fqn = join_name(path, attr)
-                tensor = buf
-                dtype = original.get(fqn)
-                if dtype is not None and dtype != buf.dtype:
-                    if id(buf) not in self._staged:
-                        self._staged[id(buf)] = (buf.detach().to(dtype), buf)
-                    tensor = self._staged[id(buf)][0]
-                out.append(Held(tensor, (Span(fqn, buf.shape, 0, buf.numel(), 0),), 0, 1))
+                out.append(Held(flat.shard, spans, replica_rank, replica_count))
+        for b in _unique_buffers(view)[0]:
+            buf, tensor = b.tensor, b.tensor
+            if b.original_dtype is not None and b.original_dtype != buf.dtype:
+                if id(buf) not in self._staged:
+                    self._staged[id(buf)] = (b.value(), buf)
+                tensor = self._staged[id(buf)][0]
+            out.append(Held(tensor, (Span(b.key, buf.shape, 0, buf.numel(), 0),), 0, 1))
         return out
 
     def local_optimizer(self) -> Optional[torch.optim.Optimizer]:
@@ -139,35 +135,21 @@ class FSDPSource(UniversalSource):
         """Per optimizer parameter group, every original parameter its flat shards carry (on any rank)."""
         if self.optimizer is None:
             return None
-        names: dict[int, list[str]] = {}
-        for path, unit in _unit_modules(self.model):
-            for shard, meta in zip(unit.flat_params, unit.flat_param_metas):
-                names[id(shard)] = [join_name(path, info.fqn) for info in meta.params]
+        names = {id(flat.shard): list(flat.fqns) for flat in layout(self.model).flats}
         return [[fqn for p in group["params"] for fqn in names.get(id(p), [])] for group in self.optimizer.param_groups]
 
     def aliases(self) -> dict[str, str]:
         """Tied parameter names (stored once) and buffers reached along several module paths."""
-        from shardkit.nn.fsdp.unit_module import UnitModule, walk_modules
-
+        view = layout(self.model)
         out: dict[str, str] = {}
-        for path, unit in _unit_modules(self.model):
-            for meta in unit.flat_param_metas:
-                out.update(flat_param_aliases(path, meta))
-        first: dict[int, str] = {}
-        for path, _, module in walk_modules(self.model, once=False):
-            if isinstance(module, UnitModule):
-                continue
-            for attr, buf in module._buffers.items():
-                if buf is None or attr in module._non_persistent_buffers_set:
-                    continue
-                fqn = join_name(path, attr)
-                if first.setdefault(id(buf), fqn) != fqn:
-                    out[fqn] = first[id(buf)]
+        for flat in view.flats:
+            out.update(flat.aliases())
+        out.update(_unique_buffers(view)[1])
         return out
 
     def before_save(self) -> None:
         """FSDP must be between steps."""
-        self._check_idle()
+        layout(self.model).require_idle("save_checkpoint()")
 
     def after_load(self) -> None:
         """Cast staged buffers back into the model's buffers and drop stale gathered copies."""
@@ -175,8 +157,7 @@ class FSDPSource(UniversalSource):
             for staged, buf in self._staged.values():
                 buf.copy_(staged)
         self._staged = {}
-        for _, unit in _unit_modules(self.model):
-            unit.fsdp_unit.group.reshard()
+        reshard(self.model)
 
 
-__all__ = ["FSDPAdapter", "FSDPSource"]
+__all__ = ["FSDPAdapter", "FSDPSource", "unit_replicas"]

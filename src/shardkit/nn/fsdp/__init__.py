@@ -14,6 +14,15 @@ streams) and :mod:`~shardkit.nn.fsdp._collectives` (over :mod:`shardkit.distribu
 types (:class:`~shardkit.nn.fsdp.flat_param.FlatParamMeta` and its parts) are internals, read through
 ``FullyShardedDataParallel.flat_param_metas``.
 
+Reading a wrapped model's shards (which original parameter lives in which flat range of which unit, on which
+rank): :func:`layout` returns one frozen view (:mod:`~shardkit.nn.fsdp.shard_layout`); ``summon_full_params()``
+is the one context that shows full parameters. The state dicts, the checkpoint adapters and the Lightning
+checkpoint code read FSDP through these two only::
+
+    view = layout(model)
+    for flat in view.flats:
+        print(flat.key, flat.fqns, flat.padding, flat.pieces(rank=0))
+
 Fast settings (prefetch one unit ahead in both directions; ``BACKWARD_PRE`` costs at most one unit's full
 parameters of extra memory)::
 
@@ -30,6 +39,7 @@ from shardkit.nn.fsdp.forward_methods import register_fsdp_forward_method
 from shardkit.nn.fsdp.helpers import auto_wrap_bn, get_fsdp_instances, no_pre_load_state_dict_hook
 from shardkit.nn.fsdp.policies import BackwardPrefetch, CPUOffload, ProcessGroupName
 from shardkit.nn.fsdp.runtime import TrainingState
+from shardkit.nn.fsdp.shard_layout import ShardLayout, layout
 from shardkit.nn.fsdp.strategy import ShardingStrategy
 
 FSDP = FullyShardedDataParallel
@@ -40,10 +50,12 @@ __all__ = [
     "CPUOffload",
     "FullyShardedDataParallel",
     "ProcessGroupName",
+    "ShardLayout",
     "ShardingStrategy",
     "TrainingState",
     "auto_wrap_bn",
     "get_fsdp_instances",
+    "layout",
     "no_pre_load_state_dict_hook",
     "register_fsdp_forward_method",
 ]

@@ -1,8 +1,8 @@
 """The module face of one wrapped unit: what a :class:`~shardkit.nn.fsdp.FullyShardedDataParallel` instance *is*
 and reports, for the layers that build on it without depending on the public class.
 
-:class:`UnitModule` is the type the state dicts (:mod:`shardkit.nn.fsdp.state_dict`), the checkpoint adapter and
-the tools walk and read: its run-time state through one accessor (:attr:`UnitModule.fsdp_unit`, the
+:class:`UnitModule` is the type the read model (:mod:`shardkit.nn.fsdp.shard_layout`, which the state dicts and
+the checkpoint adapters read) walks: its run-time state through one accessor (:attr:`UnitModule.fsdp_unit`, the
 :class:`~shardkit.nn.fsdp.runtime.Unit` with its parameter group), the settings under fairscale's attribute names,
 and names as the unwrapped model spells them (:func:`walk_modules`, the one walker that knows which wrapper levels
 add no path segment). What a unit *does* (forward, summon, state dicts, optimizer state) is the public class's, in
@@ -114,7 +114,7 @@ class UnitModule(nn.Module):
     def fsdp_unit(self) -> Unit:
         """This unit's run-time state: its :class:`~shardkit.nn.fsdp.param_group.ParamGroup` (``.group``, whose
         ``handles`` are the flat parameters), its :class:`TrainingState`, its name and, on the root, the tree's
-        units and schedule. The one way layers outside the class reach the unit."""
+        units and schedule. For the core's layers; readers of the shards use :func:`shardkit.nn.fsdp.layout`."""
         return self._unit
 
     @property

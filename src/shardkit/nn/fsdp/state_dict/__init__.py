@@ -16,6 +16,9 @@ optimizer functions          optimizer state unflattened per original parameter 
                              :func:`consolidate_shard_weights`, offline consolidation
 ===========================  ======================================================  ==============================
 
+Every function reads the model through the read model :func:`shardkit.nn.fsdp.layout` (names, flat ranges,
+shards, buffers), never through a unit's run-time objects.
+
 Shards cut across original parameters (see :mod:`~shardkit.nn.fsdp.flat_param`), so the DCP view gathers a
 unit's flat parameter once and re-cuts every parameter into ``torch.chunk``-style row blocks, the layout DTensor's
 ``Shard(0)`` uses. A checkpoint saved at one world size then loads at any other, and into unwrapped models.

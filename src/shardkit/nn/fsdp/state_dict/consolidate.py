@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from shardkit.nn.fsdp.state_dict._layout import check_idle, flat_entries, layout, walk
+from shardkit.nn.fsdp.shard_layout import layout
 from shardkit.nn.fsdp.unit_module import UnitModule
 
 FORMAT = "shardkit.fsdp.local_metadata/1"
@@ -32,40 +32,35 @@ def local_metadata_dict(fsdp: UnitModule) -> dict[str, Any]:
 
     Plain Python data (strings, ints, lists), so it can be saved next to the local state dict.
     """
-    check_idle(fsdp, "local_metadata_dict()")
-    params, buffers, versions = layout(fsdp)
-    name_of = {(id(e.handle), e.index): e.key for e in params if not e.alias}
+    view = layout(fsdp).require_idle("local_metadata_dict()")
+    name_of = {(id(e.flat.shard), e.index): e.key for e in view.params if not e.alias}
     aliases: dict[int, list[list[str]]] = {}
-    for e in params:
+    for e in view.params:
         if e.alias:
-            aliases.setdefault(id(e.handle), []).append([e.key, name_of[(id(e.handle), e.index)]])
-    paths = {id(m): path for path, m in walk(fsdp) if isinstance(m, UnitModule)}
-    by_unit: dict[int, dict[str, Any]] = {}
-    for key, h, unit in flat_entries(fsdp):
-        entry = by_unit.setdefault(
-            id(unit),
-            {"fsdp_path": paths[id(unit)], "params": {}, "no_broadcast_optim_state": unit.no_broadcast_optim_state},
-        )
-        meta = h.meta
-        entry["params"][key] = {
-            "names": [name_of[(id(h), i)] for i in range(len(meta.params))],
-            "shapes": [list(info.shape) for info in meta.params],
-            "numels": [info.numel for info in meta.params],
-            "numel": meta.numel,
-            "padding": meta.padded_numel - meta.numel,
-            "world_size": meta.world_size,
-            "rank": meta.rank,
-            "shared": aliases.get(id(h), []),
-        }
-    # state_dict() order: module by module, each module's parameters before its buffers.
-    by_module: dict[str, list[str]] = {}
-    for key in [e.key for e in params] + [b.key for b in buffers]:
-        by_module.setdefault(key.rpartition(".")[0], []).append(key)
+            aliases.setdefault(id(e.flat.shard), []).append([e.key, name_of[(id(e.flat.shard), e.index)]])
+    units = []
+    for unit in view.units:
+        flats = {}
+        for flat in unit.flats:
+            meta = flat.meta
+            flats[flat.key] = {
+                "names": [name_of[(id(flat.shard), i)] for i in range(len(meta.params))],
+                "shapes": [list(info.shape) for info in meta.params],
+                "numels": [info.numel for info in meta.params],
+                "numel": meta.numel,
+                "padding": flat.padding,
+                "world_size": meta.world_size,
+                "rank": meta.rank,
+                "shared": aliases.get(id(flat.shard), []),
+            }
+        if flats:
+            no_broadcast = unit.no_broadcast_optim_state
+            units.append({"fsdp_path": unit.path, "params": flats, "no_broadcast_optim_state": no_broadcast})
     return {
         "format": FORMAT,
-        "param_metadata": list(by_unit.values()),
-        "buffer_names": [b.key for b in buffers],
-        "state_dict_keys": [key for path in versions for key in by_module.get(path, [])],
+        "param_metadata": units,
+        "buffer_names": [b.key for b in view.buffers],
+        "state_dict_keys": view.state_dict_keys(),
     }
 
 

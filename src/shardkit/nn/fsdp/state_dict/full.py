@@ -12,18 +12,11 @@ from torch import nn
 
 from shardkit.distributed.groups import is_dummy
 from shardkit.nn._torch_private import IncompatibleKeys, attach_state_dict_metadata, state_dict_metadata
-from shardkit.nn.fsdp.state_dict._layout import (
+from shardkit.nn.fsdp.shard_layout import FlatLayout, join_name, layout, reshard
+from shardkit.nn.fsdp.state_dict._io import (
     agree,
-    buffer_dtypes,
-    buffer_value,
-    check_idle,
-    expected_shapes,
-    flat_entries,
-    gather_flat,
-    join,
-    layout,
-    reshard_all,
-    units,
+    gathered_params,
+    load_buffers,
     validation_error,
     write_shards,
 )
@@ -49,19 +42,14 @@ def state_dict(
     """
     if args:
         raise TypeError("state_dict() takes keyword arguments only (destination=, prefix=, keep_vars=)")
-    check_idle(fsdp, "state_dict()")
-    params, buffers, versions = layout(fsdp)
+    view = layout(fsdp).require_idle("state_dict()")
     device = fsdp.state_dict_device
     keep = not fsdp.state_dict_on_rank_0_only or _global_rank(fsdp) == 0
     full_values: dict[tuple[int, int], torch.Tensor] = {}
-    for unit in units(fsdp):
-        for h in unit.fsdp_unit.group.handles:
-            full = gather_flat(h, unit.process_group, h.shard, "state_dict")
-            if not keep:
-                continue
-            for i, info in enumerate(h.meta.params):
-                piece = full[info.offset : info.offset + info.numel].view(info.shape)
-                full_values[(id(h), i)] = piece.to(device or h.shard.device, copy=True)
+    for _, flat, pieces in gathered_params(view, "state_dict"):
+        if keep:
+            for i, piece in enumerate(pieces):
+                full_values[(id(flat.shard), i)] = piece.to(device or flat.shard.device, copy=True)
     out: dict[str, Any] = OrderedDict() if destination is None else destination
     if not keep:
         return out
@@ -69,18 +57,12 @@ def state_dict(
     if metadata is None and destination is None:
         metadata = attach_state_dict_metadata(out, OrderedDict())
     if metadata is not None:
-        for path, version in versions.items():
-            metadata[join(prefix.rstrip("."), path) if prefix else path] = version
-    dtypes = buffer_dtypes(fsdp)
-    by_module: dict[str, list[tuple[str, Any]]] = {}
-    for e in params:
-        by_module.setdefault(e.key.rpartition(".")[0], []).append((e.key, full_values[(id(e.handle), e.index)]))
-    for b in buffers:
-        value = buffer_value(b, dtypes, device)
-        by_module.setdefault(b.key.rpartition(".")[0], []).append((b.key, value))
-    for path in versions:  # module order; each module's parameters before its buffers, as torch orders them
-        for key, value in by_module.pop(path, []):
-            out[prefix + key] = value
+        for path, version in view.module_versions:
+            metadata[join_name(prefix.rstrip("."), path) if prefix else path] = {"version": version}
+    values = {p.key: full_values[(id(p.flat.shard), p.index)] for p in view.params}
+    values.update((b.key, b.value(device)) for b in view.buffers)
+    for key in view.state_dict_keys():  # module order; each module's parameters before its buffers, as torch's
+        out[prefix + key] = values[key]
     return out
 
 
@@ -106,17 +88,12 @@ def load_state_dict(
             "load_state_dict(assign=True) is not supported by FullyShardedDataParallel: shards are "
             "copied into, never replaced"
         )
-    check_idle(fsdp, "load_state_dict()")
-    params, buffers, _ = layout(fsdp)
-    expected = expected_shapes(params, buffers)
-    error, missing, unexpected = validation_error("load_state_dict", expected, full_state_dict, strict)
-    agree(fsdp, error)
-    reshard_all(fsdp)
-    write_shards(params, full_state_dict)
-    with torch.no_grad():
-        for b in buffers:
-            if b.key in full_state_dict:
-                b.module._buffers[b.attr].copy_(full_state_dict[b.key])  # type: ignore[union-attr]
+    view = layout(fsdp).require_idle("load_state_dict()")
+    error, missing, unexpected = validation_error("load_state_dict", view.expected_shapes(), full_state_dict, strict)
+    agree(fsdp, view, error)
+    reshard(fsdp)
+    write_shards(list(view.params), full_state_dict)
+    load_buffers(view, full_state_dict)
     return IncompatibleKeys(missing, unexpected)
 
 
@@ -139,26 +116,26 @@ def load_from_state_dict_hook(
     :func:`load_state_dict` other modules may already be loaded when a bad key is reported, and a unit nested in
     another unit names its keys by the path torch visits (``body.module.0.weight`` for ``body.0.weight``).
     """
-    check_idle(fsdp, "load_state_dict()")
-    own = {id(h) for h in fsdp.fsdp_unit.group.handles}
-    params = [e for e in layout(fsdp)[0] if id(e.handle) in own]
+    view = layout(fsdp).require_idle("load_state_dict()")
+    own = {id(flat.shard) for flat in view.units[0].flats}
+    params = [e for e in view.params if id(e.flat.shard) in own]
     refile: dict[str, str] = {}  # clean key -> the key torch's recursion will look up, both relative to prefix
     for real, clean, module in _walk_real(fsdp):
         if isinstance(module, UnitModule):
-            nested_params, nested_buffers, _ = layout(module)
-            for key in [e.key for e in nested_params] + [b.key for b in nested_buffers]:
-                refile[join(clean, key)] = join(real, key)
+            nested = layout(module)
+            for key in [e.key for e in nested.params] + [b.key for b in nested.buffers]:
+                refile[join_name(clean, key)] = join_name(real, key)
         else:
             for attr, buf in module._buffers.items():
                 if buf is not None and attr not in module._non_persistent_buffers_set:
-                    refile[join(clean, attr)] = join(real, attr)
+                    refile[join_name(clean, attr)] = join_name(real, attr)
     known = {e.key for e in params} | set(refile) | set(refile.values())
     for key in [k for k in state_dict if k.startswith(prefix)]:
         if key[len(prefix) :] not in known:
             unexpected_keys.append(key)
     values = {}
     for e in params:
-        value, shape = state_dict.get(prefix + e.key), e.handle.meta.params[e.index].shape
+        value, shape = state_dict.get(prefix + e.key), e.shape
         if value is None:
             missing_keys.append(prefix + e.key)
         elif not isinstance(value, torch.Tensor) or value.shape != shape:
@@ -166,7 +143,7 @@ def load_from_state_dict_hook(
             error_msgs.append(f"'{prefix + e.key}' has shape {got}, the model needs {tuple(shape)}")
         else:
             values[e.key] = value
-    fsdp.fsdp_unit.group.reshard()
+    reshard(fsdp, recurse=False)
     write_shards(params, values)
     for clean, real in refile.items():
         if prefix + clean in state_dict:
@@ -191,18 +168,16 @@ def local_state_dict(
     parameters themselves with ``keep_vars``. ``destination`` and ``prefix`` work as in ``nn.Module.state_dict``
     (the layout is recorded under the prefixed keys, so strip the prefix before loading back).
     """
-    check_idle(fsdp, "local_state_dict()")
+    view = layout(fsdp).require_idle("local_state_dict()")
     if not isinstance(prefix, str):
         raise TypeError(f"local_state_dict(prefix=...) takes a string such as 'model.', got {type(prefix).__name__}")
-    _, buffers, _ = layout(fsdp)
     out: dict[str, Any] = OrderedDict() if destination is None else destination
     saved_layout = {}
-    for key, h, _unit in flat_entries(fsdp):
-        out[prefix + key] = h.shard if keep_vars else h.shard.detach()
-        saved_layout[prefix + key] = {"rank": h.meta.rank, "world_size": h.meta.world_size, "numel": h.meta.numel}
-    dtypes = buffer_dtypes(fsdp)
-    for b in buffers:
-        out[prefix + b.key] = buffer_value(b, dtypes, None)
+    for flat in view.flats:
+        out[prefix + flat.key] = flat.shard if keep_vars else flat.shard.detach()
+        saved_layout[prefix + flat.key] = _saved_as(flat)
+    for b in view.buffers:
+        out[prefix + b.key] = b.value()
     metadata = state_dict_metadata(out)
     if metadata is not None:
         metadata.setdefault(_LOCAL_META_KEY, {}).update(saved_layout)
@@ -213,18 +188,15 @@ def local_state_dict(
 
 def load_local_state_dict(fsdp: UnitModule, local_state: Mapping[str, Any], strict: bool = True) -> IncompatibleKeys:
     """Load what :func:`local_state_dict` returned on this rank, at the same world size and wrapping."""
-    check_idle(fsdp, "load_local_state_dict()")
-    _, buffers, _ = layout(fsdp)
-    flats = flat_entries(fsdp)
-    expected = {key: h.shard.shape for key, h, _ in flats}
-    expected.update(expected_shapes([], buffers))
+    view = layout(fsdp).require_idle("load_local_state_dict()")
+    expected = {flat.key: flat.shard.shape for flat in view.flats}
+    expected.update((b.key, b.tensor.shape) for b in view.buffers)
     saved = (state_dict_metadata(local_state) or {}).get(_LOCAL_META_KEY, {})
     layout_errors = []
-    for key, h, _ in flats:
-        was = saved.get(key)
-        now = {"rank": h.meta.rank, "world_size": h.meta.world_size, "numel": h.meta.numel}
+    for flat in view.flats:
+        was, now = saved.get(flat.key), _saved_as(flat)
         if was is not None and was != now:
-            layout_errors.append(f"'{key}' was saved as {was}, this model has {now}")
+            layout_errors.append(f"'{flat.key}' was saved as {was}, this model has {now}")
     error, missing, unexpected = validation_error("load_local_state_dict", expected, local_state, strict)
     if layout_errors:
         error = (
@@ -232,13 +204,16 @@ def load_local_state_dict(fsdp: UnitModule, local_state: Mapping[str, Any], stri
             "the same world size and wrapping; use state_dict() or sharded_state_dict() to change world size. "
             "Nothing was loaded."
         )
-    agree(fsdp, error)
-    reshard_all(fsdp)
+    agree(fsdp, view, error)
+    reshard(fsdp)
     with torch.no_grad():
-        for key, h, _ in flats:
-            if key in local_state:
-                h.shard.copy_(local_state[key])
-        for b in buffers:
-            if b.key in local_state:
-                b.module._buffers[b.attr].copy_(local_state[b.key])  # type: ignore[union-attr]
+        for flat in view.flats:
+            if flat.key in local_state:
+                flat.shard.copy_(local_state[flat.key])
+    load_buffers(view, local_state)
     return IncompatibleKeys(missing, unexpected)
+
+
+def _saved_as(flat: FlatLayout) -> dict[str, int]:
+    """What a local state dict records of a shard, and what a load checks against."""
+    return {"rank": flat.meta.rank, "world_size": flat.meta.world_size, "numel": flat.meta.numel}

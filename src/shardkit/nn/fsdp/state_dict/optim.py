@@ -7,8 +7,8 @@ from typing import Any, Optional
 
 import torch
 
-from shardkit.nn.fsdp.handle import FlatParamHandle
-from shardkit.nn.fsdp.state_dict._layout import ParamEntry, check_idle, flat_entries, gather_flat, layout
+from shardkit.nn.fsdp.shard_layout import FlatLayout, ParamName, ShardLayout, layout
+from shardkit.nn.fsdp.state_dict._io import gather_flat
 from shardkit.nn.fsdp.unit_module import UnitModule
 
 
@@ -16,9 +16,9 @@ def _is_sharded_state(value: Any, shard: torch.Tensor) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == shard.shape
 
 
-def _optim_handles(fsdp: UnitModule, optim: Any) -> dict[int, int]:
+def _optim_groups(view: ShardLayout, optim: Any) -> dict[int, int]:
     """id(shard) -> index of the optimizer's param group holding it; raises on foreign parameters."""
-    shards = {id(h.shard) for _, h, _ in flat_entries(fsdp)}
+    shards = {id(flat.shard) for flat in view.flats}
     where = {}
     for gi, group in enumerate(optim.param_groups):
         for p in group["params"]:
@@ -78,40 +78,40 @@ def gather_full_optim_state_dict(fsdp: UnitModule, optim: Any, recipient_rank: i
     ``no_broadcast_optim_state=True`` and sharded over several ranks are not gathered: their parameters get no
     state, and their ids are listed under ``uncollected_local_ids`` (fairscale's key) for the caller to fill in.
     """
-    check_idle(fsdp, "gather_full_optim_state_dict()")
+    view = layout(fsdp).require_idle("gather_full_optim_state_dict()")
     state_of = _state_by_param(optim)
-    group_of = _optim_handles(fsdp, optim)
-    params, _, _ = layout(fsdp)
+    group_of = _optim_groups(view, optim)
     keep = fsdp.rank == recipient_rank
     pieces: dict[tuple[int, int], dict[str, Any]] = {}
     uncollected: set[int] = set()
-    for _, h, unit in flat_entries(fsdp):
-        if unit.no_broadcast_optim_state and unit.world_size > 1:
-            uncollected.add(id(h))
-            continue
-        state = state_of.get(id(h.shard), {})
-        for key in sorted(state):
-            value = state[key]
-            if _is_sharded_state(value, h.shard):
-                full = gather_flat(h, unit.process_group, value, "optim_state")
-            for i, info in enumerate(h.meta.params):
-                if not keep:
-                    continue
-                if _is_sharded_state(value, h.shard):
-                    piece: Any = full[info.offset : info.offset + info.numel].view(info.shape).to("cpu", copy=True)
-                else:
-                    piece = value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else value
-                pieces.setdefault((id(h), i), {})[key] = piece
+    for unit in view.units:
+        for flat in unit.flats:
+            if unit.no_broadcast_optim_state and unit.world_size > 1:
+                uncollected.add(id(flat.shard))
+                continue
+            state = state_of.get(id(flat.shard), {})
+            for key in sorted(state):
+                value = state[key]
+                if _is_sharded_state(value, flat.shard):
+                    full = gather_flat(flat, value, "optim_state")
+                for i, info in enumerate(flat.meta.params):
+                    if not keep:
+                        continue
+                    if _is_sharded_state(value, flat.shard):
+                        piece: Any = full[info.offset : info.offset + info.numel].view(info.shape).to("cpu", copy=True)
+                    else:
+                        piece = value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else value
+                    pieces.setdefault((id(flat.shard), i), {})[key] = piece
     if not keep:
         return None
     groups: list[dict[str, Any]] = [
         {**{k: v for k, v in g.items() if k not in ("params", "param_names")}, "params": [], "param_names": []}
         for g in optim.param_groups
     ]
-    members: list[list[ParamEntry]] = [[] for _ in groups]
-    for e in params:
-        if not e.alias and id(e.handle.shard) in group_of:
-            members[group_of[id(e.handle.shard)]].append(e)
+    members: list[list[ParamName]] = [[] for _ in groups]
+    for e in view.params:
+        if not e.alias and id(e.flat.shard) in group_of:
+            members[group_of[id(e.flat.shard)]].append(e)
     state_out: dict[int, dict[str, Any]] = {}
     uncollected_ids = []
     next_id = 0
@@ -119,17 +119,17 @@ def gather_full_optim_state_dict(fsdp: UnitModule, optim: Any, recipient_rank: i
         for e in entries:
             group["params"].append(next_id)
             group["param_names"].append(e.key)
-            if (id(e.handle), e.index) in pieces:
-                state_out[next_id] = pieces[(id(e.handle), e.index)]
-            if id(e.handle) in uncollected:
+            if (id(e.flat.shard), e.index) in pieces:
+                state_out[next_id] = pieces[(id(e.flat.shard), e.index)]
+            if id(e.flat.shard) in uncollected:
                 uncollected_ids.append(next_id)
             next_id += 1
     return {"state": state_out, "param_groups": groups, "uncollected_local_ids": uncollected_ids}
 
 
-def _full_osd_by_name(fsdp: UnitModule, full_osd: Mapping[str, Any]) -> dict[str, tuple[int, dict[str, Any]]]:
+def _full_osd_by_name(view: ShardLayout, full_osd: Mapping[str, Any]) -> dict[str, tuple[int, dict[str, Any]]]:
     """name -> (param group index, state) of a full optimizer state dict, using ``param_names`` when present."""
-    owners = [e.key for e in layout(fsdp)[0] if not e.alias]
+    owners = [e.key for e in view.params if not e.alias]
     groups = full_osd["param_groups"]
     if not all("param_names" in g for g in groups):
         n_ids = sum(len(g["params"]) for g in groups)
@@ -164,27 +164,31 @@ def get_shard_from_optim_state_dict(
     (or in ``optim``'s order when it is given), which is how ``torch.optim.SGD(model.parameters())`` lists them.
     Original parameters without state get zeros. No communication.
     """
-    by_name = _full_osd_by_name(fsdp, full_osd)
-    entries = [e for e in layout(fsdp)[0] if not e.alias]
-    flats = [h for _, h, _ in flat_entries(fsdp)]
+    view = layout(fsdp)
+    by_name = _full_osd_by_name(view, full_osd)
+    flats = list(view.flats)
     if optim is not None:
         order = {id(p): i for i, p in enumerate(p for g in optim.param_groups for p in g["params"])}
-        flats.sort(key=lambda h: order.get(id(h.shard), len(order)))
-    names: dict[tuple[int, int], str] = {(id(e.handle), e.index): e.key for e in entries}
+        flats.sort(key=lambda f: order.get(id(f.shard), len(order)))
+    names: dict[int, dict[int, str]] = {}  # id(shard) -> index in the flat parameter -> the stored name
+    for e in view.params:
+        if not e.alias:
+            names.setdefault(id(e.flat.shard), {})[e.index] = e.key
     n_groups = len(full_osd["param_groups"])
-    members: list[list[tuple[FlatParamHandle, dict[str, Any]]]] = [[] for _ in range(n_groups)]
-    for h in flats:
-        found = {i: by_name[names[(id(h), i)]] for i in range(len(h.meta.params)) if names.get((id(h), i)) in by_name}
+    members: list[list[tuple[FlatLayout, dict[str, Any]]]] = [[] for _ in range(n_groups)]
+    for flat in flats:
+        named = names.get(id(flat.shard), {})
+        found = {i: by_name[named[i]] for i in sorted(named) if named[i] in by_name}
         if not found:
             continue
         group_ids = {gi for gi, _ in found.values()}
         if len(group_ids) > 1:
             raise ValueError(
-                f"get_shard_from_optim_state_dict: {sorted(names[(id(h), i)] for i in found)} share one flat parameter "
+                f"get_shard_from_optim_state_dict: {sorted(named[i] for i in found)} share one flat parameter "
                 f"but sit in param groups {sorted(group_ids)}; wrap them in different units or use "
                 "flatten_parameters=False"
             )
-        members[group_ids.pop()].append((h, _shard_state(h, {i: s for i, (_, s) in found.items()}, names)))
+        members[group_ids.pop()].append((flat, _shard_state(flat, {i: s for i, (_, s) in found.items()}, named)))
     state_out: dict[int, dict[str, Any]] = {}
     groups = []
     next_id = 0
@@ -196,7 +200,7 @@ def get_shard_from_optim_state_dict(
     return {"state": state_out, "param_groups": groups}
 
 
-def _shard_state(h: FlatParamHandle, states: dict[int, dict[str, Any]], names: dict[tuple[int, int], str]) -> dict:
+def _shard_state(h: FlatLayout, states: dict[int, dict[str, Any]], names: dict[int, str]) -> dict:
     """Flatten the per-parameter states of one flat parameter and cut out this rank's shard."""
     out: dict[str, Any] = {}
     keys = sorted({k for s in states.values() for k in s})
@@ -208,7 +212,7 @@ def _shard_state(h: FlatParamHandle, states: dict[int, dict[str, Any]], names: d
         ]
         if any(tensor_like):
             if not all(tensor_like):
-                bad = [names[(id(h), i)] for (i, _), ok in zip(values.items(), tensor_like) if not ok]
+                bad = [names[i] for (i, _), ok in zip(values.items(), tensor_like) if not ok]
                 raise ValueError(f"optimizer state '{key}' of {bad} does not have the parameter's shape")
             dtype = next(iter(values.values())).dtype
             full = torch.zeros(h.meta.padded_numel, dtype=dtype, device=h.shard.device)

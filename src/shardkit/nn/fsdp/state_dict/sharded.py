@@ -10,18 +10,12 @@ import torch
 
 from shardkit.distributed.groups import GroupLike, is_dummy, torch_group
 from shardkit.nn._torch_private import IncompatibleKeys
-from shardkit.nn.fsdp.state_dict._layout import (
+from shardkit.nn.fsdp.shard_layout import ShardLayout, layout, reshard
+from shardkit.nn.fsdp.state_dict._io import (
     agree,
-    buffer_dtypes,
-    buffer_value,
-    check_idle,
-    expected_shapes,
-    gather_flat,
-    layout,
-    reshard_all,
-    units,
+    gathered_params,
+    load_buffers,
     validation_error,
-    walk,
     write_shards,
 )
 from shardkit.nn.fsdp.unit_module import UnitModule
@@ -43,9 +37,8 @@ def _mesh(group: GroupLike, device: torch.device, cache: dict[int, Any]) -> Any:
     return cache[id(group)]
 
 
-def _check_one_sharding_group(fsdp: UnitModule) -> None:
-    sizes = {path or "<root>": m.world_size for path, m in walk(fsdp) if isinstance(m, UnitModule)}
-    odd = sorted(path for path, size in sizes.items() if size != fsdp.world_size)
+def _check_one_sharding_group(fsdp: UnitModule, view: ShardLayout) -> None:
+    odd = sorted(unit.path or "<root>" for unit in view.units if unit.world_size != fsdp.world_size)
     if odd:
         raise NotImplementedError(
             f"sharded_state_dict: units {odd} are sharded over a group of another size than the root's "
@@ -65,34 +58,29 @@ def sharded_state_dict(fsdp: UnitModule) -> dict[str, Any]:
     """
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    check_idle(fsdp, "sharded_state_dict()")
-    _check_one_sharding_group(fsdp)
-    params, buffers, _ = layout(fsdp)
+    view = layout(fsdp).require_idle("sharded_state_dict()")
+    _check_one_sharding_group(fsdp, view)
     meshes: dict[int, Any] = {}
     values: dict[tuple[int, int], Any] = {}
-    for unit in units(fsdp):
+    for unit, flat, pieces in gathered_params(view, "sharded_state_dict"):
         group = unit.process_group
-        for h in unit.fsdp_unit.group.handles:
-            full = gather_flat(h, group, h.shard, "sharded_state_dict")
-            for i, info in enumerate(h.meta.params):
-                piece = full[info.offset : info.offset + info.numel].view(info.shape)
-                if is_dummy(group):
-                    values[(id(h), i)] = piece.clone()
-                    continue
-                placement = Shard(0) if piece.dim() > 0 else Replicate()
-                local = _row_chunk(piece, unit.rank, unit.world_size) if piece.dim() > 0 else piece
-                values[(id(h), i)] = DTensor.from_local(
-                    local.clone(),
-                    _mesh(group, full.device, meshes),
-                    [placement],
-                    run_check=False,
-                    shape=piece.shape,
-                    stride=piece.stride(),
-                )
-    out: dict[str, Any] = OrderedDict((e.key, values[(id(e.handle), e.index)]) for e in params)
-    dtypes = buffer_dtypes(fsdp)
-    for b in buffers:
-        out[b.key] = buffer_value(b, dtypes, None).clone()
+        for i, piece in enumerate(pieces):
+            if is_dummy(group):
+                values[(id(flat.shard), i)] = piece.clone()
+                continue
+            placement = Shard(0) if piece.dim() > 0 else Replicate()
+            local = _row_chunk(piece, unit.rank, unit.world_size) if piece.dim() > 0 else piece
+            values[(id(flat.shard), i)] = DTensor.from_local(
+                local.clone(),
+                _mesh(group, piece.device, meshes),
+                [placement],
+                run_check=False,
+                shape=piece.shape,
+                stride=piece.stride(),
+            )
+    out: dict[str, Any] = OrderedDict((e.key, values[(id(e.flat.shard), e.index)]) for e in view.params)
+    for b in view.buffers:
+        out[b.key] = b.value().clone()
     return out
 
 
@@ -102,20 +90,15 @@ def load_sharded_state_dict(fsdp: UnitModule, sharded: Mapping[str, Any], strict
     Plain full tensors are accepted in place of DTensors. Validation and the all-or-nothing guarantee are those of
     :func:`load_state_dict`. Cost: one all-gather per parameter (``DTensor.full_tensor``), peak one parameter.
     """
-    check_idle(fsdp, "load_sharded_state_dict()")
-    params, buffers, _ = layout(fsdp)
-    expected = expected_shapes(params, buffers)
-    error, missing, unexpected = validation_error("load_sharded_state_dict", expected, sharded, strict)
-    agree(fsdp, error)
-    reshard_all(fsdp)
-    for e in params:  # same order on every rank: full_tensor() is a collective
+    view = layout(fsdp).require_idle("load_sharded_state_dict()")
+    error, missing, unexpected = validation_error("load_sharded_state_dict", view.expected_shapes(), sharded, strict)
+    agree(fsdp, view, error)
+    reshard(fsdp)
+    for e in view.params:  # same order on every rank: full_tensor() is a collective
         if e.alias or e.key not in sharded:
             continue
         value = sharded[e.key]
         full = value.full_tensor() if hasattr(value, "full_tensor") else value
         write_shards([e], {e.key: full})
-    with torch.no_grad():
-        for b in buffers:
-            if b.key in sharded:
-                b.module._buffers[b.attr].copy_(sharded[b.key])  # type: ignore[union-attr]
+    load_buffers(view, sharded)
     return IncompatibleKeys(missing, unexpected)
