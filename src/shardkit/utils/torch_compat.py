@@ -8,7 +8,9 @@ imported (or reached) in one import point per package, ``_torch_private.py`` in 
 ``nn``, ``checkpoint``, ``modelparallel`` and ``plan``, and nowhere else: ``tests/compat/test_torch_private.py``
 scans ``src/`` for any other reach and checks every name an import point reaches is listed here.
 
-Checked on (``tools/torch_matrix.sh``, CPU): torch 2.14.1, 2.13.0, 2.11.0 and 2.8.0. The floor, 2.8, is set by
+Checked on (``tools/torch_matrix.sh``, CPU): torch 2.14.1, 2.13.0, 2.11.0 and 2.8.0. Behaviour that differs
+between releases is named here too (:func:`dcp_save_needs_full_cover_on_one_rank`,
+:func:`cpu_flash_attention_takes_gqa`, :func:`autocast_cache_off`). The floor, 2.8, is set by
 ``torch.compiler.disable(..., reason=)``; ``dist.all_gather_single`` / ``reduce_scatter_single`` (2.13) are
 optional, with the older ``*_into_tensor`` / ``*_tensor`` names as the fallback.
 """
@@ -162,7 +164,7 @@ def dcp_save_needs_full_cover_on_one_rank() -> bool:
 
     torch 2.8 checks the cover whatever the world size; from 2.9 (pytorch#147758) only a plan of several ranks is
     checked, since one rank may legitimately save its own part. Checked: 2.8.0 refuses; 2.11.0, 2.13.0 and 2.14.1
-    do not."""
+    do not (2.9 and 2.10 not run; the release follows the pull request's date)."""
     return release() < (2, 9)
 
 
@@ -170,7 +172,7 @@ def cpu_flash_attention_takes_gqa() -> bool:
     """Whether SDPA on CPU runs grouped-query attention (``enable_gqa=True`` with fewer key heads) with flash
     attention: from torch 2.9 (pytorch#157893); before, the CPU takes the math path for it, which the planner's
     :func:`shardkit.plan.attention.cpu_backend` learns from torch itself. Checked: 2.8.0 math; 2.11.0, 2.13.0 and
-    2.14.1 flash."""
+    2.14.1 flash (2.9 and 2.10 not run; the release follows the pull request's date)."""
     return release() >= (2, 9)
 
 
@@ -179,10 +181,11 @@ def autocast_cache_off() -> Iterator[None]:
     """Inside, autocast neither reads nor fills its cache of low-precision parameter casts.
 
     For forwards a library runs inside the user's autocast region besides the user's own (smp's trace, under
-    ``no_grad``). Before torch 2.10 (pytorch#165068, issue #158232) a cast made under ``no_grad`` was cached
-    without its autograd history, and the next forward of the same autocast region reused it: that forward gave its
-    parameters no gradient, silently. Later releases cache a cast with its history; turning the cache off costs
-    those forwards a cast per use. Checked: 2.8.0 loses the gradient without it; 2.11.0, 2.13.0, 2.14.1 do not."""
+    ``no_grad``). Until pytorch#165068 (issue #158232, merged December 2025) a cast made under ``no_grad`` was
+    cached without its autograd history, and the next forward of the same autocast region reused it: that forward
+    gave its parameters no gradient, silently. Later releases cache a cast with its history; turning the cache off
+    costs those forwards a cast per use, on every release. Checked: 2.8.0 loses the gradient without it; 2.11.0,
+    2.13.0 and 2.14.1 do not (2.9 and 2.10 not run)."""
     enabled = torch.is_autocast_cache_enabled()
     torch.set_autocast_cache_enabled(False)
     try:
