@@ -3,9 +3,15 @@ and bad settings are refused on every rank before the first step."""
 
 from __future__ import annotations
 
-import pytest
-from test_smp_pipeline_parity import _check, _parity
+from typing import Any, Optional
 
+import pytest
+import torch
+from smp_testlib import BUILDERS, batch, max_diff, train_step
+from test_smp_pipeline_parity import _check, _parity
+from torch import nn
+
+import shardkit.modelparallel as smp
 from shardkit.modelparallel.virtual_schedules import (
     ChunkAction,
     bubble_fraction,
@@ -13,8 +19,18 @@ from shardkit.modelparallel.virtual_schedules import (
     interleaved_schedule,
 )
 from shardkit.testing import run_distributed
+from shardkit.testing.models import LMConfig, TransformerLM
 
 V2 = {"pipeline": "interleaved", "virtual_stages": 2}
+
+
+def _deep_lm() -> nn.Module:
+    """Six blocks: enough places for the eight chunks of 4 ranks x 2 (the default LM has two)."""
+    torch.manual_seed(2)
+    return TransformerLM(LMConfig(n_layers=6))
+
+
+BUILDERS.setdefault("lm6", _deep_lm)  # workers import this module to unpickle the test's function
 
 
 def test_schedule_runs_every_action_once_in_dependency_order() -> None:
@@ -61,4 +77,126 @@ def test_two_ranks_two_chunks_match_single_process() -> None:
         ("residual", {"partitions": 2, "microbatches": 4, "auto_partition": False, **V2}, {"stages": 4}),
         ("lm", {"partitions": 2, "microbatches": 4, **V2}, {}),  # embedding tied to the head
     ]
-    _check(run_distributed(_parity, 2, cases))
+    _check(run_distributed(_parity_here, 2, cases))
+
+
+def test_four_ranks_two_chunks_match_single_process() -> None:
+    cases = [
+        ("lm6", {"partitions": 4, "microbatches": 4, **V2}, {}),
+        ("lm6", {"partitions": 4, "microbatches": 8, **V2}, {}),
+    ]
+    _check(run_distributed(_parity_here, 4, cases))
+
+
+def test_data_parallel_replicas_match_single_process() -> None:
+    """2 ranks x 2 chunks x 2 replicas; overlapped all-reduce in small buckets, and gradients as bucket views."""
+    cases = [
+        ("lm", {"partitions": 2, "microbatches": 4, "ddp": True, **V2}, {}),
+        ("residual", {"partitions": 2, "microbatches": 2, "ddp": True, "auto_partition": False, **V2}, {"stages": 4}),
+    ]
+    _check(run_distributed(_parity_here, 4, cases, {"bucket_cap_mb": 0.001}))
+    _check(run_distributed(_parity_here, 4, cases[:1], {"gradient_as_bucket_view": True}))
+
+
+def _parity_here(rank: int, world_size: int, cases: list[Any], options: Optional[dict[str, Any]] = None) -> Any:
+    """The pipeline tests' parity run, started from this module so that the workers register ``lm6``."""
+    return _parity(rank, world_size, cases, options)
+
+
+def _eval_and_placement(rank: int, world_size: int) -> dict[str, Any]:
+    smp.init({"partitions": 2, "microbatches": 2, **V2})
+    model = smp.DistributedModel(BUILDERS["mlp"]())
+    opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05))
+    x, y = batch("mlp", 8, 0)
+    opt.zero_grad()
+    losses = [train_step(model, "mlp", x, y).reduce_mean().item()]
+    opt.step()
+
+    @smp.step
+    def predict(model: Any, x: torch.Tensor) -> torch.Tensor:
+        return model(x)
+
+    small = batch("mlp", 4, 1)[0]  # shapes the first step never saw: discovered under no_grad
+    with torch.no_grad():
+        predicted = predict(model, small).concat()
+    losses.append(train_step(model, "mlp", x, y).reduce_mean().item())  # training goes on after it
+    state = model.state_dict()
+    execution = model.stage_execution
+    assert model.placement is not None and execution is not None
+    out = {
+        "chunks": model.placement.partitions,
+        "virtual": type(execution).__name__,
+        "my_chunks": sorted({s for _, s in model.placement.modules if s % 2 == rank}),
+        "local_modules": sorted(n for n, _ in model.local_named_modules() if n),
+        "placed": dict(model.placement.modules),
+        "predicted": predicted,
+        "losses": losses,
+        "state": state,
+    }
+    smp.reset()
+    return out
+
+
+def test_placement_eval_with_new_shapes_and_training_after_it() -> None:
+    ref = BUILDERS["mlp"]()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    x, y = batch("mlp", 8, 0)
+    losses = []
+    for _ in range(2):
+        opt.zero_grad()
+        loss = sum(torch.nn.functional.mse_loss(ref(xs), ys) for xs, ys in zip(x.chunk(2), y.chunk(2))) / 2
+        loss.backward()
+        losses.append(loss.item())
+        if len(losses) == 1:  # the smp run steps once, predicts, and computes one more loss
+            opt.step()
+            with torch.no_grad():
+                expected = ref(batch("mlp", 4, 1)[0])
+    for rank, r in enumerate(run_distributed(_eval_and_placement, 2)):
+        assert r["chunks"] == 4 and r["virtual"] == "VirtualStageExecution", r
+        assert r["my_chunks"] == [rank, rank + 2], r  # loop placement
+        assert r["local_modules"] == sorted(n for n, s in r["placed"].items() if s % 2 == rank), r
+        assert (r["predicted"] - expected).abs().max().item() <= 1e-6
+        assert max(abs(a - b) for a, b in zip(r["losses"], losses)) <= 1e-5, (r["losses"], losses)
+        assert max_diff(r["state"], ref.state_dict()) <= 1e-5
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"pipeline": "simple"}, r"runs the interleaved 1F1B schedule over the chunks, but pipeline='simple'"),
+        ({"pipeline": "zero_bubble"}, r"set pipeline to 'interleaved' or virtual_stages to 1"),
+        ({"microbatches": 3}, r"microbatches \(3\) must be a multiple of 2"),
+        ({"partitions": 1}, r"needs partitions >= 2"),
+        ({"virtual_stages": 0}, r"'virtual_stages' must be >= 1"),
+        ({"default_partition": 4}, r"default_partition=4 must be smaller than partitions=2 x virtual_stages"),
+    ],
+)
+def test_bad_config_is_refused(extra: dict[str, Any], message: str) -> None:
+    config = {"partitions": 2, "microbatches": 4, **V2, **extra}
+    with pytest.raises(ValueError, match=message):
+        smp.ModelParallelConfig.from_dict(config)
+
+
+def test_config_key_as_a_string_and_the_default_micro_batches() -> None:
+    cfg = smp.ModelParallelConfig.from_dict({"partitions": "2", "microbatches": "4", "virtual_stages": "3"})
+    assert (cfg.virtual_stages, cfg.chunks) == (3, 6)
+    with pytest.raises(ValueError, match=r"microbatches \(1\) must be a multiple of 2; use e.g. microbatches=2"):
+        smp.ModelParallelConfig.from_dict({"partitions": 2, "virtual_stages": 2})
+
+
+def _too_many_chunks(rank: int, world_size: int) -> str:
+    smp.init({"partitions": 2, "microbatches": 2, "pipeline": "interleaved", "virtual_stages": 4})
+    model = smp.DistributedModel(BUILDERS["mlp"]())  # seven modules for eight chunks
+    x, y = batch("mlp", 8, 0)
+    try:
+        train_step(model, "mlp", x, y)
+    except (RuntimeError, ValueError) as exc:  # rank 0 raises the partitioner's error, the others its report
+        return str(exc)
+    finally:
+        smp.reset()
+    return "no error"
+
+
+def test_more_chunks_than_modules_is_refused_on_every_rank() -> None:
+    for message in run_distributed(_too_many_chunks, 2):
+        assert "needs 8 chunks, but the model has only" in message and "lower virtual_stages" in message, message
