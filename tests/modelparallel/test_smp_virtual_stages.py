@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 import pytest
 import torch
-from smp_testlib import BUILDERS, batch, max_diff, train_step
+from smp_testlib import BUILDERS, batch, max_diff, reference_run, smp_run, train_step
 from test_smp_pipeline_parity import _check, _parity
 from torch import nn
 
@@ -17,6 +17,8 @@ from shardkit.modelparallel.virtual_schedules import (
     bubble_fraction,
     interleaved_grid,
     interleaved_schedule,
+    placement,
+    schedule_grid,
 )
 from shardkit.testing import run_distributed
 from shardkit.testing.models import LMConfig, TransformerLM
@@ -169,6 +171,8 @@ def test_placement_eval_with_new_shapes_and_training_after_it() -> None:
         ({"partitions": 1}, r"needs partitions >= 2"),
         ({"virtual_stages": 0}, r"'virtual_stages' must be >= 1"),
         ({"default_partition": 4}, r"default_partition=4 must be smaller than partitions=2 x virtual_stages"),
+        ({"pipeline": "zbv", "microbatches": 3}, r"'zbv' needs at least 2 x partitions = 4 micro-batches"),
+        ({"pipeline": "zbv", "virtual_stages": 3}, r"'zbv' places exactly two chunks per rank"),
     ],
 )
 def test_bad_config_is_refused(extra: dict[str, Any], message: str) -> None:
@@ -200,3 +204,57 @@ def _too_many_chunks(rank: int, world_size: int) -> str:
 def test_more_chunks_than_modules_is_refused_on_every_rank() -> None:
     for message in run_distributed(_too_many_chunks, 2):
         assert "needs 8 chunks, but the model has only" in message and "lower virtual_stages" in message, message
+
+
+ZBV = {"pipeline": "zbv"}
+
+
+def test_zbv_schedule_places_chunks_in_a_v_and_splits_every_backward() -> None:
+    assert placement("zbv", 4, 2) == (0, 1, 2, 3, 3, 2, 1, 0)
+    for p, m in [(2, 4), (2, 8), (4, 8)]:
+        grid = schedule_grid("zbv", p, 2, m)
+        ran = [a for row in grid for a in row if a is not None]
+        assert sorted(ran) == sorted(ChunkAction(k, c, mb) for k in "FBW" for c in range(2 * p) for mb in range(m))
+        for rank in range(p):
+            mine = [row[rank] for row in grid if row[rank] is not None]
+            held = peak = 0
+            for a in mine:
+                assert a is not None and placement("zbv", p, 2)[a.chunk] == rank
+                held += {"F": 1, "B": 0, "W": -1}[a.kind]
+                peak = max(peak, held)
+            assert peak <= 2 * p  # 1F1B's activation memory: p micro-batches of two chunks
+    # Smaller than interleaved 1F1B's bubble over the same chunks (ticks: F, B and W one each).
+    assert bubble_fraction(schedule_grid("zbv", 2, 2, 8)) < 0.5 * bubble_fraction(interleaved_grid(2, 2, 8))
+
+
+def test_zbv_two_ranks_match_single_process() -> None:
+    cases = [
+        ("mlp", {"partitions": 2, "microbatches": 4, **ZBV}, {}),
+        ("residual", {"partitions": 2, "microbatches": 4, "auto_partition": False, **ZBV}, {"stages": 4}),
+        ("lm", {"partitions": 2, "microbatches": 8, **ZBV}, {}),  # loss and embedding both on rank 0
+    ]
+    _check(run_distributed(_parity_here, 2, cases))
+
+
+def _zbv_replicas(rank: int, world_size: int) -> dict[str, Any]:
+    """2 ranks x 2 replicas; the overlapped all-reduce in small buckets has to see every W."""
+    config = {"partitions": 2, "microbatches": 4, "ddp": True, **ZBV}
+    ref_losses, ref_state = reference_run("lm", 3, 8, replicas=2)
+    losses, state, model = smp_run("lm", config, 3, 8, bucket_cap_mb=0.001)
+    execution = model.stage_execution
+    assert execution is not None
+    out = {
+        "loss_diff": max(abs(a - b[smp.dp_rank()]) for a, b in zip(losses, ref_losses)),
+        "param_diff": max_diff(state, ref_state),
+        "unsplit": execution.unsplit_reason,
+        "output_rank": execution.output_stage,
+    }
+    smp.reset()
+    return out
+
+
+def test_zbv_data_parallel_replicas_match_single_process() -> None:
+    for r in run_distributed(_zbv_replicas, 4):
+        assert r["loss_diff"] <= 1e-5 and r["param_diff"] <= 1e-5, r
+        assert r["unsplit"] is None, r  # every backward really was split into B and W
+        assert r["output_rank"] == 0, r  # the V's last chunk is on the first rank

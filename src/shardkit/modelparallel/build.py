@@ -32,7 +32,7 @@ from shardkit.modelparallel.runtime import StageRuntime
 from shardkit.modelparallel.stage_groups import copy_groups
 from shardkit.modelparallel.startup import broadcast_initial_state, check_same_inputs
 from shardkit.modelparallel.state import SMPState
-from shardkit.modelparallel.virtual_stages import VirtualStageExecution, check_chunks, chunked_runtime, fold_plan
+from shardkit.modelparallel.virtual_stages import VirtualStageExecution, check_chunks, chunked_runtime
 
 
 def execution_device(state: SMPState, module: nn.Module) -> torch.device:
@@ -81,8 +81,8 @@ def decide_plan(
                 trace_device=torch.device("cpu") if options.trace_device == "cpu" and not delayed else device,
             )
             check_plan(plan)
-            if cfg.virtual_stages > 1:
-                check_chunks(plan, cfg.partitions, cfg.virtual_stages, cfg.auto_partition)
+            if cfg.chunks > cfg.partitions:
+                check_chunks(plan, cfg.partitions, cfg.chunks // cfg.partitions, cfg.auto_partition)
             payload = (plan, placement, None)
         except Exception as exc:
             if not (state.distributed and topo.world_size > 1):
@@ -131,9 +131,9 @@ def build_stage(
     stage = topo.mp_rank
     device = execution_device(state, holding.module)
     runtime: StageRuntime
-    if state.config.virtual_stages > 1:  # the runtime runs chunks; everything below sees this rank's share
-        runtime = chunked_runtime(plan, topo, state.p2p_group, state.mp_group, device)
-        plan = fold_plan(plan, topo.mp_size)
+    if state.config.chunks > topo.mp_size:  # the runtime runs chunks; everything below sees this rank's share
+        runtime = chunked_runtime(plan, topo, state.config.pipeline, state.p2p_group, state.mp_group, device)
+        plan = runtime.rank_runtime.plan
     else:
         runtime = StageRuntime(plan, stage, StageLink(state.p2p_group, topo, state.mp_group), device)
     checkpointing = plan_checkpointing(holding.module, list(plan.units), manual=not state.config.auto_partition)
@@ -157,7 +157,7 @@ def build_stage(
         device,
         options.gradient_as_bucket_view,
     )
-    make = VirtualStageExecution if state.config.virtual_stages > 1 else StageExecution
+    make = VirtualStageExecution if state.config.chunks > topo.mp_size else StageExecution
     return make(
         runtime,
         sync,

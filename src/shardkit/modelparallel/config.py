@@ -11,7 +11,7 @@ from shardkit.modelparallel.virtual_schedules import check_virtual_config
 
 __all__ = ["CONFIG_ENV_VAR", "SAGEMAKER_ENV_VAR", "ModelOptions", "ModelParallelConfig", "resolve_config"]
 
-PIPELINES = ("interleaved", "simple", "zero_bubble")
+PIPELINES = ("interleaved", "simple", "zero_bubble", "zbv")
 OPTIMIZE = ("speed", "memory")
 PLACEMENTS = ("cluster", "spread")
 
@@ -31,7 +31,9 @@ class ModelParallelConfig:
     microbatches: int = 1
     #: ``"interleaved"``: 1F1B, each backward as early as possible; ``"simple"``: all forwards, then all backwards;
     #: ``"zero_bubble"`` (a shardkit addition): ZB-H1, 1F1B with each backward split into its input and weight
-    #: gradients, the latter filling the bubble (see ``pipeline_parallel``).
+    #: gradients, the latter filling the bubble (see ``pipeline_parallel``); ``"zbv"`` (also an addition): two chunks
+    #: per rank in a V, each backward split the same way (see ``virtual_schedules``); needs ``microbatches >= 2 *
+    #: partitions``.
     pipeline: str = "interleaved"
     #: Trace the model on the first step and balance stages automatically; ``smp.partition`` contexts are ignored.
     auto_partition: bool = True
@@ -89,7 +91,7 @@ class ModelParallelConfig:
     @property
     def chunks(self) -> int:
         """The number of pieces the model is cut into: ``partitions * virtual_stages``."""
-        return self.partitions * self.virtual_stages
+        return self.partitions * (2 if self.pipeline == "zbv" else self.virtual_stages)
 
     @property
     def effective_memory_weight(self) -> float:

@@ -1,7 +1,7 @@
 """Virtual stages at run time: ``v`` chunks per rank, each run as its own pipeline stage, on a common tick clock.
 
 The plan is made for ``p * v`` chunks (:mod:`~shardkit.modelparallel.virtual_schedules` places chunk ``c`` on
-rank ``c % p``). Two views of it are used:
+rank ``c % p``; ``"zbv"`` places them in a V instead, see ``placement``). Two views of it are used:
 
 - the *chunk plan* drives the forward dispatch. A chunk's forward of micro-batch ``k`` is one call of the
   step function in which only that chunk's units compute (:class:`ChunkedRuntime` sets the active chunk): the
@@ -13,9 +13,12 @@ rank ``c % p``). Two views of it are used:
 - the *rank plan* (:func:`fold_plan`) is what everything else sees: which parameters this rank holds, which
   ranks share a tied parameter, where the outputs are real.
 
+Under ``"zbv"`` each backward is split (:mod:`~shardkit.modelparallel.split_backward`): B sends the input
+gradients, W computes the parameters' gradients later and sends nothing.
+
 Messages. A message between chunks is named by (F or B, source chunk, destination chunk, micro-batch,
 sequence number); messages between two chunks on one rank never leave it. Each step runs on the tick grid of
-:func:`~shardkit.modelparallel.virtual_schedules.interleaved_grid`: at tick ``t`` a rank runs its action,
+:func:`~shardkit.modelparallel.virtual_schedules.schedule_grid`: at tick ``t`` a rank runs its action,
 then posts in one group (:meth:`ChunkLink.exchange`) the sends that action produced and the receives for
 every message its neighbours' tick-``t`` actions produce, both sorted by name. Deadlock-free on a transport
 whose sends block until received (NCCL) by construction: every rank posts exactly one group per tick, in tick
@@ -46,7 +49,7 @@ from shardkit.modelparallel.plan import PipelinePlan, signature_of
 from shardkit.modelparallel.pp_communications import Message, P2PTransport, StageLink
 from shardkit.modelparallel.runtime import MicrobatchRecord, Shapes, StageRuntime, autocast_state
 from shardkit.modelparallel.topology import Topology
-from shardkit.modelparallel.virtual_schedules import ChunkAction, interleaved_grid
+from shardkit.modelparallel.virtual_schedules import ChunkAction, placement, schedule_grid
 
 if TYPE_CHECKING:
     from shardkit.modelparallel.pipeline_parallel import StepRun
@@ -83,11 +86,12 @@ class _Batch:
             self.handles = None
 
 
-def fold_plan(plan: PipelinePlan, num_ranks: int) -> PipelinePlan:
-    """The chunk plan seen per rank: every chunk index replaced by its rank's (``chunk % num_ranks``)."""
+def fold_plan(plan: PipelinePlan, chunk_ranks: tuple[int, ...]) -> PipelinePlan:
+    """The chunk plan seen per rank: every chunk index replaced by its rank's (``chunk_ranks[chunk]``)."""
+    num_ranks = max(chunk_ranks) + 1
 
     def rank(chunk: int) -> int:
-        return chunk % num_ranks
+        return chunk_ranks[chunk]
 
     calls = tuple(
         dataclasses.replace(
@@ -119,8 +123,8 @@ def check_chunks(plan: PipelinePlan, partitions: int, virtual_stages: int, autom
             "empty): lower virtual_stages, or use a model with at least as many blocks as chunks"
         )
     raise ValueError(
-        f"with virtual_stages={virtual_stages}, smp.partition(i) places modules on chunk i (rank i % "
-        f"{partitions}); no module was placed on chunks {empty}: use every index in 0..{plan.mp_size - 1}"
+        f"with {plan.mp_size} chunks for partitions={partitions}, smp.partition(i) places modules on chunk i; no "
+        f"module was placed on chunks {empty}: use every index in 0..{plan.mp_size - 1}"
     )
 
 
@@ -131,9 +135,16 @@ class ChunkLink(StageLink):
     supplies the direction, this chunk and the micro-batch.
     """
 
-    def __init__(self, group: Any, topology: Topology, mp_group: Any, transport: Optional[P2PTransport] = None) -> None:
+    def __init__(
+        self,
+        group: Any,
+        topology: Topology,
+        mp_group: Any,
+        chunk_ranks: tuple[int, ...],
+        transport: Optional[P2PTransport] = None,
+    ) -> None:
         super().__init__(group, topology, mp_group, transport)
-        self.num_ranks = topology.mp_size
+        self.chunk_ranks = chunk_ranks
         self.rank = topology.mp_rank
         self.action: Optional[ChunkAction] = None
         # Sent and received messages are numbered apart: a message between two chunks of this rank is both.
@@ -156,7 +167,7 @@ class ChunkLink(StageLink):
         if not private or not payload.is_contiguous():
             payload = payload.clone(memory_format=torch.contiguous_format)
         key = self._key(self.action.chunk, dst_stage, sending=True)
-        dst_rank = dst_stage % self.num_ranks
+        dst_rank = self.chunk_ranks[dst_stage]
         if dst_rank == self.rank:
             self._loopback[key] = payload
             return
@@ -243,7 +254,8 @@ class ChunkedRuntime(StageRuntime):
         self.chunk_link = link
         self.rank = topology.mp_rank
         self.num_ranks = topology.mp_size
-        self.chunks = tuple(range(self.rank, plan.mp_size, self.num_ranks))
+        self.chunk_ranks = link.chunk_ranks
+        self.chunks = tuple(c for c, r in enumerate(self.chunk_ranks) if r == self.rank)
         """This rank's chunks, ascending."""
         self.rank_runtime = rank_runtime
         self.mode = "probe"
@@ -293,7 +305,7 @@ class ChunkedRuntime(StageRuntime):
                 continue
             if action.kind == "F":
                 out += self._forward_messages(action, rank)
-            else:
+            elif action.kind == "B":  # W sends nothing
                 out += self._gradient_messages(action, records, rank)
         return out
 
@@ -310,7 +322,7 @@ class ChunkedRuntime(StageRuntime):
                     n = seq.get(dst, 0)
                     seq[dst] = n + 1
                     spec = shapes[call.index][i]
-                    if dst % self.num_ranks == self.rank and spec is not None:
+                    if self.chunk_ranks[dst] == self.rank and spec is not None:
                         key: Key = ("F", action.chunk, dst, action.microbatch, n)
                         out.append(Expected(key, spec.shape, spec.dtype, rank))
         return out
@@ -331,12 +343,13 @@ class ChunkedRuntime(StageRuntime):
 
 
 def chunked_runtime(
-    plan: PipelinePlan, topology: Topology, p2p_group: Any, mp_group: Any, device: Any
+    plan: PipelinePlan, topology: Topology, pipeline: str, p2p_group: Any, mp_group: Any, device: Any
 ) -> ChunkedRuntime:
     """The runtime of this rank's chunks of the chunk plan ``plan`` (and its rank plan, for discovery)."""
-    rank_plan = fold_plan(plan, topology.mp_size)
+    chunk_ranks = placement(pipeline, topology.mp_size, plan.mp_size // topology.mp_size)
+    rank_plan = fold_plan(plan, chunk_ranks)
     rank_runtime = _RankRuntime(rank_plan, topology.mp_rank, StageLink(p2p_group, topology, mp_group), device)
-    return ChunkedRuntime(plan, topology, ChunkLink(p2p_group, topology, mp_group), rank_runtime)
+    return ChunkedRuntime(plan, topology, ChunkLink(p2p_group, topology, mp_group, chunk_ranks), rank_runtime)
 
 
 class VirtualStageExecution(StageExecution):
@@ -352,7 +365,7 @@ class VirtualStageExecution(StageExecution):
     @property
     def output_stage(self) -> int:
         """The rank holding the last chunk, where the outputs are real."""
-        return self.runtime.plan.output_stage % self.num_stages
+        return self.runtime.chunk_ranks[self.runtime.plan.output_stage]
 
     @property
     def virtual_stages(self) -> int:
@@ -371,10 +384,12 @@ class VirtualStageExecution(StageExecution):
         if runtime.step_key is None:
             raise RuntimeError("the @smp.step function did not call the DistributedModel in this step")
         m = run.microbatches
-        grid = interleaved_grid(self.num_stages, self.virtual_stages, m)
+        grid = schedule_grid(self.pipeline, self.num_stages, self.virtual_stages, m)
         me = self.stage
         records = {(c, k): MicrobatchRecord(k) for c in runtime.chunks for k in range(m)}
-        last_backward = max(t for t, row in enumerate(grid) if (a := row[me]) is not None and a.kind == "B")
+        split = self.pipeline == "zbv"
+        grads_from = "W" if split else "B"  # the actions that produce parameter gradients
+        last_grads = max(t for t, row in enumerate(grid) if (a := row[me]) is not None and a.kind == grads_from)
         out_chunk = runtime.plan.output_stage if runtime.plan.output_stage in runtime.chunks else runtime.chunks[0]
         link.begin()
         runtime.mode = "run"
@@ -390,9 +405,15 @@ class VirtualStageExecution(StageExecution):
                         if action.chunk != out_chunk:
                             record.outputs = None  # placeholders' results: free what they hold
                     else:
-                        if t == last_backward:
+                        if t == last_grads:
                             self.before_last_backward()
-                        if record.backward_requested:
+                        if not record.backward_requested:
+                            pass
+                        elif action.kind == "W":
+                            self.backward_weight(record)
+                        elif split:
+                            self.backward_input(record, m)
+                        else:
                             self.backward(record, m)
                     link.action = None
                 link.exchange(runtime.expected_messages(row, records), self.device)
