@@ -118,9 +118,10 @@ def check_chunks(plan: PipelinePlan, partitions: int, virtual_stages: int, autom
         return
     if automatic:
         raise ValueError(
-            f"virtual_stages={virtual_stages} with partitions={partitions} needs {plan.mp_size} chunks, but the "
+            f"{virtual_stages} chunks per rank with partitions={partitions} needs {plan.mp_size} chunks, but the "
             f"model has only {len(set(plan.units))} modules the partitioner can place (chunks {empty} would be "
-            "empty): lower virtual_stages, or use a model with at least as many blocks as chunks"
+            "empty): lower virtual_stages (or use a pipeline other than 'zbv'), or a model with at least as many "
+            "blocks as chunks"
         )
     raise ValueError(
         f"with {plan.mp_size} chunks for partitions={partitions}, smp.partition(i) places modules on chunk i; no "
