@@ -12,8 +12,8 @@ import torch
 from test_smp_p2p_blocking import FakeTransport, RendezvousWorld
 
 from shardkit.modelparallel.topology import Topology
-from shardkit.modelparallel.virtual_schedules import ChunkAction, placement, schedule_grid
 from shardkit.modelparallel.virtual_p2p import ChunkLink, Expected
+from shardkit.modelparallel.virtual_schedules import ChunkAction, placement, schedule_grid
 
 CPU = torch.device("cpu")
 
