@@ -6,7 +6,9 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import pytest
+import test_smp_activation_checkpointing as ckpt
 import torch
+import torch.nn.functional as F
 from smp_testlib import BUILDERS, batch, max_diff, reference_run, smp_run, train_step
 from test_smp_pipeline_parity import _check, _parity
 from torch import nn
@@ -24,6 +26,7 @@ from shardkit.testing import run_distributed
 from shardkit.testing.models import LMConfig, TransformerLM
 
 V2 = {"pipeline": "interleaved", "virtual_stages": 2}
+ZBV = {"pipeline": "zbv"}
 
 
 def _deep_lm() -> nn.Module:
@@ -206,9 +209,6 @@ def test_more_chunks_than_modules_is_refused_on_every_rank() -> None:
         assert "needs 8 chunks, but the model has only 7" in message and "lower virtual_stages" in message, message
 
 
-ZBV = {"pipeline": "zbv"}
-
-
 def test_zbv_schedule_places_chunks_in_a_v_and_splits_every_backward() -> None:
     assert placement("zbv", 4, 2) == (0, 1, 2, 3, 3, 2, 1, 0)
     for p, m in [(2, 4), (2, 8), (4, 8)]:
@@ -258,3 +258,48 @@ def test_zbv_data_parallel_replicas_match_single_process() -> None:
         assert r["loss_diff"] <= 1e-5 and r["param_diff"] <= 1e-5, r
         assert r["unsplit"] is None, r  # every backward really was split into B and W
         assert r["output_rank"] == 0, r  # the V's last chunk is on the first rank
+
+
+def _checkpointed_chunks(rank: int, world_size: int, pipeline_keys: dict[str, Any]) -> dict[str, Any]:
+    mbs = ckpt.MICROBATCHES * 2
+    smp.init({"partitions": 2, "microbatches": mbs, **pipeline_keys})
+    net = ckpt.Net(manual=False)
+    calls = [0] * len(net.blocks)
+    for i, block in enumerate(net.blocks):
+        smp.set_activation_checkpointing(block)
+        block.lin.register_forward_pre_hook(lambda m, a, i=i: calls.__setitem__(i, calls[i] + 1))
+    model = smp.DistributedModel(net)
+    opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    losses: list[float] = []
+    for s in range(ckpt.STEPS):
+        x, y = ckpt._batch(s)
+        opt.zero_grad()
+        losses.append(ckpt._train_step(model, x, y).reduce_mean().item())
+        opt.step()
+        if s == 0:  # the first step also traced: count the later ones
+            calls = [0] * len(calls)
+    smp.reset()
+    return {"losses": losses, "per_microbatch": [c / ((ckpt.STEPS - 1) * mbs) for c in calls]}
+
+
+@pytest.mark.parametrize("pipeline_keys", [V2, ZBV], ids=["virtual_stages", "zbv"])
+def test_activation_checkpointed_blocks_in_chunks(pipeline_keys: dict[str, Any]) -> None:
+    """Blocks given to smp.set_activation_checkpointing recompute inside their chunk's backward (under ZBV that
+    chunk's backward runs unsplit, with the documented warning): training is unchanged."""
+    torch.manual_seed(0)
+    model = ckpt.Net(manual=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    reference = []
+    for s in range(ckpt.STEPS):
+        x, y = ckpt._batch(s)
+        opt.zero_grad()
+        mbs = ckpt.MICROBATCHES * 2
+        loss = sum(F.mse_loss(model(a), b) for a, b in zip(x.chunk(mbs), y.chunk(mbs))) / mbs
+        loss.backward()
+        opt.step()
+        reference.append(loss.item())
+    results = run_distributed(_checkpointed_chunks, 2, pipeline_keys)
+    for r in results:
+        assert max(abs(a - b) for a, b in zip(r["losses"], reference)) <= 1e-5, (r["losses"], reference)
+    # Each block's layer runs once in its chunk's forward and once more in its backward, on its rank only.
+    assert [sum(c) for c in zip(*(r["per_microbatch"] for r in results))] == [2.0] * 4, results
