@@ -81,6 +81,7 @@ def test_two_ranks_two_chunks_match_single_process() -> None:
         # Cross-chunk residuals, one of them between the two chunks of rank 0; a glue parameter on every rank.
         ("residual", {"partitions": 2, "microbatches": 4, "auto_partition": False, **V2}, {"stages": 4}),
         ("lm", {"partitions": 2, "microbatches": 4, **V2}, {}),  # embedding tied to the head
+        ("lm6", {"partitions": 2, "microbatches": 4, "pipeline": "interleaved", "virtual_stages": 3}, {}),
     ]
     _check(run_distributed(_parity_here, 2, cases))
 
@@ -89,6 +90,7 @@ def test_four_ranks_two_chunks_match_single_process() -> None:
     cases = [
         ("lm6", {"partitions": 4, "microbatches": 4, **V2}, {}),
         ("lm6", {"partitions": 4, "microbatches": 8, **V2}, {}),
+        ("lm6", {"partitions": 4, "microbatches": 8, **ZBV}, {}),
     ]
     _check(run_distributed(_parity_here, 4, cases))
 
