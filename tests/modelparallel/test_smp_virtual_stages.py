@@ -7,6 +7,7 @@ from typing import Any, Optional
 
 import pytest
 import test_smp_activation_checkpointing as ckpt
+import test_smp_checkpoint as checkpoint_tests
 import torch
 import torch.nn.functional as F
 from smp_testlib import BUILDERS, batch, max_diff, reference_run, smp_run, train_step
@@ -305,3 +306,22 @@ def test_activation_checkpointed_blocks_in_chunks(pipeline_keys: dict[str, Any])
         assert max(abs(a - b) for a, b in zip(r["losses"], reference)) <= 1e-5, (r["losses"], reference)
     # Each block's layer runs once in its chunk's forward and once more in its backward, on its rank only.
     assert [sum(c) for c in zip(*(r["per_microbatch"] for r in results))] == [2.0] * 4, results
+
+
+def _checkpoints_in_chunks(rank: int, world_size: int, directory: str, keys: dict[str, Any]) -> dict[str, Any]:
+    checkpoint_tests.CONFIG = {"partitions": 2, **keys}  # the checkpoint test's run, under this config
+    return checkpoint_tests._checkpoints(rank, world_size, directory)
+
+
+@pytest.mark.parametrize("keys", [{"microbatches": 2, **V2}, {"microbatches": 4, **ZBV}], ids=["virtual_stages", "zbv"])
+def test_partial_and_full_checkpoints_with_chunks(tmp_path: Any, keys: dict[str, Any]) -> None:
+    """Save partial (per rank, both chunks) and full checkpoints, load them into a fresh model: training goes on
+    identically; the full one is a plain torch checkpoint."""
+    for r in run_distributed(_checkpoints_in_chunks, 2, str(tmp_path), keys):
+        assert r["files"] == ["full.pt", "partial.pt_0", "partial.pt_1"]
+        assert r["held"] < r["total"]
+        for key in ("partial", "full", "plain"):
+            assert r[f"{key}_loss_diff"] <= 1e-6, (key, r)
+            assert r[f"{key}_out_diff"] <= 1e-5, (key, r)
+        for key in ("partial", "full"):
+            assert r[f"{key}_param_diff"] <= 1e-6, (key, r)
