@@ -325,3 +325,39 @@ def test_partial_and_full_checkpoints_with_chunks(tmp_path: Any, keys: dict[str,
             assert r[f"{key}_out_diff"] <= 1e-5, (key, r)
         for key in ("partial", "full"):
             assert r[f"{key}_param_diff"] <= 1e-6, (key, r)
+
+
+def _scaled(rank: int, world_size: int, keys: dict[str, Any]) -> list[tuple[float, bool]]:
+    """Two steps under smp.amp.GradScaler; in the first only rank 0's gradients overflow."""
+    smp.init({"partitions": 2, "microbatches": 4, **keys})
+    model = smp.DistributedModel(BUILDERS["mlp"]())
+    opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    scaler = smp.amp.GradScaler(init_scale=256.0)
+
+    @smp.step
+    def step(model: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = F.mse_loss(model(x), y)
+        model.backward(scaler.scale(loss))
+        return loss
+
+    out = []
+    for s in range(2):
+        x, y = batch("mlp", 8, s)
+        opt.zero_grad()
+        step(model, x, y)
+        local = list(model.local_parameters())
+        if s == 0 and rank == 0:
+            local[-1].grad.view(-1)[0] = float("inf")  # a parameter of rank 0's second chunk
+        before = [p.detach().clone() for p in local]
+        scaler.step(opt)
+        scaler.update()
+        out.append((scaler.get_scale(), any(not torch.equal(a, p) for a, p in zip(before, local))))
+    smp.reset()
+    return out
+
+
+@pytest.mark.parametrize("keys", [V2, ZBV], ids=["virtual_stages", "zbv"])
+def test_grad_scaler_skips_the_step_on_every_rank(keys: dict[str, Any]) -> None:
+    """An overflow in one chunk's gradients skips the step on every rank (and the scale halves once)."""
+    for per_rank in run_distributed(_scaled, 2, keys):
+        assert per_rank == [(128.0, False), (128.0, True)]
