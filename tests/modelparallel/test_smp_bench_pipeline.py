@@ -42,3 +42,22 @@ def test_schedules_side_by_side_train_identically(tmp_path: Path, capfd: pytest.
             rows["smp zero_bubble"]["peak_activation_mib"][stage]
             >= rows["smp interleaved"]["peak_activation_mib"][stage]
         )
+
+
+@pytest.mark.parametrize("chunking", [["--virtual-stages", "2"], ["--smp-pipeline", "zbv"]])
+def test_chunked_schedules_train_as_torch_1f1b(
+    chunking: list[str], tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Virtual stages and ZBV run in the suite, beside torch's 1F1B on the same batches: the same losses."""
+    out_json = tmp_path / "chunked.json"
+    pipeline.run(["--quick", "--strategies", "smp,torch 1F1B", *chunking, "--json", str(out_json)])
+    out = capfd.readouterr().out
+    assert "smp placement (auto, 4 stages" in out  # four chunks for two stages
+    rows = {row["name"]: row for row in json.loads(out_json.read_text())["rows"]}
+    assert rows["torch 1F1B"]["max_loss_diff_vs_smp"] <= 1e-5, rows
+    assert 0.0 <= rows["smp"]["bubble_measured"] < 1.0 and len(rows["smp"]["peak_activation_mib"]) == 2
+
+
+def test_chunked_schedule_runs_alone() -> None:
+    with pytest.raises(SystemExit):
+        pipeline.run(["--quick", "--virtual-stages", "2", "--schedules", "interleaved,zero_bubble"])

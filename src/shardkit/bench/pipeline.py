@@ -14,10 +14,13 @@ bubble (time each stage spent blocked on receives, averaged over stages) against
 (:func:`bubble_theory`), and smp's peak activation memory per stage (bytes saved for backward, measured in one
 extra step per schedule: :mod:`shardkit.bench.pipeline_smp`). ``--schedules interleaved,zero_bubble`` runs
 several smp schedules side by side in the same processes, each with its own weights, and prints each against
-the first.
+the first. ``--virtual-stages v`` (interleaved 1F1B over ``v`` chunks per stage) and ``--smp-pipeline zbv`` cut
+the model into chunks of their own, so they run as the only smp schedule of their run (torch's beside them, cut
+evenly by blocks).
 
 Run it as ``shardkit bench pipeline`` (options ``--steps``, ``--warmup``, ``--world-size``/``--stages``,
-``--quick``, ``--microbatches``, ``--smp-pipeline simple|interleaved|zero_bubble``, ``--schedules``,
+``--quick``, ``--microbatches``, ``--smp-pipeline simple|interleaved|zero_bubble|zbv``, ``--schedules``,
+``--virtual-stages``,
 ``--smp-item-outputs``, ``--json PATH``) or
 ``python -m shardkit.bench.pipeline``. ``--smp-item-outputs`` makes smp's step also return ``loss.item()``, so each
 step broadcasts one small object over the stages; the cost of sharing the outputs is printed below the table.
@@ -44,6 +47,7 @@ from shardkit.demo.task import MarkovTask
 from shardkit.distributed import collectives
 from shardkit.launch import launch_local
 from shardkit.modelparallel.config import PIPELINES
+from shardkit.modelparallel.virtual_schedules import bubble_fraction, schedule_grid
 from shardkit.testing.models import LMConfig, TransformerLM
 from shardkit.utils.checks import at_least, positive
 
@@ -70,11 +74,14 @@ class PipelineSettings:
     smp_optimize: str = "speed"
     #: smp's step also returns ``loss.item()``: every step then broadcasts one small object over the stages.
     smp_item_outputs: bool = False
+    #: smp's ``virtual_stages`` (``--virtual-stages``): model chunks per stage under the interleaved schedule.
+    virtual_stages: int = 1
 
     def __post_init__(self) -> None:
         for name in ("stages", "batch_per_rank", "microbatches", "steps"):
             at_least(self, name, getattr(self, name), 1)
         at_least(self, "warmup", self.warmup, 0)
+        at_least(self, "virtual_stages", self.virtual_stages, 1)
         positive(self, "lr", self.lr)
 
     @property
@@ -85,6 +92,11 @@ class PipelineSettings:
     def smp_name(self, schedule: str) -> str:
         """The row name of smp under ``schedule``: plain ``smp`` when only one schedule runs."""
         return "smp" if len(self.schedules) == 1 else f"smp {schedule}"
+
+    @property
+    def smp_chunked(self) -> bool:
+        """smp cuts the model into more chunks than stages (virtual stages, ZBV): its cut is not torch's."""
+        return self.virtual_stages > 1 or "zbv" in self.schedules
 
     @property
     def global_batch(self) -> int:
@@ -115,7 +127,7 @@ def _worker(settings: PipelineSettings, names: list[str]) -> dict[str, Any]:
         smp_live = SmpSchedules(settings, settings.schedules, lambda: _build_lm(settings))
         tokens, _ = task.batch(settings.global_batch, settings.lm.seq_len, torch.Generator().manual_seed(0))
         smp_live.partition(tokens)
-        placement = smp_live.model.placement
+        placement = None if settings.smp_chunked else smp_live.model.placement  # else torch cuts evenly
         at = names.index("smp")
         names = names[:at] + [settings.smp_name(s) for s in settings.schedules] + names[at + 1 :]
         for schedule in settings.schedules:
@@ -230,10 +242,15 @@ def combine(settings: PipelineSettings, per_rank: list[dict[str, Any]]) -> list[
     return rows
 
 
-def bubble_theory(schedule: str, stages: int, microbatches: int) -> float:
+def bubble_theory(schedule: str, stages: int, microbatches: int, virtual_stages: int = 1) -> float:
     """The bubble fraction of ``schedule`` with equal forward, input-backward and weight-backward times:
-    ``(p-1)/(m+p-1)`` for GPipe and 1F1B, ``(p-1)/(3m+p-1)`` for ZB-H1 (bubble ``(p-1)(F+B-W)``)."""
+    ``(p-1)/(m+p-1)`` for GPipe and 1F1B, ``(p-1)/(3m+p-1)`` for ZB-H1 (bubble ``(p-1)(F+B-W)``),
+    ``(p-1)/(vm+p-1)`` for 1F1B over ``v`` virtual stages, and ZBV's from its tick grid (F, B and W one tick)."""
     p, m = stages, microbatches
+    if schedule == "zbv":
+        return bubble_fraction(schedule_grid("zbv", p, 2, m))
+    if schedule == "interleaved" and virtual_stages > 1:
+        return (p - 1) / (virtual_stages * m + p - 1)
     if schedule == "zero_bubble":
         return (p - 1) / (3 * m + p - 1)
     return (p - 1) / (m + p - 1)
@@ -251,19 +268,20 @@ def _print(settings: PipelineSettings, rows: list[Row], placement: Optional[str]
     headers += ["bubble measured", "bubble theory", "peak act. MiB/stage", "loss", "loss diff"]
     table = []
     for r in rows:
+        v = settings.virtual_stages if r.name.startswith("smp") else 1
         measured = "-" if r.bubble_measured is None else f"{r.bubble_measured:.1%}"
         diff = "-" if r.max_loss_diff_vs_smp is None else f"{r.max_loss_diff_vs_smp:.1e}"
         memory = "-" if r.peak_activation_mib is None else "/".join(f"{x:.1f}" for x in r.peak_activation_mib)
         table.append(
             [
                 r.name,
-                r.schedule,
+                r.schedule + (f" x{v} chunks" if v > 1 else ""),
                 f"{r.median_step_s * 1e3:.0f}",
                 ratio(r.median_step_s, base.median_step_s if base else None),
                 f"{r.min_step_s * 1e3:.0f}",
                 ratio(r.min_step_s, base.min_step_s if base else None),
                 measured,
-                f"{bubble_theory(r.schedule, p, m):.1%}",
+                f"{bubble_theory(r.schedule, p, m, v):.1%}",
                 memory,
                 f"{r.final_loss:.4f}",
                 diff,
@@ -320,6 +338,9 @@ def run(argv: list[str]) -> None:
         help="smp schedules to compare side by side, comma-separated (e.g. interleaved,zero_bubble; "
         "default: --smp-pipeline)",
     )
+    parser.add_argument(
+        "--virtual-stages", type=int, default=1, help="smp model chunks per stage (interleaved schedule only)"
+    )
     parser.add_argument("--smp-optimize", choices=("speed", "memory"), default="speed")
     parser.add_argument("--smp-item-outputs", action="store_true", help="smp's step also returns loss.item()")
     parser.add_argument("--strategies", default="smp,torch GPipe,torch 1F1B")
@@ -338,7 +359,13 @@ def run(argv: list[str]) -> None:
             smp_pipeline=args.smp_pipeline,
             smp_optimize=args.smp_optimize,
             smp_item_outputs=args.smp_item_outputs,
+            virtual_stages=args.virtual_stages,
         )
+        if settings.smp_chunked and len(settings.schedules) > 1:
+            parser.error(
+                "--virtual-stages and the 'zbv' schedule cut the model into their own chunks, which the other smp "
+                "schedules cannot share: give one smp schedule per run (torch's run beside it in the same processes)"
+            )
         if args.quick:
             settings = replace(settings, lm=QUICK_LM, steps=2, warmup=1)
         settings = replace(

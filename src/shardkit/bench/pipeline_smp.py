@@ -81,6 +81,7 @@ class SmpSchedules:
                 "microbatches": settings.microbatches,
                 "pipeline": schedules[0],
                 "optimize": settings.smp_optimize,
+                "virtual_stages": settings.virtual_stages,
             }
         )
         self.smp = smp

@@ -32,6 +32,7 @@ from shardkit.modelparallel.runtime import StageRuntime
 from shardkit.modelparallel.stage_groups import copy_groups
 from shardkit.modelparallel.startup import broadcast_initial_state, check_same_inputs
 from shardkit.modelparallel.state import SMPState
+from shardkit.modelparallel.virtual_stages import VirtualStageExecution, check_chunks, chunked_runtime
 
 
 def execution_device(state: SMPState, module: nn.Module) -> torch.device:
@@ -70,7 +71,7 @@ def decide_plan(
                 module,
                 args,
                 kwargs,
-                partitions=cfg.partitions,
+                partitions=cfg.chunks,
                 auto_partition=cfg.auto_partition,
                 default_partition=cfg.default_partition,
                 memory_weight=cfg.effective_memory_weight,
@@ -80,6 +81,8 @@ def decide_plan(
                 trace_device=torch.device("cpu") if options.trace_device == "cpu" and not delayed else device,
             )
             check_plan(plan)
+            if cfg.chunks > cfg.partitions:
+                check_chunks(plan, cfg.partitions, cfg.chunks // cfg.partitions, cfg.auto_partition)
             payload = (plan, placement, None)
         except Exception as exc:
             if not (state.distributed and topo.world_size > 1):
@@ -127,7 +130,12 @@ def build_stage(
     topo = state.topology
     stage = topo.mp_rank
     device = execution_device(state, holding.module)
-    runtime = StageRuntime(plan, stage, StageLink(state.p2p_group, topo, state.mp_group), device)
+    runtime: StageRuntime
+    if state.config.chunks > topo.mp_size:  # the runtime runs chunks; everything below sees this rank's share
+        runtime = chunked_runtime(plan, topo, state.config.pipeline, state.p2p_group, state.mp_group, device)
+        plan = runtime.rank_runtime.plan
+    else:
+        runtime = StageRuntime(plan, stage, StageLink(state.p2p_group, topo, state.mp_group), device)
     checkpointing = plan_checkpointing(holding.module, list(plan.units), manual=not state.config.auto_partition)
     # First: it refuses a module it cannot route before anything changes.
     runtime.install(holding.module, below=checkpointing)
@@ -149,7 +157,8 @@ def build_stage(
         device,
         options.gradient_as_bucket_view,
     )
-    return StageExecution(
+    make = VirtualStageExecution if state.config.chunks > topo.mp_size else StageExecution
+    return make(
         runtime,
         sync,
         pipeline=state.config.pipeline,

@@ -7,10 +7,11 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any, Optional, Union
 
 from shardkit.modelparallel.config_sources import CONFIG_ENV_VAR, SAGEMAKER_ENV_VAR, read_config, translate
+from shardkit.modelparallel.virtual_schedules import check_virtual_config
 
 __all__ = ["CONFIG_ENV_VAR", "SAGEMAKER_ENV_VAR", "ModelOptions", "ModelParallelConfig", "resolve_config"]
 
-PIPELINES = ("interleaved", "simple", "zero_bubble")
+PIPELINES = ("interleaved", "simple", "zero_bubble", "zbv")
 OPTIMIZE = ("speed", "memory")
 PLACEMENTS = ("cluster", "spread")
 
@@ -30,7 +31,9 @@ class ModelParallelConfig:
     microbatches: int = 1
     #: ``"interleaved"``: 1F1B, each backward as early as possible; ``"simple"``: all forwards, then all backwards;
     #: ``"zero_bubble"`` (a shardkit addition): ZB-H1, 1F1B with each backward split into its input and weight
-    #: gradients, the latter filling the bubble (see ``pipeline_parallel``).
+    #: gradients, the latter filling the bubble (see ``pipeline_parallel``); ``"zbv"`` (also an addition): two chunks
+    #: per rank in a V, each backward split the same way (see ``virtual_schedules``); needs ``microbatches >= 2 *
+    #: partitions``.
     pipeline: str = "interleaved"
     #: Trace the model on the first step and balance stages automatically; ``smp.partition`` contexts are ignored.
     auto_partition: bool = True
@@ -53,6 +56,11 @@ class ModelParallelConfig:
     bf16: bool = False
     #: Shard the optimizer state across the data-parallel replicas of each stage (ZeRO-1, ``shardkit.optim.OSS``).
     shard_optimizer_state: bool = False
+    #: Model chunks per pipeline rank (a shardkit addition): the model is cut into ``partitions * virtual_stages``
+    #: chunks, rank ``r`` holding chunks ``r, r + partitions, ...``, run by the interleaved 1F1B schedule, which
+    #: divides the bubble by ``virtual_stages`` (see ``virtual_schedules``). Needs ``pipeline="interleaved"`` and
+    #: ``microbatches`` a multiple of ``partitions``.
+    virtual_stages: int = 1
     #: smp v1 keys given that have no effect here, as (key, value) pairs (see ``config_sources.NO_EFFECT``).
     accepted: tuple[tuple[str, Any], ...] = ()
 
@@ -60,23 +68,30 @@ class ModelParallelConfig:
         _check_int("partitions", self.partitions, 1)
         _check_int("microbatches", self.microbatches, 1)
         _check_int("default_partition", self.default_partition, 0)
+        _check_int("virtual_stages", self.virtual_stages, 1)
         _check_choice("pipeline", self.pipeline, PIPELINES)
         _check_choice("optimize", self.optimize, OPTIMIZE)
         _check_choice("placement_strategy", self.placement_strategy, PLACEMENTS)
         for name in ("auto_partition", "ddp", "fp16", "bf16", "shard_optimizer_state"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"smp config {name!r} must be True or False, got {getattr(self, name)!r}")
-        if self.default_partition >= self.partitions:
+        if self.default_partition >= self.chunks:
             raise ValueError(
                 f"smp config default_partition={self.default_partition} must be smaller than "
-                f"partitions={self.partitions}"
+                f"partitions={self.partitions}" + (" x virtual_stages" if self.virtual_stages > 1 else "")
             )
+        check_virtual_config(self.partitions, self.virtual_stages, self.microbatches, self.pipeline)
         if self.memory_weight is not None and not (
             isinstance(self.memory_weight, (int, float)) and 0.0 <= float(self.memory_weight) <= 1.0
         ):
             raise ValueError(f"smp config memory_weight must be a number in [0, 1], got {self.memory_weight!r}")
         if self.fp16 and self.bf16:
             raise ValueError("smp config has both fp16 and bf16 set to true; choose one")
+
+    @property
+    def chunks(self) -> int:
+        """The number of pieces the model is cut into: ``partitions * virtual_stages``."""
+        return self.partitions * (2 if self.pipeline == "zbv" else self.virtual_stages)
 
     @property
     def effective_memory_weight(self) -> float:

@@ -42,6 +42,7 @@ CORE_KINDS: dict[str, type] = {
     "fp16": bool,
     "bf16": bool,
     "shard_optimizer_state": bool,
+    "virtual_stages": int,  # a shardkit addition (see ModelParallelConfig)
 }
 
 #: smp v1 keys accepted with no effect: their type, and why nothing changes here.

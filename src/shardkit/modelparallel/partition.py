@@ -28,11 +28,12 @@ def _check_index(index: int) -> None:
     if isinstance(index, bool) or not isinstance(index, int) or index < 0:
         raise ValueError(f"smp.partition(index) needs a partition index >= 0, got {index!r}")
     if smp_state.is_initialized():
-        partitions = smp_state.current().config.partitions
-        if index >= partitions:
+        config = smp_state.current().config
+        if index >= config.chunks:
+            virtual = f" x virtual_stages={config.virtual_stages}" if config.virtual_stages > 1 else ""
             raise ValueError(
-                f"smp.partition({index}) is out of range: the config has partitions={partitions}, so valid "
-                f"indices are 0..{partitions - 1}"
+                f"smp.partition({index}) is out of range: the config has partitions={config.partitions}{virtual}, "
+                f"so valid indices are 0..{config.chunks - 1}"
             )
 
 

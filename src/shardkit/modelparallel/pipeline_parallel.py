@@ -23,6 +23,7 @@ work the sender's schedule puts before anything that could wait on the receiver:
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Optional
@@ -32,6 +33,7 @@ import torch
 from shardkit.modelparallel.execution import StageExecution
 from shardkit.modelparallel.runtime import MicrobatchRecord
 from shardkit.modelparallel.step_outputs import OutputSharing, share_from_output_stage
+from shardkit.modelparallel.virtual_stages import ProbeFinished, VirtualStageExecution
 from shardkit.utils._torch_private import tree_map
 
 
@@ -174,10 +176,13 @@ class StepRun:
         before = self._execution()
         if before is not None:
             before.begin_step()
-        self._forward(0)  # the first forward partitions the model on the first step
+        with contextlib.suppress(ProbeFinished):  # virtual stages: that forward only learns the input shapes
+            self._forward(0)  # the first forward partitions the model on the first step
         execution = self._execution()
         if execution is None:
             raise RuntimeError("the @smp.step function never called the DistributedModel, so it was not partitioned")
+        if isinstance(execution, VirtualStageExecution):  # chunks on a tick grid: virtual_stages.py
+            return self._finish(execution, execution.run_step(self), start)
         actions = schedule_for(execution.pipeline, execution.stage, execution.num_stages, self.microbatches)
         assert actions[0] == Action("F", 0)
         split = any(a.kind == "W" for a in actions)
@@ -210,11 +215,21 @@ class StepRun:
         self.stats = StepStats(end - start, link.wait_s, link.sent_bytes, end - shared_at)
         return outputs
 
+    def _finish(self, execution: StageExecution, outputs: list[Any], start: float) -> list[Any]:
+        shared_at = time.perf_counter()
+        outputs = self._share_outputs(execution, outputs)
+        end = time.perf_counter()
+        self.stats = StepStats(end - start, execution.link.wait_s, execution.link.sent_bytes, end - shared_at)
+        return outputs
+
     def _forward(self, microbatch: int) -> None:
-        record = self.records[microbatch]
+        self.forward_into(self.records[microbatch])
+
+    def forward_into(self, record: MicrobatchRecord) -> None:
+        """Run the step function on micro-batch ``record.index``; the model's calls record into ``record``."""
         self.current = record
         try:
-            record.outputs = self._forward_fn(microbatch)
+            record.outputs = self._forward_fn(record.index)
         finally:
             self.current = None
 

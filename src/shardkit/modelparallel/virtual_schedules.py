@@ -1,0 +1,250 @@
+"""Schedules over virtual stages: ``v`` model chunks per pipeline rank, and the ticks every rank runs them in.
+
+With ``"virtual_stages": v`` the model is cut into ``p * v`` chunks for ``p`` pipeline ranks, in loop
+placement: rank ``r`` holds chunks ``r, r + p, r + 2p, ...``, so a micro-batch's forward visits every rank
+``v`` times. Each rank runs the interleaved 1F1B schedule of Narayanan et al. 2021 ("Efficient large-scale
+language model training on GPU clusters"): micro-batches go through a rank's chunks in rounds of ``p``
+(``p`` micro-batches through its first chunk, the same ``p`` through its second, ...), which keeps every rank
+busy while the first micro-batches travel, and divides 1F1B's bubble by ``v``:
+
+- warm-up: ``(v - 1) * p + 2 * (p - 1 - r)`` forwards (all of them when there are fewer), enough for the first
+  backward of the last chunk to be possible when the warm-up ends;
+- steady state: one forward, one backward;
+- cool-down: the remaining backwards, chunks in reverse order.
+
+Backwards visit a rank's chunks in the reverse order of forwards (the last chunk first). The order needs
+``microbatches`` to be a multiple of ``p`` (each round is ``p`` micro-batches); :func:`check_virtual_config`
+says so before anything runs.
+
+Ticks. :func:`tick_grid` lays the ranks' action lists side by side on a common clock: at tick ``t`` each
+rank runs at most one action, and an action runs at the first tick after every action it needs (the previous
+chunk's forward of the same micro-batch, the next chunk's backward) ran. Every rank computes the same grid,
+so it knows which actions its neighbours run at every tick, hence which messages they produce then.
+
+ZBV (:func:`zbv_schedules`): two chunks per rank in a V (rank ``r`` holds chunks ``r`` and ``2p - 1 - r``),
+every backward split into B and W; needs ``microbatches >= 2p``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+
+class ChunkAction(NamedTuple):
+    """One unit of a rank's virtual-stage schedule: ``kind`` ``"F"`` or ``"B"`` of ``chunk`` on ``microbatch``."""
+
+    kind: str
+    chunk: int
+    microbatch: int
+
+    def __repr__(self) -> str:
+        return f"{self.kind}{self.microbatch}@{self.chunk}"
+
+
+def check_virtual_config(partitions: int, virtual_stages: int, microbatches: int, pipeline: str) -> None:
+    """Raise ``ValueError`` when the schedule over several chunks per rank cannot run."""
+    if pipeline == "zbv":
+        _check_zbv(partitions, virtual_stages, microbatches)
+        return
+    if virtual_stages == 1:
+        return
+    if partitions < 2:
+        raise ValueError(
+            f"smp config virtual_stages={virtual_stages} needs partitions >= 2 (the chunks of a model are spread "
+            "over the pipeline ranks); with one partition set virtual_stages to 1"
+        )
+    if pipeline != "interleaved":
+        raise ValueError(
+            f"smp config virtual_stages={virtual_stages} runs the interleaved 1F1B schedule over the chunks, but "
+            f"pipeline={pipeline!r}: set pipeline to 'interleaved' or virtual_stages to 1"
+        )
+    if microbatches % partitions:
+        raise ValueError(
+            f"smp config virtual_stages={virtual_stages}: the interleaved schedule sends micro-batches through a "
+            f"rank's chunks in rounds of partitions={partitions}, so microbatches ({microbatches}) must be a "
+            f"multiple of {partitions}; use e.g. microbatches={partitions * max(1, microbatches // partitions + 1)}"
+        )
+
+
+def _check_zbv(partitions: int, virtual_stages: int, microbatches: int) -> None:
+    if virtual_stages not in (1, 2):
+        raise ValueError(
+            f"smp config pipeline='zbv' places exactly two chunks per rank, in a V; virtual_stages={virtual_stages} "
+            "asks for another number: leave virtual_stages out (or set it to 2)"
+        )
+    if partitions < 2:
+        raise ValueError("smp config pipeline='zbv' needs partitions >= 2; with one partition use 'interleaved'")
+    if microbatches < 2 * partitions:
+        raise ValueError(
+            f"smp config pipeline='zbv' needs at least 2 x partitions = {2 * partitions} micro-batches to fill its "
+            f"V (got microbatches={microbatches}): raise microbatches, or use pipeline='interleaved'"
+        )
+
+
+def placement(pipeline: str, num_ranks: int, virtual_stages: int) -> tuple[int, ...]:
+    """The rank of every chunk: loop placement (chunk ``c`` on rank ``c % p``), or a V for ``"zbv"`` (rank ``r``
+    holds chunks ``r`` and ``2p - 1 - r``, so the first and the last chunk, where the loss is, share rank 0)."""
+    if pipeline == "zbv":
+        return tuple(range(num_ranks)) + tuple(reversed(range(num_ranks)))
+    return tuple(c % num_ranks for c in range(num_ranks * virtual_stages))
+
+
+def interleaved_schedule(rank: int, num_ranks: int, virtual_stages: int, microbatches: int) -> list[ChunkAction]:
+    """Interleaved 1F1B for ``rank``: its chunks ``rank + j * num_ranks``, warm-up / steady state / cool-down.
+
+    Example (2 ranks, 2 chunks each, 2 micro-batches; rank 0 holds chunks 0 and 2)::
+
+        >>> interleaved_schedule(0, 2, 2, 2)
+        [F0@0, F1@0, F0@2, F1@2, B0@2, B1@2, B0@0, B1@0]
+    """
+    p, v, m = num_ranks, virtual_stages, microbatches
+    total = m * v  # forwards (and backwards) on this rank
+
+    def forward_of(i: int) -> ChunkAction:
+        # The i-th forward: rounds of p micro-batches through each local chunk in turn.
+        local = (i // p) % v
+        mb = (i // (p * v)) * p + i % p
+        return ChunkAction("F", local * p + rank, mb)
+
+    def backward_of(i: int) -> ChunkAction:
+        local = v - 1 - (i // p) % v
+        mb = (i // (p * v)) * p + i % p
+        return ChunkAction("B", local * p + rank, mb)
+
+    warmup = min((v - 1) * p + 2 * (p - 1 - rank), total)
+    actions = [forward_of(i) for i in range(warmup)]
+    for i in range(total - warmup):  # steady state
+        actions += [forward_of(warmup + i), backward_of(i)]
+    actions += [backward_of(i) for i in range(total - warmup, total)]  # cool-down
+    return actions
+
+
+def tick_grid(schedules: list[list[ChunkAction]], num_ranks: int, num_chunks: int) -> list[list[Optional[ChunkAction]]]:
+    """Align every rank's actions on common ticks: ``grid[t][r]`` is rank ``r``'s action at tick ``t`` (None: idle).
+
+    An action runs at the earliest tick after its rank's previous action and after the actions whose messages
+    it consumes (``F k`` of the previous chunk; ``B k`` of the next chunk). Raises if the schedules wait on
+    each other in a cycle (a schedule bug: no rank could make progress).
+    """
+    done: dict[tuple[str, int, int], int] = {}  # action -> tick it ran at
+    position = [0] * num_ranks
+    grid: list[list[Optional[ChunkAction]]] = []
+    remaining = sum(len(s) for s in schedules)
+    while remaining:
+        tick = len(grid)
+        row: list[Optional[ChunkAction]] = [None] * num_ranks
+        for rank, actions in enumerate(schedules):
+            if position[rank] == len(actions):
+                continue
+            action = actions[position[rank]]
+            need: Optional[tuple[str, int, int]]
+            if action.kind == "F":
+                need = ("F", action.chunk - 1, action.microbatch) if action.chunk > 0 else None
+            elif action.kind == "W":
+                need = None  # after its own B, earlier on the same rank
+            else:
+                last = action.chunk == num_chunks - 1
+                need = None if last else ("B", action.chunk + 1, action.microbatch)
+            if need is None or done.get(need, tick) < tick:
+                row[rank] = action
+        if all(a is None for a in row):
+            stuck = [s[position[r]] for r, s in enumerate(schedules) if position[r] < len(s)]
+            raise RuntimeError(f"virtual-stage schedules wait on each other in a cycle at {stuck}")
+        for rank, ran in enumerate(row):
+            if ran is not None:
+                done[(ran.kind, ran.chunk, ran.microbatch)] = tick
+                position[rank] += 1
+                remaining -= 1
+        grid.append(row)
+    return grid
+
+
+def interleaved_grid(num_ranks: int, virtual_stages: int, microbatches: int) -> list[list[Optional[ChunkAction]]]:
+    """The tick grid of the interleaved 1F1B schedule for every rank (see :func:`tick_grid`)."""
+    schedules = [interleaved_schedule(r, num_ranks, virtual_stages, microbatches) for r in range(num_ranks)]
+    return tick_grid(schedules, num_ranks, num_ranks * virtual_stages)
+
+
+def zbv_schedules(num_ranks: int, microbatches: int) -> list[list[ChunkAction]]:
+    """ZBV (Qi et al. 2024, arXiv 2401.10241, section 6): two chunks per rank in a V, each backward split into B
+    (input gradients) and W (weight gradients), as per-rank action lists.
+
+    Built by running the ranks side by side on unit ticks, every rank taking at each tick the first of:
+    a B whose gradients have arrived (the later chunk first), a forward whose input has arrived (the later chunk
+    first: it reaches the loss sooner), a W of a micro-batch whose B ran. A forward waits while ``2 * p``
+    chunk-micro-batches hold activations on the rank (from F to W): 1F1B's peak on its first stage, which
+    holds ``p`` micro-batches of a whole stage, two chunks each. W's fill the ticks where nothing else can run,
+    which is where the bubble of 1F1B would be.
+    """
+    p, m = num_ranks, microbatches
+    chunks = placement("zbv", p, 2)
+    mine = [[c for c in range(2 * p) if chunks[c] == r] for r in range(p)]
+    done: dict[tuple[str, int, int], int] = {}
+    next_f = {c: 0 for c in range(2 * p)}
+    next_b = {c: 0 for c in range(2 * p)}
+    owed_w: list[list[tuple[int, int]]] = [[] for _ in range(p)]
+    schedules: list[list[ChunkAction]] = [[] for _ in range(p)]
+    total = 3 * 2 * p * m
+    tick = 0
+    while sum(len(s) for s in schedules) < total:
+        ran = []
+        for r in range(p):
+            action = _zbv_pick(r, mine[r], tick, done, next_f, next_b, owed_w[r], m, 2 * p)
+            if action is not None:
+                ran.append(action)
+                schedules[r].append(action)
+        if not ran:
+            raise RuntimeError("ZBV schedule generation made no progress (a schedule bug)")
+        for action in ran:
+            done[(action.kind, action.chunk, action.microbatch)] = tick
+        tick += 1
+    return schedules
+
+
+def _zbv_pick(
+    rank: int,
+    chunks: list[int],
+    tick: int,
+    done: dict[tuple[str, int, int], int],
+    next_f: dict[int, int],
+    next_b: dict[int, int],
+    owed_w: list[tuple[int, int]],
+    m: int,
+    num_chunks: int,
+) -> Optional[ChunkAction]:
+    def before(key: tuple[str, int, int]) -> bool:
+        return done.get(key, tick) < tick
+
+    for c in sorted(chunks, reverse=True):  # B: the later chunk first
+        k = next_b[c]
+        if k < m and before(("F", c, k)) and (c == num_chunks - 1 or before(("B", c + 1, k))):
+            next_b[c] += 1
+            owed_w.append((c, k))
+            return ChunkAction("B", c, k)
+    in_flight = sum(next_f[c] for c in chunks) - sum(next_b[c] for c in chunks) + len(owed_w)
+    if in_flight < num_chunks:
+        for c in sorted(chunks, reverse=True):
+            k = next_f[c]
+            if k < m and (c == 0 or before(("F", c - 1, k))):
+                next_f[c] += 1
+                return ChunkAction("F", c, k)
+    if owed_w:
+        c, k = owed_w.pop(0)
+        return ChunkAction("W", c, k)
+    return None
+
+
+def schedule_grid(
+    pipeline: str, num_ranks: int, virtual_stages: int, microbatches: int
+) -> list[list[Optional[ChunkAction]]]:
+    """The tick grid of ``pipeline`` over chunks: interleaved 1F1B (loop placement) or ZBV."""
+    if pipeline == "zbv":
+        return tick_grid(zbv_schedules(num_ranks, microbatches), num_ranks, 2 * num_ranks)
+    return interleaved_grid(num_ranks, virtual_stages, microbatches)
+
+
+def bubble_fraction(grid: list[list[Optional[ChunkAction]]]) -> float:
+    """Idle ticks over all ticks, with forwards and backwards counted as one tick each (the schedule's bubble)."""
+    slots = len(grid) * len(grid[0]) if grid else 0
+    idle = sum(a is None for row in grid for a in row)
+    return idle / slots if slots else 0.0
