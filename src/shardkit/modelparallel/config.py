@@ -10,7 +10,7 @@ from shardkit.modelparallel.config_sources import CONFIG_ENV_VAR, SAGEMAKER_ENV_
 
 __all__ = ["CONFIG_ENV_VAR", "SAGEMAKER_ENV_VAR", "ModelOptions", "ModelParallelConfig", "resolve_config"]
 
-PIPELINES = ("interleaved", "simple", "zero_bubble")
+PIPELINES = ("interleaved", "simple", "zero_bubble", "zero_bubble_h2")
 OPTIMIZE = ("speed", "memory")
 PLACEMENTS = ("cluster", "spread")
 
@@ -29,8 +29,10 @@ class ModelParallelConfig:
     #: Micro-batches per step; the batch size must be divisible by it. 1 means no pipelining.
     microbatches: int = 1
     #: ``"interleaved"``: 1F1B, each backward as early as possible; ``"simple"``: all forwards, then all backwards;
-    #: ``"zero_bubble"`` (a shardkit addition): ZB-H1, 1F1B with each backward split into its input and weight
-    #: gradients, the latter filling the bubble (see ``pipeline_parallel``).
+    #: ``"zero_bubble"`` (a shardkit addition): ZB-H1, each backward split into its input and weight gradients,
+    #: the latter filling the bubble, at 1F1B's activation memory on every stage; ``"zero_bubble_h2"``: ZB-H2,
+    #: a smaller bubble for up to twice the activations (see ``zb_schedules``). Both train correctly with any
+    #: number of micro-batches; below ``partitions`` the bubble shrinks less.
     pipeline: str = "interleaved"
     #: Trace the model on the first step and balance stages automatically; ``smp.partition`` contexts are ignored.
     auto_partition: bool = True
