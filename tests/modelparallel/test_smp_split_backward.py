@@ -122,8 +122,8 @@ def test_b_frees_the_tensors_only_b_needs(build: Callable[[], nn.Module]) -> Non
     saved = SavedActivations()
     with saved.hooks():
         model, runs = _graph(build, 2)
-    before_b = saved.live_bytes
-    assert before_b > 0 and saved.peak_bytes == before_b
+    before_b = saved.total.live
+    assert before_b > 0 and saved.total.peak == before_b == saved.saved.live
     pending = []
     for x, tensors, grads in runs:
         result = backward_input(tensors, grads, [x], saved)
@@ -132,14 +132,15 @@ def test_b_frees_the_tensors_only_b_needs(build: Callable[[], nn.Module]) -> Non
         pending.append(work)
     if build is Mixer:  # per micro-batch: GELU's 5x64 input is gone; W keeps the gradients of a, b and c's outputs
         floats = 4
-        assert saved.live_bytes == before_b + 2 * floats * (-5 * 64 + (5 * 64 + 5 * 6 + 5 * 6))
+        assert saved.saved.live == before_b - 2 * floats * 5 * 64
+        assert saved.total.live == before_b + 2 * floats * (-5 * 64 + (5 * 64 + 5 * 6 + 5 * 6))
     for work in pending:
         work.run()
     got = _grads(model, [x for x, _, _ in runs])
     for a, b in zip(got, expected):
         assert torch.equal(a, b)
     del runs, pending, result, x, tensors, grads
-    assert saved.live_bytes == 0  # the graphs are gone: every slot and held gradient was let go
+    assert saved.total.live == 0  # the graphs are gone: every slot and held gradient was let go
 
 
 def test_a_stage_without_input_gradients_does_everything_in_w() -> None:

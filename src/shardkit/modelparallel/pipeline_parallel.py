@@ -122,6 +122,9 @@ class StepStats:
     #: Seconds spent computing each kind of action (``"F"``, ``"B"``, ``"W"``), summed over the micro-batches,
     #: receive waits excluded (the first step's first forward, which partitions the model, is not counted).
     compute_s: dict[str, float] = field(default_factory=dict)
+    #: Every action after the first forward: (``"F3"``, start, end, seconds of it blocked on receives), in
+    #: ``time.perf_counter()`` seconds (one clock for every process of a machine, on Linux).
+    trace: list[tuple[str, float, float, float]] = field(default_factory=list)
 
     @property
     def bubble_fraction(self) -> float:
@@ -177,6 +180,7 @@ class StepRun:
         split = _splits(execution)
         grads_from = "W" if split else "B"  # the actions that produce parameter gradients
         last_backward = max((i for i, a in enumerate(actions) if a.kind == grads_from), default=-1)
+        trace: list[tuple[str, float, float, float]] = []
         for i, action in enumerate(actions[1:], start=1):
             began, waited = time.perf_counter(), execution.link.wait_s
             if action.kind == "F":
@@ -186,13 +190,15 @@ class StepRun:
                 if i == last_backward:
                     execution.before_last_backward()
                 self._backward(execution, action, split)
-            compute[action.kind] += time.perf_counter() - began - (execution.link.wait_s - waited)
+            ended, blocked = time.perf_counter(), execution.link.wait_s - waited
+            compute[action.kind] += ended - began - blocked
+            trace.append((repr(action), began, ended, blocked))
         execution.finish_step(any(r.backward_requested for r in self.records))
         shared_at = time.perf_counter()
         outputs = self._share_outputs(execution, [r.outputs for r in self.records])
         end = time.perf_counter()
         link = execution.link
-        self.stats = StepStats(end - start, link.wait_s, link.sent_bytes, end - shared_at, compute)
+        self.stats = StepStats(end - start, link.wait_s, link.sent_bytes, end - shared_at, compute, trace)
         return outputs
 
     def _backward(self, execution: StageExecution, action: Action, split: bool) -> None:

@@ -10,10 +10,11 @@ pre-hook and a post-hook on each boundary node tell the two kinds of node apart)
 when B ends. Each slot belongs to exactly one graph node, and W never runs a non-boundary input-side node,
 so W never needs an emptied slot; should it ever try, the unpack raises instead of computing with nothing.
 
-The same slots count bytes: :attr:`SavedActivations.live_bytes` is what this stage's saved tensors (each
-storage once, parameters excluded) and the gradients W still has to consume take, and
-:attr:`SavedActivations.peak_bytes` its maximum since :meth:`SavedActivations.reset_peak`. The benchmark
-reads it to compare schedules' activation memory.
+The same slots count bytes (each storage once, parameters excluded): :attr:`SavedActivations.saved` counts
+the saved tensors, what every schedule keeps for backward, and :attr:`SavedActivations.total` adds the
+gradients W still has to consume, which only a split backward keeps (an unsplit one also makes them, but
+only for the moment its backward runs, which these counts do not see). Each has a live and a peak value
+since :meth:`SavedActivations.reset_peak`; the benchmark reads them to compare schedules' activation memory.
 """
 
 from __future__ import annotations
@@ -35,12 +36,14 @@ class _Slot:
     def __init__(self, owner: SavedActivations, tensor: torch.Tensor, key: int, nbytes: int) -> None:
         self._owner, self.key, self.nbytes = owner, key, nbytes
         self.tensor: Optional[torch.Tensor] = tensor
-        owner.add_bytes(key, nbytes)
+        owner.saved.add(key, nbytes)
+        owner.total.add(key, nbytes)
 
     def release(self) -> None:
         if self.tensor is not None:
             self.tensor = None
-            self._owner.remove_bytes(self.key, self.nbytes)
+            self._owner.saved.remove(self.key, self.nbytes)
+            self._owner.total.remove(self.key, self.nbytes)
 
     def __del__(self) -> None:
         self.release()
@@ -55,55 +58,64 @@ class _Recording:
         self.inside_boundary = 0
 
 
+class ByteCount:
+    """Live and peak bytes of storages that have holders, each storage counted once."""
+
+    def __init__(self) -> None:
+        self.live = 0
+        self.peak = 0
+        self._holders: dict[int, int] = {}
+
+    def add(self, key: int, nbytes: int) -> None:
+        """Storage ``key`` gains a holder."""
+        count = self._holders.get(key, 0)
+        self._holders[key] = count + 1
+        if count == 0:
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+
+    def remove(self, key: int, nbytes: int) -> None:
+        """Storage ``key`` loses a holder."""
+        count = self._holders.pop(key, 0) - 1
+        if count > 0:
+            self._holders[key] = count
+        elif count == 0:
+            self.live -= nbytes
+
+
 class SavedActivations:
     """Saved-tensor hooks of one stage: slots for every saved tensor, their bytes, and B-only freeing."""
 
     def __init__(self) -> None:
-        self.live_bytes = 0
-        """Bytes of saved tensors and pending W gradients alive now (each storage once)."""
-        self.peak_bytes = 0
-        """The most :attr:`live_bytes` reached since :meth:`reset_peak`."""
-        self._holders: dict[int, int] = {}
+        self.saved = ByteCount()
+        """The tensors saved for backward."""
+        self.total = ByteCount()
+        """The saved tensors and the gradients kept for W."""
         # The B being recorded. A plain attribute, not thread-local: on CUDA autograd runs the nodes (and so
         # the unpack hook) on its own device thread. Nodes of two threads overlapping can only make a slot
         # count as a boundary's and be kept, never the other way round.
         self._recording: Optional[_Recording] = None
 
     def reset_peak(self) -> None:
-        """Start a new peak from what is alive now."""
-        self.peak_bytes = self.live_bytes
+        """Start new peaks from what is alive now."""
+        for count in (self.saved, self.total):
+            count.peak = count.live
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         """The context a forward runs under so its saved tensors go into slots."""
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
-    def add_bytes(self, key: int, nbytes: int) -> None:
-        """Storage ``key`` gains a holder (counted once however many hold it)."""
-        count = self._holders.get(key, 0)
-        self._holders[key] = count + 1
-        if count == 0:
-            self.live_bytes += nbytes
-            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-
-    def remove_bytes(self, key: int, nbytes: int) -> None:
-        """Storage ``key`` loses a holder."""
-        count = self._holders.pop(key, 0) - 1
-        if count > 0:
-            self._holders[key] = count
-        elif count == 0:
-            self.live_bytes -= nbytes
-
     def hold(self, tensors: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
         """Count ``tensors`` (gradients kept for W) as live; returns what to give :meth:`drop` later."""
         held = [(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in tensors]
         for key, nbytes in held:
-            self.add_bytes(key, nbytes)
+            self.total.add(key, nbytes)
         return held
 
     def drop(self, held: Sequence[tuple[int, int]]) -> None:
         """Stop counting what :meth:`hold` returned."""
         for key, nbytes in held:
-            self.remove_bytes(key, nbytes)
+            self.total.remove(key, nbytes)
 
     def _pack(self, tensor: torch.Tensor) -> Any:
         base = tensor._base if tensor._base is not None else tensor
