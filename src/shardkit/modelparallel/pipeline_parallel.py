@@ -35,6 +35,7 @@ from torch.utils._pytree import tree_map
 from shardkit.modelparallel.execution import StageExecution
 from shardkit.modelparallel.runtime import MicrobatchRecord
 from shardkit.modelparallel.step_outputs import OutputSharing, share_from_output_stage
+from shardkit.modelparallel.zb_schedules import zero_bubble_schedule
 
 
 def _splits(execution: StageExecution) -> bool:
@@ -90,9 +91,7 @@ def zero_bubble_h1_schedule(stage: int, num_stages: int, microbatches: int) -> l
         >>> zero_bubble_h1_schedule(1, 2, 3)
         [F0, B0, W0, F1, B1, W1, F2, B2, W2]
     """
-    from shardkit.modelparallel.zb_schedules import zero_bubble_schedule  # builds on Action, defined here
-
-    return zero_bubble_schedule("zero_bubble", stage, num_stages, microbatches)
+    return schedule_for("zero_bubble", stage, num_stages, microbatches)
 
 
 def schedule_for(pipeline: str, stage: int, num_stages: int, microbatches: int) -> list[Action]:
@@ -101,9 +100,9 @@ def schedule_for(pipeline: str, stage: int, num_stages: int, microbatches: int) 
     if pipeline == "simple":
         return simple_schedule(microbatches)
     if pipeline.startswith("zero_bubble"):
-        from shardkit.modelparallel.zb_schedules import zero_bubble_schedule  # builds on Action, defined here
-
-        return zero_bubble_schedule(pipeline, stage, num_stages, microbatches)
+        return [
+            Action(op.kind, op.microbatch) for op in zero_bubble_schedule(pipeline, stage, num_stages, microbatches)
+        ]
     return one_f_one_b_schedule(stage, num_stages, microbatches)
 
 

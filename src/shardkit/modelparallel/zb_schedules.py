@@ -29,8 +29,10 @@ Why they cannot deadlock. The lists come from one complete run of the simulation
 started after its own stage's previous action and after the actions on other stages it receives from. So
 the start times order all actions consistently with both kinds of dependency: the dependency graph has no
 cycle, and in any real run, whatever the durations, the earliest unfinished action in that order has
-everything it waits for and can run. :func:`simulate` checks exactly this for any set of lists (it raises
-on a cycle), which the tests run for many pipeline shapes.
+everything it waits for and can run (only receives wait: a send returns at once under gloo, and under NCCL
+it is posted with the sender's next receive or right after B, see ``pp_communications``). :func:`simulate`
+checks exactly this for any set of lists (it raises on a cycle), which the tests run for many pipeline
+shapes.
 """
 
 from __future__ import annotations
@@ -38,9 +40,31 @@ from __future__ import annotations
 import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional, Protocol
 
-from shardkit.modelparallel.pipeline_parallel import Action
+
+class Op(NamedTuple):
+    """One action of a built list: ``kind`` ``"F"``, ``"B"`` or ``"W"`` of micro-batch ``microbatch`` (the
+    schedule module turns these into its ``Action``; kept apart so this module imports nothing of it)."""
+
+    kind: str
+    microbatch: int
+
+    def __repr__(self) -> str:
+        return f"{self.kind}{self.microbatch}"
+
+
+class ActionLike(Protocol):
+    """What :func:`simulate` reads of an action."""
+
+    @property
+    def kind(self) -> str: ...
+
+    @property
+    def microbatch(self) -> int: ...
+
+
+Key = tuple[int, str, int]  # (stage, kind, micro-batch)
 
 #: Schedule name -> cap of stage ``s`` of ``p``: micro-batches it may hold between their F and their W.
 ZB_CAPS = {
@@ -53,7 +77,7 @@ ZB_CAPS = {
 class Timeline:
     """A simulated run: per stage, ``(action, start, end)`` in execution order."""
 
-    runs: tuple[tuple[tuple[Action, float, float], ...], ...]
+    runs: tuple[tuple[tuple[ActionLike, float, float], ...], ...]
 
     @property
     def makespan(self) -> float:
@@ -77,7 +101,9 @@ def _cost(costs: Optional[Sequence[Mapping[str, float]]], stage: int, kind: str,
     return table[kind]
 
 
-def simulate(schedules: Sequence[Sequence[Action]], costs: Optional[Sequence[Mapping[str, float]]] = None) -> Timeline:
+def simulate(
+    schedules: Sequence[Sequence[ActionLike]], costs: Optional[Sequence[Mapping[str, float]]] = None
+) -> Timeline:
     """Run every stage's list in simulated time (``costs[stage][kind]``, default 1 each; no link latency).
 
     ``F k`` on stage ``s`` waits for ``F k`` on ``s - 1``; ``B k`` waits for ``B k`` on ``s + 1``. A list
@@ -85,8 +111,8 @@ def simulate(schedules: Sequence[Sequence[Action]], costs: Optional[Sequence[Map
     """
     p = len(schedules)
     split = [any(a.kind == "W" for a in actions) for actions in schedules]
-    done: dict[tuple[int, Action], float] = {}
-    runs: list[list[tuple[Action, float, float]]] = [[] for _ in range(p)]
+    done: dict[Key, float] = {}
+    runs: list[list[tuple[ActionLike, float, float]]] = [[] for _ in range(p)]
     free = [0.0] * p
     position = [0] * p
     while any(position[s] < len(schedules[s]) for s in range(p)):
@@ -99,7 +125,7 @@ def simulate(schedules: Sequence[Sequence[Action]], costs: Optional[Sequence[Map
                     break
                 start = max(free[s], ready)
                 free[s] = start + _cost(costs, s, action.kind, split[s])
-                done[(s, action)] = free[s]
+                done[(s, action.kind, action.microbatch)] = free[s]
                 runs[s].append((action, start, free[s]))
                 position[s] += 1
                 progressed = True
@@ -109,17 +135,17 @@ def simulate(schedules: Sequence[Sequence[Action]], costs: Optional[Sequence[Map
     return Timeline(tuple(tuple(run) for run in runs))
 
 
-def _ready_at(action: Action, stage: int, p: int, done: Mapping[tuple[int, Action], float]) -> Optional[float]:
+def _ready_at(action: ActionLike, stage: int, p: int, done: Mapping[Key, float]) -> Optional[float]:
     """When what ``action`` receives has arrived (None: its sender has not run it yet)."""
     if action.kind == "F" and stage > 0:
-        return done.get((stage - 1, action))
+        return done.get((stage - 1, "F", action.microbatch))
     if action.kind == "B" and stage < p - 1:
-        return done.get((stage + 1, action))
+        return done.get((stage + 1, "B", action.microbatch))
     return 0.0
 
 
 @functools.lru_cache(maxsize=64)
-def build_schedules(num_stages: int, microbatches: int, caps: tuple[int, ...]) -> tuple[tuple[Action, ...], ...]:
+def build_schedules(num_stages: int, microbatches: int, caps: tuple[int, ...]) -> tuple[tuple[Op, ...], ...]:
     """Every stage's action list of a zero-bubble schedule whose stage ``s`` holds at most ``caps[s]``
     micro-batches between F and W (see the module docstring for the rule and why it cannot deadlock)."""
     p, m = num_stages, microbatches
@@ -138,8 +164,8 @@ class _Greedy:
         self.p, self.m, self.caps = p, m, caps
         self.free = [0.0] * p
         self.next_f, self.next_b, self.next_w = [0] * p, [0] * p, [0] * p
-        self.done: dict[tuple[int, Action], float] = {}
-        self.runs: list[list[tuple[Action, float, float]]] = [[] for _ in range(p)]
+        self.done: dict[Key, float] = {}
+        self.runs: list[list[tuple[Op, float, float]]] = [[] for _ in range(p)]
 
     def remaining(self, s: int) -> bool:
         return self.next_w[s] < self.m
@@ -147,28 +173,28 @@ class _Greedy:
     def finished(self) -> bool:
         return not any(self.remaining(s) for s in range(self.p))
 
-    def _arrived(self, s: int, action: Action) -> bool:
+    def _arrived(self, s: int, action: Op) -> bool:
         at = _ready_at(action, s, self.p, self.done)
         return at is not None and at <= self.free[s]
 
     def start_next(self, s: int) -> bool:
         """Start the preferred action that can start now on stage ``s``; False when none can."""
         b, f, w = self.next_b[s], self.next_f[s], self.next_w[s]
-        if b < f and self._arrived(s, Action("B", b)):
+        if b < f and self._arrived(s, Op("B", b)):
             self.next_b[s] += 1
-            return self._run(s, Action("B", b))
-        if f < self.m and f - w < self.caps[s] and self._arrived(s, Action("F", f)):
+            return self._run(s, Op("B", b))
+        if f < self.m and f - w < self.caps[s] and self._arrived(s, Op("F", f)):
             self.next_f[s] += 1
-            return self._run(s, Action("F", f))
+            return self._run(s, Op("F", f))
         if w < b:
             self.next_w[s] += 1
-            return self._run(s, Action("W", w))
+            return self._run(s, Op("W", w))
         return False
 
-    def _run(self, s: int, action: Action) -> bool:
+    def _run(self, s: int, action: Op) -> bool:
         start, end = self.free[s], self.free[s] + 1.0
         self.free[s] = end
-        self.done[(s, action)] = end
+        self.done[(s, action.kind, action.microbatch)] = end
         self.runs[s].append((action, start, end))
         return True
 
@@ -184,7 +210,7 @@ class _Greedy:
                 self.free[o] = min(later)
 
 
-def zero_bubble_schedule(pipeline: str, stage: int, num_stages: int, microbatches: int) -> list[Action]:
+def zero_bubble_schedule(pipeline: str, stage: int, num_stages: int, microbatches: int) -> list[Op]:
     """The actions of ``stage`` under the zero-bubble ``pipeline`` (a key of :data:`ZB_CAPS`).
 
     Example::
