@@ -24,24 +24,28 @@ def test_quick_pipeline_suite_agrees_with_torch_pipelining(tmp_path: Path, capfd
 
 
 def test_schedules_side_by_side_train_identically(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
-    """--schedules runs smp's 1F1B and ZB-H1 in the same processes, each from the same weights: the same losses
-    (the split backward's gradients are bit-identical), a bubble and peak activation memory per stage each."""
+    """--schedules runs smp's 1F1B, ZB-H1 and ZB-H2 in the same processes, each from the same weights: the same
+    losses (the split backward's gradients are bit-identical), a bubble (measured, and predicted from the measured
+    F/B/W times) and peak activation memory per stage each."""
     out_json = tmp_path / "schedules.json"
-    pipeline.run(["--quick", "--strategies", "smp", "--schedules", "interleaved,zero_bubble", "--json", str(out_json)])
+    schedules = "interleaved,zero_bubble,zero_bubble_h2"
+    pipeline.run(["--quick", "--strategies", "smp", "--schedules", schedules, "--json", str(out_json)])
     out = capfd.readouterr().out
-    assert "smp zero_bubble vs smp interleaved: bubble" in out
+    assert "smp zero_bubble vs smp interleaved: bubble" in out and "bubble of its lists with these times" in out
     rows = {row["name"]: row for row in json.loads(out_json.read_text())["rows"]}
-    assert set(rows) == {"smp interleaved", "smp zero_bubble"}
-    assert rows["smp zero_bubble"]["max_loss_diff_vs_smp"] == 0.0
+    assert set(rows) == {"smp interleaved", "smp zero_bubble", "smp zero_bubble_h2"}
+    for name in ("smp zero_bubble", "smp zero_bubble_h2"):
+        assert rows[name]["max_loss_diff_vs_smp"] == 0.0
+        assert all(ms["W"] > 0 for ms in rows[name]["action_ms"])
+    assert all(ms["W"] == 0 and ms["B"] > 0 for ms in rows["smp interleaved"]["action_ms"])
     for row in rows.values():
         assert len(row["bubble_per_stage"]) == 2 and len(row["peak_activation_mib"]) == 2
-        assert all(mib > 0 for mib in row["peak_activation_mib"])
-    # ZB-H1 holds each micro-batch until its W: never less than 1F1B on a stage, at most all of GPipe's.
-    for stage in range(2):
-        assert (
-            rows["smp zero_bubble"]["peak_activation_mib"][stage]
-            >= rows["smp interleaved"]["peak_activation_mib"][stage]
-        )
+        assert all(mib > 0 for mib in row["peak_activation_mib"]) and 0 <= row["bubble_predicted"] < 1
+    memory = {name: row["peak_activation_mib"] for name, row in rows.items()}
+    for stage in range(2):  # ZB-H1 holds no more micro-batches than 1F1B on any stage, and B frees what only it needs
+        assert memory["smp zero_bubble"][stage] <= 1.05 * memory["smp interleaved"][stage]
+        assert rows["smp zero_bubble"]["peak_with_w_grads_mib"][stage] >= memory["smp zero_bubble"][stage]
+    assert memory["smp zero_bubble_h2"][0] > memory["smp zero_bubble"][0]  # ZB-H2 holds more on the first stage
 
 
 @pytest.mark.parametrize("chunking", [["--virtual-stages", "2"], ["--smp-pipeline", "zbv"]])

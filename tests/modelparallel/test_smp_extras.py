@@ -94,7 +94,7 @@ def _scaler(rank: int, world_size: int, pipeline: str = "interleaved") -> list[t
     return out
 
 
-@pytest.mark.parametrize("pipeline", ["interleaved", "zero_bubble"])
+@pytest.mark.parametrize("pipeline", ["interleaved", "zero_bubble", "zero_bubble_h2"])
 def test_grad_scaler_agrees_on_overflow_across_stages(pipeline: str) -> None:
     for per_rank in run_distributed(_scaler, 2, pipeline):
         assert per_rank == [(512.0, False), (512.0, True)]

@@ -274,7 +274,8 @@ def _pipelined(
 
 
 @pytest.mark.parametrize(
-    "kind,pipeline", [("lamb", "interleaved"), ("novograd", "interleaved"), ("lamb", "zero_bubble")]
+    "kind,pipeline",
+    [("lamb", "interleaved"), ("novograd", "interleaved"), ("lamb", "zero_bubble"), ("lamb", "zero_bubble_h2")],
 )
 def test_pipelined_training_matches_single_process(kind: str, pipeline: str) -> None:
     """Two stages, the residual model (one parameter replicated on both stages): the same steps as one

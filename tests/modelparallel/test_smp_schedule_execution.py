@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import contextlib
 from pathlib import Path
 from typing import Any, Optional
 
@@ -36,6 +37,9 @@ class _FakeExecution:
 
     def before_last_backward(self) -> None:
         self.calls.append("arm")
+
+    def saving(self, split: bool) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
 
     def backward(self, record: MicrobatchRecord, microbatches: int) -> None:
         self.calls.append(f"B{record.index}/{microbatches}")

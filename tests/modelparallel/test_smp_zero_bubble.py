@@ -1,6 +1,7 @@
-"""``"pipeline": "zero_bubble"`` (ZB-H1, split backward) trains exactly as one process: 2 and 4 stages, tied
-weights, cross-stage residuals, data parallel replicas (the overlapped all-reduce sees every W), and the
-documented fallbacks to the unsplit backward (activation-checkpointed stage, custom autograd.Function)."""
+"""``"pipeline": "zero_bubble"`` (ZB-H1) and ``"zero_bubble_h2"`` (ZB-H2), split backward, train exactly as one
+process: 2 and 4 stages, tied weights, cross-stage residuals, fewer micro-batches than stages, data parallel
+replicas (the overlapped all-reduce sees every W), and the documented fallbacks to the unsplit backward
+(activation-checkpointed stage, custom autograd.Function)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import warnings
 from collections import Counter
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 from smp_testlib import max_diff, reference_run, smp_run
@@ -19,31 +21,36 @@ import shardkit.modelparallel as smp
 from shardkit.testing import run_distributed
 
 ZB = "zero_bubble"
+H2 = "zero_bubble_h2"
+MANUAL = {"auto_partition": False}
 
 
-def test_two_stages_match_single_process() -> None:
-    cases = [("mlp", {"partitions": 2, "microbatches": mb, "pipeline": ZB}, {}) for mb in (1, 4, 8)] + [
-        ("residual", {"partitions": 2, "microbatches": 4, "pipeline": ZB, "auto_partition": False}, {"stages": 2}),
-        ("lm", {"partitions": 2, "microbatches": 4, "pipeline": ZB}, {}),  # embedding tied to the head
+@pytest.mark.parametrize("pipeline", [ZB, H2])
+def test_two_stages_match_single_process(pipeline: str) -> None:
+    cases = [("mlp", {"partitions": 2, "microbatches": mb, "pipeline": pipeline}, {}) for mb in (1, 4, 8)] + [
+        ("residual", {"partitions": 2, "microbatches": 4, "pipeline": pipeline, **MANUAL}, {"stages": 2}),
+        ("lm", {"partitions": 2, "microbatches": 4, "pipeline": pipeline}, {}),  # embedding tied to the head
     ]
     _check(run_distributed(_parity, 2, cases))
 
 
-def test_four_stages_match_single_process() -> None:
+@pytest.mark.parametrize("pipeline", [ZB, H2])
+def test_four_stages_match_single_process(pipeline: str) -> None:
     cases = [
-        ("mlp", {"partitions": 4, "microbatches": 8, "pipeline": ZB}, {}),
-        ("mlp", {"partitions": 4, "microbatches": 2, "pipeline": ZB}, {}),  # fewer micro-batches than stages
-        ("residual", {"partitions": 4, "microbatches": 4, "pipeline": ZB, "auto_partition": False}, {"stages": 4}),
-        ("lm", {"partitions": 4, "microbatches": 4, "pipeline": ZB}, {}),
+        ("mlp", {"partitions": 4, "microbatches": 8, "pipeline": pipeline}, {}),
+        ("mlp", {"partitions": 4, "microbatches": 2, "pipeline": pipeline}, {}),  # fewer micro-batches than stages
+        ("mlp", {"partitions": 4, "microbatches": 1, "pipeline": pipeline}, {}),
+        ("residual", {"partitions": 4, "microbatches": 4, "pipeline": pipeline, **MANUAL}, {"stages": 4}),
+        ("lm", {"partitions": 4, "microbatches": 8, "pipeline": pipeline}, {}),
     ]
     _check(run_distributed(_parity, 4, cases))
 
 
-def _hybrid(rank: int, world_size: int) -> dict[str, Any]:
+def _hybrid(rank: int, world_size: int, pipeline: str) -> dict[str, Any]:
     """2 stages x 2 replicas; counts the all-reduces the overlap launched from W's gradient hooks."""
     out: dict[str, Any] = {}
     for name, options in (("mlp", {"bucket_cap_mb": 0.0001}), ("lm", {"gradient_as_bucket_view": True})):
-        config = {"partitions": 2, "microbatches": 4, "pipeline": ZB, "ddp": True}
+        config = {"partitions": 2, "microbatches": 4, "pipeline": pipeline, "ddp": True}
         ref_losses, ref_state = reference_run(name, 3, 8, replicas=2)
         losses, state, model = smp_run(name, config, 3, 8, **options)
         execution = model.stage_execution
@@ -57,8 +64,9 @@ def _hybrid(rank: int, world_size: int) -> dict[str, Any]:
     return out
 
 
-def test_data_parallel_replicas_match_single_process() -> None:
-    for per_rank in run_distributed(_hybrid, 4):
+@pytest.mark.parametrize("pipeline", [ZB, H2])
+def test_data_parallel_replicas_match_single_process(pipeline: str) -> None:
+    for per_rank in run_distributed(_hybrid, 4, pipeline):
         for name, r in per_rank.items():
             assert r["loss_diff"] <= 1e-5 and r["param_diff"] <= 1e-5, (name, r)
             assert r["unsplit"] is None, r  # the backward really was split

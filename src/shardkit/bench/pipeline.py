@@ -39,7 +39,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from shardkit.bench.pipeline_smp import SmpSchedules
+from shardkit.bench.pipeline_smp import SmpSchedules, action_costs, predicted_bubble
 from shardkit.bench.pipeline_torch import TorchPipeline, block_split
 from shardkit.bench.report import format_table, ratio, write_json
 from shardkit.bench.runner import quiet_torch_deprecations
@@ -47,7 +47,9 @@ from shardkit.demo.task import MarkovTask
 from shardkit.distributed import collectives
 from shardkit.launch import launch_local
 from shardkit.modelparallel.config import PIPELINES
+from shardkit.modelparallel.pipeline_parallel import schedule_for
 from shardkit.modelparallel.virtual_schedules import bubble_fraction, schedule_grid
+from shardkit.modelparallel.zb_schedules import simulate
 from shardkit.testing.models import LMConfig, TransformerLM
 from shardkit.utils.checks import at_least, positive
 
@@ -163,9 +165,14 @@ def _worker(settings: PipelineSettings, names: list[str]) -> dict[str, Any]:
         result["smp_peak_activation"] = {}
         for schedule in settings.schedules:
             name = settings.smp_name(schedule)
-            result["smp_peak_activation"][name] = smp_live.peak_activation_bytes(schedule, tokens, targets)
+            saved, with_w = smp_live.peak_activation_bytes(schedule, tokens, targets)
+            result["smp_peak_activation"][name] = saved
+            result.setdefault("smp_peak_with_w_grads", {})[name] = with_w
             result.setdefault("smp_wait", {})[name] = smp_live.waits[schedule][settings.warmup :]
             result.setdefault("smp_share", {})[name] = smp_live.shares[schedule][settings.warmup :]
+            costs = action_costs(smp_live.costs[schedule][settings.warmup :], settings.microbatches)
+            result.setdefault("smp_costs", {})[name] = costs
+            result.setdefault("smp_trace", {})[name] = smp_live.traces.get(schedule, [])
         result["placement"] = str(smp_live.model.placement)
         smp_live.smp.reset()
     dist.destroy_process_group()
@@ -203,6 +210,14 @@ class Row:
     output_share_s: Optional[float] = None
     #: smp: per stage, the peak bytes of activations saved for backward during one step (MiB).
     peak_activation_mib: Optional[list[float]] = None
+    #: smp: per stage, the peak of those and the gradients a split backward keeps for W, together (MiB).
+    peak_with_w_grads_mib: Optional[list[float]] = None
+    #: smp: per stage, the median milliseconds of one F, B and W (unsplit schedules: B includes W).
+    action_ms: Optional[list[dict[str, float]]] = None
+    #: smp: the bubble of this schedule's lists simulated with those per-stage times.
+    bubble_predicted: Optional[float] = None
+    #: smp: per stage, the last timed step's actions: (action, start s, end s, s blocked on receives).
+    trace: Optional[list[list[tuple[str, float, float, float]]]] = None
 
 
 def combine(settings: PipelineSettings, per_rank: list[dict[str, Any]]) -> list[Row]:
@@ -217,13 +232,17 @@ def combine(settings: PipelineSettings, per_rank: list[dict[str, Any]]) -> list[
         first_smp = settings.smp_name(settings.schedules[0])
         if first_smp in last["losses"] and name != first_smp:
             diff = max(abs(a - b) for a, b in zip(losses, last["losses"][first_smp]))
-        bubble = per_stage = share = None
+        bubble = per_stage = share = action_ms = predicted = with_w = None
+        smp_schedules = {settings.smp_name(s): s for s in settings.schedules}
         if name in last.get("smp_wait", {}):
+            costs = [r["smp_costs"][name] for r in per_rank]
+            action_ms = [{k: v * 1e3 for k, v in c.items()} for c in costs]
+            predicted = predicted_bubble(smp_schedules[name], costs, settings.microbatches)
             per_stage = [statistics.fmean(r["smp_wait"][name]) for r in per_rank]
             bubble = statistics.fmean(per_stage)
             share = statistics.median(max(r["smp_share"][name][i] for r in per_rank) for i in range(settings.steps))
             memory = [r["smp_peak_activation"][name] / 2**20 for r in per_rank]
-        smp_schedules = {settings.smp_name(s): s for s in settings.schedules}
+            with_w = [r["smp_peak_with_w_grads"][name] / 2**20 for r in per_rank]
         schedule = {**smp_schedules, "torch GPipe": "GPipe", "torch 1F1B": "1F1B"}[name]
         rows.append(
             Row(
@@ -237,23 +256,28 @@ def combine(settings: PipelineSettings, per_rank: list[dict[str, Any]]) -> list[
                 per_stage,
                 share,
                 memory,
+                peak_with_w_grads_mib=with_w,
+                action_ms=action_ms,
+                bubble_predicted=predicted,
+                trace=[r["smp_trace"][name] for r in per_rank] if action_ms is not None else None,
             )
         )
     return rows
 
 
 def bubble_theory(schedule: str, stages: int, microbatches: int, virtual_stages: int = 1) -> float:
-    """The bubble fraction of ``schedule`` with equal forward, input-backward and weight-backward times:
-    ``(p-1)/(m+p-1)`` for GPipe and 1F1B, ``(p-1)/(3m+p-1)`` for ZB-H1 (bubble ``(p-1)(F+B-W)``),
-    ``(p-1)/(vm+p-1)`` for 1F1B over ``v`` virtual stages, and ZBV's from its tick grid (F, B and W one tick)."""
+    """The bubble fraction of ``schedule`` (smp's names, or torch's ``"GPipe"``/``"1F1B"``) with equal F, B
+    and W times: ZBV's from its tick grid, ``(p-1)/(vm+p-1)`` for 1F1B over ``v`` virtual stages, and the others
+    simulated from their action lists: ``(p-1)/(m+p-1)`` for GPipe and 1F1B, ``(p-1)/(3m+p-1)`` for ZB-H2 when
+    ``m >= p``, and ``2(p-1)/(3m+2(p-1))`` for ZB-H1 at 1F1B's per-stage memory."""
     p, m = stages, microbatches
     if schedule == "zbv":
         return bubble_fraction(schedule_grid("zbv", p, 2, m))
     if schedule == "interleaved" and virtual_stages > 1:
         return (p - 1) / (virtual_stages * m + p - 1)
-    if schedule == "zero_bubble":
-        return (p - 1) / (3 * m + p - 1)
-    return (p - 1) / (m + p - 1)
+    smp_name = {"GPipe": "simple", "1F1B": "interleaved"}.get(schedule, schedule)
+    lists = [schedule_for(smp_name, s, p, m) for s in range(p)]
+    return simulate(lists).mean_bubble()
 
 
 def _print(settings: PipelineSettings, rows: list[Row], placement: Optional[str], split: list[list[int]]) -> None:
@@ -290,10 +314,13 @@ def _print(settings: PipelineSettings, rows: list[Row], placement: Optional[str]
     print(format_table(headers, table))
     smp_rows = [r for r in rows if r.name.startswith("smp") and r.bubble_per_stage is not None]
     for smp_row in smp_rows:
-        assert smp_row.bubble_per_stage is not None
+        assert smp_row.bubble_per_stage is not None and smp_row.action_ms is not None
         print(
             f"{smp_row.name} bubble per stage (time blocked on receives / step time): "
             + ", ".join(f"stage {i}: {b:.1%}" for i, b in enumerate(smp_row.bubble_per_stage))
+            + "; F/B/W ms per micro-batch: "
+            + ", ".join("/".join(f"{ms[k]:.0f}" for k in "FBW") for ms in smp_row.action_ms)
+            + f"; bubble of its lists with these times: {smp_row.bubble_predicted:.1%}"
         )
     _print_smp_ratios(smp_rows)
     if smp_rows:
@@ -316,11 +343,19 @@ def _print_smp_ratios(smp_rows: list[Row]) -> None:
     for r in smp_rows[1:]:
         assert r.bubble_measured is not None and first.bubble_measured is not None
         assert r.peak_activation_mib is not None and first.peak_activation_mib is not None
+        assert r.peak_with_w_grads_mib is not None
+        worst = max(a / b for a, b in zip(r.peak_activation_mib, first.peak_activation_mib) if b > 0)
         print(
             f"{r.name} vs {first.name}: bubble {ratio(r.bubble_measured, first.bubble_measured)}, peak activation "
-            f"memory (largest stage) {ratio(max(r.peak_activation_mib), max(first.peak_activation_mib))}, "
-            f"median step {ratio(r.median_step_s, first.median_step_s)}"
+            f"memory (largest stage) {ratio(max(r.peak_activation_mib), max(first.peak_activation_mib))}, on the "
+            f"stage it grows most {worst:.2f}x, median step {ratio(r.median_step_s, first.median_step_s)}"
         )
+        if r.peak_with_w_grads_mib != r.peak_activation_mib:
+            print(
+                f"  {r.name} with the gradients kept for W (which the unsplit backward makes too, but only while it "
+                "runs, uncounted): " + "/".join(f"{x:.1f}" for x in r.peak_with_w_grads_mib) + " MiB per stage, "
+                f"largest {ratio(max(r.peak_with_w_grads_mib), max(first.peak_activation_mib))}"
+            )
 
 
 def run(argv: list[str]) -> None:

@@ -4,69 +4,29 @@ smp allows one ``DistributedModel`` per process, so the schedules share it: each
 stage's parameters and optimizer state, swapped in (outside the timed region) before its step, so every
 schedule trains from the same start on the same batches as if it ran alone, and their losses can be compared.
 
-Activation memory is measured with saved-tensor hooks: the bytes of the tensors autograd keeps for backward
-(parameters excluded, each storage counted once), live at the same time on this stage, at their peak over one
-step. It is what a schedule's order decides (how many micro-batches hold their activations at once, and for
-how long a split backward keeps them until W), independent of the allocator and of the device.
+Activation memory is measured by the stage's own saved-tensor slots
+(:class:`~shardkit.modelparallel.saved_activations.SavedActivations`, turned on for every schedule during one
+extra step): the bytes of the tensors autograd keeps for backward (parameters excluded, each storage counted
+once) plus, under a split backward, the gradients kept for W, live at the same time on this stage, at their
+peak over the step. It is what a schedule's order decides (how many micro-batches hold their activations at
+once, and what a split backward still holds between B and W), independent of the allocator and the device.
+
+Each step also records how long this stage computed its F, B and W actions (receive waits excluded):
+:func:`predicted_bubble` replays the schedule with those times in the simulator the zero-bubble lists are
+built with, which separates what the schedule leaves idle from what the stages' unequal costs do.
 """
 
 from __future__ import annotations
 
+import statistics
+from collections.abc import Sequence
 from typing import Any, Callable
 
 import torch
 
+from shardkit.modelparallel.pipeline_parallel import schedule_for
+from shardkit.modelparallel.zb_schedules import simulate
 from shardkit.testing.models import TransformerLM
-
-
-class ActivationMeter:
-    """Live and peak bytes of the tensors saved for backward while its hooks are installed."""
-
-    def __init__(self, exclude: list[torch.Tensor]) -> None:
-        self._exclude = {t.untyped_storage().data_ptr() for t in exclude}
-        self._holders: dict[int, int] = {}
-        self.live = 0
-        self.peak = 0
-
-    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
-        """The context that routes saved tensors through this meter."""
-        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-
-    def _pack(self, tensor: torch.Tensor) -> Any:
-        storage = tensor.untyped_storage()
-        key = storage.data_ptr()
-        if key in self._exclude or storage.nbytes() == 0:
-            return tensor
-        return _Held(self, tensor.detach(), key, storage.nbytes())  # detached: an output saving itself makes no cycle
-
-    @staticmethod
-    def _unpack(packed: Any) -> torch.Tensor:
-        return packed.tensor if isinstance(packed, _Held) else packed
-
-    def add(self, key: int, nbytes: int) -> None:
-        """A saved tensor starts holding storage ``key``."""
-        count = self._holders.get(key, 0)
-        self._holders[key] = count + 1
-        if count == 0:
-            self.live += nbytes
-            self.peak = max(self.peak, self.live)
-
-    def remove(self, key: int, nbytes: int) -> None:
-        """A saved tensor of storage ``key`` was released by autograd."""
-        count = self._holders.pop(key) - 1
-        if count:
-            self._holders[key] = count
-        else:
-            self.live -= nbytes
-
-
-class _Held:
-    def __init__(self, meter: ActivationMeter, tensor: torch.Tensor, key: int, nbytes: int) -> None:
-        self.tensor, self._meter, self._key, self._nbytes = tensor, meter, key, nbytes
-        meter.add(key, nbytes)
-
-    def __del__(self) -> None:
-        self._meter.remove(self._key, self._nbytes)
 
 
 class SmpSchedules:
@@ -90,6 +50,9 @@ class SmpSchedules:
         self.optimizer = smp.DistributedOptimizer(torch.optim.AdamW(self.model.parameters(), lr=settings.lr))
         self.waits: dict[str, list[float]] = {s: [] for s in schedules}
         self.shares: dict[str, list[float]] = {s: [] for s in schedules}
+        self.costs: dict[str, list[dict[str, float]]] = {s: [] for s in schedules}
+        #: Each schedule's last timed step, action by action (``StepStats.trace``), for --json.
+        self.traces: dict[str, list[tuple[str, float, float, float]]] = {}
         self._saved: dict[str, Any] = {}
         self._current = schedules[0]
 
@@ -144,14 +107,36 @@ class SmpSchedules:
         self.optimizer.step()
         self.waits[schedule].append(self.model.last_step_stats.bubble_fraction)
         self.shares[schedule].append(self.model.last_step_stats.share_s)
+        self.costs[schedule].append(dict(self.model.last_step_stats.compute_s))
+        self.traces[schedule] = list(self.model.last_step_stats.trace)
         return float(loss)
 
-    def peak_activation_bytes(self, schedule: str, tokens: torch.Tensor, targets: torch.Tensor) -> int:
-        """One more (untimed) step under ``schedule``, measuring this stage's peak saved-activation bytes."""
+    def peak_activation_bytes(self, schedule: str, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[int, int]:
+        """One more (untimed) step under ``schedule``: this stage's peak bytes saved for backward, and its peak
+        of those and the gradients kept for W together."""
         self.use(schedule)
-        meter = ActivationMeter(list(self.model.local_parameters()))
-        with meter.hooks():
+        execution = self.model.stage_execution
+        assert execution is not None
+        execution.measure_activations = True
+        execution.activations.reset_peak()
+        timed_trace = self.traces.get(schedule, [])
+        try:
             self.step(schedule, tokens, targets)
-        self.waits[schedule].pop()
-        self.shares[schedule].pop()
-        return meter.peak
+        finally:
+            execution.measure_activations = False
+        for series in (self.waits, self.shares, self.costs):
+            series[schedule].pop()
+        self.traces[schedule] = timed_trace
+        return execution.activations.saved.peak, execution.activations.total.peak
+
+
+def action_costs(per_step: Sequence[dict[str, float]], microbatches: int) -> dict[str, float]:
+    """Median seconds of one F, B and W action over ``per_step`` (each step's sums; unsplit: W is 0)."""
+    return {kind: statistics.median(step.get(kind, 0.0) for step in per_step) / microbatches for kind in "FBW"}
+
+
+def predicted_bubble(schedule: str, costs: Sequence[dict[str, float]], microbatches: int) -> float:
+    """The mean idle fraction of ``schedule``'s lists run with each stage's measured action ``costs``."""
+    stages = len(costs)
+    lists = [schedule_for(schedule, s, stages, microbatches) for s in range(stages)]
+    return simulate(lists, costs).mean_bubble()

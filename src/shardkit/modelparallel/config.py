@@ -11,7 +11,7 @@ from shardkit.modelparallel.virtual_schedules import check_virtual_config
 
 __all__ = ["CONFIG_ENV_VAR", "SAGEMAKER_ENV_VAR", "ModelOptions", "ModelParallelConfig", "resolve_config"]
 
-PIPELINES = ("interleaved", "simple", "zero_bubble", "zbv")
+PIPELINES = ("interleaved", "simple", "zero_bubble", "zero_bubble_h2", "zbv")
 OPTIMIZE = ("speed", "memory")
 PLACEMENTS = ("cluster", "spread")
 
@@ -30,10 +30,12 @@ class ModelParallelConfig:
     #: Micro-batches per step; the batch size must be divisible by it. 1 means no pipelining.
     microbatches: int = 1
     #: ``"interleaved"``: 1F1B, each backward as early as possible; ``"simple"``: all forwards, then all backwards;
-    #: ``"zero_bubble"`` (a shardkit addition): ZB-H1, 1F1B with each backward split into its input and weight
-    #: gradients, the latter filling the bubble (see ``pipeline_parallel``); ``"zbv"`` (also an addition): two chunks
-    #: per rank in a V, each backward split the same way (see ``virtual_schedules``); needs ``microbatches >= 2 *
-    #: partitions``.
+    #: ``"zero_bubble"`` (a shardkit addition): ZB-H1, each backward split into its input and weight gradients,
+    #: the latter filling the bubble, at 1F1B's activation memory on every stage; ``"zero_bubble_h2"``: ZB-H2,
+    #: a smaller bubble for up to twice the activations (see ``zb_schedules``). Both train correctly with any
+    #: number of micro-batches; below ``partitions`` the bubble shrinks less.
+    #: ``"zbv"`` (also an addition): two chunks per rank in a V, each backward split the same way (see
+    #: ``virtual_schedules``); needs ``microbatches >= 2 * partitions``.
     pipeline: str = "interleaved"
     #: Trace the model on the first step and balance stages automatically; ``smp.partition`` contexts are ignored.
     auto_partition: bool = True

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterable
-from typing import Callable, Optional
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -20,12 +21,13 @@ from shardkit.distributed import collectives as C
 from shardkit.modelparallel.grad_sync import GradientSync
 from shardkit.modelparallel.pp_communications import StageLink
 from shardkit.modelparallel.runtime import MicrobatchRecord, StageRuntime
+from shardkit.modelparallel.saved_activations import SavedActivations
 
 
 class StageExecution:
     """This rank's stage of the partitioned model: what a step's schedule calls, in schedule order.
 
-    ``pipeline`` is the configured schedule (``"simple"``/``"interleaved"``/``"zero_bubble"``), ``mp_group``
+    ``pipeline`` is the configured schedule (a name in ``config.PIPELINES``), ``mp_group``
     joins the replica's stages (step outputs are broadcast from the output stage over it), ``average_grads``
     divides each micro-batch's loss gradient by the number of micro-batches, and ``buffers`` lists the
     buffers this stage holds, broadcast from the first replica before every step when ``broadcast_buffers`` is set.
@@ -59,6 +61,10 @@ class StageExecution:
         """Activation-checkpointed modules on this stage: its backward is never split (W would recompute them)."""
         self.unsplit_reason: Optional[str] = None
         """Why this stage's backward ran unsplit under a zero-bubble schedule (None while it splits)."""
+        self.activations = SavedActivations()
+        """This stage's saved tensors, in slots a split backward empties after B (and their bytes)."""
+        self.measure_activations = False
+        """Count saved tensors under every schedule, not only split ones (the benchmark's memory step)."""
         self._dp_group = dp_group
         self._broadcast_buffers = broadcast_buffers
         self._buffers = buffers
@@ -84,6 +90,11 @@ class StageExecution:
         return self.runtime.link
 
     # ---- the step's life cycle, in the order the schedule calls it ------------------------------------------
+
+    def saving(self, split: bool) -> AbstractContextManager[Any]:
+        """The context one micro-batch's forward runs under: saved-tensor slots where the backward is split
+        (so B can free what W does not need) or activations are measured; otherwise nothing."""
+        return self.activations.hooks() if split or self.measure_activations else nullcontext()
 
     def begin_step(self) -> None:
         """Before a step's first forward: the join handshake (inside ``join()``) and the buffer broadcast."""
@@ -115,7 +126,7 @@ class StageExecution:
         Where the backward cannot be split, it runs whole here (W is then empty) and a warning says why, once.
         """
         scale = 1.0 / microbatches if self.average_grads else 1.0
-        reason = self.runtime.backward_input(record, scale, split=not self.checkpointed)
+        reason = self.runtime.backward_input(record, scale, split=not self.checkpointed, saved=self.activations)
         if reason is not None and self.unsplit_reason is None:
             if self.checkpointed:
                 reason = f"activation-checkpointed modules {list(self.checkpointed)} run on this stage"

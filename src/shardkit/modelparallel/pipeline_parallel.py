@@ -4,28 +4,30 @@ A stage's schedule is a list of actions: ``F k`` runs the user's step function o
 forward computes this stage's units; ``model.backward`` only records the request) and ``B k`` runs that
 micro-batch's backward on this stage. In a schedule that also has ``W k`` actions, ``B k`` computes only the
 gradients of the stage's inputs (sent upstream at once) and ``W k`` the parameters' gradients
-(:mod:`~shardkit.modelparallel.split_backward`). Three schedules, all starting with ``F 0`` on every stage:
+(:mod:`~shardkit.modelparallel.split_backward`). Four schedules, all starting with ``F 0`` on every stage:
 
 - ``simple`` (GPipe): every forward, then every backward.
 - ``interleaved`` (1F1B): a warm-up of ``num_stages - stage - 1`` forwards, a steady state alternating one
   forward and one backward, and a cool-down of the remaining backwards, so each backward runs as early as
   its gradients can exist and at most ``num_stages - stage`` micro-batches hold activations.
-- ``zero_bubble`` (ZB-H1, Qi et al. 2024, arXiv 2401.10241; a shardkit addition to smp's two): 1F1B with
-  each backward split into B and W. Stage ``s`` holds back the W of its last ``s`` micro-batches and runs
-  them when the cool-down would leave it idle, so upstream stages get their gradients a W earlier on every
-  hop. At most ``num_stages`` micro-batches hold activations on any stage (1F1B's peak, on stage 0), and the
-  bubble drops from ``(p-1)(F+B+W)`` to ``(p-1)(F+B-W)`` per stage.
+- ``zero_bubble`` (ZB-H1) and ``zero_bubble_h2`` (ZB-H2), Qi et al. 2024, arXiv 2401.10241 (shardkit
+  additions to smp's two): each backward split into B and W, the W's placed where the stage would wait.
+  ZB-H1 holds no more micro-batches on a stage than 1F1B does there; ZB-H2 about twice as many on the
+  first stage, for a bubble of only the first activation's trip. Their lists are built by simulating the
+  pipeline (:mod:`~shardkit.modelparallel.zb_schedules`, which also says why they cannot deadlock).
 
 Activations only flow to higher stages and gradients to lower ones, every stage runs its forwards and its
-backwards in micro-batch order, and W needs nothing from another stage, so each blocking receive waits on
-work the sender's schedule puts before anything that could wait on the receiver: no schedule can deadlock.
+backwards in micro-batch order, and W needs nothing from another stage, so each blocking receive of
+``simple`` and ``interleaved`` waits on work the sender's schedule puts before anything that could wait on
+the receiver: neither can deadlock.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass
+from contextlib import nullcontext
+from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Optional
 
 import torch
@@ -34,7 +36,13 @@ from shardkit.modelparallel.execution import StageExecution
 from shardkit.modelparallel.runtime import MicrobatchRecord
 from shardkit.modelparallel.step_outputs import OutputSharing, share_from_output_stage
 from shardkit.modelparallel.virtual_stages import ProbeFinished, VirtualStageExecution
+from shardkit.modelparallel.zb_schedules import zero_bubble_schedule
 from shardkit.utils._torch_private import tree_map
+
+
+def _splits(execution: StageExecution) -> bool:
+    """Whether ``execution``'s schedule splits each backward into B and W."""
+    return any(a.kind == "W" for a in schedule_for(execution.pipeline, execution.stage, execution.num_stages, 1))
 
 
 def _detached(value: Any) -> Any:
@@ -77,50 +85,26 @@ def one_f_one_b_schedule(stage: int, num_stages: int, microbatches: int) -> list
 
 
 def zero_bubble_h1_schedule(stage: int, num_stages: int, microbatches: int) -> list[Action]:
-    """ZB-H1: 1F1B's warm-up, steady state and cool-down, each backward split into B and W, with stage ``stage``
-    running each W ``stage`` backwards late; the W's still held at the end close the cool-down.
-
-    Deadlock-free: the F and B actions are 1F1B's, in the same order (W sends and receives nothing), so every
-    receive waits on an action the sender reaches first, as in 1F1B. At most ``warm-up + 1 + stage =
-    num_stages`` micro-batches are between their F and their W on any stage.
+    """ZB-H1: each backward split into B and W, stage ``stage`` holding at most ``num_stages - stage``
+    micro-batches between F and W, as 1F1B does (built in :mod:`~shardkit.modelparallel.zb_schedules`).
 
     Example::
 
         >>> zero_bubble_h1_schedule(1, 2, 3)
-        [F0, B0, F1, B1, W0, F2, B2, W1, W2]
+        [F0, B0, W0, F1, B1, W1, F2, B2, W2]
     """
-    warmup = min(num_stages - stage - 1, microbatches)
-    held = stage  # W's a stage may owe: its share of the cool-down bubble they fill
-    actions = [Action("F", k) for k in range(warmup)]
-    forward, backward, weight = warmup, 0, 0
-
-    def weights_due() -> list[Action]:
-        nonlocal weight
-        if backward - weight <= held:
-            return []
-        weight += 1
-        return [Action("W", weight - 1)]
-
-    while forward < microbatches:  # steady state
-        actions += [Action("F", forward), Action("B", backward)]
-        forward += 1
-        backward += 1
-        actions += weights_due()
-    while backward < microbatches:  # cool-down
-        actions.append(Action("B", backward))
-        backward += 1
-        actions += weights_due()
-    actions += [Action("W", k) for k in range(weight, microbatches)]  # the held W's fill the last bubble
-    return actions
+    return schedule_for("zero_bubble", stage, num_stages, microbatches)
 
 
 def schedule_for(pipeline: str, stage: int, num_stages: int, microbatches: int) -> list[Action]:
-    """The actions of ``stage`` for the configured ``pipeline`` (``"simple"``, ``"interleaved"`` or
-    ``"zero_bubble"``)."""
+    """The actions of ``stage`` for the configured ``pipeline`` (``"simple"``, ``"interleaved"``,
+    ``"zero_bubble"`` or ``"zero_bubble_h2"``)."""
     if pipeline == "simple":
         return simple_schedule(microbatches)
-    if pipeline == "zero_bubble":
-        return zero_bubble_h1_schedule(stage, num_stages, microbatches)
+    if pipeline.startswith("zero_bubble"):
+        return [
+            Action(op.kind, op.microbatch) for op in zero_bubble_schedule(pipeline, stage, num_stages, microbatches)
+        ]
     return one_f_one_b_schedule(stage, num_stages, microbatches)
 
 
@@ -136,6 +120,12 @@ class StepStats:
     sent_bytes: int = 0
     #: Time spent giving every stage the output stage's returned values (a broadcast over the stages).
     share_s: float = 0.0
+    #: Seconds spent computing each kind of action (``"F"``, ``"B"``, ``"W"``), summed over the micro-batches,
+    #: receive waits excluded (the first step's first forward, which partitions the model, is not counted).
+    compute_s: dict[str, float] = field(default_factory=dict)
+    #: Every action after the first forward: (``"F3"``, start, end, seconds of it blocked on receives), in
+    #: ``time.perf_counter()`` seconds (one clock for every process of a machine, on Linux).
+    trace: list[tuple[str, float, float, float]] = field(default_factory=list)
 
     @property
     def bubble_fraction(self) -> float:
@@ -176,8 +166,15 @@ class StepRun:
         before = self._execution()
         if before is not None:
             before.begin_step()
-        with contextlib.suppress(ProbeFinished):  # virtual stages: that forward only learns the input shapes
-            self._forward(0)  # the first forward partitions the model on the first step
+        compute = dict.fromkeys("FBW", 0.0)
+        # The first forward partitions the model on the first step: only then is the schedule known.
+        began, waited = time.perf_counter(), before.link.wait_s if before is not None else 0.0
+        chunked = isinstance(before, VirtualStageExecution)
+        saving = before.saving(_splits(before)) if before is not None and not chunked else nullcontext()
+        with saving, contextlib.suppress(ProbeFinished):  # virtual stages: that forward only learns the input shapes
+            self._forward(0)
+        if before is not None:
+            compute["F"] += time.perf_counter() - began - (before.link.wait_s - waited)
         execution = self._execution()
         if execution is None:
             raise RuntimeError("the @smp.step function never called the DistributedModel, so it was not partitioned")
@@ -185,34 +182,28 @@ class StepRun:
             return self._finish(execution, execution.run_step(self), start)
         actions = schedule_for(execution.pipeline, execution.stage, execution.num_stages, self.microbatches)
         assert actions[0] == Action("F", 0)
-        split = any(a.kind == "W" for a in actions)
+        split = _splits(execution)
         grads_from = "W" if split else "B"  # the actions that produce parameter gradients
         last_backward = max((i for i, a in enumerate(actions) if a.kind == grads_from), default=-1)
+        trace: list[tuple[str, float, float, float]] = []
         for i, action in enumerate(actions[1:], start=1):
+            began, waited = time.perf_counter(), execution.link.wait_s
             if action.kind == "F":
-                self._forward(action.microbatch)
-                continue
-            if i == last_backward:
-                execution.before_last_backward()
-            record = self.records[action.microbatch]
-            if not record.backward_requested:
-                continue
-            if action.kind == "W":
-                execution.backward_weight(record)
-            elif split:
-                execution.backward_input(record, self.microbatches)
-                if self.detach_outputs:
-                    # The returned loss is the graph's root: dropping it lets autograd free the nodes above the
-                    # ones W re-runs (a language model's logits) now rather than at the step's end.
-                    record.outputs = tree_map(_detached, record.outputs)
+                with execution.saving(split):
+                    self._forward(action.microbatch)
             else:
-                execution.backward(record, self.microbatches)
+                if i == last_backward:
+                    execution.before_last_backward()
+                self._backward(execution, action, split)
+            ended, blocked = time.perf_counter(), execution.link.wait_s - waited
+            compute[action.kind] += ended - began - blocked
+            trace.append((repr(action), began, ended, blocked))
         execution.finish_step(any(r.backward_requested for r in self.records))
         shared_at = time.perf_counter()
         outputs = self._share_outputs(execution, [r.outputs for r in self.records])
         end = time.perf_counter()
         link = execution.link
-        self.stats = StepStats(end - start, link.wait_s, link.sent_bytes, end - shared_at)
+        self.stats = StepStats(end - start, link.wait_s, link.sent_bytes, end - shared_at, compute, trace)
         return outputs
 
     def _finish(self, execution: StageExecution, outputs: list[Any], start: float) -> list[Any]:
@@ -221,6 +212,21 @@ class StepRun:
         end = time.perf_counter()
         self.stats = StepStats(end - start, execution.link.wait_s, execution.link.sent_bytes, end - shared_at)
         return outputs
+
+    def _backward(self, execution: StageExecution, action: Action, split: bool) -> None:
+        record = self.records[action.microbatch]
+        if not record.backward_requested:
+            return
+        if action.kind == "W":
+            execution.backward_weight(record)
+        elif split:
+            execution.backward_input(record, self.microbatches)
+            if self.detach_outputs:
+                # The returned loss is the graph's root: dropping it lets autograd free the nodes above the
+                # ones W re-runs (a language model's logits) now rather than at the step's end.
+                record.outputs = tree_map(_detached, record.outputs)
+        else:
+            execution.backward(record, self.microbatches)
 
     def _forward(self, microbatch: int) -> None:
         self.forward_into(self.records[microbatch])

@@ -28,6 +28,7 @@ from torch import nn
 
 from shardkit.modelparallel.plan import LeafSpec, PipelinePlan, UnitCall, signature_of
 from shardkit.modelparallel.pp_communications import StageLink
+from shardkit.modelparallel.saved_activations import SavedActivations
 from shardkit.modelparallel.split_backward import WeightGradients, backward_input
 from shardkit.utils._torch_private import tree_flatten, tree_unflatten
 
@@ -265,19 +266,22 @@ class StageRuntime:
             torch.autograd.backward(tensors, grad_tensors)
         self._send_input_grads(record, [leaf.grad for leaf, _ in record.received])
 
-    def backward_input(self, record: MicrobatchRecord, loss_scale: float, split: bool = True) -> Optional[str]:
+    def backward_input(
+        self, record: MicrobatchRecord, loss_scale: float, split: bool = True, saved: Optional[SavedActivations] = None
+    ) -> Optional[str]:
         """B of a split backward: this stage's input gradients, sent upstream at once; the parameters'
         gradients wait in ``record.weight_work`` for :meth:`backward_weight`.
 
         Runs the whole backward instead, and returns why, where it cannot be split (``split=False`` forces
-        that: a stage with activation-checkpointed modules would recompute them in W).
+        that: a stage with activation-checkpointed modules would recompute them in W). ``saved``: the hooks
+        the forwards ran under, whose tensors only B needs are released when B ends.
         """
         tensors, grad_tensors = self._roots(record, loss_scale)
         leaves = [leaf for leaf, _ in record.received]
         if not tensors:  # nothing flows back through this stage for this micro-batch
             self._send_input_grads(record, [None] * len(leaves))
             return None
-        result = backward_input(tensors, grad_tensors, leaves) if split else "a checkpointed module runs here"
+        result = backward_input(tensors, grad_tensors, leaves, saved) if split else "a checkpointed module runs here"
         if isinstance(result, str):
             if tensors:
                 torch.autograd.backward(tensors, grad_tensors)
@@ -285,6 +289,10 @@ class StageRuntime:
             return result
         grads, record.weight_work = result
         self._send_input_grads(record, grads)
+        # Out now, not with this stage's next receive (after the W's the schedule may run first): the stage
+        # below waits on them. Safe to post alone: gradients only travel down, so their receiver never waits
+        # for anything this stage posts after them before it posts the matching receive.
+        self.link.flush()
         return None
 
     def backward_weight(self, record: MicrobatchRecord) -> None:

@@ -24,16 +24,23 @@ weight gradient once, which W cannot repeat safely. A ``torch.compile``-d module
 backward is one node), so a compiled stage runs unsplit. ``torch.utils.checkpoint`` (non-reentrant) inside a
 stage splits exactly, but every W call that reaches the checkpointed block recomputes it once more; modules
 given to ``smp.set_activation_checkpointing`` make their stage run unsplit instead (see ``StageExecution``).
+
+Memory. B keeps the graph for W, but where the forward ran under a
+:class:`~shardkit.modelparallel.saved_activations.SavedActivations`' hooks, the tensors only B needed are
+released as B ends; W holds on to the recorded boundary gradients until it runs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import nullcontext
 from typing import Callable, Optional, Union
 
 import torch
 from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+
+from shardkit.modelparallel.saved_activations import SavedActivations
 
 Grads = tuple[Optional[torch.Tensor], ...]
 
@@ -91,11 +98,15 @@ class WeightGradients:
         targets: list[list[torch.Tensor]],
         captured: dict[Node, Grads],
         root_grads: dict[Node, list[tuple[int, torch.Tensor]]],
+        saved: Optional[SavedActivations] = None,
     ) -> None:
         self._groups = groups
         self._targets = targets
         self._captured = captured
         self._root_grads = root_grads
+        self._saved = saved
+        grads = [g for gs in captured.values() for g in gs if g is not None]
+        self._held = saved.hold(grads + [g for gs in root_grads.values() for _, g in gs]) if saved else []
 
     def run(self) -> None:
         """Accumulate every leaf's gradient of this micro-batch into its ``.grad`` (firing its hooks)."""
@@ -122,15 +133,22 @@ class WeightGradients:
                 for handle in handles:
                     handle.remove()
         self._groups, self._targets, self._captured, self._root_grads = [], [], {}, {}
+        if self._saved is not None:
+            self._saved.drop(self._held)
+            self._held = []
 
 
 def backward_input(
-    tensors: Sequence[torch.Tensor], grad_tensors: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]
+    tensors: Sequence[torch.Tensor],
+    grad_tensors: Sequence[torch.Tensor],
+    inputs: Sequence[torch.Tensor],
+    saved: Optional[SavedActivations] = None,
 ) -> Union[tuple[list[Optional[torch.Tensor]], WeightGradients], str]:
     """B: the gradients of ``inputs`` (leaves) from ``tensors`` seeded with ``grad_tensors``, and the W work left.
 
     Returns a reason string instead, computing nothing, where the backward cannot be split (see the module
-    docstring); the caller then runs the whole backward at once.
+    docstring); the caller then runs the whole backward at once. ``saved``: the hooks the forward ran under,
+    whose B-only tensors are released when B ends (and which counts the gradients kept for W).
     """
     roots = [get_gradient_edge(t) for t in tensors]
     input_nodes = {get_gradient_edge(x).node for x in inputs}
@@ -163,15 +181,27 @@ def backward_input(
         needed = [(i, x) for i, x in enumerate(inputs) if get_gradient_edge(x).node in input_side]
         found: list[Optional[torch.Tensor]] = [None] * len(inputs)
         if needed:
-            grads = torch.autograd.grad(
-                list(tensors), [x for _, x in needed], list(grad_tensors), retain_graph=True, allow_unused=True
-            )
+            keep = _rerun_by_w(groups, input_side) if saved is not None else []
+            with saved.freeing_after(keep) if saved is not None else nullcontext():
+                grads = torch.autograd.grad(
+                    list(tensors), [x for _, x in needed], list(grad_tensors), retain_graph=True, allow_unused=True
+                )
             for (i, _), grad in zip(needed, grads):
                 found[i] = grad
     finally:
         for handle in handles:
             handle.remove()
-    return found, WeightGradients(groups, targets, captured, root_grads)
+    return found, WeightGradients(groups, targets, captured, root_grads, saved)
+
+
+def _rerun_by_w(groups: list[list[Node]], input_side: set[Node]) -> list[Node]:
+    """The input-side nodes W runs again: every boundary, and, in a group of several (a weight used twice),
+    the input-side nodes below its starts, through which one start's gradient reaches the shared weight."""
+    nodes = {start for starts in groups for start in starts if start in input_side}
+    for starts in groups:
+        if len(starts) > 1:
+            nodes.update(n for n in _post_order(starts) if n in input_side)
+    return list(nodes)
 
 
 def _recorder(captured: dict[Node, Grads], node: Node) -> Callable[[Grads], None]:

@@ -311,15 +311,18 @@ def estimate(
         dict(optimizer_options or {}), dict(strategy_options or {}), nprocs_per_node, backend,
     )  # fmt: skip
     run = _in_child(args) if dist.is_initialized() else _run(*args)
-    bubble = 1.0
+    stretch = 1.0
     if strategy == PIPELINE:
-        from shardkit.plan.pipeline import smp_config
+        from shardkit.plan.pipeline import pipeline_bubble, smp_config
 
         config = smp_config(strategy_options or {}, world_size)
         micro, parts = int(config.get("microbatches", 1)), int(config["partitions"])
-        bubble = (micro + parts - 1) / micro
+        schedule = str(config.get("pipeline", "interleaved"))
+        idle = pipeline_bubble(schedule, parts, micro)
+        stretch = 1.0 / (1.0 - idle)  # busy time / (1 - idle fraction) = the step
+        run.notes = (f"{schedule} pipeline bubble {idle:.1%} of the step ({parts} stages x {micro} mb)", *run.notes)
     est = _estimate_from(
-        run, strategy, world_size, device or DeviceSpec(), link or LinkSpec(), nprocs_per_node, bubble, backend
+        run, strategy, world_size, device or DeviceSpec(), link or LinkSpec(), nprocs_per_node, stretch, backend
     )
     return est
 

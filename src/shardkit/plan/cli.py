@@ -26,6 +26,7 @@ from shardkit.plan.api import Estimate, estimate
 from shardkit.plan.cost import DeviceSpec, LinkSpec
 from shardkit.plan.losses import LOSS_HELP, import_attribute, resolve_loss
 from shardkit.plan.once import each_warning_once
+from shardkit.plan.pipeline import pipeline_bubble
 from shardkit.plan.plot import save_plot
 from shardkit.plan.report import plan_document, plot_title, position_hint, print_failures, recommend, table
 from shardkit.plan.runner import LossFn, PlanError
@@ -79,7 +80,9 @@ def _ints(text: str) -> list[int]:
 
 
 def pipeline_settings(world_size: int, batch_size: int) -> list[Setting]:
-    """smp settings for ``world_size``: 2, 4 and 8 partitions dividing it, with two micro-batches per stage.
+    """smp settings for ``world_size``: 2, 4 and 8 partitions dividing it, with two micro-batches per stage,
+    each under smp's 1F1B and shardkit's two zero-bubble schedules (ZB-H1 at 1F1B's activation memory, ZB-H2 at
+    about twice it), each labelled with the bubble its schedule predicts (:func:`pipeline_bubble`).
 
     A replica of ``p`` stages trains the ``p`` ranks' batches together, so the global batch stays that of the
     data-parallel settings.
@@ -88,11 +91,18 @@ def pipeline_settings(world_size: int, batch_size: int) -> list[Setting]:
     for parts in (2, 4, 8):
         if world_size % parts:
             continue
-        # Two micro-batches per stage when the batch allows (bubble (3p-1)/2p), else one each.
+        # Two micro-batches per stage when the batch allows (1F1B's bubble 1/3 of the step), else one each.
         micro = 2 * parts if (batch_size * parts) % (2 * parts) == 0 else parts
-        config = {"partitions": parts, "microbatches": micro, "pipeline": "interleaved"}
-        out.append(Setting(f"pipeline (smp) {parts} stages x {micro} mb", "smp", config, batch_ranks=parts))
+        for schedule, name in PIPELINE_SCHEDULES.items():
+            config = {"partitions": parts, "microbatches": micro, "pipeline": schedule}
+            idle = pipeline_bubble(schedule, parts, micro)
+            label = f"pipeline ({name}) {parts} stages x {micro} mb, bubble {idle:.0%}"
+            out.append(Setting(label, "smp", config, batch_ranks=parts))
     return out
+
+
+#: The smp schedules the planner compares, with the label each setting carries.
+PIPELINE_SCHEDULES = {"interleaved": "smp", "zero_bubble": "smp ZB-H1", "zero_bubble_h2": "smp ZB-H2"}
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -16,8 +16,9 @@ collectives it issued (bytes each rank sends, ring model, and how many calls) an
   ``compute + communication``: measured on this project's 2-core machine (``shardkit bench plan-time``), steps
   followed the sum, not the maximum; nothing overlaps across phases either way;
 - a pipeline (smp) runs one stage's FLOPs per rank, stretched by its bubble: with ``p`` partitions and ``m``
-  micro-batches every stage idles ``p - 1`` micro-batch slots, so forward and backward take ``(m + p - 1) / m``
-  times their busy time;
+  micro-batches 1F1B leaves every stage idle ``p - 1`` micro-batch slots, so forward and backward take
+  ``(m + p - 1) / m`` times their busy time; the zero-bubble schedules idle less (the fraction comes from
+  simulating their action lists, :func:`shardkit.plan.pipeline.pipeline_bubble`);
 - the optimizer phase is memory-bound: it reads and writes the rank's parameters, gradients and optimizer state
   once at ``DeviceSpec.memory_bytes_per_s``, then its collectives (OSS's parameter exchange) run exposed;
 - CPU offload: state in host memory is stepped by the CPU, read and written once at
@@ -139,7 +140,8 @@ def step_seconds(
 ) -> dict[str, float]:
     """Predicted seconds per phase and in total (``"step"``), by the model in the module docstring.
 
-    ``bubble`` stretches forward and backward for a pipeline: ``(microbatches + partitions - 1) / microbatches``.
+    ``bubble`` stretches forward and backward for a pipeline: ``1 / (1 - idle fraction)``, which is
+    ``(microbatches + partitions - 1) / microbatches`` for 1F1B.
     ``host_state_bytes``: the part of the state offloaded to host memory (the CPU steps it). ``overlap``: whether
     communication runs beside compute (accelerators) or takes turns with it (CPUs).
     """

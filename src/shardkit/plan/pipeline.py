@@ -51,6 +51,18 @@ def pipeline_forward_backward(model: nn.Module, batch: Any, loss_fn: LossFn) -> 
         train_step(model, *(batch if isinstance(batch, (tuple, list)) else (batch,)))
 
 
+def pipeline_bubble(pipeline: str, partitions: int, microbatches: int) -> float:
+    """The fraction of a step each stage idles under smp's ``pipeline`` schedule, from its action lists run in
+    simulation with equal forward, input-gradient and weight-gradient times: ``(p-1)/(m+p-1)`` for
+    ``"interleaved"`` and ``"simple"``, less for the zero-bubble schedules (``"zero_bubble"``: ZB-H1 at 1F1B's
+    memory; ``"zero_bubble_h2"``: about twice it, ``(p-1)/(3m+p-1)`` once ``m >= p``)."""
+    from shardkit.modelparallel.pipeline_parallel import schedule_for
+    from shardkit.modelparallel.zb_schedules import simulate
+
+    lists = [schedule_for(pipeline, s, partitions, microbatches) for s in range(partitions)]
+    return simulate(lists).mean_bubble()
+
+
 def smp_config(options: Mapping[str, Any], world_size: int) -> dict[str, Any]:
     """The ``smp.init`` config: the options, with ``ddp`` on when there are several replicas."""
     config = {"partitions": 2, **options}
@@ -130,4 +142,4 @@ def plan_stages(
     return chosen
 
 
-__all__ = ["builder", "pipeline_forward_backward", "plan_stages", "smp_config"]
+__all__ = ["builder", "pipeline_bubble", "pipeline_forward_backward", "plan_stages", "smp_config"]

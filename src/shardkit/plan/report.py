@@ -31,8 +31,9 @@ Result = tuple["Setting", "Estimate"]
 def table(results: Sequence[Result], memory: int, host_memory: Optional[int] = None) -> str:
     """One line per estimate, by world size, those that fit first, fastest first."""
     gib = 2**30
+    width = max([36, *(len(setting.label) for setting, _ in results)])
     lines = [
-        f"{'world':>5}  {'setting':<36} {'peak GiB':>9} {'state GiB':>9} {'host GiB':>9} {'sends GiB':>9} "
+        f"{'world':>5}  {'setting':<{width}} {'peak GiB':>9} {'state GiB':>9} {'host GiB':>9} {'sends GiB':>9} "
         f"{'inter GiB':>9} {'step ms':>9}  fits"
     ]
 
@@ -45,7 +46,7 @@ def table(results: Sequence[Result], memory: int, host_memory: Optional[int] = N
         inter = f"{sum(est.inter_node_bytes.values()) / gib:>9.3f}" if est.nprocs_per_node else f"{'-':>9}"
         host = f"{est.host.peak_bytes / gib:>9.2f}" if est.host.peak_bytes else f"{'-':>9}"
         lines.append(
-            f"{est.world_size:>5}  {setting.label:<36} {est.peak_bytes / gib:>9.2f} {est.state_bytes / gib:>9.2f} "
+            f"{est.world_size:>5}  {setting.label:<{width}} {est.peak_bytes / gib:>9.2f} {est.state_bytes / gib:>9.2f} "
             f"{host} {sends:>9.3f} {inter} {est.step_seconds * 1e3:>9.1f}  "
             f"{'yes' if est.fits(memory, host_memory) else 'no'}"
         )
