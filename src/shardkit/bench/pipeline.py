@@ -237,7 +237,8 @@ def combine(settings: PipelineSettings, per_rank: list[dict[str, Any]]) -> list[
         if name in last.get("smp_wait", {}):
             costs = [r["smp_costs"][name] for r in per_rank]
             action_ms = [{k: v * 1e3 for k, v in c.items()} for c in costs]
-            predicted = predicted_bubble(smp_schedules[name], costs, settings.microbatches)
+            if not settings.smp_chunked:  # chunked schedules run on their own tick grid, with no per-action times
+                predicted = predicted_bubble(smp_schedules[name], costs, settings.microbatches)
             per_stage = [statistics.fmean(r["smp_wait"][name]) for r in per_rank]
             bubble = statistics.fmean(per_stage)
             share = statistics.median(max(r["smp_share"][name][i] for r in per_rank) for i in range(settings.steps))
@@ -318,9 +319,13 @@ def _print(settings: PipelineSettings, rows: list[Row], placement: Optional[str]
         print(
             f"{smp_row.name} bubble per stage (time blocked on receives / step time): "
             + ", ".join(f"stage {i}: {b:.1%}" for i, b in enumerate(smp_row.bubble_per_stage))
-            + "; F/B/W ms per micro-batch: "
-            + ", ".join("/".join(f"{ms[k]:.0f}" for k in "FBW") for ms in smp_row.action_ms)
-            + f"; bubble of its lists with these times: {smp_row.bubble_predicted:.1%}"
+            + (
+                ""  # chunked schedules time no single actions
+                if smp_row.bubble_predicted is None
+                else "; F/B/W ms per micro-batch: "
+                + ", ".join("/".join(f"{ms[k]:.0f}" for k in "FBW") for ms in smp_row.action_ms)
+                + f"; bubble of its lists with these times: {smp_row.bubble_predicted:.1%}"
+            )
         )
     _print_smp_ratios(smp_rows)
     if smp_rows:
