@@ -119,3 +119,19 @@ def test_a_compatibility_path_imports_and_exports_its_names(name: str) -> None:
     module = importlib.import_module(name)
     for attr in getattr(module, "__all__", []):
         assert getattr(module, attr) is not None, f"{name}.{attr}"
+
+
+def test_no_module_replaces_its_own_class() -> None:
+    """``sys.modules[__name__].__class__ = ...`` makes a module something else than it reads as; fairscale's names
+    that need a callable (``shardkit.nn.wrap``) are bound as plain attributes instead."""
+    swaps = [
+        f"{MODULES[name].relative_to(SRC.parent)}:{node.lineno}"
+        for name, tree in TREES.items()
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign)
+        for target in node.targets
+        if isinstance(target, ast.Attribute)
+        and target.attr == "__class__"
+        and "sys.modules" in ast.unparse(target.value)
+    ]
+    assert not swaps, f"modules replacing a module's class: {swaps}"
