@@ -8,14 +8,15 @@ parameter a default (so torch's three-argument policy calls work too), ``RELAXED
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
+import types
 from typing import Any, Callable
 
 import pytest
 from torch import nn
 
 import shardkit.nn
-import shardkit.nn.wrap
 from shardkit.nn.wrap import (
     ConfigAutoWrap,
     auto_wrap,
@@ -142,8 +143,18 @@ def test_default_sets_are_attributes_of_the_default_policy() -> None:
 
 
 def test_fairscale_import_paths() -> None:
+    wrap_package = importlib.import_module("shardkit.nn.wrap")  # ``shardkit.nn.wrap`` the attribute is the function
     for name in ("auto_wrap", "config_auto_wrap_policy", "default_auto_wrap_policy", "enable_wrap", "wrap"):
         assert callable(getattr(shardkit.nn, name)), f"shardkit.nn.{name}"
-        assert callable(getattr(shardkit.nn.wrap, name)), f"shardkit.nn.wrap.{name}"
+        assert callable(getattr(wrap_package, name)), f"shardkit.nn.wrap.{name}"
     for attr in ("in_autowrap_context", "wrapper_cls", "kwargs", "auto_wrap_policy", "move_module_cuda_half"):
         assert hasattr(ConfigAutoWrap, attr), f"ConfigAutoWrap.{attr}"
+
+
+def test_wrap_in_shardkit_nn_is_the_function_as_in_fairscale() -> None:
+    """fairscale.nn binds ``wrap`` to the function, shadowing the submodule; shardkit.nn does the same, and the
+    package stays an ordinary module (nothing replaces a module's class)."""
+    wrap_package = importlib.import_module("shardkit.nn.wrap")
+    assert shardkit.nn.wrap is wrap is wrap_package.wrap
+    assert type(wrap_package) is types.ModuleType
+    assert isinstance(wrap(nn.Linear(2, 2)), nn.Linear)  # outside enable_wrap: the module itself

@@ -47,6 +47,19 @@ GROUP = DummyProcessGroup(rank=0, size=1)
 
 
 def _resolve(name: str) -> Any:
+    """The shardkit object for a fairscale dotted name, found as ``from <parent> import <last>`` finds it: the
+    parent by module path, the last name as the parent's attribute first (``fairscale.nn.wrap`` is the function
+    ``wrap`` that ``fairscale.nn`` binds, not the submodule of that name), else as a submodule."""
+    parent_name, _, last = name.rpartition(".")
+    if not parent_name:
+        return importlib.import_module("shardkit")
+    parent = _resolve_path(parent_name)
+    if hasattr(parent, last):
+        return getattr(parent, last)
+    return _resolve_path(name)
+
+
+def _resolve_path(name: str) -> Any:
     """The shardkit object for a fairscale dotted name (module path, then attributes)."""
     parts = ["shardkit", *name.split(".")[1:]]
     for cut in range(len(parts), 0, -1):

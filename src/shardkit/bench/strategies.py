@@ -237,7 +237,7 @@ register(
         "oss_ddp",
         "torch DDP + shardkit OSS (ZeRO-1)",
         _build_oss_ddp,
-        requires=("shardkit.optim.oss:OSS",),
+        requires=("shardkit.optim.zero1:OSS",),
         torch_comm=comm.ddp_allreduce_bytes,
     )
 )
@@ -246,7 +246,7 @@ register(
         "oss_sdp",
         "shardkit OSS + ShardedDataParallel (ZeRO-2)",
         _build_oss_sdp,
-        requires=("shardkit.optim.oss:OSS", "shardkit.nn.sharded_ddp:ShardedDataParallel"),
+        requires=("shardkit.optim.zero1:OSS", "shardkit.nn.sharded_ddp:ShardedDataParallel"),
     )
 )
 register(

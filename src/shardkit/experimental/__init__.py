@@ -1,1 +1,1 @@
-"""Experimental APIs (kept for fairscale compatibility)."""
+"""Compatibility path for ``fairscale.experimental`` (see :mod:`shardkit.compat`)."""

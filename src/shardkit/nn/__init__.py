@@ -12,14 +12,15 @@ from shardkit.nn.fsdp import BackwardPrefetch, CPUOffload, FullyShardedDataParal
 from shardkit.nn.sharded_ddp import ShardedDataParallel
 from shardkit.nn.slowmo import SlowMoBaseAlgorithm, SlowMoDistributedDataParallel
 
-# ``shardkit.nn.wrap`` is the package; it is callable as the ``wrap`` function (see its docstring), so both
-# ``from shardkit.nn import wrap`` and ``from shardkit.nn.wrap import wrap`` give something that wraps.
+# Imported last, so the name ``wrap`` here is the function (as in fairscale), not the package ``shardkit.nn.wrap``
+# that importing it binds first: ``from shardkit.nn import wrap`` gives the function.
 from shardkit.nn.wrap import (
     auto_wrap,
     config_auto_wrap_policy,
     default_auto_wrap_policy,
     enable_wrap,
     transformer_auto_wrap_policy,
+    wrap,
 )
 
 __all__ = [

@@ -1,5 +1,5 @@
-"""Compatibility path for fairscale users: ``from shardkit.optim.oss import OSS``."""
+"""Compatibility path for ``fairscale.optim.oss``: :class:`~shardkit.optim.zero1.OSS` (see :mod:`shardkit.compat`)."""
 
-from shardkit.optim.zero1.optimizer import OSS
+from shardkit.optim.zero1 import OSS
 
 __all__ = ["OSS"]

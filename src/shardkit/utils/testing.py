@@ -1,4 +1,5 @@
-"""Compatibility path: ``from shardkit.utils.testing import DummyProcessGroup`` (fairscale's location)."""
+"""Compatibility path for fairscale's testing helpers: ``DummyProcessGroup`` and the test harness (see
+:mod:`shardkit.compat`)."""
 
 from shardkit.distributed.dummy import DummyProcessGroup
 from shardkit.testing.harness import DistributedTestError, run_distributed

@@ -140,7 +140,7 @@ def _smp_run(small: bool) -> dict[str, Any]:
 
 
 def _slowmo_run(small: bool) -> dict[str, Any]:
-    from shardkit.nn.data_parallel import SlowMoDistributedDataParallel
+    from shardkit.nn.slowmo import SlowMoDistributedDataParallel
 
     cfg = small_lm(small)
     data = batches(cfg, 3, 4, seed=10)

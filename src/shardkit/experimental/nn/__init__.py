@@ -1,1 +1,1 @@
-"""Experimental nn APIs."""
+"""Compatibility path for ``fairscale.experimental.nn`` (see :mod:`shardkit.compat`)."""

@@ -1,4 +1,5 @@
-"""fairscale's ``fairscale.nn.checkpoint.checkpoint_activations`` path: the wrapper and the checkpointing flags.
+"""Compatibility path for ``fairscale.nn.checkpoint.checkpoint_activations``: the wrapper and the checkpointing flags
+(see :mod:`shardkit.compat`).
 
 Code written for fairscale imports from here unchanged::
 

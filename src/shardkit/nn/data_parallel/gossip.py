@@ -1,11 +1,9 @@
-"""SlowMo's gossip building blocks, also reachable beside the data-parallel wrappers.
+"""Compatibility path for ``fairscale.experimental.nn.data_parallel.gossip`` beside the data-parallel wrappers
+(tools that map fairscale's experimental data-parallel package onto ``shardkit.nn.data_parallel`` look here); the
+same names as :mod:`shardkit.experimental.nn.data_parallel.gossip`, from :mod:`shardkit.nn.slowmo` (see
+:mod:`shardkit.compat`)."""
 
-fairscale keeps them under ``fairscale.experimental.nn.data_parallel.gossip``; shardkit's home for that path is
-:mod:`shardkit.experimental.nn.data_parallel.gossip`. Tools that map fairscale's experimental data-parallel package
-onto ``shardkit.nn.data_parallel`` find the same objects here.
-"""
-
-from shardkit.experimental.nn.data_parallel.gossip import (
+from shardkit.nn.slowmo import (
     CudaEventRecorder,
     DynamicBipartiteExponentialGraph,
     DynamicBipartiteLinearGraph,

@@ -1,4 +1,4 @@
-"""Compatibility path for fairscale users: ``from shardkit.nn.data_parallel.sharded_ddp import ShardedDataParallel``."""
+"""Compatibility path for ``fairscale.nn.data_parallel.sharded_ddp`` (see :mod:`shardkit.compat`)."""
 
 from shardkit.nn.sharded_ddp import ShardedDataParallel
 

@@ -196,36 +196,15 @@ class FullyShardedDataParallel(FullParamsMethods, StateDictMethods):
         forward_prefetch: bool = False,
         sharding_strategy: Optional[ShardingStrategy] = None,
     ) -> None:
+        # Every argument but module and process_group is a setting its policy's builder reads by name
+        # (policies_from_args refuses one that no builder reads): no other place lists them.
+        settings = {name: value for name, value in locals().items() if name not in _NOT_SETTINGS}
         super().__init__()
         group, replica_group, sharding_strategy = resolve_unit_groups(
             process_group, sharding_strategy, reshard_after_forward
         )
         policies = policies_from_args(
-            reshard_after_forward=reshard_after_forward,
-            flatten_parameters=flatten_parameters,
-            mixed_precision=mixed_precision,
-            fp32_reduce_scatter=fp32_reduce_scatter,
-            compute_dtype=compute_dtype,
-            buffer_dtype=buffer_dtype,
-            move_params_to_cpu=move_params_to_cpu,
-            move_grads_to_cpu=move_grads_to_cpu,
-            cpu_offload=cpu_offload,
-            compute_device=compute_device,
-            backward_prefetch=backward_prefetch,
-            forward_prefetch=forward_prefetch,
-            bucket_cap_mb=bucket_cap_mb,
-            state_dict_device=state_dict_device,
-            process_group_reduce_scatter=process_group_reduce_scatter,
-            disable_reshard_on_root=disable_reshard_on_root,
-            no_broadcast_optim_state=no_broadcast_optim_state,
-            clear_autocast_cache=clear_autocast_cache,
-            force_input_to_fp32=force_input_to_fp32,
-            verbose=verbose,
-            state_dict_on_rank_0_only=state_dict_on_rank_0_only,
-            gradient_predivide_factor=gradient_predivide_factor,
-            allow_reset_parameters=allow_reset_parameters,
-            sharding_strategy=sharding_strategy,
-            replica_group=replica_group,
+            {**settings, "sharding_strategy": sharding_strategy, "replica_group": replica_group}
         )
         policies = resolve_reduce_group(policies, group)
         if replica_group is not None:  # the replicas must hold the same model too (nothing changed yet)
@@ -262,18 +241,6 @@ class FullyShardedDataParallel(FullParamsMethods, StateDictMethods):
             self._unit.cast_inputs = lambda tree: cast(move(tree))
         #: Original dtypes of floating-point buffers cast for mixed precision (clean name -> dtype), root only.
         self.buffer_original_dtypes: dict[str, torch.dtype] = {}
-
-    @property
-    def sharding_strategy(self) -> ShardingStrategy:
-        """The unit's :class:`ShardingStrategy` (torch FSDP's attribute)."""
-        return self._policies.sharding.strategy
-
-    @property
-    def replica_group(self) -> Optional[GroupLike]:
-        """The ranks holding the same shards as this one (hybrid sharding: the same local rank on every node;
-        NO_SHARD: every rank), over which reduced gradient shards are all-reduced; None without replicas.
-        ``process_group`` is the shard group, so a checkpoint counts ``world // world_size`` replicas."""
-        return self._policies.reduce.replica_group
 
     # ------------------------------------------------------------------ forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -393,6 +360,10 @@ class FullyShardedDataParallel(FullParamsMethods, StateDictMethods):
                 return method(*args, **kwargs)
         with listed:
             return self._forward_with(method, args, kwargs)
+
+
+#: Constructor arguments that are not settings of a policy (``__class__``: the cell ``super()`` reads).
+_NOT_SETTINGS = frozenset({"self", "module", "process_group", "__class__"})
 
 
 def _is_unit(module: nn.Module) -> bool:

@@ -4,12 +4,17 @@ The public constructor keeps fairscale's flat argument list so users migrate by 
 :func:`policies_from_args` validates those arguments once (errors name the argument) and turns them into the
 dataclasses of :mod:`shardkit.nn.fsdp.policy_types` (re-exported here), which check their own invariants in
 ``__post_init__`` (so no invalid policy can be built, also not by ``dataclasses.replace``). The runtime only ever
-reads these policies.
+reads these policies. Each policy's builder below takes the constructor arguments it reads as parameters of the
+same names, so a flag is spelled in the signature and in its builder only; fairscale's read-only attributes read
+the policies back through :class:`~shardkit.nn.fsdp.unit_module.PolicySetting`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+import functools
+import inspect
+from collections.abc import Mapping
+from typing import Any, Callable, Optional, Union
 
 import torch
 
@@ -32,6 +37,7 @@ from shardkit.nn.fsdp.strategy import ShardingStrategy
 
 __all__ = [
     "COMPUTE_DTYPES",
+    "POLICY_ARGUMENTS",
     "BackwardPrefetch",
     "CPUOffload",
     "FSDPPolicies",
@@ -129,14 +135,14 @@ def _sharding(
     reshard_after_forward: bool,
     flatten_parameters: bool,
     disable_reshard_on_root: bool,
-    strategy: Optional[ShardingStrategy],
+    sharding_strategy: Optional[ShardingStrategy],
 ) -> ShardingPolicy:
     """fairscale's ``reshard_after_forward`` and torch's ``sharding_strategy`` as one policy.
 
     ``reshard_after_forward`` defaults to True in fairscale's signature, so a True beside SHARD_GRAD_OP cannot be
     told from the default: the strategy decides. An explicit False beside a strategy that reshards is a conflict.
     """
-    reshard = bool(reshard_after_forward)
+    reshard, strategy = bool(reshard_after_forward), sharding_strategy
     if strategy is None:
         strategy = ShardingStrategy.FULL_SHARD if reshard else ShardingStrategy.SHARD_GRAD_OP
     elif not isinstance(strategy, ShardingStrategy):
@@ -153,56 +159,78 @@ def _sharding(
     return ShardingPolicy(reshard, bool(flatten_parameters), bool(disable_reshard_on_root), strategy)
 
 
-def policies_from_args(
-    *,
-    reshard_after_forward: bool,
-    flatten_parameters: bool,
-    mixed_precision: bool,
-    fp32_reduce_scatter: bool,
-    compute_dtype: Optional[torch.dtype],
-    buffer_dtype: Optional[torch.dtype],
-    move_params_to_cpu: bool,
-    move_grads_to_cpu: Optional[bool],
-    cpu_offload: Union[bool, CPUOffload, None],
-    compute_device: Optional[Union[torch.device, str, int]],
-    backward_prefetch: Optional[BackwardPrefetch],
-    forward_prefetch: bool,
-    bucket_cap_mb: float,
-    state_dict_device: Optional[Union[torch.device, str]],
-    process_group_reduce_scatter: Any = ProcessGroupName.reduce_scatter,
-    disable_reshard_on_root: bool = True,
-    no_broadcast_optim_state: Optional[bool] = False,
-    clear_autocast_cache: bool = False,
-    force_input_to_fp32: bool = False,
-    verbose: bool = False,
-    state_dict_on_rank_0_only: bool = False,
-    gradient_predivide_factor: Optional[float] = None,
-    allow_reset_parameters: bool = False,
-    sharding_strategy: Optional[ShardingStrategy] = None,
-    replica_group: Any = None,
-) -> FSDPPolicies:
-    """Validate the documented constructor arguments and group them into :class:`FSDPPolicies`.
-
-    ``replica_group``: the group each reduced gradient shard is all-reduced over (hybrid sharding, NO_SHARD).
-    """
+def _prefetch(backward_prefetch: Optional[BackwardPrefetch], forward_prefetch: bool) -> PrefetchPolicy:
     if backward_prefetch is not None and not isinstance(backward_prefetch, BackwardPrefetch):
         raise TypeError(f"backward_prefetch must be a BackwardPrefetch or None, got {backward_prefetch!r}")
+    return PrefetchPolicy(backward=backward_prefetch, forward=bool(forward_prefetch))
+
+
+def _bucket_cap_mb(bucket_cap_mb: float) -> float:
     if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)):
         raise TypeError(f"bucket_cap_mb must be a number of megabytes (<= 0: no bucketing), got {bucket_cap_mb!r}")
-    return FSDPPolicies(
-        sharding=_sharding(reshard_after_forward, flatten_parameters, disable_reshard_on_root, sharding_strategy),
-        mixed_precision=_mixed_precision(
-            mixed_precision, compute_dtype, buffer_dtype, fp32_reduce_scatter, force_input_to_fp32, clear_autocast_cache
-        ),
-        offload=_offload(move_params_to_cpu, move_grads_to_cpu, cpu_offload, compute_device),
-        prefetch=PrefetchPolicy(backward=backward_prefetch, forward=bool(forward_prefetch)),
-        state_dict=StateDictPolicy(
-            torch.device(state_dict_device) if state_dict_device is not None else None,
-            rank0_only=bool(state_dict_on_rank_0_only),
-            no_broadcast_optim_state=bool(no_broadcast_optim_state),
-        ),
-        reduce=_reduce(process_group_reduce_scatter, gradient_predivide_factor, replica_group),
-        bucket_cap_mb=float(bucket_cap_mb),
-        verbose=bool(verbose),
-        allow_reset_parameters=bool(allow_reset_parameters),
+    return float(bucket_cap_mb)
+
+
+def _state_dict(
+    state_dict_device: Optional[Union[torch.device, str]],
+    state_dict_on_rank_0_only: bool,
+    no_broadcast_optim_state: bool,
+) -> StateDictPolicy:
+    return StateDictPolicy(
+        torch.device(state_dict_device) if state_dict_device is not None else None,
+        rank0_only=bool(state_dict_on_rank_0_only),
+        no_broadcast_optim_state=bool(no_broadcast_optim_state),
     )
+
+
+def _verbose(verbose: bool) -> bool:
+    return bool(verbose)
+
+
+def _allow_reset_parameters(allow_reset_parameters: bool) -> bool:
+    return bool(allow_reset_parameters)
+
+
+#: How each field of :class:`FSDPPolicies` is built, in the order arguments are checked. A builder's parameters
+#: are the constructor arguments it reads, by name: the one place besides the signature that names a flag.
+_BUILDERS: dict[str, Callable[..., Any]] = {
+    "prefetch": _prefetch,
+    "bucket_cap_mb": _bucket_cap_mb,
+    "sharding": _sharding,
+    "mixed_precision": _mixed_precision,
+    "offload": _offload,
+    "state_dict": _state_dict,
+    "reduce": _reduce,
+    "verbose": _verbose,
+    "allow_reset_parameters": _allow_reset_parameters,
+}
+
+
+@functools.cache
+def _reads(builder: Callable[..., Any]) -> tuple[str, ...]:
+    return tuple(inspect.signature(builder).parameters)
+
+
+#: Every argument some builder reads (``replica_group`` is not the user's: the constructor resolves it).
+POLICY_ARGUMENTS: frozenset[str] = frozenset(name for builder in _BUILDERS.values() for name in _reads(builder))
+
+
+def policies_from_args(arguments: Mapping[str, Any]) -> FSDPPolicies:
+    """Validate the constructor's settings, given by argument name, and group them into :class:`FSDPPolicies`.
+
+    ``arguments`` holds exactly :data:`POLICY_ARGUMENTS`: the constructor passes its own arguments (all but
+    ``module`` and ``process_group``) and the ``replica_group`` it resolved (the group each reduced gradient shard
+    is all-reduced over: hybrid sharding, NO_SHARD). A missing name, or one that no policy reads, is refused, so a
+    flag added to the signature cannot be silently ignored. Example::
+
+        policies = policies_from_args({**defaults, "mixed_precision": True})
+    """
+    missing, unread = POLICY_ARGUMENTS - set(arguments), set(arguments) - POLICY_ARGUMENTS
+    if missing or unread:
+        raise TypeError(
+            f"policies_from_args: missing settings {sorted(missing)}, settings no policy reads {sorted(unread)}"
+        )
+    built = {
+        field: builder(**{name: arguments[name] for name in _reads(builder)}) for field, builder in _BUILDERS.items()
+    }
+    return FSDPPolicies(**built)

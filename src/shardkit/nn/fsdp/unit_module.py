@@ -13,7 +13,7 @@ cycle. torch's FSDP2 splits its ``FSDPModule`` the same way.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any, Optional, Union
+from typing import Any, Callable, Generic, Optional, TypeVar, Union, overload
 
 import torch
 from torch import nn
@@ -22,7 +22,7 @@ from shardkit.distributed.groups import GroupLike
 from shardkit.nn.checkpoint.wrapper import adds_no_name
 from shardkit.nn.fsdp.flat_param import FlatParamMeta
 from shardkit.nn.fsdp.module_view import FlatModuleView
-from shardkit.nn.fsdp.policies import BackwardPrefetch, CPUOffload, FSDPPolicies, ProcessGroupName
+from shardkit.nn.fsdp.policies import CPUOffload, FSDPPolicies, ProcessGroupName
 from shardkit.nn.fsdp.runtime import TrainingState, Unit
 
 
@@ -68,6 +68,42 @@ def _clean_members(root: nn.Module, kind: str, prefix: str, remove_duplicate: bo
                 continue
             seen.add(id(value))
             yield _join(path, name), value
+
+
+_T = TypeVar("_T")
+
+
+class PolicySetting(Generic[_T]):
+    """A read-only attribute of :class:`UnitModule` read from the unit's policies: one line per fairscale name.
+
+    Example (in the class body)::
+
+        flatten_parameters = PolicySetting(lambda p: p.sharding.flatten_parameters)
+    """
+
+    def __init__(self, read: Callable[[FSDPPolicies], _T], doc: Optional[str] = None) -> None:
+        self.read = read
+        self.name = ""
+        self.__doc__ = doc
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+        if self.__doc__ is None:
+            self.__doc__ = f"fairscale's ``{name}`` setting of this unit (read-only; from its policies)."
+
+    @overload
+    def __get__(self, unit: None, owner: type) -> PolicySetting[_T]: ...
+    @overload
+    def __get__(self, unit: UnitModule, owner: type) -> _T: ...
+    def __get__(self, unit: Optional[UnitModule], owner: type) -> Union[_T, PolicySetting[_T]]:
+        if unit is None:
+            return self
+        return self.read(unit.fsdp_unit.policies)
+
+    def __set__(self, unit: UnitModule, value: Any) -> None:
+        raise AttributeError(
+            f"{self.name} is fixed when the unit is built; pass {self.name}= to FullyShardedDataParallel instead"
+        )
 
 
 class UnitModule(nn.Module):
@@ -192,49 +228,35 @@ class UnitModule(nn.Module):
         )
 
     # ------------------------------------------------------------------ settings, as fairscale names them
-    @property
-    def mixed_precision(self) -> bool:
-        return self._policies.mixed_precision.enabled
-
-    @property
-    def compute_dtype(self) -> Optional[torch.dtype]:
-        return self._policies.mixed_precision.param_dtype
-
-    @property
-    def buffer_dtype(self) -> Optional[torch.dtype]:
-        return self._policies.mixed_precision.buffer_dtype
-
-    @property
-    def fp32_reduce_scatter(self) -> bool:
-        return self._policies.mixed_precision.reduce_dtype == torch.float32
-
-    @property
-    def flatten_parameters(self) -> bool:
-        return self._policies.sharding.flatten_parameters
-
-    @property
-    def reshard_after_forward(self) -> bool:
-        return self._policies.sharding.reshard_after_forward
-
-    @property
-    def move_params_to_cpu(self) -> bool:
-        return self._policies.offload.offload_params
-
-    @property
-    def cpu_offload(self) -> CPUOffload:
-        return CPUOffload(offload_params=self._policies.offload.offload_params)
-
-    @property
-    def backward_prefetch(self) -> Optional[BackwardPrefetch]:
-        return self._policies.prefetch.backward
-
-    @property
-    def forward_prefetch(self) -> bool:
-        return self._policies.prefetch.forward
-
-    @property
-    def state_dict_device(self) -> Optional[torch.device]:
-        return self._policies.state_dict.device
+    # fairscale's (and torch FSDP's) read-only attributes, one line each, read from the unit's policies.
+    mixed_precision = PolicySetting(lambda p: p.mixed_precision.enabled)
+    compute_dtype = PolicySetting(lambda p: p.mixed_precision.param_dtype)
+    buffer_dtype = PolicySetting(lambda p: p.mixed_precision.buffer_dtype)
+    fp32_reduce_scatter = PolicySetting(lambda p: p.mixed_precision.reduce_dtype == torch.float32)
+    clear_autocast_cache = PolicySetting(lambda p: p.mixed_precision.clear_autocast_cache)
+    force_input_to_fp32 = PolicySetting(lambda p: p.mixed_precision.force_input_to_fp32)
+    flatten_parameters = PolicySetting(lambda p: p.sharding.flatten_parameters)
+    reshard_after_forward = PolicySetting(lambda p: p.sharding.reshard_after_forward)
+    disable_reshard_on_root = PolicySetting(lambda p: p.sharding.disable_reshard_on_root)
+    sharding_strategy = PolicySetting(lambda p: p.sharding.strategy, "torch FSDP's :class:`ShardingStrategy`.")
+    move_params_to_cpu = PolicySetting(lambda p: p.offload.offload_params)
+    move_grads_to_cpu = PolicySetting(
+        lambda p: p.offload.offload_params, "Gradient shards live where the parameter shards do (CPU under offload)."
+    )
+    cpu_offload = PolicySetting(lambda p: CPUOffload(offload_params=p.offload.offload_params))
+    backward_prefetch = PolicySetting(lambda p: p.prefetch.backward)
+    forward_prefetch = PolicySetting(lambda p: p.prefetch.forward)
+    state_dict_device = PolicySetting(lambda p: p.state_dict.device)
+    state_dict_on_rank_0_only = PolicySetting(lambda p: p.state_dict.rank0_only)
+    bucket_cap_mb = PolicySetting(lambda p: p.bucket_cap_mb)
+    verbose = PolicySetting(lambda p: p.verbose)
+    allow_reset_parameters = PolicySetting(lambda p: p.allow_reset_parameters)
+    replica_group = PolicySetting(
+        lambda p: p.reduce.replica_group,
+        "The ranks holding the same shards as this one (hybrid sharding: the same local rank on every node; "
+        "NO_SHARD: every rank), over which reduced gradient shards are all-reduced; None without replicas. "
+        "``process_group`` is the shard group, so a checkpoint counts ``world // world_size`` replicas.",
+    )
 
     @property
     def process_group_reduce_scatter(self) -> GroupLike:
@@ -245,19 +267,6 @@ class UnitModule(nn.Module):
             return self._unit.ctx.reduce_channel(self._unit.group.group)
         group: GroupLike = choice
         return group
-
-    @property
-    def disable_reshard_on_root(self) -> bool:
-        return self._policies.sharding.disable_reshard_on_root
-
-    @property
-    def move_grads_to_cpu(self) -> bool:
-        """Gradient shards live where the parameter shards do (CPU under offload)."""
-        return self._policies.offload.offload_params
-
-    @property
-    def bucket_cap_mb(self) -> float:
-        return self._policies.bucket_cap_mb
 
     @property
     def compute_device(self) -> Optional[torch.device]:
@@ -274,26 +283,6 @@ class UnitModule(nn.Module):
         root = self._unit.root
         alone = self.world_size == 1 and root is not None and root.group.world_size > 1
         return self._policies.state_dict.no_broadcast_optim_state or alone
-
-    @property
-    def state_dict_on_rank_0_only(self) -> bool:
-        return self._policies.state_dict.rank0_only
-
-    @property
-    def clear_autocast_cache(self) -> bool:
-        return self._policies.mixed_precision.clear_autocast_cache
-
-    @property
-    def force_input_to_fp32(self) -> bool:
-        return self._policies.mixed_precision.force_input_to_fp32
-
-    @property
-    def verbose(self) -> bool:
-        return self._policies.verbose
-
-    @property
-    def allow_reset_parameters(self) -> bool:
-        return self._policies.allow_reset_parameters
 
     @property
     def gradient_predivide_factor(self) -> float:
@@ -350,26 +339,20 @@ class UnitModule(nn.Module):
 
     # ------------------------------------------------------------------ repr
     def extra_repr(self) -> str:
-        text = (
-            f"world_size={self.world_size}, flatten_parameters={self.flatten_parameters}, "
-            f"reshard_after_forward={self.reshard_after_forward}, mixed_precision={self.mixed_precision}"
+        verbose = self._policies.verbose
+        names = [n for n, v in vars(UnitModule).items() if isinstance(v, PolicySetting)] if verbose else _SHORT_REPR
+        text = f"world_size={self.world_size}, " + ", ".join(f"{name}={getattr(self, name)}" for name in names)
+        if not verbose:
+            return text
+        return text + (
+            f", rank={self.rank}, is_root={self._unit.is_root}, compute_device={self.compute_device}, "
+            f"process_group_reduce_scatter={choice_name(self._policies.reduce.group)}, "
+            f"gradient_divide_factors={self._unit.divide_factors()}"
         )
-        return text + self._verbose_repr() if self._policies.verbose else text
 
-    def _verbose_repr(self) -> str:
-        p = self._policies
-        return (
-            f", rank={self.rank}, is_root={self._unit.is_root}, compute_dtype={p.mixed_precision.param_dtype}, "
-            f"buffer_dtype={p.mixed_precision.buffer_dtype}, reduce_dtype={p.mixed_precision.reduce_dtype}, "
-            f"compute_device={self.compute_device}, move_params_to_cpu={p.offload.offload_params}, "
-            f"disable_reshard_on_root={p.sharding.disable_reshard_on_root}, "
-            f"process_group_reduce_scatter={choice_name(p.reduce.group)}, "
-            f"gradient_divide_factors={self._unit.divide_factors()}, bucket_cap_mb={p.bucket_cap_mb}, "
-            f"clear_autocast_cache={p.mixed_precision.clear_autocast_cache}, "
-            f"force_input_to_fp32={p.mixed_precision.force_input_to_fp32}, "
-            f"backward_prefetch={p.prefetch.backward}, forward_prefetch={p.prefetch.forward}, "
-            f"state_dict_on_rank_0_only={p.state_dict.rank0_only}"
-        )
+
+#: The settings a unit's ``repr`` shows without ``verbose`` (with it: every :class:`PolicySetting`).
+_SHORT_REPR = ("flatten_parameters", "reshard_after_forward", "mixed_precision")
 
 
 def choice_name(choice: Any) -> str:

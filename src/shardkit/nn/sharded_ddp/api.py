@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 from torch import nn
@@ -18,26 +18,17 @@ from shardkit.nn.sharded_ddp import state_dict as sd_keys
 from shardkit.nn.sharded_ddp.policy import ReducePolicy, SyncPolicy
 from shardkit.nn.sharded_ddp.reducer import GradReducer, ReducerState, RoundStats
 from shardkit.nn.sharded_ddp.startup import broadcast_across_nodes, sync_module_states
+from shardkit.optim.zero1 import OSS
 from shardkit.optim.zero1.hybrid import HybridSpec, agree_across_nodes, shard_and_replica
-
-if TYPE_CHECKING:
-    from shardkit.optim.oss import OSS
-
-
-def _oss_class() -> type:
-    from shardkit.optim.oss import OSS
-
-    return OSS
 
 
 def _as_sharded_optimizers(sharded_optimizer: Any) -> list[OSS]:
     """The optimizers as a list, or a TypeError that says to wrap a plain optimizer in OSS."""
-    oss_class = _oss_class()
     optimizers = list(sharded_optimizer) if isinstance(sharded_optimizer, (list, tuple)) else [sharded_optimizer]
     if not optimizers:
         raise ValueError("ShardedDataParallel needs at least one OSS optimizer; got an empty list")
     for optimizer in optimizers:
-        if isinstance(optimizer, oss_class):
+        if isinstance(optimizer, OSS):
             continue
         what = optimizer.__name__ if isinstance(optimizer, type) else type(optimizer).__name__
         raise TypeError(

@@ -10,7 +10,7 @@ averages), ``slow_momentum`` (the outer step), ``collectives`` (the labelled com
 
 Example::
 
-    from shardkit.nn.data_parallel import SlowMoDistributedDataParallel, SlowMoBaseAlgorithm
+    from shardkit.nn.slowmo import SlowMoBaseAlgorithm, SlowMoDistributedDataParallel
 
     net = SlowMoDistributedDataParallel(model, nprocs_per_node=8, slowmo_base_algorithm=SlowMoBaseAlgorithm.SGP)
     loss_fn(net(x), y).backward()

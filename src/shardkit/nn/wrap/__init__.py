@@ -11,6 +11,10 @@
   their common parent's unit, and the FSDP constructor refuses a unit that would split a tie.
 - :class:`ConfigAutoWrap` is fairscale's name for the context state (read-only here).
 
+As in fairscale, the attribute ``wrap`` of :mod:`shardkit.nn` is the function :func:`wrap`, not this package:
+``from shardkit.nn import wrap`` and ``from shardkit.nn.wrap import wrap`` both give the function; import the other
+names from this package (``from shardkit.nn.wrap import enable_wrap``).
+
 Example::
 
     from shardkit.nn import FullyShardedDataParallel as FSDP
@@ -20,12 +24,6 @@ Example::
         l1 = wrap(torch.nn.Linear(5, 5))
         tfmr = auto_wrap(torch.nn.Transformer(num_encoder_layers=2, num_decoder_layers=2), min_num_params=1e6)
 """
-
-import sys
-import types
-from typing import Any
-
-from torch import nn
 
 from shardkit.nn.wrap.config_auto_wrap import ConfigAutoWrap
 from shardkit.nn.wrap.context import WrapConfig, auto_wrap, current_wrap_config, enable_wrap, wrap
@@ -54,19 +52,3 @@ __all__ = [
     "transformer_auto_wrap_policy",
     "wrap",
 ]
-
-
-class _CallableWrapModule(types.ModuleType):
-    """This package, callable as :func:`wrap`.
-
-    ``shardkit.nn`` exports the function ``wrap`` lazily, but once this package is imported Python binds the
-    attribute ``shardkit.nn.wrap`` to the package itself, so ``from shardkit.nn import wrap`` returns the package.
-    Making the package callable keeps ``wrap(module)`` working whichever object that import returns (fairscale
-    users write both ``from fairscale.nn import wrap`` and ``from fairscale.nn.wrap import wrap``).
-    """
-
-    def __call__(self, module: nn.Module, **wrap_overrides: Any) -> nn.Module:
-        return wrap(module, **wrap_overrides)
-
-
-sys.modules[__name__].__class__ = _CallableWrapModule

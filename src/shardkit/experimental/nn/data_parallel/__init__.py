@@ -1,5 +1,6 @@
-"""fairscale's ``fairscale.experimental.nn.data_parallel`` path: SlowMo (its home is :mod:`shardkit.nn.slowmo`)."""
+"""Compatibility path for ``fairscale.experimental.nn.data_parallel``: SlowMo, from :mod:`shardkit.nn.slowmo`
+(see :mod:`shardkit.compat`)."""
 
-from shardkit.experimental.nn.data_parallel.gossip import SlowMoBaseAlgorithm, SlowMoDistributedDataParallel
+from shardkit.nn.slowmo import SlowMoBaseAlgorithm, SlowMoDistributedDataParallel
 
 __all__ = ["SlowMoBaseAlgorithm", "SlowMoDistributedDataParallel"]

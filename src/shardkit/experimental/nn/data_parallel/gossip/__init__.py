@@ -1,4 +1,5 @@
-"""fairscale's ``fairscale.experimental.nn.data_parallel.gossip`` path, re-exporting :mod:`shardkit.nn.slowmo`.
+"""Compatibility path for ``fairscale.experimental.nn.data_parallel.gossip``: SlowMo and its gossip building blocks
+from :mod:`shardkit.nn.slowmo` (see :mod:`shardkit.compat`).
 
 Code written for fairscale runs after changing the import::
 
@@ -9,20 +10,23 @@ Code written for fairscale runs after changing the import::
 fairscale's submodules (``distributed``, ``gossiper``, ``graph_manager``, ``mixing_manager``, ``utils``) exist too.
 """
 
-from shardkit.nn.slowmo.api import SlowMoDistributedDataParallel
-from shardkit.nn.slowmo.config import SlowMoBaseAlgorithm
-from shardkit.nn.slowmo.gossipers import PushPull, PushSum
-from shardkit.nn.slowmo.graphs import (
+from shardkit.nn.slowmo import (
+    CudaEventRecorder,
     DynamicBipartiteExponentialGraph,
     DynamicBipartiteLinearGraph,
     DynamicDirectedExponentialGraph,
     DynamicDirectedLinearGraph,
     GraphManager,
+    MixingManager,
     NPeerDynamicDirectedExponentialGraph,
+    PushPull,
+    PushSum,
     RingGraph,
+    SlowMoBaseAlgorithm,
+    SlowMoDistributedDataParallel,
+    UniformMixing,
+    communicate,
 )
-from shardkit.nn.slowmo.helpers import CudaEventRecorder, communicate
-from shardkit.nn.slowmo.mixing import MixingManager, UniformMixing
 
 __all__ = [
     "CudaEventRecorder",

@@ -1,4 +1,4 @@
-"""fairscale's ``gossip.gossiper`` path."""
+"""Compatibility path for fairscale's ``gossip.gossiper`` (see :mod:`shardkit.compat`)."""
 
 from shardkit.nn.slowmo.gossipers import Gossiper, PushPull, PushSum
 

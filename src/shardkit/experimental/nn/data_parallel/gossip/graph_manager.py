@@ -1,4 +1,4 @@
-"""fairscale's ``gossip.graph_manager`` path."""
+"""Compatibility path for fairscale's ``gossip.graph_manager`` (see :mod:`shardkit.compat`)."""
 
 from shardkit.nn.slowmo.graphs import (
     DynamicBipartiteExponentialGraph,

@@ -1,4 +1,4 @@
-"""fairscale's ``gossip.mixing_manager`` path."""
+"""Compatibility path for fairscale's ``gossip.mixing_manager`` (see :mod:`shardkit.compat`)."""
 
 from shardkit.nn.slowmo.mixing import MixingManager, UniformMixing
 

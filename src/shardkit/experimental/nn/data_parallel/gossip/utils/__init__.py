@@ -1,4 +1,5 @@
-"""fairscale's ``gossip.utils`` path: ``communicate`` (its other helpers are internals of fairscale's SlowMo)."""
+"""Compatibility path for fairscale's ``gossip.utils``: ``communicate`` (its other helpers are internals of
+fairscale's SlowMo; see :mod:`shardkit.compat`)."""
 
 from shardkit.nn.slowmo.helpers import communicate
 

@@ -1,4 +1,4 @@
-"""fairscale's ``gossip.utils.cuda_metering`` path."""
+"""Compatibility path for fairscale's ``gossip.utils.cuda_metering`` (see :mod:`shardkit.compat`)."""
 
 from shardkit.nn.slowmo.helpers import CudaEventRecorder
 
