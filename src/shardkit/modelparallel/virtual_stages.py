@@ -38,7 +38,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 
@@ -50,8 +50,14 @@ from shardkit.modelparallel.topology import Topology
 from shardkit.modelparallel.virtual_p2p import ChunkLink, Expected, Key
 from shardkit.modelparallel.virtual_schedules import ChunkAction, placement, schedule_grid
 
-if TYPE_CHECKING:
-    from shardkit.modelparallel.pipeline_parallel import StepRun
+
+class StepDriver(Protocol):
+    """What a chunked step needs of ``pipeline_parallel.StepRun`` (named here so this module does not import it)."""
+
+    microbatches: int
+
+    def forward_into(self, record: MicrobatchRecord) -> None:
+        """Run the step function on ``record``'s micro-batch, recording into ``record``."""
 
 
 class ProbeFinished(BaseException):
@@ -242,7 +248,7 @@ class VirtualStageExecution(StageExecution):
         """The plan as this rank's holdings see it (see :func:`fold_plan`)."""
         return self.runtime.rank_runtime.plan
 
-    def run_step(self, run: StepRun) -> list[Any]:
+    def run_step(self, run: StepDriver) -> list[Any]:
         """Every chunk's forwards and backwards of ``run`` in tick order; the step function's results per
         micro-batch (this rank's; the caller shares the output rank's). Follows the probe's forward."""
         runtime, link = self.runtime, self.runtime.chunk_link
