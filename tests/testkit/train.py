@@ -59,20 +59,21 @@ def train_step(
     return total
 
 
-def average_grads(model: nn.Module, skip: tuple[nn.Parameter, ...] = ()) -> None:
-    """What torch DDP does to gradients after backward, by hand: divide each by the world size and all-reduce it.
+def average_grads(model: nn.Module, skip: tuple[nn.Parameter, ...] = (), group: Optional[Any] = None) -> None:
+    """What torch DDP does to gradients after backward, by hand: divide each by the size of ``group`` (default: the
+    world) and all-reduce it over that group.
 
     For references whose trainable set or execution changes between steps (DDP fixes both at construction);
     ``skip`` keeps per-rank parameters (e.g. a rank's own expert) out of the average.
     """
-    world_size = dist.get_world_size()
-    if world_size == 1:
+    size = dist.get_world_size(group)
+    if size == 1:
         return
     skipped = {id(p) for p in skip}
     for p in model.parameters():
         if p.grad is not None and id(p) not in skipped:
-            p.grad.div_(world_size)
-            dist.all_reduce(p.grad)
+            p.grad.div_(size)
+            dist.all_reduce(p.grad, group=group)
 
 
 def train_harness_model(
