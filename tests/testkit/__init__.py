@@ -8,7 +8,7 @@ smp helpers live in ``testkit.smp`` (importing it imports ``shardkit.modelparall
 
 from .compare import (
     assert_states_close,
-    first_bitwise_difference,
+    bitwise_difference,
     max_param_diff,
     max_state_diff,
     same_optimizer_state,
@@ -24,8 +24,8 @@ __all__ = [
     "BranchyNet",
     "assert_states_close",
     "average_grads",
+    "bitwise_difference",
     "data_parallel_rows",
-    "first_bitwise_difference",
     "max_param_diff",
     "max_state_diff",
     "model_batch",

@@ -35,7 +35,7 @@ def state_difference(
     return None
 
 
-def first_bitwise_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> Optional[str]:
+def bitwise_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> Optional[str]:
     """The first key whose tensors differ in any bit or dtype (or that only one side has), else ``None``."""
     if list(a) != list(b):
         return f"keys differ: {sorted(set(a) ^ set(b))}"

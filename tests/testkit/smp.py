@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -13,13 +13,22 @@ import shardkit.modelparallel as smp
 from .data import Batch
 
 
-@smp.step
-def mse_step(model: smp.DistributedModel, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """An ``@smp.step`` training step with an MSE loss (smp checks a step's outputs per function and model, so
-    one shared function behaves as one defined in each test)."""
-    loss = F.mse_loss(model(x), y)
-    model.backward(loss)
-    return loss
+def new_mse_step() -> Callable[..., Any]:
+    """A new ``@smp.step`` training step with an MSE loss: smp checks a step function's outputs on its first call
+    per model, so a test that wants that check again (or the behaviour of a step defined inside a function) takes a
+    new one."""
+
+    @smp.step
+    def step(model: smp.DistributedModel, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = F.mse_loss(model(x), y)
+        model.backward(loss)
+        return loss
+
+    return step
+
+
+#: One shared MSE step for the tests that define theirs once at module level.
+mse_step = new_mse_step()
 
 
 def microbatch_reference(
@@ -38,4 +47,4 @@ def microbatch_reference(
     return losses
 
 
-__all__ = ["microbatch_reference", "mse_step"]
+__all__ = ["microbatch_reference", "mse_step", "new_mse_step"]

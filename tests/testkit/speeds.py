@@ -61,6 +61,8 @@ KNOWN: dict[str, str] = {
 }
 #: This file and the conftest that calls it name the things they watch for without doing them.
 _NOT_FOLLOWED = ("speeds.py", "conftest.py")
+#: What a ``unit`` test tried to start (kept on the test's node, so a test of the refusal can clear it).
+STARTED = pytest.StashKey[list[str]]()
 _NAME = re.compile(r"\b[A-Za-z_]\w*\b")
 
 
@@ -139,7 +141,7 @@ def watch_unit(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) 
     if request.node.get_closest_marker("unit") is None:
         yield
         return
-    started: list[str] = []
+    started: list[str] = request.node.stash.setdefault(STARTED, [])
 
     def refusing(what: str) -> Callable[..., Any]:
         # Refused at once (a multi-process run would take its whole length to fail) and recorded, in case the
