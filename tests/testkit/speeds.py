@@ -59,8 +59,8 @@ KNOWN: dict[str, str] = {
     "plan/test_plan_offload.py": "single",
     "plan/test_plan_peerless.py": "single",
 }
-#: This file and the conftest that calls it name the things they watch for without doing them.
-_NOT_FOLLOWED = ("speeds.py", "conftest.py")
+#: This file and the root conftest that calls it name the things they watch for without doing them.
+_NOT_FOLLOWED = (Path(__file__).resolve(), TESTS_DIR / "conftest.py")
 #: What a ``unit`` test tried to start (kept on the test's node, so a test of the refusal can clear it).
 STARTED = pytest.StashKey[list[str]]()
 _NAME = re.compile(r"\b[A-Za-z_]\w*\b")
@@ -71,7 +71,8 @@ def _own_source(obj: Any) -> str:
     """The source of a function or class defined under ``tests/``, else empty (library code is not followed)."""
     try:
         path = inspect.getsourcefile(obj)
-        if path is None or TESTS_DIR not in Path(path).resolve().parents or Path(path).name in _NOT_FOLLOWED:
+        where = Path(path).resolve() if path is not None else None
+        if where is None or TESTS_DIR not in where.parents or where in _NOT_FOLLOWED:
             return ""
         return inspect.getsource(obj)
     except (OSError, TypeError):
