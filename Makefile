@@ -28,6 +28,10 @@ typecheck: install
 test: lint typecheck
 	$(PY) -m pytest -q tests
 
+# The fast tests only: no processes, no process group (markers set by tests/testkit/speeds.py).
+unit: install
+	$(PY) -m pytest -q -m unit tests
+
 bench: install
 	$(VENV)/bin/shardkit bench
 

@@ -254,10 +254,4 @@ def reference_run(kind: str, steps: int, **kwargs: Any) -> list[dict[str, Any]]:
     return _REFERENCE_RUNS[key]
 
 
-def assert_states_close(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], **tol: Any) -> None:
-    assert actual.keys() == expected.keys(), sorted(set(actual) ^ set(expected))
-    for key, value in expected.items():
-        torch.testing.assert_close(actual[key], value, msg=key, **tol)
-
-
-__all__ = ["MODULES", "Block", "LitLM", "assert_states_close", "make_strategy", "run_training", "train", "trainer_for"]
+__all__ = ["MODULES", "Block", "LitLM", "make_strategy", "run_training", "train", "trainer_for"]

@@ -8,9 +8,10 @@ from typing import Any
 
 import pytest
 import torch
-from lightning_testlib import Block, LitLM, assert_states_close, reference_run, run_training, trainer_for
+from lightning_testlib import Block, LitLM, reference_run, run_training, trainer_for
 
 from shardkit.testing import DistributedTestError
+from testkit import assert_states_close
 
 STEPS = 4
 TOL = {"rtol": 1e-5, "atol": 2e-5}  # Adam amplifies float noise in the near-zero key-bias gradients

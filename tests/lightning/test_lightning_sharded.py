@@ -7,7 +7,9 @@ from typing import Any
 
 import pytest
 import torch
-from lightning_testlib import Block, LitLM, assert_states_close, reference_run, run_training
+from lightning_testlib import Block, LitLM, reference_run, run_training
+
+from testkit import assert_states_close
 
 STEPS = 4
 #: Adam normalises the near-zero gradients of the attention key bias, amplifying float noise to ~1e-6.

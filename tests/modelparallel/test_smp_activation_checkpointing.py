@@ -3,17 +3,20 @@ marked modules' forwards really run twice (forward and recomputation) on the sta
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import warnings
 from collections import Counter
 from typing import Any, Optional
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import shardkit.modelparallel as smp
 from shardkit.testing import run_distributed
+from testkit import regression_batch
+from testkit.smp import microbatch_reference, mse_step
 
 MICROBATCHES = 2
 STEPS = 3
@@ -35,10 +38,10 @@ class Net(nn.Module):
     def __init__(self, manual: bool) -> None:
         super().__init__()
         torch.manual_seed(5)
-        with smp.partition(0) if manual else _Null():
+        with smp.partition(0) if manual else contextlib.nullcontext():
             self.pre = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh())
             first = [Block(), Block()]
-        with smp.partition(1) if manual else _Null():
+        with smp.partition(1) if manual else contextlib.nullcontext():
             last = [Block(), Block()]
             self.head = nn.Linear(16, 4)
         self.blocks = nn.Sequential(*first, *last)
@@ -47,39 +50,18 @@ class Net(nn.Module):
         return self.head(self.blocks(self.pre(x)))
 
 
-class _Null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
+#: Each step's batch: 8 rows of 8 features in, 4 out.
+_batch = functools.partial(regression_batch, inputs=8, outputs=4)
 
 
-def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(step)
-    return torch.randn(8, 8, generator=gen), torch.randn(8, 4, generator=gen)
-
-
-@smp.step
-def _train_step(model: smp.DistributedModel, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    loss = F.mse_loss(model(x), y)
-    model.backward(loss)
-    return loss
+#: The step's old name here, still imported by test_smp_zero_bubble.py (left to the branch changing that file).
+_train_step = mse_step
 
 
 def _reference() -> list[float]:
     torch.manual_seed(0)
     model = Net(manual=False)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    losses = []
-    for s in range(STEPS):
-        x, y = _batch(s)
-        opt.zero_grad()
-        per_mb = [F.mse_loss(model(xm), ym) for xm, ym in zip(x.chunk(MICROBATCHES), y.chunk(MICROBATCHES))]
-        (sum(per_mb) / MICROBATCHES).backward()
-        opt.step()
-        losses.extend(loss.item() for loss in per_mb)
-    return losses
+    return microbatch_reference(model, torch.optim.SGD(model.parameters(), lr=0.1), STEPS, _batch, MICROBATCHES)
 
 
 def _mark(net: Net, scenario: str) -> None:
@@ -108,7 +90,7 @@ def _run(scenario: str, manual: bool) -> dict[str, Any]:
         for s in range(STEPS):
             x, y = _batch(s)
             opt.zero_grad()
-            losses.extend(t.item() for t in _train_step(model, x, y).outputs)
+            losses.extend(t.item() for t in mse_step(model, x, y).outputs)
             opt.step()
             if s == 0:  # the first step also traced and planned: count the later ones
                 calls.clear()

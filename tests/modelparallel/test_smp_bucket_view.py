@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from smp_testlib import max_diff, reference_run, smp_run
+from smp_testlib import reference_run, smp_run
 
 import shardkit.modelparallel as smp
 from shardkit.testing import run_distributed
+from testkit import max_state_diff
 
 CONFIG = {"partitions": 1, "microbatches": 2, "ddp": True}
 STEPS = 3
@@ -45,6 +46,6 @@ def test_bucket_views_alias_one_storage_and_train_like_copies() -> None:
             # Without views each gradient has its own storage.
             assert copies["storages"] == 8
             assert views["losses"] == copies["losses"]
-            assert max_diff(views["state"], copies["state"]) == 0.0
+            assert max_state_diff(views["state"], copies["state"]) == 0.0
             assert max(abs(a - r[rank]) for a, r in zip(views["losses"], ref_losses)) <= 1e-5
-            assert max_diff(views["state"], ref_state) <= 1e-5
+            assert max_state_diff(views["state"], ref_state) <= 1e-5

@@ -6,11 +6,12 @@ import os
 from typing import Any
 
 import torch
-from smp_testlib import batch, loss_of, max_diff, tiny_lm, train_step
+from smp_testlib import batch, loss_of, tiny_lm, train_steps
 
 import shardkit.modelparallel as smp
 from shardkit.testing import run_distributed
 from shardkit.testing.models import LMConfig, TransformerLM
+from testkit import max_state_diff
 
 CONFIG = {"partitions": 2, "microbatches": 2}
 
@@ -27,14 +28,8 @@ def _build(seed: int) -> tuple[smp.DistributedModel, smp.DistributedOptimizer]:
     return model, smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
 
 
-def _train(model: smp.DistributedModel, opt: smp.DistributedOptimizer, steps: range) -> list[float]:
-    losses = []
-    for s in steps:
-        x, y = batch("lm", 4, s)
-        opt.zero_grad()
-        losses.append(train_step(model, "lm", x, y).reduce_mean().item())
-        opt.step()
-    return losses
+def _train(model: smp.DistributedModel, opt: Any, steps: range) -> list[float]:
+    return train_steps(model, opt, "lm", 4, steps)
 
 
 def _checkpoints(rank: int, world_size: int, directory: str) -> dict[str, Any]:
@@ -61,7 +56,7 @@ def _checkpoints(rank: int, world_size: int, directory: str) -> dict[str, Any]:
         model.load_state_dict(checkpoint["model"])  # before the partition: applied when it happens
         opt.load_state_dict(checkpoint["opt"])
         results[f"{kind}_loss_diff"] = max(abs(a - b) for a, b in zip(_train(model, opt, range(2, 4)), continued))
-        results[f"{kind}_param_diff"] = max_diff(model.state_dict(), final)
+        results[f"{kind}_param_diff"] = max_state_diff(model.state_dict(), final)
         results[f"{kind}_out_diff"] = (predict(model, x).concat() - final_out).abs().max().item()
         smp.reset()
 

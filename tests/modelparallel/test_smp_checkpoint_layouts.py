@@ -13,10 +13,11 @@ from typing import Any, Callable
 
 import pytest
 import torch
-from smp_testlib import batch, max_diff, mlp, train_step
+from smp_testlib import batch, mlp, train_steps
 
 import shardkit.modelparallel as smp
 from shardkit.testing import run_distributed
+from testkit import max_state_diff
 
 CONFIG = {"partitions": 2, "microbatches": 2}
 
@@ -34,13 +35,7 @@ def _build(seed: int) -> tuple[smp.DistributedModel, Any]:
 
 
 def _train(model: smp.DistributedModel, opt: Any, steps: range) -> list[float]:
-    losses = []
-    for s in steps:
-        x, y = batch("mlp", 8, s)
-        opt.zero_grad()
-        losses.append(train_step(model, "mlp", x, y).reduce_mean().item())
-        opt.step()
-    return losses
+    return train_steps(model, opt, "mlp", 8, steps)
 
 
 def _error_of(call: Callable[[], Any]) -> str:
@@ -66,7 +61,7 @@ def _v110_files(rank: int, world_size: int, directory: str) -> dict[str, Any]:
     model, opt = _build(1)
     model.load_state_dict(smp.load(base, partial=True)["model"])
     _partition(model)
-    out["loaded_vs_saved"] = max_diff(model.state_dict(), saved)
+    out["loaded_vs_saved"] = max_state_diff(model.state_dict(), saved)
     smp.reset()
 
     model, opt = _build(1)
@@ -160,10 +155,10 @@ def _folders(rank: int, world_size: int, directory: str) -> dict[str, Any]:
         smp.resume_from_checkpoint(directory, tag="model_only", partial=False)
     out["model_only_warning"] = [str(w.message) for w in caught if "no optimizer state" in str(w.message)]
     _partition(model)
-    out["full_vs_saved"] = max_diff(model.state_dict(), saved)
+    out["full_vs_saved"] = max_state_diff(model.state_dict(), saved)
     plain = mlp()
     plain.load_state_dict(torch.load(os.path.join(directory, "full4"), weights_only=True))
-    out["plain_vs_saved"] = max_diff(plain.state_dict(), saved)
+    out["plain_vs_saved"] = max_state_diff(plain.state_dict(), saved)
     smp.reset()
 
     # smp.load of a <tag>_partial folder, and of the checkpoint folder (its newest: the model-only full one)
@@ -178,7 +173,7 @@ def _folders(rank: int, world_size: int, directory: str) -> dict[str, Any]:
     newest = smp.load(directory, partial=False)
     model.load_state_dict(newest["model"])
     _partition(model)
-    out["newest_vs_saved"] = max_diff(model.state_dict(), saved)
+    out["newest_vs_saved"] = max_state_diff(model.state_dict(), saved)
     out["newest_optimizer"] = newest["optimizer"]
     smp.reset()
 

@@ -15,6 +15,7 @@ from smp_testlib import batch, mlp
 import shardkit.modelparallel as smp
 from shardkit.distributed import check_collectives
 from shardkit.testing import DistributedTestError, run_distributed
+from testkit.smp import mse_step
 
 RANK_TYPE = {
     smp.WORLD: smp.RankType.WORLD_RANK,
@@ -227,19 +228,12 @@ def _check_is_tracing() -> None:
     module = _Recording()
     model = smp.DistributedModel(module)
     x, y = batch("mlp", 8, 0)
-    _step(model, x, y)
+    mse_step(model, x, y)
     tracing, real = module.seen[:-2], module.seen[-2:]
     assert tracing and all(tracing)  # the forwards that decided the partition
     assert real == [False, False]  # the step's two micro-batches
-    _step(model, x, y)
+    mse_step(model, x, y)
     assert module.seen[-2:] == [False, False] and not smp.is_tracing()
-
-
-@smp.step
-def _step(model: smp.DistributedModel, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    loss = F.mse_loss(model(x), y)
-    model.backward(loss)
-    return loss
 
 
 def _script(rank: int, world_size: int) -> list[list[dict[str, float]]]:
@@ -253,7 +247,7 @@ def _script(rank: int, world_size: int) -> list[list[dict[str, float]]]:
         for s in range(3):
             x, y = batch("mlp", 8, 100 * s + smp.dp_rank())
             optimizer.zero_grad()
-            loss = _step(model, x, y).reduce_mean().item()
+            loss = mse_step(model, x, y).reduce_mean().item()
             optimizer.step()
             reported.append(smp.allgather({"loss": loss, "lr": optimizer.param_groups[0]["lr"]}, smp.DP_GROUP))
             scheduler.step()

@@ -9,6 +9,7 @@ the job's seed and its name).
 
 from __future__ import annotations
 
+import functools
 import weakref
 import zlib
 from typing import Any
@@ -22,6 +23,8 @@ from torch.utils._pytree import tree_leaves
 
 import shardkit.modelparallel as smp
 from shardkit.testing import run_distributed
+from testkit import regression_batch
+from testkit.smp import microbatch_reference, mse_step
 
 SEED = 1234
 WIDTH = 256
@@ -69,16 +72,8 @@ def _full_bytes() -> int:
     return sum(p.numel() * p.element_size() for p in _net().parameters())
 
 
-def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(step)
-    return torch.randn(8, WIDTH, generator=gen), torch.randn(8, 4, generator=gen)
-
-
-@smp.step
-def _train_step(model: smp.DistributedModel, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    loss = F.mse_loss(model(x), y)
-    model.backward(loss)
-    return loss
+#: Each step's batch: 8 rows of WIDTH features in, 4 out.
+_batch = functools.partial(regression_batch, inputs=WIDTH, outputs=4)
 
 
 def _reference() -> list[float]:
@@ -88,16 +83,7 @@ def _reference() -> list[float]:
         if hasattr(module, "reset_parameters"):
             torch.manual_seed((SEED + zlib.crc32(name.encode())) % (2**63))
             module.reset_parameters()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    losses = []
-    for s in range(STEPS):
-        x, y = _batch(s)
-        opt.zero_grad()
-        per_mb = [F.mse_loss(model(xm), ym) for xm, ym in zip(x.chunk(MICROBATCHES), y.chunk(MICROBATCHES))]
-        (sum(per_mb) / MICROBATCHES).backward()
-        opt.step()
-        losses.extend(loss.item() for loss in per_mb)
-    return losses
+    return microbatch_reference(model, torch.optim.SGD(model.parameters(), lr=0.05), STEPS, _batch, MICROBATCHES)
 
 
 def _capped(rank: int, world_size: int, cap: int) -> dict[str, Any]:
@@ -119,7 +105,7 @@ def _capped(rank: int, world_size: int, cap: int) -> dict[str, Any]:
         for s in range(STEPS):
             x, y = _batch(s)
             opt.zero_grad()
-            losses.extend(t.item() for t in _train_step(model, x, y).outputs)
+            losses.extend(t.item() for t in mse_step(model, x, y).outputs)
             opt.step()
     out["losses"] = losses
     out["peak"] = meter.peak
@@ -229,7 +215,7 @@ def _refused(rank: int, world_size: int) -> str:
         net = nn.Sequential(nn.Linear(4, 4), _NoReset())
     model = smp.DistributedModel(net)
     try:
-        _train_step(model, torch.randn(2, 4), torch.randn(2, 4))
+        mse_step(model, torch.randn(2, 4), torch.randn(2, 4))
     except Exception as exc:  # the test asserts the message
         return f"{type(exc).__name__}: {exc}"
     finally:
@@ -248,7 +234,7 @@ def _mixed(rank: int, world_size: int) -> str:
         net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     model = smp.DistributedModel(net)
     try:
-        _train_step(model, torch.ones(2, 4), torch.zeros(2, 4))
+        mse_step(model, torch.ones(2, 4), torch.zeros(2, 4))
     except Exception as exc:  # the test asserts the message
         return f"{type(exc).__name__}: {exc}"
     finally:

@@ -2,24 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import shardkit.modelparallel as smp
-
-
-@pytest.fixture
-def single() -> Iterator[None]:
-    smp.reset()
-    smp.init({"partitions": 1, "microbatches": 2})
-    try:
-        yield
-    finally:
-        smp.reset()
+from testkit.smp import mse_step
 
 
 def _net() -> nn.Sequential:
@@ -27,18 +15,11 @@ def _net() -> nn.Sequential:
     return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
 
 
-@smp.step
-def _train_step(model: smp.DistributedModel, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    loss = F.mse_loss(model(x), y)
-    model.backward(loss)
-    return loss
-
-
 def test_units_keep_their_instances_untouched_and_get_their_class_back(single: None) -> None:
     net = _net()
     original = {name: type(m) for name, m in net.named_modules()}
     model = smp.DistributedModel(net)
-    _train_step(model, torch.randn(4, 4), torch.randn(4, 1))
+    mse_step(model, torch.randn(4, 4), torch.randn(4, 1))
     assert model.placement is not None
     routed = [name for name, m in net.named_modules() if type(m) is not original[name]]
     assert routed, "the partition routed no module"
@@ -56,6 +37,6 @@ def test_instance_level_forward_is_refused_before_anything_changes(single: None)
     net.forward = net.forward  # what a library patching instances leaves behind (one stage: the root is the unit)
     model = smp.DistributedModel(net)
     with pytest.raises(ValueError, match="forward assigned on the instance"):
-        _train_step(model, torch.randn(4, 4), torch.randn(4, 1))
+        mse_step(model, torch.randn(4, 4), torch.randn(4, 1))
     assert all(type(m).__module__.startswith("torch.nn") for m in net.modules())
     assert not model.partitioned and model.stage_execution is None

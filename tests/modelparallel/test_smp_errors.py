@@ -7,12 +7,12 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 from smp_testlib import mlp, reference_run, smp_run
 from torch import nn
 
 import shardkit.modelparallel as smp
 from shardkit.testing import run_distributed
+from testkit.smp import mse_step
 
 
 @pytest.fixture
@@ -22,13 +22,6 @@ def single() -> Iterator[None]:
         yield
     finally:
         smp.reset()
-
-
-@smp.step
-def _step(model: smp.DistributedModel, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    loss = F.mse_loss(model(x), y)
-    model.backward(loss)
-    return loss
 
 
 def test_forward_and_backward_outside_step(single: None) -> None:
@@ -44,10 +37,10 @@ def test_batch_not_divisible_by_microbatches_changes_nothing(single: None) -> No
     model = smp.DistributedModel(mlp())
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(ValueError, match=r"argument 'x': size 6 along axis 0 is not divisible by microbatches=4"):
-        _step(model, torch.randn(6, 8), torch.randn(6, 4))
+        mse_step(model, torch.randn(6, 8), torch.randn(6, 4))
     assert not model.partitioned and all(p.grad is None for p in model.parameters())
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
-    _step(model, torch.randn(8, 8), torch.randn(8, 4))  # the model still works after the error
+    mse_step(model, torch.randn(8, 8), torch.randn(8, 4))  # the model still works after the error
     assert model.partitioned
 
 
@@ -75,7 +68,7 @@ def test_marks_made_before_init_are_checked_at_partition() -> None:
     try:
         model = smp.DistributedModel(nn.Sequential(nn.Linear(8, 8), layer))
         with pytest.raises(ValueError, match=r"created inside smp.partition\(3\), but the config has partitions=1"):
-            _step(model, torch.randn(4, 8), torch.randn(4, 4))
+            mse_step(model, torch.randn(4, 8), torch.randn(4, 4))
     finally:
         smp.reset()
 
@@ -86,7 +79,7 @@ def test_smp_needs_init_and_a_model(single: None) -> None:
         smp.DistributedModel(mlp())
     smp.init({"microbatches": 4})
     with pytest.raises(RuntimeError, match=r"before smp.DistributedModel\(...\) was created"):
-        _step(torch.randn(4, 8), torch.randn(4, 4), torch.randn(4, 4))
+        mse_step(torch.randn(4, 8), torch.randn(4, 4), torch.randn(4, 4))
     with pytest.raises(ValueError, match=r"partitions=2 needs 2 processes"):
         smp.reset()
         smp.init({"partitions": 2})
@@ -123,7 +116,7 @@ def _backward_edges(rank: int, world_size: int) -> str:
     smp.init({"partitions": 2, "auto_partition": False})
     model = smp.DistributedModel(Loop())
     try:
-        _step(model, torch.randn(2, 4), torch.randn(2, 4))
+        mse_step(model, torch.randn(2, 4), torch.randn(2, 4))
     except (ValueError, RuntimeError) as exc:
         return str(exc)
     return "no error"
@@ -133,7 +126,7 @@ def _different_inputs(rank: int, world_size: int) -> str:
     smp.init({"partitions": 2})
     model = smp.DistributedModel(mlp())
     try:
-        _step(model, torch.full((2, 8), float(rank)), torch.zeros(2, 4))
+        mse_step(model, torch.full((2, 8), float(rank)), torch.zeros(2, 4))
     except ValueError as exc:
         return str(exc)
     return "no error"

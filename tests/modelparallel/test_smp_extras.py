@@ -7,10 +7,11 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from smp_testlib import batch, loss_of, max_diff, mlp, train_step
+from smp_testlib import batch, loss_of, mlp, train_step
 
 import shardkit.modelparallel as smp
 from shardkit.testing import run_distributed
+from testkit import max_state_diff
 
 BATCHES = [3, 1]  # replica 0 has three batches, replica 1 one
 
@@ -48,9 +49,9 @@ def _join_and_hooks(rank: int, world_size: int) -> dict[str, Any]:
     model.cpu()
     whole = {k: v.clone() for k, v in model.module.state_dict().items()}
     result = {
-        "diff": max_diff(full, _reference()[BATCHES[smp.dp_rank()] - 1]),
+        "diff": max_state_diff(full, _reference()[BATCHES[smp.dp_rank()] - 1]),
         "hook_calls": calls,
-        "cpu_diff": max_diff(whole, full),
+        "cpu_diff": max_state_diff(whole, full),
         "local_before": local_before,
         "total": sum(v.numel() for v in full.values()),
     }

@@ -3,18 +3,11 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import shardkit.modelparallel as smp
 from shardkit.testing import run_distributed
-
-
-@smp.step
-def _step(model: smp.DistributedModel, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    loss = F.mse_loss(model(x), y)
-    model.backward(loss)
-    return loss
+from testkit.smp import mse_step
 
 
 def _build(rank: int, case: str) -> nn.Module:
@@ -36,7 +29,7 @@ def _different_models(rank: int, world_size: int, config: dict[str, object]) -> 
         model = smp.DistributedModel(_build(rank, case))
         before = {k: v.clone() for k, v in model.module.state_dict().items()}
         try:
-            _step(model, torch.ones(4, 8), torch.zeros(4, 4))
+            mse_step(model, torch.ones(4, 8), torch.zeros(4, 4))
             messages[case] = "no error"
         except ValueError as exc:
             messages[case] = str(exc)

@@ -10,11 +10,13 @@ from typing import Any, Callable
 import pytest
 import torch
 import torch.nn.functional as F
-from smp_testlib import batch, max_diff, mlp
+from smp_testlib import batch, mlp
 from torch.optim import lr_scheduler
 
 import shardkit.modelparallel as smp
 from shardkit.testing import run_distributed
+from testkit import max_state_diff
+from testkit.smp import mse_step
 
 STEPS, RESUME_AT = 6, 3
 
@@ -24,13 +26,6 @@ SCHEDULERS: dict[str, Callable[[torch.optim.Optimizer], Any]] = {
     "OneCycleLR": lambda opt: lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=STEPS),
     "ReduceLROnPlateau": lambda opt: lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=0),
 }
-
-
-@smp.step
-def _train_step(model: smp.DistributedModel, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    loss = F.mse_loss(model(x), y)
-    model.backward(loss)
-    return loss
 
 
 def _build(config: dict[str, Any], kind: str) -> tuple[smp.DistributedModel, torch.optim.Optimizer, Any]:
@@ -44,7 +39,7 @@ def _train(model: Any, optimizer: Any, scheduler: Any, steps: range, lrs: list[f
     for s in steps:
         x, y = batch("mlp", 8, 100 * s)
         optimizer.zero_grad()
-        loss = _train_step(model, x, y).reduce_mean()
+        loss = mse_step(model, x, y).reduce_mean()
         optimizer.step()
         if isinstance(scheduler, lr_scheduler.ReduceLROnPlateau):
             scheduler.step(loss.item() + 1.0)  # never improves after the first step: the LR halves each step
@@ -118,8 +113,8 @@ def _check(results: dict[str, Any]) -> None:
         ref_lrs, ref_weights = _reference(kind)
         assert lrs == resumed_lrs == pytest.approx(ref_lrs, rel=1e-12), kind
         assert len(set(lrs)) > 1, kind  # the scheduler did change the LR
-        assert max_diff(weights, resumed_weights) == 0.0, kind  # the round trip changes nothing
-        assert max_diff(weights, ref_weights) < 1e-5, kind
+        assert max_state_diff(weights, resumed_weights) == 0.0, kind  # the round trip changes nothing
+        assert max_state_diff(weights, ref_weights) < 1e-5, kind
 
 
 def test_schedulers_across_a_checkpoint_single_process() -> None:
@@ -189,7 +184,7 @@ def test_hooks_param_groups_and_grad_scaler(single: None) -> None:
         ref_opt.step()
     assert calls == [True] * 3  # the hook ran once per step, on the wrapped optimizer
     assert torch.allclose(extra, ref_extra, atol=1e-6) and not torch.equal(extra.detach(), torch.ones(3))
-    assert max_diff(model.state_dict(), reference.state_dict()) < 1e-5
+    assert max_state_diff(model.state_dict(), reference.state_dict()) < 1e-5
 
 
 def test_fp16_config_refuses_what_it_would_silently_skip() -> None:

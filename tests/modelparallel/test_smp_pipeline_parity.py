@@ -9,10 +9,11 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import pytest
-from smp_testlib import max_diff, reference_run, smp_run
+from smp_testlib import reference_run, smp_run
 
 import shardkit.modelparallel as smp
 from shardkit.testing import run_distributed
+from testkit import max_state_diff
 
 TOL = 1e-5
 STEPS = 3
@@ -33,8 +34,8 @@ def _parity(rank: int, world_size: int, cases: list[Case], options: Optional[dic
         key = f"{name}-{config}-{options}"
         results[key] = {
             "loss_diff": max(abs(a - b[smp.dp_rank()]) for a, b in zip(losses, ref_losses)),
-            "param_diff": max_diff(state, ref_state),
-            "trained": max_diff(ref_state, reference_run(name, 0, BATCH)[1]),
+            "param_diff": max_state_diff(state, ref_state),
+            "trained": max_state_diff(ref_state, reference_run(name, 0, BATCH)[1]),
             "local": sum(p.numel() for p in model.local_parameters()),
             "total": sum(v.numel() for v in ref_state.values()),
         }

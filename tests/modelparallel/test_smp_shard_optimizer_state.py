@@ -8,20 +8,14 @@ from typing import Any, Optional
 
 import pytest
 import torch
-import torch.nn.functional as F
-from smp_testlib import batch, max_diff, mlp
+from smp_testlib import batch, mlp
 
 import shardkit.modelparallel as smp
 from shardkit.testing import run_distributed
+from testkit import max_state_diff
+from testkit.smp import mse_step
 
 STEPS, RESUME_AT = 4, 2
-
-
-@smp.step
-def _train_step(model: smp.DistributedModel, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    loss = F.mse_loss(model(x), y)
-    model.backward(loss)
-    return loss
 
 
 def _steps(model: Any, optimizer: Any, scheduler: Any, steps: range) -> list[float]:
@@ -29,7 +23,7 @@ def _steps(model: Any, optimizer: Any, scheduler: Any, steps: range) -> list[flo
     for s in steps:
         x, y = batch("mlp", 8, 100 * s + smp.dp_rank())
         optimizer.zero_grad()
-        losses.append(_train_step(model, x, y).reduce_mean().item())
+        losses.append(mse_step(model, x, y).reduce_mean().item())
         optimizer.step()
         scheduler.step()
     return losses
@@ -78,7 +72,8 @@ def _same_optimizer_state(a: dict[str, Any], b: dict[str, Any]) -> float:
     assert a["state"].keys() == b["state"].keys()
     assert [g["lr"] for g in a["param_groups"]] == [g["lr"] for g in b["param_groups"]]
     return max(
-        max_diff({k: v for k, v in a["state"][i].items()}, {k: v for k, v in b["state"][i].items()}) for i in a["state"]
+        max_state_diff({k: v for k, v in a["state"][i].items()}, {k: v for k, v in b["state"][i].items()})
+        for i in a["state"]
     )
 
 
@@ -94,14 +89,14 @@ def test_sharded_state_trains_like_unsharded_and_resumes(world_size: int, config
     for result in results:
         plain, sharded, resumed = result["plain"], result["sharded"], result["resumed"]
         assert sharded["losses"] == pytest.approx(plain["losses"], abs=1e-6)
-        assert max_diff(sharded["model"], plain["model"]) < 1e-6
+        assert max_state_diff(sharded["model"], plain["model"]) < 1e-6
         assert _same_optimizer_state(sharded["optimizer"], plain["optimizer"]) < 1e-6
         assert _same_optimizer_state(sharded["partial"], plain["partial"]) < 1e-6
         # Each replica keeps part of its stage's state; together they keep all of it.
         assert 0 < sharded["kept"] < plain["kept"] == sharded["held"]
         # Resumed at RESUME_AT from the sharded state dict: the same as the uninterrupted sharded run.
         assert resumed["losses"] == pytest.approx(sharded["losses"][RESUME_AT:], abs=1e-7)
-        assert max_diff(resumed["model"], sharded["model"]) < 1e-7
+        assert max_state_diff(resumed["model"], sharded["model"]) < 1e-7
     for stage_results in (results[0::2], results[1::2]) if world_size == 4 else (results,):
         kept = sum(r["sharded"]["kept"] for r in stage_results)
         assert kept == stage_results[0]["plain"]["kept"]  # the replicas' shards cover the stage exactly once
@@ -157,5 +152,5 @@ def _forward_only(model: smp.DistributedModel, x: torch.Tensor) -> torch.Tensor:
 def test_optimizer_built_after_the_partition_is_sharded_at_once() -> None:
     for result in run_distributed(_optimizer_after_partition, 2, timeout_s=120):
         assert result[True]["losses"] == pytest.approx(result[False]["losses"], abs=1e-6)
-        assert max_diff(result[True]["model"], result[False]["model"]) < 1e-6
+        assert max_state_diff(result[True]["model"], result[False]["model"]) < 1e-6
         assert result[True]["losses"][0] != result[True]["losses"][-1]  # it trained

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from typing import Any, Callable
 
 import pytest
@@ -12,16 +11,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import shardkit.modelparallel as smp
-
-
-@pytest.fixture
-def single() -> Iterator[None]:
-    smp.reset()
-    smp.init({"partitions": 1, "microbatches": 2})
-    try:
-        yield
-    finally:
-        smp.reset()
 
 
 def _in_thread(fn: Callable[[], Any]) -> Any:

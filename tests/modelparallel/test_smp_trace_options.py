@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
@@ -13,6 +14,8 @@ import shardkit.modelparallel as smp
 from shardkit.modelparallel.partitioner import plan_partition
 from shardkit.modelparallel.trace import trace_costs
 from shardkit.testing import run_distributed
+from testkit import regression_batch
+from testkit.smp import mse_step
 
 
 class Scratch(nn.Module):
@@ -90,16 +93,8 @@ def test_trace_device_moves_the_trace_and_leaves_the_model() -> None:
         assert list(model.parameters()) == params and all(p.device.type == home for p in params)
 
 
-@smp.step
-def _step(model: smp.DistributedModel, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    loss = F.mse_loss(model(x), y)
-    model.backward(loss)
-    return loss
-
-
-def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(step)
-    return torch.randn(32, 16, generator=gen), torch.randn(32, 16, generator=gen)
+#: Each step's batch: 32 rows of 16 features in and out.
+_batch = functools.partial(regression_batch, rows=32, inputs=16, outputs=16)
 
 
 def _train(rank: int, world_size: int) -> dict[str, Any]:
@@ -110,7 +105,7 @@ def _train(rank: int, world_size: int) -> dict[str, Any]:
         opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
         for step in range(2):
             opt.zero_grad()
-            _step(model, *_batch(step))
+            mse_step(model, *_batch(step))
             opt.step()
         assert model.placement is not None
         out[str(measure)] = {
@@ -143,7 +138,7 @@ def test_gpu_trace_device_on_a_cpu_run_traces_where_the_model_runs() -> None:
     smp.init({"partitions": 1})
     try:
         model = smp.DistributedModel(_model())  # trace_device="gpu", the default
-        _step(model, *_batch(0))
+        mse_step(model, *_batch(0))
         assert model.placement is not None and model.placement.traced_on == "cpu"
         assert model.module[1].devices[0] == "cpu"
     finally:

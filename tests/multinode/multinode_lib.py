@@ -18,9 +18,10 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+from testkit import regression_batch, train_step
 
 STEPS = 4
 STRATEGIES = ("oss_ddp", "oss_sdp", "fsdp", "smp", "slowmo", "fsdp_restart")
@@ -32,21 +33,12 @@ def net() -> nn.Module:
     return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
 
 
-def batch(step: int, replica: int, size: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(1000 * step + replica)
-    return torch.randn(size, 6, generator=gen), torch.randn(size, 3, generator=gen)
-
-
 def _plain_loop(model: nn.Module, opt: Any, steps: range, after_step: Callable[[], None] = lambda: None) -> list:
     losses = []
     for step in steps:
-        x, y = batch(step, dist.get_rank())
-        opt.zero_grad()
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
+        batch = regression_batch(1000 * step + dist.get_rank(), rows=4)
+        losses.append(train_step(model, opt, lambda _, batch=batch: batch))
         after_step()
-        losses.append(loss.item())
     return losses
 
 
@@ -89,20 +81,15 @@ def run_fsdp() -> dict[str, Any]:
 
 def run_smp() -> dict[str, Any]:
     import shardkit.modelparallel as smp
+    from testkit.smp import new_mse_step
 
     smp.init({"pipeline_parallel_degree": 2, "microbatches": 2, "ddp": True})
     model = smp.DistributedModel(net())
     opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-
-    @smp.step
-    def step_fn(model: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = F.mse_loss(model(x), y)
-        model.backward(loss)
-        return loss
-
+    step_fn = new_mse_step()
     losses = []
     for step in range(STEPS):
-        x, y = batch(step, smp.dp_rank(), size=8)
+        x, y = regression_batch(1000 * step + smp.dp_rank(), rows=8)
         opt.zero_grad()
         losses.append(step_fn(model, x, y).reduce_mean().item())
         opt.step()

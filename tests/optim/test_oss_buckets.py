@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from oss_testlib import batch, ddp_pair, max_param_diff, train_steps
+from oss_testlib import ddp_pair
 from torch import nn
 
 from shardkit.optim.zero1.broadcast import buckets_intact, build_buckets, exchange_params
 from shardkit.optim.zero1.partition import Partition
 from shardkit.testing import run_distributed
 from shardkit.testing.models import loss_for
+from testkit import max_param_diff, rank_batch, train_harness_model
 
 
 def _params() -> list[nn.Parameter]:
@@ -74,11 +75,11 @@ def test_direct_and_broadcast_exchanges_leave_every_rank_with_the_owners_values(
 
 def _replaced_data(rank: int, world_size: int) -> float:
     ref_model, oss_model, ref_opt, oss_opt = ddp_pair("lm", "adamw")
-    train_steps("lm", ref_model, ref_opt, rank, [0])
-    train_steps("lm", oss_model, oss_opt, rank, [0])
+    train_harness_model("lm", ref_model, ref_opt, rank, [0])
+    train_harness_model("lm", oss_model, oss_opt, rank, [0])
     oss_model.module._apply(lambda t: t.clone())  # replaces every parameter's .data, as module.to(...) does
-    train_steps("lm", ref_model, ref_opt, rank, [1, 2])
-    train_steps("lm", oss_model, oss_opt, rank, [1, 2])
+    train_harness_model("lm", ref_model, ref_opt, rank, [1, 2])
+    train_harness_model("lm", oss_model, oss_opt, rank, [1, 2])
     return max_param_diff(ref_model, oss_model)
 
 
@@ -91,7 +92,7 @@ def _closure_steps(rank: int, world_size: int) -> float:
     ref_model, oss_model, ref_opt, oss_opt = ddp_pair("lm", "adamw")
     for step in range(3):
         for model, opt in ((ref_model, ref_opt), (oss_model, oss_opt)):
-            x, y = batch("lm", model, rank, step)
+            x, y = rank_batch("lm", model, rank, step)
 
             def closure(
                 model: nn.Module = model, opt: torch.optim.Optimizer = opt, x: torch.Tensor = x, y: torch.Tensor = y

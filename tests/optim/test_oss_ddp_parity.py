@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from oss_testlib import average_grads, ddp_pair, max_param_diff, tiny_model, train_steps
+from oss_testlib import ddp_pair
 
 from shardkit.optim import OSS
 from shardkit.testing import run_distributed
+from testkit import average_grads, max_param_diff, tiny_model, train_harness_model
 
 SCENARIOS = [
     # (model, optimizer, gradient accumulation, freeze half the parameters)
@@ -25,7 +26,7 @@ def _parity_suite(rank: int, world_size: int) -> dict[str, float]:
         ref_model, oss_model, ref_opt, oss_opt = ddp_pair(name, optim, freeze)
         assert oss_opt.world_size == world_size and oss_opt.rank == rank
         for model, opt in ((ref_model, ref_opt), (oss_model, oss_opt)):
-            train_steps(name, model, opt, rank, range(3), accumulate)
+            train_harness_model(name, model, opt, rank, range(3), accumulate)
         key = f"{name}-{optim}-acc{accumulate}-{'frozen' if freeze else 'all'}"
         diffs[key] = max_param_diff(ref_model, oss_model)
         # The shards really are split: this rank's optimizer holds state only for what it owns.
@@ -68,7 +69,7 @@ def _refresh_trainable(rank: int, world_size: int) -> list[float]:
         # phase 2 relies on step() noticing the change by itself
         for model, opt in ((ref_model, ref_opt), (oss_model, oss_opt)):
             steps = range(2 * phase, 2 * phase + 2)
-            train_steps("nested", model, opt, rank, steps, after_backward=lambda m=model: average_grads(m))
+            train_harness_model("nested", model, opt, rank, steps, after_backward=lambda m=model: average_grads(m))
         diffs.append(max_param_diff(ref_model, oss_model))
     return diffs
 

@@ -9,7 +9,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from oss_testlib import average_grads, batch, max_param_diff, tiny_model
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -18,6 +17,7 @@ from shardkit.optim import OSS
 from shardkit.optim.zero1.partition import Partition
 from shardkit.testing import run_distributed
 from shardkit.testing.models import loss_for
+from testkit import average_grads, max_param_diff, rank_batch, tiny_model
 
 
 def test_fairscale_arguments_are_accepted_and_never_reach_the_inner_optimizer() -> None:
@@ -60,11 +60,9 @@ def _subgroup(rank: int, world_size: int) -> dict[str, Any]:
         for step in range(3):
             for m, o in ((model, opt), (ref, ref_opt)):
                 o.zero_grad()
-                x, y = batch("nested", m, rank, step)
+                x, y = rank_batch("nested", m, rank, step)
                 loss_for("nested", m(x), y).backward()
-                for p in m.parameters():  # what DDP over the subgroup would do
-                    dist.all_reduce(p.grad, group=sub)
-                    p.grad.div_(2)
+                average_grads(m, group=sub)  # what DDP over the subgroup would do
                 o.step()
         out[f"diff_{size}"] = max_param_diff(model, ref)
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
@@ -122,7 +120,7 @@ def _different_params(rank: int, world_size: int) -> dict[str, Any]:
     twin = DDP(copy.deepcopy(ref.module))
     twin_opt = OSS(twin.parameters(), lr=0.1)
     for m, o in ((ref, ref_opt), (twin, twin_opt)):
-        x, y = batch("nested", m, rank, 0)
+        x, y = rank_batch("nested", m, rank, 0)
         loss_for("nested", m(x), y).backward()
         o.step()
     out["ok_diff"] = max_param_diff(ref, twin)
@@ -157,7 +155,7 @@ def _add_group_later(rank: int, world_size: int) -> dict[str, float]:
             ref_opt.add_param_group({"params": [ref_last], "lr": 0.05})
         for m, o in ((model, opt), (ref, ref_opt)):
             o.zero_grad()
-            x, y = batch("nested", m, rank, step)
+            x, y = rank_batch("nested", m, rank, step)
             loss_for("nested", m(x), y).backward()
             average_grads(m)
             o.step()

@@ -5,12 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from oss_testlib import average_grads, batch, ddp_pair, max_param_diff, same_state, tiny_model, train_steps
+from oss_testlib import ddp_pair
 
 from shardkit.distributed import count_comm_bytes
 from shardkit.optim import OSS
 from shardkit.testing import run_distributed
 from shardkit.testing.models import loss_for
+from testkit import average_grads, max_param_diff, rank_batch, same_optimizer_state, tiny_model, train_harness_model
 
 
 def _clip(rank: int, world_size: int) -> list[str]:
@@ -19,7 +20,7 @@ def _clip(rank: int, world_size: int) -> list[str]:
     for norm_type in (2.0, float("inf")):
         ref_model, oss_model, _, oss_opt = ddp_pair("lm", "sgd")
         for model in (ref_model, oss_model):
-            x, y = batch("lm", model, rank, step=0)
+            x, y = rank_batch("lm", model, rank, step=0)
             loss_for("lm", model(x), y).mul(50).backward()
         expected = torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 0.1, norm_type)
         got = oss_opt.clip_grad_norm(0.1, norm_type)
@@ -48,13 +49,13 @@ def _add_group_and_fp16(rank: int, world_size: int) -> dict[str, float]:
     opt = OSS(params[:4], optim=torch.optim.AdamW, lr=1e-2)
     ref_opt = torch.optim.AdamW(ref_params[:4], lr=1e-2)
     for m, o in ((model, opt), (ref, ref_opt)):
-        train_steps("nested", m, o, rank, [0], after_backward=lambda m=m: average_grads(m))
+        train_harness_model("nested", m, o, rank, [0], after_backward=lambda m=m: average_grads(m))
     before = {p: r for p, r in opt.param_to_rank.items()}
     opt.add_param_group({"params": params[4:], "lr": 5e-3})  # its 256-element weight displaces a rank-0 tensor
     ref_opt.add_param_group({"params": ref_params[4:], "lr": 5e-3})
     out["owners_moved"] = float(any(opt.param_to_rank[p] != r for p, r in before.items()))
     for m, o in ((model, opt), (ref, ref_opt)):
-        train_steps("nested", m, o, rank, [1, 2], after_backward=lambda m=m: average_grads(m))
+        train_harness_model("nested", m, o, rank, [1, 2], after_backward=lambda m=m: average_grads(m))
     out["add_group_diff"] = max_param_diff(model, ref)
 
     # broadcast_fp16 halves the parameter bytes; replicas stay within fp16 rounding of full precision.
@@ -62,15 +63,15 @@ def _add_group_and_fp16(rank: int, world_size: int) -> dict[str, float]:
     for fp16 in (False, True):
         ref_model, oss_model, ref_lm_opt, _ = ddp_pair("lm", "adamw")
         oss_opt = OSS(oss_model.parameters(), optim=torch.optim.AdamW, broadcast_fp16=fp16, lr=1e-2, weight_decay=0.1)
-        train_steps("lm", ref_model, ref_lm_opt, rank, range(2))
+        train_harness_model("lm", ref_model, ref_lm_opt, rank, range(2))
         with count_comm_bytes() as meter:
-            train_steps("lm", oss_model, oss_opt, rank, range(2))
+            train_harness_model("lm", oss_model, oss_opt, rank, range(2))
         sent[fp16] = meter.payload_bytes["send"]  # on gloo owners send their buckets to each peer
         out[f"fp16={fp16}_diff"] = max_param_diff(ref_model, oss_model)
     out["byte_ratio"] = sent[True] / sent[False]
 
     # state_dict(all_ranks=True) consolidates onto every rank: each holds the plain optimizer's state dict.
-    out["all_ranks_state"] = float(same_state(opt.state_dict(all_ranks=True), ref_opt.state_dict()))
+    out["all_ranks_state"] = float(same_optimizer_state(opt.state_dict(all_ranks=True), ref_opt.state_dict()))
     return out
 
 
@@ -93,17 +94,12 @@ def _subgroups(rank: int, world_size: int) -> dict[str, float]:
     opt = OSS(model.parameters(), optim=torch.optim.SGD, group=mine, lr=0.05, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
 
-    def average_in_group(m: torch.nn.Module) -> None:
-        for p in m.parameters():
-            dist.all_reduce(p.grad, group=mine)
-            p.grad.div_(2)
-
     for m, o in ((model, opt), (ref, ref_opt)):
-        train_steps("nested", m, o, rank, range(2), after_backward=lambda m=m: average_in_group(m))
+        train_harness_model("nested", m, o, rank, range(2), after_backward=lambda m=m: average_grads(m, group=mine))
     opt.consolidate_state_dict(recipient_rank=1)
     out = {"diff": max_param_diff(model, ref), "group_rank": float(opt.rank), "global_rank": float(opt.global_rank)}
     if opt.rank == 1:
-        out["state_matches"] = float(same_state(opt.state_dict(), ref_opt.state_dict()))
+        out["state_matches"] = float(same_optimizer_state(opt.state_dict(), ref_opt.state_dict()))
     return out
 
 

@@ -8,7 +8,6 @@ import math
 
 import pytest
 import torch
-from oss_testlib import OPTIMIZERS, batch, tiny_model
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from shardkit.distributed import count_comm_bytes
@@ -17,6 +16,7 @@ from shardkit.optim import OSS
 from shardkit.optim.zero1.consistency import _same
 from shardkit.testing import run_distributed
 from shardkit.testing.models import loss_for
+from testkit import OPTIMIZERS, rank_batch, tiny_model
 
 TWO_NODES = [{"LOCAL_WORLD_SIZE": "2", "GROUP_RANK": str(r // 2), "LOCAL_RANK": str(r % 2)} for r in range(4)]
 
@@ -34,7 +34,7 @@ def _under_ddp(rank: int, world_size: int) -> tuple[float, int, int]:
     for step in range(3):
         for m, o in ((ref, ref_opt), (model, opt)):
             o.zero_grad()
-            x, y = batch("lm", m, rank, step)
+            x, y = rank_batch("lm", m, rank, step)
             loss_for("lm", m(x), y).backward()
         got = opt.clip_grad_norm(0.5)
         want = torch.nn.utils.get_total_norm([p.grad for p in ref_inner.parameters()])
@@ -74,7 +74,7 @@ def _node_only_ddp(rank: int, world_size: int) -> bool:
     model = DDP(inner, process_group=topo.intra_group)  # the mistake: gradients averaged inside the node only
     cls, kwargs = OPTIMIZERS["adamw"]
     opt = OSS(inner.parameters(), optim=cls, group=topo, **kwargs)
-    x, y = batch("lm", model, rank, 0)  # each rank its own data, as a DistributedSampler gives
+    x, y = rank_batch("lm", model, rank, 0)  # each rank its own data, as a DistributedSampler gives
     loss_for("lm", model(x), y).backward()
     before = [p.detach().clone() for p in inner.parameters()]
     with pytest.raises(ValueError, match=r"differ between nodes.*over the whole world"):

@@ -8,11 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from oss_testlib import ddp_pair, max_param_diff, same_state, train_steps
+from oss_testlib import ddp_pair
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from shardkit.optim import OSS
 from shardkit.testing import run_distributed
+from testkit import max_param_diff, same_optimizer_state, train_harness_model
 
 NAME = "lm"
 
@@ -21,12 +22,12 @@ def _save_at(rank: int, world_size: int, folder: str) -> dict[str, float]:
     """Train 2 steps, save model and consolidated optimizer, then check three ways of continuing agree."""
     ref_model, oss_model, ref_opt, oss_opt = ddp_pair(NAME, "adamw")
     for model, opt in ((ref_model, ref_opt), (oss_model, oss_opt)):
-        train_steps(NAME, model, opt, rank, range(2))
+        train_harness_model(NAME, model, opt, rank, range(2))
     oss_opt.consolidate_state_dict(recipient_rank=world_size - 1)
     out: dict[str, float] = {}
     if rank == world_size - 1:
         full = oss_opt.state_dict()
-        out["equals_plain_state_dict"] = float(same_state(full, ref_opt.state_dict()))
+        out["equals_plain_state_dict"] = float(same_optimizer_state(full, ref_opt.state_dict()))
         torch.save({"model": oss_model.module.state_dict(), "optim": full}, Path(folder) / "ckpt.pt")
     else:
         with pytest.raises(RuntimeError, match="consolidate_state_dict"):
@@ -45,7 +46,7 @@ def _save_at(rank: int, world_size: int, folder: str) -> dict[str, float]:
     plain_opt = torch.optim.AdamW(plain_model.parameters(), lr=123.0)
     plain_opt.load_state_dict(copy.deepcopy(ckpt["optim"]))  # torch's load keeps the dict's tensors
     for model, opt in ((oss_model, oss_opt), (resumed_model, resumed_opt), (plain_model, plain_opt)):
-        train_steps(NAME, model, opt, rank, range(2, 4))
+        train_harness_model(NAME, model, opt, rank, range(2, 4))
     out["resumed_oss"] = max_param_diff(oss_model, resumed_model)
     out["resumed_plain"] = max_param_diff(oss_model, plain_model)
     return out
@@ -65,7 +66,7 @@ def _load_at(rank: int, world_size: int, folder: str) -> dict[str, float]:
     only_owned = set(oss_opt.optim.state) == owned
     lr_loaded = oss_opt.param_groups[0]["lr"] == oss_opt.optim.param_groups[0]["lr"] == 1e-2
     for model, opt in ((ref_model, ref_opt), (oss_model, oss_opt)):
-        train_steps(NAME, model, opt, rank, range(2, 5))
+        train_harness_model(NAME, model, opt, rank, range(2, 5))
     return {"diff": max_param_diff(ref_model, oss_model), "only_owned": float(only_owned), "lr": float(lr_loaded)}
 
 

@@ -6,13 +6,13 @@ import copy
 
 import pytest
 import torch
-from oss_testlib import max_param_diff, tiny_model, train_steps
 from torch import nn
 
 from shardkit.distributed import DummyProcessGroup
 from shardkit.optim import OSS
 from shardkit.optim.oss import OSS as OSSFromCompatPath
 from shardkit.optim.zero1.partition import Partition, assign_owners
+from testkit import max_param_diff, tiny_model, train_harness_model
 
 SOLO = DummyProcessGroup(rank=0, size=1)
 
@@ -79,18 +79,18 @@ def test_state_dict_needs_consolidation_first() -> None:
     model, ref = tiny_model("nested"), tiny_model("nested")
     opt = OSS(model.parameters(), optim=torch.optim.AdamW, group=SOLO, lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    train_steps("nested", model, opt, 0, range(1))
+    train_harness_model("nested", model, opt, 0, range(1))
     with pytest.raises(RuntimeError, match=r"consolidate_state_dict\(recipient_rank=R\) on every rank"):
         opt.state_dict()
     # Nothing was disturbed: training goes on exactly like the plain optimizer.
-    train_steps("nested", ref, ref_opt, 0, range(1))
+    train_harness_model("nested", ref, ref_opt, 0, range(1))
     for step in (1, 2):
-        train_steps("nested", model, opt, 0, [step])
-        train_steps("nested", ref, ref_opt, 0, [step])
+        train_harness_model("nested", model, opt, 0, [step])
+        train_harness_model("nested", ref, ref_opt, 0, [step])
     assert max_param_diff(model, ref) == 0.0
     opt.consolidate_state_dict()
     assert opt.state_dict()["param_groups"] == ref_opt.state_dict()["param_groups"]
-    train_steps("nested", model, opt, 0, [3])
+    train_harness_model("nested", model, opt, 0, [3])
     with pytest.raises(RuntimeError, match="consolidate_state_dict"):
         opt.state_dict()  # a step makes the consolidated copy stale
 
@@ -98,7 +98,7 @@ def test_state_dict_needs_consolidation_first() -> None:
 def test_bad_state_dict_changes_nothing() -> None:
     model = tiny_model("nested")
     opt = OSS(model.parameters(), optim=torch.optim.SGD, group=SOLO, lr=0.1, momentum=0.9)
-    train_steps("nested", model, opt, 0, range(1))
+    train_harness_model("nested", model, opt, 0, range(1))
     opt.consolidate_state_dict()
     good = opt.state_dict()
     bad = copy.deepcopy(good)
@@ -122,12 +122,12 @@ def test_single_rank_matches_plain_optimizer_with_scheduler(optim: str) -> None:
     scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in (opt, ref_opt)]
     for step in range(3):
         for m, o in ((model, opt), (ref, ref_opt)):
-            train_steps("lm", m, o, 0, [step])
+            train_harness_model("lm", m, o, 0, [step])
         for s in scheds:
             s.step()
     assert opt.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"] == 0.05 / 8
     assert max_param_diff(model, ref) == 0.0
-    train_steps("lm", model, opt, 0, [3])
+    train_harness_model("lm", model, opt, 0, [3])
     assert opt.optim.param_groups[0]["lr"] == 0.05 / 8  # the scheduler's value reached the local optimizer
 
 
@@ -138,13 +138,13 @@ def test_param_group_edits_flow_both_ways() -> None:
     assert opt.param_groups[0]["momentum"] == 0  # the local optimizer's defaults show on OSS
     opt.param_groups[0]["lr"] = 0.3  # user edits OSS
     ref_opt.param_groups[0]["lr"] = 0.3
-    train_steps("nested", model, opt, 0, [0])
-    train_steps("nested", ref, ref_opt, 0, [0])
+    train_harness_model("nested", model, opt, 0, [0])
+    train_harness_model("nested", ref, ref_opt, 0, [0])
     assert opt.optim.param_groups[0]["lr"] == 0.3
     opt.optim.param_groups[0]["lr"] = 0.02  # user edits the wrapped optimizer
     ref_opt.param_groups[0]["lr"] = 0.02
-    train_steps("nested", model, opt, 0, [1])
-    train_steps("nested", ref, ref_opt, 0, [1])
+    train_harness_model("nested", model, opt, 0, [1])
+    train_harness_model("nested", ref, ref_opt, 0, [1])
     assert opt.param_groups[0]["lr"] == 0.02
     assert max_param_diff(model, ref) == 0.0
 
@@ -155,16 +155,16 @@ def test_add_param_group_matches_plain_and_rejects_duplicates() -> None:
     ref_first, ref_rest = list(ref.parameters())[:4], list(ref.parameters())[4:]
     opt = OSS(first, optim=torch.optim.AdamW, group=SOLO, lr=1e-2)
     ref_opt = torch.optim.AdamW(ref_first, lr=1e-2)
-    train_steps("nested", model, opt, 0, [0])
-    train_steps("nested", ref, ref_opt, 0, [0])
+    train_harness_model("nested", model, opt, 0, [0])
+    train_harness_model("nested", ref, ref_opt, 0, [0])
     opt.add_param_group({"params": rest, "lr": 3e-3})
     ref_opt.add_param_group({"params": ref_rest, "lr": 3e-3})
     assert len(opt.optim.param_groups) == 2 and opt.optim.param_groups[1]["lr"] == 3e-3
     with pytest.raises(ValueError, match="more than one parameter group"):
         opt.add_param_group({"params": rest[:1]})
     assert len(opt.param_groups) == len(opt.optim.param_groups) == 2
-    train_steps("nested", model, opt, 0, [1, 2])
-    train_steps("nested", ref, ref_opt, 0, [1, 2])
+    train_harness_model("nested", model, opt, 0, [1, 2])
+    train_harness_model("nested", ref, ref_opt, 0, [1, 2])
     assert max_param_diff(model, ref) == 0.0
 
 

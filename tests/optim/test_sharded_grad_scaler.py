@@ -7,7 +7,6 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from oss_testlib import average_grads, batch, max_param_diff, tiny_model
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -15,6 +14,7 @@ from shardkit.distributed import DummyProcessGroup
 from shardkit.optim import OSS, GradScaler, ShardedGradScaler
 from shardkit.optim.grad_scaler import ShardedGradScaler as ScalerFromCompatPath
 from shardkit.testing import run_distributed
+from testkit import average_grads, max_param_diff, rank_batch, tiny_model
 
 
 def _scaled_backward(
@@ -39,7 +39,7 @@ def _skip_together(rank: int, world_size: int) -> dict[str, float]:
     out = {}
     for step, inject in enumerate((True, False)):
         opt.zero_grad()
-        _scaled_backward(model, scaler, *batch("nested", model, rank, step), torch.bfloat16)
+        _scaled_backward(model, scaler, *rank_batch("nested", model, rank, step), torch.bfloat16)
         average_grads(model)
         _free_unowned_grads(opt)
         if inject and rank == world_size - 1:
@@ -75,7 +75,7 @@ def _matches_gradscaler(rank: int, world_size: int) -> dict[str, float]:
         for step in range(4):
             for model, opt, scaler in ((ref, ref_opt, ref_scaler), (test, test_opt, test_scaler)):
                 opt.zero_grad()
-                _scaled_backward(model, scaler, *batch("nested", model, rank, step), dtype)
+                _scaled_backward(model, scaler, *rank_batch("nested", model, rank, step), dtype)
                 scaler.unscale_(opt)
                 scaler.step(opt)
                 scaler.update()
@@ -121,7 +121,7 @@ def test_single_process_without_distributed() -> None:
     for step in range(2):
         for m, o, s in ((model, opt, scaler), (ref, ref_opt, ref_scaler)):
             o.zero_grad()
-            _scaled_backward(m, s, *batch("nested", m, 0, step), torch.bfloat16)
+            _scaled_backward(m, s, *rank_batch("nested", m, 0, step), torch.bfloat16)
             s.step(o)
             s.update()
     assert max_param_diff(model, ref) == 0.0

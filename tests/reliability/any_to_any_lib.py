@@ -12,13 +12,14 @@ another seed only matches if the buffer was loaded too.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.nn.functional as F
-from rel_testlib import smp_mse_step
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+from testkit import data_parallel_rows, regression_batch, train_step
 
 #: Families the parity tests move checkpoints between, and the world sizes each runs at here.
 FAMILY_SIZES: dict[str, tuple[int, ...]] = {
@@ -54,18 +55,6 @@ def net(seed: int) -> nn.Sequential:
     return nn.Sequential(
         nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3), Gain(1.0 + 0.25 * seed)
     )
-
-
-def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The global batch of ``step`` (the same for every family and world size)."""
-    gen = torch.Generator().manual_seed(500 + step)
-    return torch.randn(GLOBAL_BATCH, 6, generator=gen), torch.randn(GLOBAL_BATCH, 3, generator=gen)
-
-
-def rows(x: torch.Tensor, dp_rank: int, dp_size: int) -> torch.Tensor:
-    """Data-parallel rank ``dp_rank``'s share of a global batch."""
-    per = x.shape[0] // dp_size
-    return x[dp_rank * per : (dp_rank + 1) * per]
 
 
 @dataclass
@@ -139,19 +128,27 @@ def release(run: Run) -> None:
 
 def train(run: Run, steps: range) -> None:
     """Train ``run`` on the global batches of ``steps`` (its data-parallel share of each)."""
-    smp_step = smp_mse_step() if run.family.startswith("smp") else None
+    smp_step = None
+    if run.family.startswith("smp"):
+        from testkit.smp import new_mse_step
+
+        smp_step = new_mse_step()
     for step in steps:
-        x, y = batch(step)
-        x, y = rows(x, run.dp_rank, run.dp_size), rows(y, run.dp_rank, run.dp_size)
-        run.optimizer.zero_grad()
+        x, y = regression_batch(500 + step, rows=GLOBAL_BATCH)  # the same for every family and world size
+        x, y = (data_parallel_rows(t, run.dp_rank, run.dp_size) for t in (x, y))
         if smp_step is not None:
+            run.optimizer.zero_grad()
             smp_step(run.model, x, y)
+            run.optimizer.step()
         else:
-            out = run.model(x)  # promoted by hand: torch < 2.12's mse_loss backward refuses bf16 against fp32
-            F.mse_loss(out.float(), y.float()).backward()
-        run.optimizer.step()
+            # promoted by hand: torch < 2.12's mse_loss backward refuses bf16 against fp32
+            train_step(run.model, run.optimizer, lambda _, x=x, y=y: (x, y), loss_fn=_mse_in_float)
         if run.family == "slowmo":
             run.model.perform_slowmo(run.optimizer)
+
+
+def _mse_in_float(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(out.float(), y.float())
 
 
 def full_state(run: Run) -> dict[str, torch.Tensor]:
@@ -168,17 +165,3 @@ def reference(steps: int) -> dict[str, torch.Tensor]:
     run = build("plain", 0, 1, seed=0)
     train(run, range(steps))
     return full_state(run)
-
-
-def difference(
-    expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor], rtol: float = 1e-5, atol: float = 1e-6
-) -> Optional[str]:
-    """None if ``got`` matches ``expected`` key for key within fp32 reduction-order tolerances, else what differs."""
-    if sorted(expected) != sorted(got):
-        return f"keys differ: {sorted(set(expected) ^ set(got))}"
-    for key, want in expected.items():
-        have = got[key]
-        if have.shape != want.shape or not torch.allclose(have, want, rtol=rtol, atol=atol):
-            gap = (have - want).abs().max().item() if have.shape == want.shape else "shape"
-            return f"{key}: max difference {gap}"
-    return None

@@ -1,7 +1,7 @@
 """How long each call made by rank 0 only takes to be reported at shardkit's default settings (a program, not a
 test: each case waits the full default deadline, about 3.5 minutes, all cases side by side).
 
-    cd tests/reliability && PYTHONPATH=../../src python measure_missed_calls.py fsdp_state_dict save_checkpoint \\
+    cd tests/reliability && PYTHONPATH=../../src:.. python measure_missed_calls.py fsdp_state_dict save_checkpoint \\
         oss_consolidate smp_state_dict
 
 Rank 0 makes the call; rank 1 waits in a ``dist.barrier()``, as in issue 23. Prints, per case and rank, the seconds

@@ -18,9 +18,10 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+from testkit import bitwise_difference, regression_batch, train_step
 
 STRATEGIES = ("ddp", "oss", "oss_sdp", "fsdp", "smp", "slowmo")
 
@@ -100,46 +101,24 @@ def release(run: Run) -> None:
         smp.reset()
 
 
-def batch(step: int, dp_rank: int, poison: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """This step's batch for one data-parallel rank; ``poison`` puts an inf in it (its gradients overflow)."""
-    gen = torch.Generator().manual_seed(1000 * step + dp_rank)
-    x, y = torch.randn(4, 6, generator=gen), torch.randn(4, 3, generator=gen)
-    if poison:
-        x[0, 0] = float("inf")
-    return x, y
-
-
-def smp_mse_step() -> Any:
-    """An ``@smp.step`` training step with an MSE loss (the reliability tests' smp runs)."""
-    import shardkit.modelparallel as smp
-
-    @smp.step
-    def step(model: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = F.mse_loss(model(x), y)
-        model.backward(loss)
-        return loss
-
-    return step
-
-
 def train(run: Run, steps: range, rank: int, poison_at: Optional[tuple[int, int]] = None) -> None:
-    """Train ``run`` on ``steps``; ``poison_at=(step, rank)`` gives that rank an overflowing batch at that step."""
-    smp_step = smp_mse_step() if run.strategy == "smp" else None
+    """Train ``run`` on ``steps``; ``poison_at=(step, rank)`` gives that rank an overflowing batch at that step
+    (an inf in it). Each batch depends only on the step and the data-parallel rank."""
+    smp_step = None
+    if run.strategy == "smp":
+        from testkit.smp import new_mse_step
+
+        smp_step = new_mse_step()
     for step in steps:
-        x, y = batch(step, 0 if run.strategy == "smp" else rank, poison=poison_at == (step, rank))
-        run.optimizer.zero_grad()
+        x, y = regression_batch(1000 * step + (0 if run.strategy == "smp" else rank), rows=4)
+        if poison_at == (step, rank):
+            x[0, 0] = float("inf")
         if smp_step is not None:
+            run.optimizer.zero_grad()
             smp_step(run.model, x, y)
             run.optimizer.step()
             continue
-        loss = F.mse_loss(run.model(x), y)
-        if run.scaler is not None:
-            run.scaler.scale(loss).backward()
-            run.scaler.step(run.optimizer)
-            run.scaler.update()
-        else:
-            loss.backward()
-            run.optimizer.step()
+        train_step(run.model, run.optimizer, lambda _, x=x, y=y: (x, y), scaler=run.scaler)
         if run.strategy == "slowmo":
             run.model.perform_slowmo(run.optimizer)
 
@@ -151,16 +130,6 @@ def full_state(run: Run) -> dict[str, torch.Tensor]:
     else:
         state = run.model.state_dict()
     return {k: v.detach().clone().cpu() for k, v in state.items() if isinstance(v, torch.Tensor)}
-
-
-def first_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> Optional[str]:
-    """The first key whose tensors differ in any bit (or that only one side has), else ``None``."""
-    if list(a) != list(b):
-        return f"keys differ: {sorted(set(a) ^ set(b))}"
-    for key in a:
-        if a[key].dtype != b[key].dtype or not torch.equal(a[key], b[key]):
-            return f"{key}: max diff {(a[key].double() - b[key].double()).abs().max().item()}"
-    return None
 
 
 def as_numpy(state: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -275,7 +244,7 @@ def snapshot(run: Run) -> dict[str, Any]:
 def assert_unchanged(run: Run, before: dict[str, Any]) -> None:
     """The model, optimizer and scaler hold exactly what :func:`snapshot` saw."""
     now = snapshot(run)
-    assert first_difference(before["model"], now["model"]) is None
+    assert bitwise_difference(before["model"], now["model"]) is None
     assert _same(before["optimizer"], now["optimizer"]), "optimizer state changed"
     assert before["scaler"] == now["scaler"]
 

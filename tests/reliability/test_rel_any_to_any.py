@@ -20,10 +20,11 @@ from typing import Any, NamedTuple
 
 import pytest
 import torch
-from any_to_any_lib import FAMILY_SIZES, TWO_NODES, build, difference, full_state, reference, release, train
+from any_to_any_lib import FAMILY_SIZES, TWO_NODES, build, full_state, reference, release, train
 
 from shardkit.checkpoint import load_checkpoint, save_checkpoint
 from shardkit.testing import run_distributed
+from testkit import state_difference
 
 SAVE_AT, TOTAL = 2, 4
 SIZES = (1, 2, 4)
@@ -181,9 +182,9 @@ def test_checkpoint_moves_between_strategies_and_training_continues(moved: dict[
     assert len(per_rank) == case.target_size
     for rank, result in enumerate(per_rank):
         assert result["info"] == (SAVE_AT - 1, case.source_size, STRATEGY_NAMES[case.source])
-        gap = difference(moved["ref_saved"], _tensors(result["loaded"]))
+        gap = state_difference(moved["ref_saved"], _tensors(result["loaded"]))
         assert gap is None, f"rank {rank}, right after loading: {gap}"
-        gap = difference(moved["ref_final"], _tensors(result["final"]))
+        gap = state_difference(moved["ref_final"], _tensors(result["final"]))
         assert gap is None, f"rank {rank}, after training on: {gap}"
 
 
@@ -195,5 +196,5 @@ def test_mixed_precision_fsdp_checkpoint_holds_the_fp32_master_parameters(
     master = _tensors(moved["mixed"])
     assert all(v.dtype == torch.float64 for v in master.values())
     for rank, result in enumerate(moved["results"][name]):
-        gap = difference(master, _tensors(result["loaded"]), rtol=0.0, atol=0.0)
+        gap = state_difference(master, _tensors(result["loaded"]), rtol=0.0, atol=0.0)
         assert gap is None, f"rank {rank}: {gap}"

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from rel_testlib import assert_unchanged, first_difference, plain_run, snapshot, train
+from rel_testlib import assert_unchanged, plain_run, snapshot, train
 
 from shardkit.checkpoint import (
     CheckpointError,
@@ -23,6 +23,7 @@ from shardkit.checkpoint import (
 )
 from shardkit.checkpoint.files import write_torch
 from shardkit.testing import DistributedTestError, run_distributed
+from testkit import bitwise_difference
 
 
 def _save(root: Path, step: int, run: Any, **kwargs: Any) -> Path:
@@ -45,7 +46,7 @@ def test_round_trip_restores_state_rng_position_and_extra(tmp_path: Path) -> Non
     assert info.rng_restored and info.path == step_directory(tmp_path, 7)
     assert info.data_position["epoch"] == 1 and torch.equal(info.data_position["batch"], torch.tensor(5))
     train(fresh, range(1, 3), rank=0)  # same steps, same dropout masks: bitwise the same result
-    assert first_difference(expected["model"], snapshot(fresh)["model"]) is None
+    assert bitwise_difference(expected["model"], snapshot(fresh)["model"]) is None
 
 
 def test_latest_checkpoint_picks_the_highest_complete_step(tmp_path: Path) -> None:
@@ -123,7 +124,7 @@ def test_saving_again_replaces_a_checkpoint_only_when_complete(tmp_path: Path) -
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
     fresh = plain_run(seed=1)
     load_checkpoint(target, model=fresh.model, optimizer=fresh.optimizer)
-    assert first_difference(expected["model"], snapshot(fresh)["model"]) is None
+    assert bitwise_difference(expected["model"], snapshot(fresh)["model"]) is None
 
 
 def test_refuses_to_replace_a_directory_that_is_not_a_checkpoint(tmp_path: Path) -> None:

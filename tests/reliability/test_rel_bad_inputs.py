@@ -16,7 +16,6 @@ from rel_testlib import (
     as_numpy,
     assert_unchanged,
     distcp_file,
-    first_difference,
     fsdp_model,
     full_state,
     plain_run,
@@ -39,6 +38,7 @@ from shardkit.checkpoint import (
 from shardkit.distributed import DummyProcessGroup
 from shardkit.optim import OSS
 from shardkit.testing import run_distributed
+from testkit import bitwise_difference
 
 
 @pytest.fixture
@@ -143,7 +143,7 @@ def test_missing_parts_and_other_strategies_are_refused(tmp_path: Path) -> None:
     fsdp = fsdp_model(seed=0, group=DummyProcessGroup(rank=0, size=1))
     sharded = save_checkpoint(tmp_path / "fsdp", step=1, model=fsdp)
     load_checkpoint(sharded, model=target.model)  # the universal layout: any strategy reads any other's checkpoint
-    assert first_difference(dict(fsdp.state_dict()), dict(target.model.state_dict())) is None
+    assert bitwise_difference(dict(fsdp.state_dict()), dict(target.model.state_dict())) is None
 
 
 # ----------------------------------------------------------------------------------- at two ranks
@@ -161,7 +161,7 @@ def _fsdp_and_oss_bad_inputs(rank: int, world_size: int, root: str) -> dict[str,
         load_checkpoint(directory, model=wide)
     except IncompatibleCheckpointError as err:
         out["wide"] = str(err)
-    out["wide_unchanged"] = first_difference(before, full_state(Run("fsdp", wide, None))) is None
+    out["wide_unchanged"] = bitwise_difference(before, full_state(Run("fsdp", wide, None))) is None
 
     # Only rank 1's file is damaged and, without verification, only rank 1 notices: both must raise.
     rank_file = directory / "ranks" / "rank_00001.pt"
@@ -180,7 +180,7 @@ def _fsdp_and_oss_bad_inputs(rank: int, world_size: int, root: str) -> dict[str,
         run.model.load_local_state_dict(local)
     except ValueError as err:
         out["local"] = str(err)
-    out["local_unchanged"] = first_difference(before, full_state(run)) is None
+    out["local_unchanged"] = bitwise_difference(before, full_state(run)) is None
 
     # OSS state saved by one process re-shards at two: each rank keeps the state of the parameters it owns.
     net = tiny_net(seed=5)
@@ -237,7 +237,7 @@ def test_bad_inputs_at_two_ranks_fail_on_every_rank_and_change_nothing(tmp_path:
         assert out["oss_equal"], rank
         assert "gossip rounds in flight" in out["slowmo"][0] and "model.eval()" in out["slowmo"][0], rank
         assert out["slowmo"][1] == "slowmo", rank
-        assert first_difference(out_tensors(out["oss_model"]), {k: v for k, v in net.state_dict().items()}) is None
+        assert bitwise_difference(out_tensors(out["oss_model"]), {k: v for k, v in net.state_dict().items()}) is None
     owned = [results[0]["oss_owned"], results[1]["oss_owned"]]
     assert sorted(owned[0] + owned[1]) == list(range(6)) and owned[0] and owned[1]
 

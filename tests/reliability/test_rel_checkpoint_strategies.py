@@ -16,7 +16,6 @@ from rel_testlib import (
     Run,
     as_numpy,
     build,
-    first_difference,
     fsdp_model,
     full_state,
     release,
@@ -34,6 +33,7 @@ from shardkit.distributed import DummyProcessGroup
 from shardkit.nn import ShardedDataParallel
 from shardkit.optim import OSS, ShardedGradScaler
 from shardkit.testing import run_distributed
+from testkit import bitwise_difference
 
 SAVE_AT, TOTAL = 2, 5
 POISON = (SAVE_AT, 1)  # oss_sdp: rank 1's batch overflows at the step before the save
@@ -46,7 +46,7 @@ def _round_trip(rank: int, strategy: str, root: Path) -> dict[str, Any]:
     before_poison = full_state(run)
     train(run, range(SAVE_AT, SAVE_AT + 1), rank, poison_at=poison)
     saved = full_state(run)
-    out: dict[str, Any] = {"skipped": first_difference(before_poison, saved) is None, "saved": as_numpy(saved)}
+    out: dict[str, Any] = {"skipped": bitwise_difference(before_poison, saved) is None, "saved": as_numpy(saved)}
     if run.scaler is not None:
         out["scale"] = run.scaler.get_scale()
     save_checkpoint(
@@ -67,7 +67,7 @@ def _round_trip(rank: int, strategy: str, root: Path) -> dict[str, Any]:
     if fresh.scaler is not None:
         out["loaded_scale"] = fresh.scaler.get_scale()
     train(fresh, range(info.step + 1, TOTAL), rank)
-    out["diff"] = first_difference(expected, full_state(fresh))
+    out["diff"] = bitwise_difference(expected, full_state(fresh))
     out["info"] = (info.step, info.strategy, info.world_size, info.data_position, info.extra, info.rng_restored)
     release(fresh)
     return out
@@ -101,7 +101,7 @@ def test_sharded_grad_scaler_skips_an_overflow_on_every_rank_and_the_checkpoint_
     assert [r["skipped"] for r in sdp] == [True, True]
     assert [r["scale"] for r in sdp] == [2.0**9, 2.0**9]
     assert [r["loaded_scale"] for r in sdp] == [2.0**9, 2.0**9]
-    assert first_difference(_tensors(sdp[0]["saved"]), _tensors(sdp[1]["saved"])) is None
+    assert bitwise_difference(_tensors(sdp[0]["saved"]), _tensors(sdp[1]["saved"])) is None
 
 
 def _tensors(arrays: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -115,7 +115,7 @@ def test_oss_checkpoint_from_two_ranks_loads_in_one_process(trained: tuple[Path,
     model = ShardedDataParallel(net, opt)
     info = load_checkpoint(root / "oss_sdp", model=model, optimizer=opt, scaler=ShardedGradScaler())
     assert (info.world_size, info.rng_restored, info.data_position) == (2, False, {"rank": 0})
-    assert first_difference(_tensors(results[0]["oss_sdp"]["saved"]), full_state(Run("oss_sdp", model, opt))) is None
+    assert bitwise_difference(_tensors(results[0]["oss_sdp"]["saved"]), full_state(Run("oss_sdp", model, opt))) is None
     stored = stored_tensors(step_directory(root / "oss_sdp", SAVE_AT))
     assert set(opt.optim.state) == set(net.parameters())  # one rank now owns the whole state
     for name, p in net.named_parameters():
@@ -130,7 +130,7 @@ def test_fsdp_checkpoint_from_two_ranks_loads_in_one_process(trained: tuple[Path
     info = load_checkpoint(root / "fsdp", model=model, optimizer=opt)
     assert info.world_size == 2
     assert (
-        first_difference(_tensors(results[0]["fsdp"]["saved"]), {k: v for k, v in model.state_dict().items()}) is None
+        bitwise_difference(_tensors(results[0]["fsdp"]["saved"]), {k: v for k, v in model.state_dict().items()}) is None
     )
     stored = stored_tensors(step_directory(root / "fsdp", SAVE_AT))
     here = model.gather_full_optim_state_dict(opt)

@@ -16,11 +16,12 @@ from typing import Any
 
 import pytest
 import torch
-from rel_testlib import elastic_train, first_difference
+from rel_testlib import elastic_train
 
 from shardkit.checkpoint import latest_checkpoint, verify_checkpoint
 from shardkit.launch import launch_local
 from shardkit.testing import run_distributed
+from testkit import bitwise_difference
 
 STEPS, EVERY = 8, 2  # checkpoints after steps 1, 3, 5, 7
 SAVE_STEPS = list(range(EVERY - 1, STEPS, EVERY))
@@ -69,7 +70,7 @@ def test_sigkilled_run_resumes_through_the_elastic_agent_to_identical_parameters
     assert len(starts) == kills + 1, f"{starts}: {why}"  # one restart per kill, each resuming
     resumed = {k: torch.from_numpy(v) for k, v in killed[0]["state"].items()}
     expected = {k: torch.from_numpy(v) for k, v in reference[0]["state"].items()}
-    assert first_difference(expected, resumed) is None, why
+    assert bitwise_difference(expected, resumed) is None, why
 
     complete = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
     assert [verify_checkpoint(p).step for p in complete] == SAVE_STEPS, why  # none is corrupt, none is missing

@@ -121,11 +121,12 @@ def test_crash_before_publish_keeps_the_previous_checkpoint(tmp_path: Path) -> N
 def test_normal_exit_waits_for_the_save(tmp_path: Path) -> None:
     """A process that returns right after an asynchronous save still publishes it (the atexit wait)."""
     script = (
-        "import sys; sys.path.insert(0, sys.argv[2]); from test_rel_universal_async import _save_then_exit; "
+        "import sys; sys.path[:0] = sys.argv[2:]; from test_rel_universal_async import _save_then_exit; "
         "_save_then_exit(0, 1, sys.argv[1], 'return')"
     )
+    here = Path(__file__).parent  # this folder, and tests/ for testkit
     done = subprocess.run(
-        [sys.executable, "-c", script, str(tmp_path), str(Path(__file__).parent)], capture_output=True, timeout=120
+        [sys.executable, "-c", script, str(tmp_path), str(here), str(here.parent)], capture_output=True, timeout=120
     )
     assert done.returncode == 0, done.stderr.decode()[-2000:]
     assert latest_checkpoint(tmp_path) == tmp_path / "step_3"

@@ -12,9 +12,10 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+from testkit import data_parallel_rows, regression_batch, state_difference, train_step
 
 GLOBAL_BATCH = 8
 LR = 0.02
@@ -72,23 +73,12 @@ def build(name: str, seed: int, width: int = 6) -> Family:
     return Family(name, model, optimizer, inner, rank, size)
 
 
-def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(100 + step)
-    return torch.randn(GLOBAL_BATCH, 6, generator=gen), torch.randn(GLOBAL_BATCH, 3, generator=gen)
-
-
 def train(family: Family, steps: range) -> None:
     """One optimizer step per global batch; each rank takes its contiguous rows."""
-    rows = GLOBAL_BATCH // family.dp_size
     for step in steps:
-        x, y = batch(step)
-        x, y = (
-            x[family.dp_rank * rows : (family.dp_rank + 1) * rows],
-            y[family.dp_rank * rows : (family.dp_rank + 1) * rows],
-        )
-        family.optimizer.zero_grad()
-        F.mse_loss(family.model(x), y).backward()
-        family.optimizer.step()
+        x, y = regression_batch(100 + step, rows=GLOBAL_BATCH)
+        x, y = (data_parallel_rows(t, family.dp_rank, family.dp_size) for t in (x, y))
+        train_step(family.model, family.optimizer, lambda _, x=x, y=y: (x, y))
 
 
 def state(family: Family) -> dict[str, torch.Tensor]:
@@ -103,20 +93,13 @@ def optimizer_state(family: Family) -> Optional[dict[str, dict[str, torch.Tensor
     return {names[id(p)]: {k: v.clone() for k, v in s.items()} for p, s in local.state.items() if id(p) in names}
 
 
+def close(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> Optional[str]:
+    """None when both state dicts have the same keys and values within fp32 reduction-order tolerance."""
+    return state_difference(expected, got)
+
+
 def reference(seed: int, steps: int) -> dict[str, torch.Tensor]:
     """The single-process run after ``steps`` steps."""
     family = build("plain", seed)
     train(family, range(steps))
     return state(family)
-
-
-def close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> Optional[str]:
-    """None when both state dicts have the same keys and values within fp32 reduction-order tolerance."""
-    if a.keys() != b.keys():
-        return f"keys differ: {sorted(a.keys() ^ b.keys())}"
-    for key in a:
-        if a[key].shape != b[key].shape:
-            return f"{key}: shapes {tuple(a[key].shape)} and {tuple(b[key].shape)}"
-        if not torch.allclose(a[key], b[key], rtol=1e-5, atol=1e-6):
-            return f"{key}: max difference {(a[key] - b[key]).abs().max().item()}"
-    return None

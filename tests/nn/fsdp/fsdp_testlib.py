@@ -1,4 +1,5 @@
-"""Shared pieces of the FSDP tests: build a reference model and an FSDP model side by side, train, compare."""
+"""Shared pieces of the FSDP tests: build a reference model and an FSDP model side by side, train, compare (batches,
+the training step and gradient averaging come from ``testkit``)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from shardkit.nn.fsdp import FullyShardedDataParallel as FSDP
 from shardkit.testing import models as M
+from testkit import average_grads, model_batch, train_step
 
 LR = 0.05
 BATCH = 4
@@ -75,27 +77,12 @@ def step(
     no_sync: Optional[Callable[[], Any]] = None,
 ) -> float:
     """One optimizer step over ``micro_batches`` backward passes; ``no_sync`` skips communication for all but
-    the last. Each rank sees its own data."""
-    target = model.module if isinstance(model, (DDP, FSDP)) else model
-    optim.zero_grad(set_to_none=True)
-    total = 0.0
-    for micro in range(micro_batches):
-        x, y = M.make_batch(name, target, BATCH, seed=1000 * step_i + 10 * micro + rank)
-        ctx = no_sync() if (no_sync is not None and micro < micro_batches - 1) else _null()
-        with ctx:
-            loss = M.loss_for(name, model(x), y)
-            loss.backward()
-        total += loss.item()
-    optim.step()
-    return total
+    the last. Each rank sees its own data. Returns the summed loss."""
 
+    def batch_of(micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return model_batch(name, model, 1000 * step_i + 10 * micro + rank, BATCH)
 
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
+    return train_step(model, optim, batch_of, micro_batches, lambda out, y: M.loss_for(name, out, y), no_sync=no_sync)
 
 
 def full_params(model: FSDP) -> dict[str, torch.Tensor]:
@@ -105,6 +92,7 @@ def full_params(model: FSDP) -> dict[str, torch.Tensor]:
 
 
 def assert_same_params(ref: nn.Module, fsdp: FSDP, atol: float = 1e-5, rtol: float = 1e-5, what: str = "") -> None:
+    """FSDP's full parameters have the reference's names and values (within ``atol``/``rtol``)."""
     got = full_params(fsdp)
     want = dict(ref.named_parameters())
     assert sorted(got) == sorted(want), f"{what}: names differ: {sorted(got)} vs {sorted(want)}"
@@ -143,15 +131,6 @@ def run_parity(
         assert n == n2
         torch.testing.assert_close(b2, b, atol=1e-5, rtol=1e-5)
     return losses
-
-
-def average_grads(model: nn.Module, skip: tuple[nn.Parameter, ...] = ()) -> None:
-    """What DDP does after backward, written out: average every gradient over the world."""
-    ids = {id(p) for p in skip}
-    for p in model.parameters():
-        if p.grad is not None and id(p) not in ids and dist.get_world_size() > 1:
-            p.grad.div_(dist.get_world_size())
-            dist.all_reduce(p.grad)
 
 
 def train_side_by_side(

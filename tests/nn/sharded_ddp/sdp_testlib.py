@@ -1,4 +1,5 @@
-"""Shared pieces of the ShardedDataParallel tests: a torch DDP reference trained side by side with OSS+SDP."""
+"""Shared pieces of the ShardedDataParallel tests: a torch DDP reference trained side by side with OSS+SDP (models,
+batches and gradient averaging come from ``testkit``)."""
 
 from __future__ import annotations
 
@@ -9,53 +10,13 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from shardkit.nn import ShardedDataParallel
 from shardkit.optim import OSS
-from shardkit.testing.models import LMConfig, build, loss_for, make_batch
-
-OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
-    "sgd": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
-    "adamw": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
-}
-
-
-class BranchyNet(nn.Module):
-    """Which branch runs is chosen per call, so parameters go unused on some ranks; ``idle`` is never used."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc_in = nn.Linear(8, 8)
-        self.branch_a = nn.Linear(8, 8)
-        self.branch_b = nn.Linear(8, 8)
-        self.idle = nn.Linear(8, 8)
-        self.fc_out = nn.Linear(8, 8)
-
-    def forward(self, x: torch.Tensor, use_b: bool = False) -> torch.Tensor:
-        x = torch.tanh(self.fc_in(x))
-        x = self.branch_b(x) if use_b else self.branch_a(x)
-        return self.fc_out(F.relu(x))
-
-
-def tiny_model(name: str, seed: int = 0) -> nn.Module:
-    """A reference model small enough for several steps on two shared cores."""
-    if name == "lm":
-        return build("lm", seed=seed, cfg=LMConfig(vocab_size=32, d_model=16, n_heads=2, n_layers=2, seq_len=8))
-    if name == "branchy":
-        torch.manual_seed(seed)
-        return BranchyNet()
-    return build(name, seed=seed)
-
-
-def batch(name: str, model: nn.Module, rank: int, step: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank-, step- and micro-batch-specific data for reference model ``name``."""
-    while isinstance(model, (DDP, ShardedDataParallel)):
-        model = model.module
-    return make_batch("nested" if name == "branchy" else name, model, 4, seed=1000 * step + 10 * rank + micro)
+from shardkit.testing.models import loss_for
+from testkit import OPTIMIZERS, average_grads, max_param_diff, rank_batch, tiny_model
 
 
 @dataclass
@@ -98,18 +59,6 @@ def _flip(model: nn.Module) -> None:
         frozen[0].requires_grad_(True)
 
 
-def average_grads(model: nn.Module) -> None:
-    """What torch DDP does to the gradients of a model whose parameters are all used on every rank."""
-    for p in model.parameters():
-        if p.grad is not None:
-            dist.all_reduce(p.grad)
-            p.grad.div_(dist.get_world_size())
-
-
-def max_param_diff(a: nn.Module, b: nn.Module) -> float:
-    return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
-
-
 @dataclass
 class Outcome:
     """What a scenario measured on one rank."""
@@ -150,6 +99,7 @@ NULL_GRADIENT = {
 
 
 def freeze_null_gradients(name: str, model: nn.Module) -> None:
+    """Freeze the parameters of reference model ``name`` listed in :data:`NULL_GRADIENT`."""
     for param_name, p in model.named_parameters():
         if param_name.endswith(NULL_GRADIENT.get(name, ())):
             p.requires_grad_(False)
@@ -188,7 +138,7 @@ def run_scenario(rank: int, sc: Scenario) -> Outcome:
             for micro in range(sc.accumulate):
                 quiet = micro < sc.accumulate - 1 and model is not ref_inner
                 with model.no_sync() if quiet else contextlib.nullcontext():  # type: ignore[operator]
-                    x, y = batch(name, model, rank, step, micro)
+                    x, y = rank_batch(name, model, rank, step, micro)
                     kwargs = {"use_b": (rank + step) % 2 == 0} if sc.unused else {}
                     loss_for(name, model(x, **kwargs), y).backward()
         if ref is ref_inner:

@@ -9,17 +9,17 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from sdp_testlib import average_grads, batch, tiny_model
 
 from shardkit.distributed import count_comm_bytes
 from shardkit.nn import ShardedDataParallel
 from shardkit.optim import OSS
 from shardkit.testing import run_distributed
 from shardkit.testing.models import loss_for
+from testkit import average_grads, rank_batch, tiny_model
 
 
 def _backward(model: ShardedDataParallel, rank: int, step: int = 0, name: str = "lm") -> None:
-    x, y = batch(name, model, rank, step)
+    x, y = rank_batch(name, model, rank, step)
     loss_for(name, model(x), y).backward()
 
 
@@ -98,7 +98,7 @@ def _rewrap(rank: int) -> dict[str, Any]:
         oss = OSS(model.parameters(), lr=0.1)
         sdp = ShardedDataParallel(model, oss)
     _backward(sdp, rank, name="nested")
-    x, y = batch("nested", reference, rank, 0)
+    x, y = rank_batch("nested", reference, rank, 0)
     loss_for("nested", reference(x), y).backward()
     average_grads(reference)
     owned = [(p, q) for p, q in zip(model.parameters(), reference.parameters()) if oss.param_to_rank[p] == rank]

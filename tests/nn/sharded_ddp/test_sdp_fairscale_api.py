@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 import torch
-from sdp_testlib import average_grads, batch, max_param_diff, tiny_model
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -21,6 +20,7 @@ from shardkit.nn.data_parallel.sharded_ddp import ShardedDataParallel as FromFai
 from shardkit.optim import OSS
 from shardkit.testing import run_distributed
 from shardkit.testing.models import loss_for
+from testkit import average_grads, max_param_diff, rank_batch, tiny_model
 
 SOLO = DummyProcessGroup(rank=0, size=1)
 
@@ -98,7 +98,7 @@ def _reduce_and_eval(rank: int, world_size: int) -> dict[str, Any]:
         for model in (ref, sdp):
             quiet = model is sdp or micro == 0
             with model.no_sync() if quiet else contextlib.nullcontext():  # type: ignore[operator]
-                x, y = batch("lm", model, rank, 0, micro)
+                x, y = rank_batch("lm", model, rank, 0, micro)
                 loss_for("lm", model(x), y).backward()
     with count_comm_bytes() as meter:
         sdp.reduce()
@@ -121,11 +121,11 @@ def _reduce_and_eval(rank: int, world_size: int) -> dict[str, Any]:
     sdp.zero_grad(set_to_none=True)
     sdp.eval()
     with count_comm_bytes() as meter, torch.no_grad():
-        sdp(batch("lm", sdp, rank, 1)[0])
+        sdp(rank_batch("lm", sdp, rank, 1)[0])
     out["eval_reduces"] = meter.calls.get("reduce", 0) + meter.calls.get("send", 0)
     sdp.train()
     for model in (ref, sdp):
-        x, y = batch("lm", model, rank, 2)
+        x, y = rank_batch("lm", model, rank, 2)
         loss_for("lm", model(x), y).backward()
     out["train_again_grad_diff"] = max((p.grad - q.grad).abs().max().item() for p, q in pairs if q in owned)
     ref_opt.step()
@@ -162,7 +162,7 @@ def _cast_after_wrapping(rank: int, world_size: int) -> dict[str, Any]:
             inner.float()  # behind the wrapper's back: noticed at the next forward
             ref.float()
         for model in (ref, sdp):
-            x, y = batch("lm", model, rank, step)
+            x, y = rank_batch("lm", model, rank, step)
             loss_for("lm", model(x), y).backward()
         average_grads(ref)
         owned = [(p, q) for p, q in zip(ref.parameters(), inner.parameters()) if q.grad is not None]

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from sdp_testlib import OPTIMIZERS, BranchyNet, batch, freeze_null_gradients, tiny_model
+from sdp_testlib import freeze_null_gradients
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -20,6 +20,7 @@ from shardkit.nn import ShardedDataParallel
 from shardkit.optim import OSS
 from shardkit.testing import run_distributed
 from shardkit.testing.models import loss_for
+from testkit import OPTIMIZERS, BranchyNet, rank_batch, tiny_model
 
 TWO_NODES = [{"LOCAL_WORLD_SIZE": "2", "GROUP_RANK": str(r // 2), "LOCAL_RANK": str(r % 2)} for r in range(4)]
 
@@ -44,7 +45,7 @@ def _train(rank: int, name: str, optim: str, nodes: Any, accumulate: int = 1, **
             for micro in range(accumulate):
                 quiet = micro < accumulate - 1
                 with model.no_sync() if quiet else contextlib.nullcontext():  # type: ignore[operator]
-                    x, y = batch("nested" if unused else name, model, rank, step, micro)
+                    x, y = rank_batch("nested" if unused else name, model, rank, step, micro)
                     # BranchyNet: node 0 runs one branch and node 1 the other, so some gradients exist on one
                     # node only and must still be averaged over all four ranks.
                     extra = {"use_b": (rank // 2 + step) % 2 == 0} if unused else {}
@@ -97,7 +98,7 @@ def _traffic(rank: int, world_size: int) -> tuple[int, int]:
     model = tiny_model("lm")
     opt = OSS(model.parameters(), optim=torch.optim.SGD, group=topo, lr=0.1)
     sdp = ShardedDataParallel(model, opt, broadcast_buffers=False)
-    x, y = batch("lm", sdp, rank, 0)
+    x, y = rank_batch("lm", sdp, rank, 0)
     with count_comm_bytes() as meter:
         loss_for("lm", sdp(x), y).backward()
     owned = sum(p.numel() * p.element_size() for p in opt.local_params)
