@@ -6,8 +6,9 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from shardkit.bench import comm, strategies
-from shardkit.bench.strategies import OptimizerSpec, Strategy
+from shardkit.distributed import comm_formulas as comm
+from shardkit.strategies import registry as strategies
+from shardkit.strategies.registry import OptimizerSpec, Strategy
 from shardkit.testing import run_distributed
 from shardkit.testing.models import LMConfig, TransformerLM, lm_batch
 

@@ -24,10 +24,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardkit.bench.memory import training_memory
 from shardkit.bench.rss import PeakRSS, current_rss
-from shardkit.bench.runner import quiet_torch_deprecations
 from shardkit.distributed import collectives as C
+from shardkit.memory.meter import training_memory
+from shardkit.strategies.live import quiet_torch_deprecations
 from shardkit.utils.checks import at_least
 
 STRATEGIES = ("fsdp", "oss_sdp")

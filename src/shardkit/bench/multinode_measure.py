@@ -26,7 +26,7 @@ from shardkit.demo.task import MarkovTask
 from shardkit.distributed import CommMeter, collectives, comm_delay, count_comm_bytes
 from shardkit.distributed.node_traffic import set_topology
 from shardkit.distributed.topology import Topology
-from shardkit.testing.models import LMConfig, TransformerLM
+from shardkit.models import LMConfig, TransformerLM
 from shardkit.utils.checks import at_least, positive
 
 #: Every strategy of the suite, in table order.

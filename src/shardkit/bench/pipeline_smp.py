@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import torch
 
-from shardkit.testing.models import TransformerLM
+from shardkit.models import TransformerLM
 
 
 class ActivationMeter:

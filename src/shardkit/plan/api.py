@@ -3,7 +3,7 @@
 Example::
 
     import torch, shardkit.plan
-    from shardkit.testing.models import LMConfig, TransformerLM
+    from shardkit.models import LMConfig, TransformerLM
 
     cfg = LMConfig.bench()
     est = shardkit.plan.estimate(

@@ -22,13 +22,13 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 
-from shardkit.bench.memory import training_memory
 from shardkit.distributed import Topology, count_comm_bytes, set_topology
+from shardkit.distributed.spawn import run_distributed
+from shardkit.memory.meter import training_memory
 from shardkit.plan.pipeline import builder, pipeline_forward_backward, smp_config
 from shardkit.plan.runner import call_model, warmup_steps
 from shardkit.plan.strategies import PIPELINE, get
 from shardkit.plan.workloads import Workload
-from shardkit.testing.harness import run_distributed
 
 
 @dataclass(frozen=True)

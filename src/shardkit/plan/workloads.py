@@ -109,7 +109,7 @@ class Workload:
         return 2  # token ids 0 and 1 are valid for any factory model's embedding
 
     def _lm_config(self) -> Any:
-        from shardkit.testing.models import LMConfig
+        from shardkit.models import LMConfig
 
         base = LMConfig.bench() if self.kind == "bench_lm" else LMConfig.demo()
         return LMConfig(**{**base.__dict__, "seq_len": self.seq_len, **self.overrides})
@@ -152,7 +152,7 @@ class Workload:
 
     def _build_model(self) -> nn.Module:
         if self.kind in ("bench_lm", "demo_lm"):
-            from shardkit.testing.models import TransformerLM
+            from shardkit.models import TransformerLM
 
             return TransformerLM(self._lm_config())
         if self.kind == "hf":

@@ -23,7 +23,7 @@ from shardkit.bench.gpu_check.common import (
     sync,
     train,
 )
-from shardkit.testing.models import TransformerLM, param_count
+from shardkit.models import TransformerLM, param_count
 
 BATCH = 4
 
@@ -37,7 +37,7 @@ def _free() -> None:
 
 def _real_peak(strategy: str, small: bool) -> dict[str, Any]:
     """Peak bytes the allocator saw over two AdamW steps of ``strategy`` (model built on the device first)."""
-    from shardkit.bench.strategies import OptimizerSpec, get_strategy
+    from shardkit.strategies.registry import OptimizerSpec, get_strategy
 
     cfg = billion_lm(small)
     _free()

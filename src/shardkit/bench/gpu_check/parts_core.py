@@ -92,7 +92,7 @@ def part_cuda_tests(res: Results, small: bool, repo: Path) -> None:
 
 
 def _strategy_run(name: str, small: bool) -> dict[str, Any]:
-    from shardkit.bench.strategies import OptimizerSpec, get_strategy
+    from shardkit.strategies.registry import OptimizerSpec, get_strategy
 
     cfg = small_lm(small)
     data = batches(cfg, 3, 4, seed=10)
@@ -111,7 +111,7 @@ def _strategy_run(name: str, small: bool) -> dict[str, Any]:
 
 def _smp_run(small: bool) -> dict[str, Any]:
     import shardkit.modelparallel as smp
-    from shardkit.testing.models import TransformerLM
+    from shardkit.models import TransformerLM
 
     cfg = small_lm(small)
     data = batches(cfg, 3, 4, seed=10)
@@ -158,7 +158,7 @@ def _slowmo_run(small: bool) -> dict[str, Any]:
 
 def part_strategies(res: Results, small: bool) -> None:
     """Every registered strategy, smp and SlowMo at world size 1 on NCCL, against the unwrapped model."""
-    from shardkit.bench.strategies import all_strategies
+    from shardkit.strategies.registry import all_strategies
 
     res.check("backend", lambda: {"backend": init_world_of_one()})
     for strategy in all_strategies():
@@ -168,8 +168,8 @@ def part_strategies(res: Results, small: bool) -> None:
 
 
 def _gloo_cuda_worker(rank: int, world_size: int, small: bool) -> dict[str, Any]:
-    from shardkit.bench.strategies import OptimizerSpec, get_strategy
     from shardkit.distributed import groups
+    from shardkit.strategies.registry import OptimizerSpec, get_strategy
 
     if CUDA:
         torch.cuda.set_device(0)  # one GPU for both ranks: only gloo allows that

@@ -31,8 +31,12 @@ from shardkit.nn.fsdp.helpers import auto_wrap_bn, get_fsdp_instances, no_pre_lo
 from shardkit.nn.fsdp.policies import BackwardPrefetch, CPUOffload, ProcessGroupName
 from shardkit.nn.fsdp.runtime import TrainingState
 from shardkit.nn.fsdp.strategy import ShardingStrategy
+from shardkit.nn.wrap.context import register_default_wrapper
 
 FSDP = FullyShardedDataParallel
+
+# enable_wrap() without wrapper_cls wraps with FSDP; shardkit.nn.wrap sits below FSDP and does not import it.
+register_default_wrapper(FullyShardedDataParallel)
 
 __all__ = [
     "FSDP",

@@ -13,6 +13,7 @@ from torch import nn
 from shardkit.distributed.dummy import DummyProcessGroup
 from shardkit.distributed.groups import GroupLike
 from shardkit.nn.fsdp.api import FullyShardedDataParallel
+from shardkit.nn.wrap import auto_wrap, config_auto_wrap_policy, enable_wrap
 
 
 def get_fsdp_instances(mod: nn.Module, skip_empty: bool = False) -> list[FullyShardedDataParallel]:
@@ -56,8 +57,6 @@ def auto_wrap_bn(
         model = auto_wrap_bn(model, single_rank_pg=False)
         model = FullyShardedDataParallel(model, mixed_precision=True)
     """
-    from shardkit.nn.wrap import auto_wrap, config_auto_wrap_policy, enable_wrap
-
     bns = [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     if assert_on_collision:
         tagged = [type(m).__name__ for m in bns if hasattr(m, "wrapper_config")]
