@@ -37,6 +37,7 @@ from shardkit.launch import launch_local
 from shardkit.memory import Category, MemoryTracker
 from shardkit.memory.meter import format_bytes
 from shardkit.models import Block, LMConfig, TransformerLM
+from shardkit.nn.fsdp import BackwardPrefetch, FullyShardedDataParallel
 from shardkit.strategies import registry
 from shardkit.strategies.live import Combined, LiveStrategy, agree_on_failures, combine_all, quiet_torch_deprecations
 from shardkit.utils.checks import at_least, positive
@@ -102,8 +103,6 @@ class MemoryResult:
 def _build_shardkit(
     model: nn.Module, optim: registry.OptimizerSpec, group: Any, **fsdp_kwargs: Any
 ) -> tuple[nn.Module, torch.optim.Optimizer]:
-    from shardkit.nn.fsdp import FullyShardedDataParallel
-
     blocks = model.blocks
     assert isinstance(blocks, nn.ModuleList), "the fsdp suite wraps the blocks of a TransformerLM"
     for index, block in enumerate(blocks):
@@ -114,7 +113,6 @@ def _build_shardkit(
 
 def prefetch_variants() -> list[registry.Strategy]:
     """shardkit FSDP (reshard after forward) without prefetch, with BACKWARD_PRE, and with both prefetches."""
-    from shardkit.nn.fsdp import BackwardPrefetch
 
     pre = BackwardPrefetch.BACKWARD_PRE
     variants: list[tuple[str, dict[str, Any]]] = [

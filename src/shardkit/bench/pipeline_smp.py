@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import torch
 
+import shardkit.modelparallel as smp
 from shardkit.models import TransformerLM
 
 
@@ -73,8 +74,6 @@ class SmpSchedules:
     """The smp pipeline over the bench LM (auto-partitioned), steppable under each of ``schedules``."""
 
     def __init__(self, settings: Any, schedules: list[str], build_lm: Callable[[], TransformerLM]) -> None:
-        import shardkit.modelparallel as smp
-
         smp.init(
             {
                 "partitions": settings.stages,

@@ -15,6 +15,8 @@ from typing_extensions import override
 
 from shardkit.lightning import _collectives
 from shardkit.lightning.base import ShardkitParallelStrategy
+from shardkit.nn.sharded_ddp import ShardedDataParallel
+from shardkit.optim import OSS
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -59,8 +61,6 @@ class DDPShardedStrategy(ShardkitParallelStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        from shardkit.nn.sharded_ddp import ShardedDataParallel
-
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING and self._layer_sync:
@@ -80,7 +80,6 @@ class DDPShardedStrategy(ShardkitParallelStrategy):
 
     def _to_oss(self, optimizer: Optimizer) -> OSS:
         """``optimizer`` rebuilt as OSS over the same param-group dicts (so schedulers bound to it still work)."""
-        from shardkit.optim import OSS
 
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer.optimizer

@@ -37,6 +37,7 @@ def _free() -> None:
 
 def _real_peak(strategy: str, small: bool) -> dict[str, Any]:
     """Peak bytes the allocator saw over two AdamW steps of ``strategy`` (model built on the device first)."""
+    # imported in the check: on a lent machine's torch, a module that fails to import fails this check only
     from shardkit.strategies.registry import OptimizerSpec, get_strategy
 
     cfg = billion_lm(small)
@@ -53,6 +54,7 @@ def _real_peak(strategy: str, small: bool) -> dict[str, Any]:
 
 
 def _planned_peak(strategy: str, small: bool) -> dict[str, Any]:
+    # imported in the check: on a lent machine's torch, a module that fails to import fails this check only
     import shardkit.plan
 
     cfg = billion_lm(small)
@@ -116,6 +118,7 @@ def _throughput(name: str, build: Callable[[nn.Module], nn.Module], small: bool)
 
 
 def _shardkit_fsdp(model: nn.Module) -> nn.Module:
+    # imported in the check: on a lent machine's torch, a module that fails to import fails this check only
     from shardkit.bench.gpu_check.parts_fsdp import wrap_blocks
 
     return wrap_blocks(model)
