@@ -7,7 +7,8 @@ Sub-packages, one per capability:
 - :mod:`shardkit.nn` - data-parallel wrappers: :class:`~shardkit.nn.ShardedDataParallel` (ZeRO-2) and the
   fully sharded and communication-efficient strategies.
 - :mod:`shardkit.distributed` - process-group helpers and labelled collectives.
-- :mod:`shardkit.testing` - a multi-process test harness and reference models.
+- :mod:`shardkit.models` - the reference models; :mod:`shardkit.strategies` - the strategy registry the tools run.
+- :mod:`shardkit.testing` - a multi-process test harness (and the reference models, re-exported).
 
 Importing ``shardkit`` itself is cheap; sub-packages are imported on first use.
 """

@@ -17,6 +17,7 @@ import argparse
 import sys
 from typing import Callable, Optional
 
+from shardkit.bench import SUITES, UnknownSuiteError, run_suites
 from shardkit.utils.pipes import quiet_on_broken_pipe
 
 #: Sub-commands with their own argument parsers: name -> (module, one-line help). Their ``main(argv) -> int``
@@ -39,8 +40,6 @@ def _build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--strategies", default=None, help="comma-separated subset of strategies")
     demo.add_argument("--quick", action="store_true", help="tiny settings (seconds), for tests")
     demo.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
-
-    from shardkit.bench import SUITES
 
     bench = commands.add_parser(
         "bench",
@@ -87,12 +86,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     if extra and args.command != "bench":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "demo":
+        # start-up cost: torch and the strategies only for the command that trains
         from shardkit.demo.train import main as demo_main
 
         demo_main(_forwarded(args, ("world-size", "steps", "strategies", "quick", "json")))
         return 0
-    from shardkit.bench import UnknownSuiteError, run_suites
-
     try:
         failures = run_suites(args.suites, _forwarded(args, ("world-size", "steps", "warmup", "quick")) + extra)
     except UnknownSuiteError as exc:

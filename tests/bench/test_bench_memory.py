@@ -3,7 +3,7 @@
 import torch
 from torch import nn
 
-from shardkit.bench.memory import MemoryBreakdown, format_bytes, training_memory
+from shardkit.memory.meter import MemoryBreakdown, format_bytes, training_memory
 from shardkit.testing.models import LMConfig, TransformerLM
 
 

@@ -2,8 +2,8 @@
 
 import math
 
-from shardkit.bench.memory import MemoryBreakdown
-from shardkit.bench.runner import StrategyResult, combine, paired_ratio
+from shardkit.memory.meter import MemoryBreakdown
+from shardkit.strategies.live import StrategyResult, combine, paired_ratio
 
 
 def test_combine_takes_slowest_rank_mean_loss_and_largest_memory() -> None:

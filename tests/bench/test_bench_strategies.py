@@ -6,8 +6,9 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from shardkit.bench import comm, strategies
-from shardkit.bench.strategies import OptimizerSpec, Strategy
+from shardkit.distributed import comm_formulas as comm
+from shardkit.strategies import registry as strategies
+from shardkit.strategies.registry import OptimizerSpec, Strategy
 from shardkit.testing import run_distributed
 from shardkit.testing.models import LMConfig, TransformerLM, lm_batch
 
@@ -19,7 +20,7 @@ def _never(model, optim, group):  # type: ignore[no-untyped-def]
 def test_missing_module_is_reported_not_raised() -> None:
     missing = Strategy("x", "not written yet", _never, requires=("shardkit.no_such_module:Thing",))
     assert missing.unavailable_reason() == "shardkit.no_such_module does not exist yet"
-    no_attr = Strategy("y", "", _never, requires=("shardkit.bench.memory:NoSuchClass",))
+    no_attr = Strategy("y", "", _never, requires=("shardkit.memory.meter:NoSuchClass",))
     assert "does not define NoSuchClass" in (no_attr.unavailable_reason() or "")
     assert Strategy("z", "", _never, requires=("torch.nn:Linear",)).unavailable_reason() is None
 

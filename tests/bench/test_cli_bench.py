@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from shardkit import bench
-from shardkit.bench import strategies
 from shardkit.cli import main
+from shardkit.strategies import registry as strategies
 
 
 def test_unknown_suite_is_a_clear_error_listing_the_suites(capsys: pytest.CaptureFixture[str]) -> None:

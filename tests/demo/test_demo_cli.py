@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from shardkit.bench import strategies
 from shardkit.cli import main
 from shardkit.demo.train import DemoSettings
+from shardkit.strategies import registry as strategies
 
 
 def test_demo_quick_trains_every_available_strategy(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:

@@ -5,9 +5,10 @@ with a ``run(argv: list[str]) -> None`` function that prints its own tables; it 
 the user gave (``--world-size N``, ``--steps N``, ``--warmup N``, ``--quick``) as ``argv``. A suite whose module
 does not exist yet is reported as not available and the others still run.
 
-Pieces for writing suites: :mod:`shardkit.bench.strategies` (the strategy registry),
-:mod:`shardkit.bench.memory` (per-rank bytes of parameters, gradients, optimizer state),
-:mod:`shardkit.bench.runner` (train and measure a strategy inside a worker) and :mod:`shardkit.bench.report`.
+Pieces for writing suites: :mod:`shardkit.strategies.registry` (the strategy registry),
+:mod:`shardkit.memory.meter` (per-rank bytes of parameters, gradients, optimizer state),
+:mod:`shardkit.strategies.live` (train and measure a strategy inside a worker) and :mod:`shardkit.utils.report`
+(the old ``shardkit.bench`` paths of these re-export them).
 """
 
 from __future__ import annotations

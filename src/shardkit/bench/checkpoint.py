@@ -40,9 +40,9 @@ from shardkit.bench.checkpoint_measure import (
     RankResult,
     worker,
 )
-from shardkit.bench.memory import format_bytes
-from shardkit.bench.report import format_table, ratio, write_json
 from shardkit.launch import launch_local
+from shardkit.memory.meter import format_bytes
+from shardkit.utils.report import format_table, ratio, write_json
 
 #: What a save or load may stage beyond what the rank holds anyway: the bound its memory rise is held to.
 SLACK_BYTES = 256 * 1024**2

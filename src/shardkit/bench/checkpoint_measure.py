@@ -24,10 +24,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardkit.bench.memory import training_memory
+from shardkit import checkpoint
 from shardkit.bench.rss import PeakRSS, current_rss
-from shardkit.bench.runner import quiet_torch_deprecations
+from shardkit.checkpoint import load_checkpoint, save_checkpoint
+from shardkit.checkpoint.adapters.fsdp_legacy import FSDPAdapter
+from shardkit.checkpoint.tools.export import export_safetensors
 from shardkit.distributed import collectives as C
+from shardkit.memory.meter import training_memory
+from shardkit.nn import FullyShardedDataParallel as FSDP
+from shardkit.nn import ShardedDataParallel
+from shardkit.optim import OSS
+from shardkit.strategies.live import quiet_torch_deprecations
 from shardkit.utils.checks import at_least
 
 STRATEGIES = ("fsdp", "oss_sdp")
@@ -97,15 +104,11 @@ def _model(s: CheckpointBenchSettings) -> nn.Module:
 
 def _build(name: str, s: CheckpointBenchSettings) -> tuple[nn.Module, torch.optim.Optimizer]:
     if name == "fsdp":
-        from shardkit.nn import FullyShardedDataParallel as FSDP
-
         torch.manual_seed(0)
         # each layer is sharded as soon as it is built, so no rank ever holds the whole model
         layers = [FSDP(nn.Linear(s.width, s.width)) for _ in range(s.layers)]
         model: nn.Module = FSDP(nn.Sequential(*layers))
         return model, torch.optim.Adam(model.parameters(), lr=1e-4)
-    from shardkit.nn import ShardedDataParallel
-    from shardkit.optim import OSS
 
     net = _model(s)
     optimizer = OSS(net.parameters(), optim=torch.optim.Adam, lr=1e-4)
@@ -145,8 +148,6 @@ def _old_save(name: str, model: nn.Module, optimizer: Any, directory: Path) -> N
     """What shardkit did before the universal layout for this strategy."""
     rank = dist.get_rank()
     if name == "fsdp":
-        from shardkit.checkpoint.adapters.fsdp_legacy import FSDPAdapter
-
         FSDPAdapter(model, optimizer).save(directory, rank)
         return
     optimizer.consolidate_state_dict(recipient_rank=0)
@@ -157,8 +158,6 @@ def _old_save(name: str, model: nn.Module, optimizer: Any, directory: Path) -> N
 
 
 def _measure(name: str, s: CheckpointBenchSettings, root: Path) -> RankResult:
-    from shardkit.checkpoint import load_checkpoint, save_checkpoint
-
     rank = dist.get_rank()
     result = RankResult(name, rank)
     model, optimizer = _build(name, s)
@@ -191,7 +190,6 @@ def _measure(name: str, s: CheckpointBenchSettings, root: Path) -> RankResult:
 
 def _export(result: RankResult, path: Path, out: Path) -> None:
     """Rank 0 exports the checkpoint's model as safetensors shards (the others wait): memory stays at a shard."""
-    from shardkit.checkpoint.tools.export import export_safetensors
 
     C.barrier(None, "bench checkpoint: export")
     if result.rank == 0:
@@ -205,8 +203,6 @@ def _export(result: RankResult, path: Path, out: Path) -> None:
 
 
 def _async(result: RankResult, model: nn.Module, optimizer: Any, s: CheckpointBenchSettings, path: Path) -> None:
-    from shardkit import checkpoint
-
     if "async_save" not in inspect.signature(checkpoint.save_checkpoint).parameters:
         result.notes.append("save_checkpoint has no async_save here")
         return

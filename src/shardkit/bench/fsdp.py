@@ -31,16 +31,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardkit.bench import strategies as registry
-from shardkit.bench.memory import format_bytes
-from shardkit.bench.report import format_table, ratio, unavailable_lines, write_json
-from shardkit.bench.runner import Combined, LiveStrategy, agree_on_failures, combine_all, quiet_torch_deprecations
 from shardkit.demo.task import MarkovTask
 from shardkit.distributed import comm_delay
 from shardkit.launch import launch_local
 from shardkit.memory import Category, MemoryTracker
-from shardkit.testing.models import Block, LMConfig, TransformerLM
+from shardkit.memory.meter import format_bytes
+from shardkit.models import Block, LMConfig, TransformerLM
+from shardkit.nn.fsdp import BackwardPrefetch, FullyShardedDataParallel
+from shardkit.strategies import registry
+from shardkit.strategies.live import Combined, LiveStrategy, agree_on_failures, combine_all, quiet_torch_deprecations
 from shardkit.utils.checks import at_least, positive
+from shardkit.utils.report import format_table, ratio, unavailable_lines, write_json
 
 DEFAULT_STRATEGIES = ("ddp", "fsdp", "fsdp_no_reshard", "torch_fsdp2", "torch_fsdp1")
 QUICK_LM = LMConfig(vocab_size=64, d_model=32, n_heads=4, n_layers=2, seq_len=16)
@@ -102,8 +103,6 @@ class MemoryResult:
 def _build_shardkit(
     model: nn.Module, optim: registry.OptimizerSpec, group: Any, **fsdp_kwargs: Any
 ) -> tuple[nn.Module, torch.optim.Optimizer]:
-    from shardkit.nn.fsdp import FullyShardedDataParallel
-
     blocks = model.blocks
     assert isinstance(blocks, nn.ModuleList), "the fsdp suite wraps the blocks of a TransformerLM"
     for index, block in enumerate(blocks):
@@ -114,7 +113,6 @@ def _build_shardkit(
 
 def prefetch_variants() -> list[registry.Strategy]:
     """shardkit FSDP (reshard after forward) without prefetch, with BACKWARD_PRE, and with both prefetches."""
-    from shardkit.nn.fsdp import BackwardPrefetch
 
     pre = BackwardPrefetch.BACKWARD_PRE
     variants: list[tuple[str, dict[str, Any]]] = [

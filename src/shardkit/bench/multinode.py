@@ -37,9 +37,9 @@ from shardkit.bench.multinode_measure import (
     launch,
     worker,
 )
-from shardkit.bench.report import format_table, write_json
-from shardkit.bench.runner import paired_ratio
 from shardkit.bench.zero import QUICK_LM, load_text
+from shardkit.strategies.live import paired_ratio
+from shardkit.utils.report import format_table, write_json
 
 
 @dataclass(frozen=True)

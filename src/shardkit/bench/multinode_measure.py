@@ -26,7 +26,11 @@ from shardkit.demo.task import MarkovTask
 from shardkit.distributed import CommMeter, collectives, comm_delay, count_comm_bytes
 from shardkit.distributed.node_traffic import set_topology
 from shardkit.distributed.topology import Topology
-from shardkit.testing.models import LMConfig, TransformerLM
+from shardkit.models import LMConfig, TransformerLM
+from shardkit.nn import FullyShardedDataParallel, ShardedDataParallel, ShardingStrategy, SlowMoDistributedDataParallel
+from shardkit.nn.fsdp import BackwardPrefetch
+from shardkit.optim import OSS
+from shardkit.testing.multinode import run_nodes
 from shardkit.utils.checks import at_least, positive
 
 #: Every strategy of the suite, in table order.
@@ -95,9 +99,6 @@ Built = tuple[nn.Module, torch.optim.Optimizer, Callable[[], None]]
 
 
 def _fsdp(model: nn.Module, process_group: Any, **kwargs: Any) -> nn.Module:
-    from shardkit.nn import FullyShardedDataParallel
-    from shardkit.nn.fsdp import BackwardPrefetch
-
     def wrap(module: nn.Module) -> nn.Module:
         return FullyShardedDataParallel(
             module,
@@ -116,8 +117,6 @@ def _fsdp(model: nn.Module, process_group: Any, **kwargs: Any) -> nn.Module:
 
 def build(name: str, model: nn.Module, group: dist.ProcessGroup, settings: MultinodeSettings) -> Built:
     """``(model, optimizer, after_step)`` for strategy ``name`` over ``group`` (the whole job)."""
-    from shardkit.nn import ShardedDataParallel, ShardingStrategy, SlowMoDistributedDataParallel
-    from shardkit.optim import OSS
 
     adamw = torch.optim.AdamW
     nothing: Callable[[], None] = lambda: None  # noqa: E731
@@ -233,7 +232,6 @@ def _agree_on_failures(runs: list[_Run]) -> None:
 def launch(settings: MultinodeSettings) -> tuple[list[list[NodeResult]], str]:
     """Run :func:`worker` as ``nnodes`` torch elastic agents (two-node harness); returns per-rank results and
     how it was launched."""
-    from shardkit.testing.multinode import run_nodes
 
     per_rank = run_nodes(
         worker,

@@ -41,8 +41,6 @@ import torch.distributed as dist
 
 from shardkit.bench.pipeline_smp import SmpSchedules, action_costs, predicted_bubble
 from shardkit.bench.pipeline_torch import TorchPipeline, block_split
-from shardkit.bench.report import format_table, ratio, write_json
-from shardkit.bench.runner import quiet_torch_deprecations
 from shardkit.demo.task import MarkovTask
 from shardkit.distributed import collectives
 from shardkit.launch import launch_local
@@ -50,8 +48,10 @@ from shardkit.modelparallel.config import PIPELINES
 from shardkit.modelparallel.pipeline_parallel import schedule_for
 from shardkit.modelparallel.virtual_schedules import bubble_fraction, schedule_grid
 from shardkit.modelparallel.zb_schedules import simulate
-from shardkit.testing.models import LMConfig, TransformerLM
+from shardkit.models import LMConfig, TransformerLM
+from shardkit.strategies.live import quiet_torch_deprecations
 from shardkit.utils.checks import at_least, positive
+from shardkit.utils.report import format_table, ratio, write_json
 
 QUICK_LM = LMConfig(vocab_size=64, d_model=32, n_heads=4, n_layers=2, seq_len=16)
 

@@ -24,17 +24,16 @@ from typing import Any, Callable
 
 import torch
 
+import shardkit.modelparallel as smp
 from shardkit.modelparallel.pipeline_parallel import schedule_for
 from shardkit.modelparallel.zb_schedules import simulate
-from shardkit.testing.models import TransformerLM
+from shardkit.models import TransformerLM
 
 
 class SmpSchedules:
     """The smp pipeline over the bench LM (auto-partitioned), steppable under each of ``schedules``."""
 
     def __init__(self, settings: Any, schedules: list[str], build_lm: Callable[[], TransformerLM]) -> None:
-        import shardkit.modelparallel as smp
-
         smp.init(
             {
                 "partitions": settings.stages,

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardkit.distributed import collectives
-from shardkit.testing.models import TransformerLM
+from shardkit.models import TransformerLM
 from shardkit.utils.torch_compat import step_takes_return_outputs
 
 

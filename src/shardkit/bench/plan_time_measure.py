@@ -27,12 +27,12 @@ from typing import Any, Callable, Optional
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from shardkit.bench.memory import training_memory
 from shardkit.distributed import collectives
+from shardkit.distributed.spawn import run_distributed
+from shardkit.memory.meter import training_memory
 from shardkit.plan.runner import call_model
 from shardkit.plan.strategies import Built, get
 from shardkit.plan.workloads import Workload
-from shardkit.testing.harness import run_distributed
 
 
 @dataclass(frozen=True)

@@ -28,16 +28,16 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from shardkit.bench.ddp_hook import labelled_allreduce_hook
-from shardkit.bench.report import format_table, ratio, write_json
-from shardkit.bench.runner import quiet_torch_deprecations
 from shardkit.demo.task import MarkovTask
 from shardkit.demo.train import DemoSettings
 from shardkit.distributed import CommMeter, comm_delay, count_comm_bytes
 from shardkit.distributed import collectives as C
 from shardkit.launch import launch_local
+from shardkit.models import LMConfig, TransformerLM
 from shardkit.nn.slowmo import SlowMoBaseAlgorithm, SlowMoDistributedDataParallel
-from shardkit.testing.models import LMConfig, TransformerLM
+from shardkit.strategies.live import quiet_torch_deprecations
 from shardkit.utils.checks import at_least, positive
+from shardkit.utils.report import format_table, ratio, write_json
 
 STRATEGIES = ("ddp", "localsgd", "slowmo_localsgd", "sgp")
 

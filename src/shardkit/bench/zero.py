@@ -20,10 +20,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardkit.bench import strategies as registry
-from shardkit.bench.memory import format_bytes
-from shardkit.bench.report import format_table, ratio, unavailable_lines, write_json
-from shardkit.bench.runner import (
+from shardkit.demo.task import MarkovTask
+from shardkit.launch import launch_local
+from shardkit.memory.meter import format_bytes
+from shardkit.models import LMConfig, TransformerLM
+from shardkit.strategies import registry
+from shardkit.strategies.live import (
     PHASES,
     Combined,
     LiveStrategy,
@@ -33,10 +35,8 @@ from shardkit.bench.runner import (
     paired_ratio,
     quiet_torch_deprecations,
 )
-from shardkit.demo.task import MarkovTask
-from shardkit.launch import launch_local
-from shardkit.testing.models import LMConfig, TransformerLM
 from shardkit.utils.checks import at_least, positive
+from shardkit.utils.report import format_table, ratio, unavailable_lines, write_json
 
 
 @dataclass(frozen=True)

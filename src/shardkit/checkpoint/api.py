@@ -42,11 +42,11 @@ from shardkit.checkpoint.metadata import (
     FileRecord,
     record_files,
 )
+from shardkit.checkpoint.sources import source_for
 from shardkit.checkpoint.universal import load as universal_load
 from shardkit.checkpoint.universal import save as universal_save
 from shardkit.checkpoint.universal.background import BACKGROUND, wait_for_checkpoint
 from shardkit.checkpoint.universal.layout import LAYOUT
-from shardkit.checkpoint.universal.registry import source_for
 from shardkit.checkpoint.universal.source import UniversalSource
 from shardkit.distributed.arrival import every_rank_calls
 from shardkit.utils.tensors import to_cpu

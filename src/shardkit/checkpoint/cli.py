@@ -20,6 +20,10 @@ import sys
 from typing import Optional
 
 from shardkit.checkpoint.errors import CheckpointError
+from shardkit.checkpoint.tools.export import DTYPES, export_safetensors, parse_size
+from shardkit.checkpoint.tools.hf import export_hf, hf_config
+from shardkit.checkpoint.tools.import_ import import_checkpoint
+from shardkit.checkpoint.tools.inspect import format_report, inspect_checkpoint
 from shardkit.utils.pipes import quiet_on_broken_pipe
 
 
@@ -66,21 +70,15 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from shardkit.checkpoint.tools.inspect import format_report, inspect_checkpoint
-
     report = inspect_checkpoint(args.directory, verify=not args.no_verify)
     print(json.dumps(report, indent=1) if args.json else format_report(report))
     return 0 if report["verification"]["ok"] is not False else 1
 
 
 def _export(args: argparse.Namespace) -> int:
-    from shardkit.checkpoint.tools.export import DTYPES, export_safetensors, parse_size
-
     dtype = DTYPES[args.dtype] if args.dtype else None
     max_bytes = parse_size(args.max_shard_size)
     if args.hf:
-        from shardkit.checkpoint.tools.hf import export_hf, hf_config
-
         kind = args.hf_model_type or [None]
         if len(kind) > 2:
             raise ValueError("--hf-model-type takes a type and one KEY=VALUE,... list; join overrides with commas")
@@ -96,8 +94,6 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _import(args: argparse.Namespace) -> int:
-    from shardkit.checkpoint.tools.import_ import import_checkpoint
-
     path = import_checkpoint(args.source, args.directory, step=args.step, source_format=args.format, key=args.key)
     print(path)
     return 0

@@ -21,10 +21,12 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from shardkit.bench import strategies as registry
-from shardkit.bench.memory import format_bytes
-from shardkit.bench.report import format_table, ratio, unavailable_lines, write_json
-from shardkit.bench.runner import (
+from shardkit.demo.task import MarkovTask, uniform_loss
+from shardkit.launch import launch_local
+from shardkit.memory.meter import format_bytes
+from shardkit.models import LMConfig, TransformerLM
+from shardkit.strategies import registry
+from shardkit.strategies.live import (
     Combined,
     LiveStrategy,
     StrategyResult,
@@ -32,10 +34,8 @@ from shardkit.bench.runner import (
     combine_all,
     quiet_torch_deprecations,
 )
-from shardkit.demo.task import MarkovTask, uniform_loss
-from shardkit.launch import launch_local
-from shardkit.testing.models import LMConfig, TransformerLM
 from shardkit.utils.checks import at_least, positive
+from shardkit.utils.report import format_table, ratio, unavailable_lines, write_json
 
 
 @dataclass(frozen=True)

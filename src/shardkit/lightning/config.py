@@ -15,6 +15,8 @@ from typing import Any, Callable, Literal, Optional, Union, cast
 from torch import nn
 
 from shardkit.nn.checkpoint import module_matcher
+from shardkit.nn.fsdp import CPUOffload
+from shardkit.nn.wrap import default_auto_wrap_policy, transformer_auto_wrap_policy
 
 ModuleClasses = Union[type[nn.Module], Iterable[type[nn.Module]]]
 StateDictType = Literal["full", "sharded"]
@@ -88,8 +90,6 @@ def build_config(
 
 
 def _offload_kwargs(cpu_offload: Any) -> dict[str, Any]:
-    from shardkit.nn.fsdp import CPUOffload
-
     if cpu_offload is None or cpu_offload is False:
         return {}
     if cpu_offload is True:
@@ -103,7 +103,6 @@ def _wrap_policy(
     auto_wrap_policy: Any, min_num_params: Optional[float], transformer_layer_cls: Optional[ModuleClasses]
 ) -> Optional[Callable[..., bool]]:
     """One auto-wrap policy from the three ways of asking for one (at most one may be used)."""
-    from shardkit.nn.wrap import default_auto_wrap_policy, transformer_auto_wrap_policy
 
     given = [
         name

@@ -23,7 +23,11 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
+from shardkit.checkpoint import safe_dcp
+from shardkit.checkpoint.files import safe_load
 from shardkit.distributed import collectives
+from shardkit.nn.fsdp import layout
+from shardkit.nn.fsdp.state_dict import get_shard_from_optim_state_dict, load_sharded_state_dict, sharded_state_dict
 
 if TYPE_CHECKING:
     from shardkit.nn.fsdp import FullyShardedDataParallel
@@ -46,7 +50,6 @@ def _inner(optimizer: Optimizer) -> Optimizer:
 # ----------------------------------------------------------------------------- what goes into a checkpoint
 def model_state(root: FullyShardedDataParallel, state_dict_type: str) -> dict[str, Any]:
     """The model entry of a checkpoint (a collective): the full state dict, or per-parameter DTensors."""
-    from shardkit.nn.fsdp.state_dict import sharded_state_dict
 
     if state_dict_type == "full":
         return dict(root.state_dict())
@@ -67,7 +70,6 @@ def optimizer_state(
 
 def load_model_state(root: FullyShardedDataParallel, checkpoint: Mapping[str, Any], strict: bool) -> None:
     """Load the model entry of a checkpoint read by :func:`load_sharded` or from a full file."""
-    from shardkit.nn.fsdp.state_dict import load_sharded_state_dict
 
     state = checkpoint["state_dict"]
     if checkpoint.get(_SHARDED_FLAG):
@@ -88,7 +90,6 @@ def load_optimizer_states(
             f"the checkpoint holds the state of {len(states)} optimizers but configure_optimizers returned "
             f"{len(optimizers)}; resume with the same optimizers"
         )
-    from shardkit.nn.fsdp.state_dict import get_shard_from_optim_state_dict
 
     for optimizer, state in zip(optimizers, states):
         optimizer = _inner(optimizer)
@@ -129,7 +130,6 @@ def _as_dtensors(state: Any, mesh: Any, shard_numels: set[int]) -> Any:
 
 
 def _shard_numels(root: FullyShardedDataParallel) -> set[int]:
-    from shardkit.nn.fsdp import layout
 
     return {flat.meta.shard_numel for flat in layout(root).flats}
 
@@ -157,8 +157,6 @@ def save_sharded(root: FullyShardedDataParallel, checkpoint: dict[str, Any], pat
 
 def load_sharded(root: FullyShardedDataParallel, path: Any, weights_only: Optional[bool]) -> dict[str, Any]:
     """Read a folder written by :func:`save_sharded` into a Lightning checkpoint holding this rank's shards."""
-    from shardkit.checkpoint import safe_dcp
-    from shardkit.checkpoint.files import safe_load
 
     path = Path(path)
     # Safe by default (as torch >= 2.6 and Lightning are): only an explicit weights_only=False unpickles objects;
@@ -195,9 +193,6 @@ def _template(root: FullyShardedDataParallel, path: Path, num_optimizers: int) -
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     from torch.distributed.tensor import DTensor, Shard
 
-    from shardkit.checkpoint import safe_dcp
-    from shardkit.nn.fsdp.state_dict import sharded_state_dict
-
     # The index first, through the allow-list unpickler: a tampered one is refused before any collective.
     metadata = safe_dcp.read_metadata(path).state_dict_metadata
     mesh = _mesh(root)
@@ -225,7 +220,6 @@ def _template(root: FullyShardedDataParallel, path: Path, num_optimizers: int) -
 
 def _shard_device(root: FullyShardedDataParallel) -> torch.device:
     """Where the shards, and the optimizer state shaped like them, live."""
-    from shardkit.nn.fsdp import layout
 
     return layout(root).flats[0].shard.device
 

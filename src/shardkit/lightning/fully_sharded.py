@@ -20,6 +20,9 @@ from shardkit.lightning.base import ShardkitParallelStrategy
 from shardkit.lightning.config import FullyShardedConfig, ModuleClasses, build_config
 from shardkit.lightning.launcher import FullStateMultiProcessingLauncher
 from shardkit.lightning.precision import ShardedMixedPrecision
+from shardkit.lightning.units import CheckpointedShardUnit
+from shardkit.nn.fsdp import FullyShardedDataParallel
+from shardkit.nn.wrap import auto_wrap, enable_wrap
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -109,8 +112,6 @@ class DDPFullyShardedStrategy(ShardkitParallelStrategy):
     @override
     def model_sharded_context(self) -> Iterator[None]:
         """``wrap(...)`` inside ``configure_model`` (or ``configure_sharded_model``) builds units of this strategy."""
-        from shardkit.lightning.units import CheckpointedShardUnit
-        from shardkit.nn.wrap import enable_wrap
 
         with enable_wrap(wrapper_cls=CheckpointedShardUnit, **self.unit_kwargs()):
             yield
@@ -118,9 +119,6 @@ class DDPFullyShardedStrategy(ShardkitParallelStrategy):
     @override
     def _setup_model(self, model: nn.Module) -> nn.Module:
         """Cut ``model`` into units (unless ``configure_model`` already did) and wrap the root."""
-        from shardkit.lightning.units import CheckpointedShardUnit
-        from shardkit.nn.fsdp import FullyShardedDataParallel
-        from shardkit.nn.wrap import auto_wrap, enable_wrap
 
         if self._root is not None and self._root.wrapped_module is model:
             return self._root  # validate/test after fit with the same Trainer: the model is sharded already

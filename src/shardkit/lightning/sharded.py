@@ -15,6 +15,8 @@ from typing_extensions import override
 
 from shardkit.lightning import _collectives
 from shardkit.lightning.base import ShardkitParallelStrategy
+from shardkit.nn.sharded_ddp import ShardedDataParallel
+from shardkit.optim import OSS
 from shardkit.utils._torch_private import mark_optimizer_stepped
 
 if TYPE_CHECKING:
@@ -60,8 +62,6 @@ class DDPShardedStrategy(ShardkitParallelStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        from shardkit.nn.sharded_ddp import ShardedDataParallel
-
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING and self._layer_sync:
@@ -81,7 +81,6 @@ class DDPShardedStrategy(ShardkitParallelStrategy):
 
     def _to_oss(self, optimizer: Optimizer) -> OSS:
         """``optimizer`` rebuilt as OSS over the same param-group dicts (so schedulers bound to it still work)."""
-        from shardkit.optim import OSS
 
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer.optimizer

@@ -27,6 +27,8 @@ import torch
 from torch import nn
 from torch.autograd.graph import Node
 
+from shardkit.nn._torch_private import view_base
+
 
 class _Slot:
     """One saved tensor; :meth:`release` drops this stage's reference to it."""
@@ -118,7 +120,8 @@ class SavedActivations:
             self.total.remove(key, nbytes)
 
     def _pack(self, tensor: torch.Tensor) -> Any:
-        base = tensor._base if tensor._base is not None else tensor
+        viewed = view_base(tensor)
+        base = viewed if viewed is not None else tensor
         storage = tensor.untyped_storage()
         if isinstance(base, nn.Parameter) or storage.nbytes() == 0:
             return tensor  # a weight is no activation, and freeing this reference would free nothing

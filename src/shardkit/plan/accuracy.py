@@ -3,8 +3,8 @@
 Memory is compared with torch's ``MemTracker`` (peak) and the real tensors (state). Traffic is compared with
 shardkit's comm meter in the real run, plus, for the strategies built on torch DDP, DDP's own gradient all-reduce
 and its broadcast of the buffers before each forward (which the meter cannot see;
-:func:`shardkit.bench.comm.ddp_allreduce_bytes` and :func:`~shardkit.bench.comm.ddp_buffer_broadcast_bytes`, the
-volumes the benchmarks add for them).
+:func:`shardkit.distributed.comm_formulas.ddp_allreduce_bytes` and
+:func:`~shardkit.distributed.comm_formulas.ddp_buffer_broadcast_bytes`, the volumes the benchmarks add for them).
 The real run is on the CPU, where device and host memory are one memory, so the planned peak compared is that of
 both together (:attr:`~shardkit.plan.api.Estimate.total_peak_bytes`; the device peak when nothing is offloaded) and
 the planned state is the device's plus the host's. The real run is on gloo, so the planner plans a gloo run
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shardkit.bench.comm import ddp_allreduce_bytes, ddp_buffer_broadcast_bytes
+from shardkit.distributed.comm_formulas import ddp_allreduce_bytes, ddp_buffer_broadcast_bytes
 from shardkit.plan.api import estimate
 from shardkit.plan.measure import measure_real
 from shardkit.plan.strategies import PIPELINE

@@ -3,7 +3,7 @@
 Example::
 
     import torch, shardkit.plan
-    from shardkit.testing.models import LMConfig, TransformerLM
+    from shardkit.models import LMConfig, TransformerLM
 
     cfg = LMConfig.bench()
     est = shardkit.plan.estimate(
@@ -30,6 +30,7 @@ from torch import nn
 from shardkit.plan.accountant import HostMemoryExceeded
 from shardkit.plan.cost import DeviceSpec, LinkSpec, step_seconds, wire_bytes
 from shardkit.plan.peerless import PLANNED_BACKENDS
+from shardkit.plan.pipeline import pipeline_bubble, plan_stages, smp_config
 from shardkit.plan.runner import PHASES, LossFn, PlanError, RankRun, default_loss, run_rank, warmup_steps
 from shardkit.plan.strategies import PIPELINE, OptionError, get, offload_options
 
@@ -130,8 +131,6 @@ def _check_args(strategy: str, world_size: int, nprocs_per_node: Optional[int], 
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     if strategy == PIPELINE:
-        from shardkit.plan.pipeline import smp_config
-
         smp_config(options, world_size)  # refuses partitions that do not divide the world
     if nprocs_per_node is not None and (
         not isinstance(nprocs_per_node, int) or nprocs_per_node < 1 or world_size % nprocs_per_node
@@ -164,8 +163,6 @@ def _plan_on(
 ) -> RankRun:
     limit = _host_limit() if device.type != "meta" else None
     if strategy == PIPELINE:
-        from shardkit.plan.pipeline import plan_stages
-
         return plan_stages(
             device, model_fn, batch, loss_fn, world_size, optimizer, optimizer_options, strategy_options, limit,
             nprocs_per_node, backend,
@@ -313,8 +310,6 @@ def estimate(
     run = _in_child(args) if dist.is_initialized() else _run(*args)
     stretch = 1.0
     if strategy == PIPELINE:
-        from shardkit.plan.pipeline import pipeline_bubble, smp_config
-
         config = smp_config(strategy_options or {}, world_size)
         micro, parts = int(config.get("microbatches", 1)), int(config["partitions"])
         schedule = str(config.get("pipeline", "interleaved"))

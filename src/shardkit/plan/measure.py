@@ -22,14 +22,16 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 
-from shardkit.bench.memory import training_memory
+import shardkit.modelparallel as smp
 from shardkit.distributed import Topology, count_comm_bytes, set_topology
+from shardkit.distributed.spawn import run_distributed
+from shardkit.memory import MemoryTracker
+from shardkit.memory.meter import training_memory
 from shardkit.plan._torch_private import mem_tracker
 from shardkit.plan.pipeline import builder, pipeline_forward_backward, smp_config
 from shardkit.plan.runner import call_model, warmup_steps
 from shardkit.plan.strategies import PIPELINE, get
 from shardkit.plan.workloads import Workload
-from shardkit.testing.harness import run_distributed
 
 
 @dataclass(frozen=True)
@@ -77,8 +79,6 @@ class _ShardkitTracker:
     micro-batch)."""
 
     def __init__(self) -> None:
-        from shardkit.memory import MemoryTracker
-
         self.tracker = MemoryTracker()
 
     def __enter__(self) -> _ShardkitTracker:
@@ -142,8 +142,6 @@ def _measure_one(workload: Workload, strategy: str, topology: Optional[Topology]
             tracker.step_done()
         peak = tracker.peak()
     if strategy == PIPELINE:
-        import shardkit.modelparallel as smp
-
         smp.reset()
     dist.barrier()
     return RealRank(peak, state, dict(meter.wire_bytes), dict(meter.inter_node_bytes))

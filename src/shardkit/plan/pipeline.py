@@ -28,6 +28,7 @@ def _train_step(loss_fn: LossFn) -> Callable[..., Any]:
     """The ``@smp.step`` function for ``loss_fn``, made once: a script defines its step function once, and smp
     compares the stages' output layouts on a step function's first call only, so the planned step must not be a
     first call either."""
+    # start-up cost: smp imports shardkit.nn and torch._dynamo, which plans without the pipeline never need
     import shardkit.modelparallel as smp
 
     @smp.step
@@ -56,6 +57,7 @@ def pipeline_bubble(pipeline: str, partitions: int, microbatches: int) -> float:
     simulation with equal forward, input-gradient and weight-gradient times: ``(p-1)/(m+p-1)`` for
     ``"interleaved"`` and ``"simple"``, less for the zero-bubble schedules (``"zero_bubble"``: ZB-H1 at 1F1B's
     memory; ``"zero_bubble_h2"``: about twice it, ``(p-1)/(3m+p-1)`` once ``m >= p``)."""
+    # start-up cost: smp imports shardkit.nn and torch._dynamo, which plans without the pipeline never need
     from shardkit.modelparallel.pipeline_parallel import schedule_for
     from shardkit.modelparallel.zb_schedules import simulate
 
@@ -80,6 +82,7 @@ def builder(config: Mapping[str, Any], optimizer: type, optimizer_options: Mappi
     """``(model, topology) -> Built``: ``smp.init(config)``, the DistributedModel and DistributedOptimizer."""
 
     def build(model: nn.Module, topology: Optional[Any]) -> Built:
+        # start-up cost: smp imports shardkit.nn and torch._dynamo, which plans without the pipeline never need
         import shardkit.modelparallel as smp
 
         smp.init(dict(config))
@@ -105,6 +108,7 @@ def plan_stages(
     backend: str = "nccl",
 ) -> RankRun:
     """Run every stage's first rank; the run of the stage with the highest peak, every stage's peak in its notes."""
+    # start-up cost: smp imports shardkit.nn and torch._dynamo, which plans without the pipeline never need
     import shardkit.modelparallel as smp
 
     config = smp_config(options, world_size)

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Optional
 
-from shardkit.bench.memory import format_bytes
+from shardkit.memory.meter import format_bytes
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

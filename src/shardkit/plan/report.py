@@ -18,7 +18,7 @@ import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Optional
 
-from shardkit.bench.memory import format_bytes
+from shardkit.memory.meter import format_bytes
 
 if TYPE_CHECKING:
     from shardkit.plan.api import Estimate

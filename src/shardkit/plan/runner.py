@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardkit.bench.memory import optimizer_state_tensors
 from shardkit.distributed import CommMeter, NodeLayout, Topology, count_comm_bytes, set_topology
 from shardkit.distributed.node_traffic import active_layout, inter_node_share
+from shardkit.memory.meter import optimizer_state_tensors
 from shardkit.plan.accountant import STATE, Accountant, Category
 from shardkit.plan.attention import DeviceAttention, attention_target
 from shardkit.plan.peerless import Mailbox, TorchTraffic, peerless_world

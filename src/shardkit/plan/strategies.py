@@ -92,6 +92,7 @@ def _oss_options(
     name: str, wrapper_init: Any, opts: Mapping[str, Any], topology: Optional[Any]
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The wrapper's options and OSS's (``opts["oss"]``), both checked; OSS shards inside the node when hybrid."""
+    # start-up cost: the planner imports a strategy's package (and torch._dynamo) only when it builds it
     from shardkit.optim import OSS
 
     wrapper_opts, oss_opts = _split(opts, "oss")
@@ -112,6 +113,7 @@ def _build_oss_ddp(
 ) -> Built:
     from torch.nn.parallel import DistributedDataParallel
 
+    # start-up cost: the planner imports a strategy's package (and torch._dynamo) only when it builds it
     from shardkit.optim import OSS
 
     ddp_opts, oss_opts = _oss_options("oss_ddp", DistributedDataParallel.__init__, opts, topology)
@@ -126,6 +128,7 @@ def _build_oss_sdp(
     opts: Mapping[str, Any],
     topology: Optional[Any] = None,
 ) -> Built:
+    # start-up cost: the planner imports a strategy's package (and torch._dynamo) only when it builds it
     from shardkit.nn import ShardedDataParallel
     from shardkit.optim import OSS
 
@@ -146,6 +149,7 @@ def _build_fsdp(
     opts: Mapping[str, Any],
     topology: Optional[Any] = None,
 ) -> Built:
+    # start-up cost: the planner imports a strategy's package (and torch._dynamo) only when it builds it
     from shardkit.nn import FullyShardedDataParallel
     from shardkit.nn.wrap import auto_wrap, enable_wrap, transformer_auto_wrap_policy
 
@@ -153,6 +157,7 @@ def _build_fsdp(
     policy = fsdp_opts.pop("auto_wrap_policy", "blocks")
     _check_options("fsdp", FullyShardedDataParallel.__init__, fsdp_opts, ("auto_wrap_policy",))
     if isinstance(fsdp_opts.get("sharding_strategy"), str):  # a name, as JSON and the command line give it
+        # start-up cost: the planner imports a strategy's package (and torch._dynamo) only when it builds it
         from shardkit.nn import ShardingStrategy
 
         try:
@@ -181,6 +186,7 @@ def _build_slowmo(
     opts: Mapping[str, Any],
     topology: Optional[Any] = None,
 ) -> Built:
+    # start-up cost: the planner imports a strategy's package (and torch._dynamo) only when it builds it
     from shardkit.nn.slowmo import SlowMoDistributedDataParallel
 
     per_node = topology.nprocs_per_node if topology is not None else 1

@@ -26,6 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardkit.models import LMConfig, TransformerLM
+from shardkit.plan.hf_tasks import ATTENTION, TASKS, build_hf, hf_batch, hf_loss, task_of
+from shardkit.plan.strategies import block_classes
 from shardkit.utils.checks import at_least
 
 #: Model kinds a workload can name.
@@ -73,8 +76,6 @@ class Workload:
         if self.offload_activations and not self.activation_checkpointing:
             raise ValueError("Workload.offload_activations needs activation_checkpointing=True")
         if self.kind == "hf":
-            from shardkit.plan.hf_tasks import ATTENTION, TASKS, task_of
-
             if self.attention not in ATTENTION:
                 raise ValueError(f"Workload.attention must be one of {ATTENTION}, got {self.attention!r}")
             if not self.task:  # resolved once, so every copy builds, feeds and scores the same head
@@ -109,8 +110,6 @@ class Workload:
         return 2  # token ids 0 and 1 are valid for any factory model's embedding
 
     def _lm_config(self) -> Any:
-        from shardkit.testing.models import LMConfig
-
         base = LMConfig.bench() if self.kind == "bench_lm" else LMConfig.demo()
         return LMConfig(**{**base.__dict__, "seq_len": self.seq_len, **self.overrides})
 
@@ -141,8 +140,8 @@ class Workload:
         blocks checkpointed when :attr:`activation_checkpointing` is set."""
         model = self._build_model()
         if self.activation_checkpointing:
+            # start-up cost: shardkit.nn (torch._dynamo) only when activation checkpointing is asked for
             from shardkit.nn.checkpoint.apply import apply_activation_checkpointing
-            from shardkit.plan.strategies import block_classes
 
             classes = tuple(block_classes(model))
             if not classes:
@@ -152,12 +151,8 @@ class Workload:
 
     def _build_model(self) -> nn.Module:
         if self.kind in ("bench_lm", "demo_lm"):
-            from shardkit.testing.models import TransformerLM
-
             return TransformerLM(self._lm_config())
         if self.kind == "hf":
-            from shardkit.plan.hf_tasks import build_hf
-
             return build_hf(self.hf_config(), self.task, self.attention)
         module_name, _, attr = self.name.partition(":")
         factory = getattr(importlib.import_module(module_name), attr)
@@ -170,8 +165,6 @@ class Workload:
         """One rank's batch: ``(tokens,)`` for the LMs, the model's keyword inputs for transformers models
         (:func:`~shardkit.plan.hf_tasks.hf_batch`)."""
         if self.kind == "hf":
-            from shardkit.plan.hf_tasks import hf_batch
-
             return hf_batch(self.hf_config(), self.task, self.batch_size, self.seq_len)
         gen = torch.Generator().manual_seed(0)
         tokens = torch.randint(0, self.vocab_size, (self.batch_size, self.seq_len), generator=gen)
@@ -181,8 +174,6 @@ class Workload:
         """The task's training loss: next-token cross-entropy for causal LMs (and the bench and demo LMs), the
         cross-entropy of every position for masked and sequence-to-sequence LMs, of the class for classifiers."""
         if self.kind == "hf" and self.task != "causal_lm":
-            from shardkit.plan.hf_tasks import hf_loss
-
             return hf_loss(self.task, output, batch)
         return next_token_cross_entropy(output, batch)
 

@@ -1,5 +1,5 @@
-"""Test tools: a multi-process gloo harness and reference models for parity tests."""
+"""Test tools: a multi-process gloo harness (the reference models live in :mod:`shardkit.models`)."""
 
-from shardkit.testing.harness import DistributedTestError, run_distributed
+from shardkit.distributed.spawn import DistributedTestError, run_distributed
 
 __all__ = ["DistributedTestError", "run_distributed"]

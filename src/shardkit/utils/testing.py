@@ -2,6 +2,6 @@
 :mod:`shardkit.compat`)."""
 
 from shardkit.distributed.dummy import DummyProcessGroup
-from shardkit.testing.harness import DistributedTestError, run_distributed
+from shardkit.distributed.spawn import DistributedTestError, run_distributed
 
 __all__ = ["DistributedTestError", "DummyProcessGroup", "run_distributed"]

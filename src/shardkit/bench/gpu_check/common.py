@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardkit.testing.models import LMConfig, TransformerLM, lm_batch
+from shardkit.models import LMConfig, TransformerLM, lm_batch
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda", 0) if CUDA else torch.device("cpu")

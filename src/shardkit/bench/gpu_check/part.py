@@ -7,12 +7,12 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from shardkit.bench.gpu_check import parts_big, parts_core, parts_fsdp
+from shardkit.bench.gpu_check.common import Results, close_world
+
 
 def main(argv: Optional[list[str]] = None) -> int:
     """Run the named part; its checks land in ``DIR/part_NAME.json`` as they finish."""
-    from shardkit.bench.gpu_check import parts_big, parts_core, parts_fsdp
-    from shardkit.bench.gpu_check.common import Results, close_world
-
     parser = argparse.ArgumentParser()
     parser.add_argument("name")
     parser.add_argument("--out", required=True)

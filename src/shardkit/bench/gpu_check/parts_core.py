@@ -51,6 +51,7 @@ def part_env(res: Results, small: bool) -> None:
     })  # fmt: skip
 
     def import_all() -> dict[str, Any]:
+        # imported in the check: on a lent machine's torch, a module that fails to import fails this check only
         import shardkit
 
         failed = {}
@@ -66,6 +67,7 @@ def part_env(res: Results, small: bool) -> None:
         res.check("import_every_module", import_all)
 
     def private_apis() -> dict[str, Any]:
+        # imported in the check: on a lent machine's torch, a module that fails to import fails this check only
         from shardkit.utils import torch_compat
 
         missing = torch_compat.missing()
@@ -92,7 +94,8 @@ def part_cuda_tests(res: Results, small: bool, repo: Path) -> None:
 
 
 def _strategy_run(name: str, small: bool) -> dict[str, Any]:
-    from shardkit.bench.strategies import OptimizerSpec, get_strategy
+    # imported in the check: on a lent machine's torch, a module that fails to import fails this check only
+    from shardkit.strategies.registry import OptimizerSpec, get_strategy
 
     cfg = small_lm(small)
     data = batches(cfg, 3, 4, seed=10)
@@ -110,8 +113,9 @@ def _strategy_run(name: str, small: bool) -> dict[str, Any]:
 
 
 def _smp_run(small: bool) -> dict[str, Any]:
+    # imported in the check: on a lent machine's torch, a module that fails to import fails this check only
     import shardkit.modelparallel as smp
-    from shardkit.testing.models import TransformerLM
+    from shardkit.models import TransformerLM
 
     cfg = small_lm(small)
     data = batches(cfg, 3, 4, seed=10)
@@ -140,6 +144,7 @@ def _smp_run(small: bool) -> dict[str, Any]:
 
 
 def _slowmo_run(small: bool) -> dict[str, Any]:
+    # imported in the check: on a lent machine's torch, a module that fails to import fails this check only
     from shardkit.nn.slowmo import SlowMoDistributedDataParallel
 
     cfg = small_lm(small)
@@ -158,7 +163,8 @@ def _slowmo_run(small: bool) -> dict[str, Any]:
 
 def part_strategies(res: Results, small: bool) -> None:
     """Every registered strategy, smp and SlowMo at world size 1 on NCCL, against the unwrapped model."""
-    from shardkit.bench.strategies import all_strategies
+    # imported in the check: on a lent machine's torch, a module that fails to import fails this check only
+    from shardkit.strategies.registry import all_strategies
 
     res.check("backend", lambda: {"backend": init_world_of_one()})
     for strategy in all_strategies():
@@ -168,8 +174,9 @@ def part_strategies(res: Results, small: bool) -> None:
 
 
 def _gloo_cuda_worker(rank: int, world_size: int, small: bool) -> dict[str, Any]:
-    from shardkit.bench.strategies import OptimizerSpec, get_strategy
+    # imported in the check: on a lent machine's torch, a module that fails to import fails this check only
     from shardkit.distributed import groups
+    from shardkit.strategies.registry import OptimizerSpec, get_strategy
 
     if CUDA:
         torch.cuda.set_device(0)  # one GPU for both ranks: only gloo allows that
@@ -221,6 +228,7 @@ def part_gloo_ranks(res: Results, small: bool) -> None:
     """Two ranks on the one GPU over gloo with CUDA tensors: the collectives gloo takes, and FSDP / ZeRO-2 trained
     on both against one process on both ranks' batches. Untested here: NCCL with several ranks (its collectives,
     the pipeline's batched sends), and gloo send/recv with CUDA tensors (gloo has none; shardkit stages them)."""
+    # imported in the check: on a lent machine's torch, a module that fails to import fails this check only
     from shardkit.testing import run_distributed
 
     def run() -> dict[str, Any]:

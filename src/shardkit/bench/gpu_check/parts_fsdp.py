@@ -31,6 +31,7 @@ from shardkit.bench.gpu_check.common import (
 
 def wrap_blocks(model: nn.Module, **kwargs: Any) -> nn.Module:
     """shardkit FSDP: one unit per block and the root."""
+    # imported in the check: on a lent machine's torch, a module that fails to import fails this check only
     from shardkit.nn import FullyShardedDataParallel as FSDP
 
     blocks: Any = model.blocks
@@ -42,6 +43,7 @@ def wrap_blocks(model: nn.Module, **kwargs: Any) -> nn.Module:
 @contextlib.contextmanager
 def serial_streams() -> Iterator[None]:
     """Everything on the compute stream: what a run on side streams must equal bit for bit."""
+    # imported in the check: on a lent machine's torch, a module that fails to import fails this check only
     from shardkit.nn.fsdp import comm_context
 
     original = comm_context.SideStream.get
@@ -56,6 +58,7 @@ def serial_streams() -> Iterator[None]:
 def lagging_side_streams(cycles: int = 2_000_000) -> Iterator[None]:
     """Each side-stream block starts with a GPU spin, so a missing wait reads unfinished data and a buffer freed
     too early is reused while still being written: a race that would be rare becomes a wrong number."""
+    # imported in the check: on a lent machine's torch, a module that fails to import fails this check only
     from shardkit.nn.fsdp import comm_context
     from shardkit.utils.torch_compat import cuda_spin
 
@@ -126,6 +129,7 @@ def _fsdp_case(small: bool, kwargs: dict[str, Any], on_device: bool = True) -> C
 def lagging_offload_copies(cycles: int = 2_000_000) -> Iterator[None]:
     """Each activation copy down starts behind a GPU spin on its side stream, so an upload that does not wait for
     it reads an unfinished host buffer, and a source not kept from reuse is overwritten before it is read."""
+    # imported in the check: on a lent machine's torch, a module that fails to import fails this check only
     from shardkit.nn.checkpoint.offload import CudaCopies
     from shardkit.utils.torch_compat import cuda_spin
 
@@ -147,6 +151,7 @@ def lagging_offload_copies(cycles: int = 2_000_000) -> Iterator[None]:
 def _activation_offload_case(small: bool) -> dict[str, Any]:
     """``checkpoint_wrapper(offload_to_cpu=True)`` on every block (asynchronous copies to pinned memory on a side
     stream, lagging) against the same model without offload: the same losses and parameters."""
+    # imported in the check: on a lent machine's torch, a module that fails to import fails this check only
     from shardkit.nn.checkpoint import checkpoint_wrapper
 
     cfg = small_lm(small)
@@ -186,6 +191,7 @@ def _compile_case(small: bool) -> dict[str, Any]:
 
 def part_fsdp(res: Results, small: bool) -> None:
     """FSDP at world size 1 on the device: streams against stream-less, lagging streams, offload, bf16, compile."""
+    # imported in the check: on a lent machine's torch, a module that fails to import fails this check only
     from shardkit.nn import BackwardPrefetch
 
     res.check("backend", lambda: {"backend": init_world_of_one()})
@@ -209,6 +215,7 @@ def part_compile(res: Results, small: bool) -> None:
 def part_checkpoint(res: Results, small: bool) -> None:
     """The universal checkpoint from GPU memory, synchronous and asynchronous, with the rank's host peak: the
     weights are changed by queued GPU work just before the save, which must see the changed values."""
+    # imported in the check: on a lent machine's torch, a module that fails to import fails this check only
     from shardkit.bench.rss import PeakRSS
     from shardkit.checkpoint import load_checkpoint, save_checkpoint, wait_for_checkpoint
     from shardkit.utils.torch_compat import cuda_spin

@@ -1,7 +1,7 @@
 """One file per strategy: its universal source (saves and loads) and its legacy adapter (reads old layouts).
 
 New checkpoints use the universal layout through each strategy's :class:`UniversalSource`
-(:func:`shardkit.checkpoint.universal.registry.source_for`). The adapters below, chosen by the types of the model
+(:func:`shardkit.checkpoint.sources.source_for`). The adapters below, chosen by the types of the model
 and optimizer (first match wins), read checkpoints written in the earlier layouts:
 
 ======================  =========================================  ==========  =====================

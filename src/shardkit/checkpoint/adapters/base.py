@@ -10,26 +10,14 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from torch import nn
 
 from shardkit.checkpoint.errors import CorruptCheckpointError
 from shardkit.checkpoint.metadata import CheckpointMeta
-
-
-def _nothing() -> None:
-    return None
-
-
-@dataclass
-class PendingLoad:
-    """A read and validated checkpoint, not yet applied: ``fetch()`` (collective) then ``apply()``."""
-
-    apply: Callable[[], None]
-    fetch: Callable[[], None] = field(default=_nothing)
+from shardkit.checkpoint.pending import PendingLoad  # defined below the engine, which also returns it
 
 
 class Adapter(abc.ABC):

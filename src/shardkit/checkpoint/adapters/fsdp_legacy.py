@@ -22,6 +22,7 @@ from shardkit.checkpoint.adapters.registry import isinstance_of
 from shardkit.checkpoint.errors import IncompatibleCheckpointError
 from shardkit.checkpoint.files import safe_load, write_torch
 from shardkit.checkpoint.metadata import CheckpointMeta
+from shardkit.nn.fsdp import state_dict
 from shardkit.utils.tensors import to_cpu
 
 MODEL_DIR = "model"
@@ -29,7 +30,6 @@ OPTIMIZER_FILE = "optimizer.pt"
 
 
 def _fsdp_state_dict() -> Any:
-    from shardkit.nn.fsdp import state_dict
 
     return state_dict
 

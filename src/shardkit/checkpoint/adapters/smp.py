@@ -20,12 +20,14 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+import shardkit.modelparallel as smp
 from shardkit.checkpoint import validate
 from shardkit.checkpoint._collectives import rank_and_size
 from shardkit.checkpoint.adapters.base import named_parameter_ids
 from shardkit.checkpoint.adapters.full import FullStateAdapter
 from shardkit.checkpoint.adapters.registry import isinstance_of
 from shardkit.checkpoint.universal.source import Held, Span, UniversalSource
+from shardkit.modelparallel.checkpoint import state_key_map
 
 _MODEL = ("shardkit.modelparallel.model", "DistributedModel")
 _OPTIMIZER = ("shardkit.modelparallel.optimizer", "DistributedOptimizer")
@@ -124,7 +126,6 @@ class SMPSource(UniversalSource):
 
     def _replicas(self, name: str) -> tuple[int, int]:
         """Which of the ranks holding ``name`` this one is, and how many hold it."""
-        import shardkit.modelparallel as smp
 
         stages = self.model.holding_stages(name)
         if stages is None:  # not partitioned yet: every rank holds everything
@@ -190,6 +191,5 @@ class SMPSource(UniversalSource):
 
     def aliases(self) -> dict[str, str]:
         """Tied names of the unwrapped module -> the first name, which is stored."""
-        from shardkit.modelparallel.checkpoint import state_key_map
 
         return {key: first for key, first in state_key_map(self.model.module).items() if key != first}

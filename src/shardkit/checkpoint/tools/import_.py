@@ -34,6 +34,7 @@ from shardkit.checkpoint.tools.sources import (
     read_state_dict,
 )
 from shardkit.checkpoint.tools.torch_dcp import read_torch_dcp
+from shardkit.checkpoint.tools.write import whole, write_state
 
 FORMATS = ("state-dict", "fairscale-full", "safetensors", "torch-dcp", "fairscale-shards")
 
@@ -90,14 +91,12 @@ def import_checkpoint(
 
 
 def write_universal(state: ImportedState, directory: Path, step: int) -> Path:
-    """Write ``state`` with the engine's single-process writer (:func:`~shardkit.checkpoint.universal.write.
+    """Write ``state`` with the engine's single-process writer (:func:`~shardkit.checkpoint.tools.write.
     write_state`): every tensor whole under its name, optimizer state and its group's settings by name.
 
     The tensors are handed over as they are (memory-mapped where the source allows), not copied.
     """
     import torch.distributed as dist
-
-    from shardkit.checkpoint.universal.write import whole, write_state
 
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         raise ValueError("import a checkpoint from one process (it runs without a process group), not from a job")

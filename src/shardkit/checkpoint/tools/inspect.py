@@ -21,6 +21,7 @@ from shardkit.checkpoint.api import verify_checkpoint
 from shardkit.checkpoint.errors import CheckpointError, CorruptCheckpointError
 from shardkit.checkpoint.tools.store import MODEL, CheckpointView
 from shardkit.checkpoint.universal.layout import LAYOUT, SIDE_DIR
+from shardkit.memory.meter import format_bytes
 
 
 def inspect_checkpoint(directory: Union[str, Path], verify: bool = True) -> dict[str, Any]:
@@ -121,8 +122,6 @@ def _plain(value: Any) -> Any:
 
 
 def _size(nbytes: int) -> str:
-    from shardkit.bench.memory import format_bytes
-
     return format_bytes(nbytes)
 
 

@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from shardkit.checkpoint import safe_dcp
 from shardkit.checkpoint.errors import CheckpointError, CorruptCheckpointError
+from shardkit.checkpoint.files import safe_load
 from shardkit.checkpoint.metadata import CheckpointMeta, read_meta, resolve
 from shardkit.checkpoint.universal.placement import MODEL_PREFIX, OPTIM_PREFIX
 
@@ -132,7 +133,6 @@ def _tensor_items(obj: Any, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 def load_mapped(path: Path, what: str) -> Any:
     """``torch.load(path, weights_only=True, mmap=True)``: tensors stay in the file until touched."""
-    from shardkit.checkpoint.files import safe_load
 
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)

@@ -7,7 +7,9 @@ A strategy says what a rank holds (:mod:`.source`: :class:`~.source.Held` tensor
 - :mod:`.plans`: DCP save and load planners (one chunk per box; reads exactly the boxes a rank needs);
 - :mod:`.optim_state` and :mod:`.side`: optimizer state by parameter name, settings in JSON side files;
 - :mod:`.save`, :mod:`.load`: staging and writing; validating and reading in place;
-- :mod:`.background`: asynchronous saves; :mod:`.registry`: which source serves a model;
-- :mod:`.whole`: sources of whole tensors (plain, DDP, OSS); :mod:`.write`: writing tensors in hand (tools);
+- :mod:`.background`: asynchronous saves; :mod:`.whole`: sources of whole tensors (plain, DDP, OSS);
 - :mod:`.layout`: file names inside a checkpoint.
+
+Which source serves a model is chosen above the engine and the adapters (:mod:`shardkit.checkpoint.sources`);
+writing tensors in hand is a tool (:mod:`shardkit.checkpoint.tools.write`).
 """

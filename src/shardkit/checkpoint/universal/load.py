@@ -27,9 +27,9 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from shardkit.checkpoint import safe_dcp, validate
-from shardkit.checkpoint.adapters.base import PendingLoad
 from shardkit.checkpoint.errors import IncompatibleCheckpointError
 from shardkit.checkpoint.metadata import IMPORTED_STRATEGY, CheckpointMeta
+from shardkit.checkpoint.pending import PendingLoad
 from shardkit.checkpoint.universal.layout import DCP_DIR
 from shardkit.checkpoint.universal.optim_state import OptimizerLoadPlan, plan_optimizer_load
 from shardkit.checkpoint.universal.placement import MODEL_PREFIX, Placement, model_key

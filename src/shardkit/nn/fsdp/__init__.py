@@ -41,8 +41,12 @@ from shardkit.nn.fsdp.policies import BackwardPrefetch, CPUOffload, ProcessGroup
 from shardkit.nn.fsdp.runtime import TrainingState
 from shardkit.nn.fsdp.shard_layout import ShardLayout, layout
 from shardkit.nn.fsdp.strategy import ShardingStrategy
+from shardkit.nn.wrap.context import register_default_wrapper
 
 FSDP = FullyShardedDataParallel
+
+# enable_wrap() without wrapper_cls wraps with FSDP; shardkit.nn.wrap sits below FSDP and does not import it.
+register_default_wrapper(FullyShardedDataParallel)
 
 __all__ = [
     "FSDP",

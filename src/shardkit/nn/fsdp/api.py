@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from shardkit.distributed.groups import GroupLike, group_rank, group_size
+from shardkit.distributed.hybrid import HybridSpec, agree_across_nodes
 from shardkit.distributed.model_check import check_same_model
 from shardkit.nn import optimizer_order
 from shardkit.nn.fsdp import grad_norm, hf_models, ties
@@ -40,7 +41,6 @@ from shardkit.nn.fsdp.root import init_root
 from shardkit.nn.fsdp.runtime import TrainingState, Unit, eager, make_fp16_to_fp32_caster, make_input_caster
 from shardkit.nn.fsdp.state_dict.methods import StateDictMethods
 from shardkit.nn.fsdp.unit_module import UnitModule
-from shardkit.optim.zero1.hybrid import HybridSpec, agree_across_nodes
 
 
 class FullyShardedDataParallel(FullParamsMethods, StateDictMethods):

@@ -14,6 +14,7 @@ from shardkit.distributed.dummy import DummyProcessGroup
 from shardkit.distributed.groups import GroupLike
 from shardkit.nn._torch_private import BatchNormBase
 from shardkit.nn.fsdp.api import FullyShardedDataParallel
+from shardkit.nn.wrap import auto_wrap, config_auto_wrap_policy, enable_wrap
 
 
 def get_fsdp_instances(mod: nn.Module, skip_empty: bool = False) -> list[FullyShardedDataParallel]:
@@ -57,8 +58,6 @@ def auto_wrap_bn(
         model = auto_wrap_bn(model, single_rank_pg=False)
         model = FullyShardedDataParallel(model, mixed_precision=True)
     """
-    from shardkit.nn.wrap import auto_wrap, config_auto_wrap_policy, enable_wrap
-
     bns = [m for m in module.modules() if isinstance(m, BatchNormBase)]
     if assert_on_collision:
         tagged = [type(m).__name__ for m in bns if hasattr(m, "wrapper_config")]

@@ -22,9 +22,9 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from shardkit.distributed.groups import GroupLike, group_size, resolve_group
+from shardkit.distributed.hybrid import hybrid_topology, is_hybrid_spec, is_mesh, mesh_group
 from shardkit.distributed.topology import Topology
 from shardkit.nn.fsdp.strategy import ShardingStrategy
-from shardkit.optim.zero1.hybrid import hybrid_topology, is_hybrid_spec, is_mesh, mesh_group
 
 _WHO = "FullyShardedDataParallel"
 

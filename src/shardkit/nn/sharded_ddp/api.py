@@ -12,6 +12,7 @@ from torch import nn
 
 from shardkit.distributed.buckets import REDUCE_BUCKET_BYTES
 from shardkit.distributed.groups import GroupLike, global_rank, group_rank, group_size
+from shardkit.distributed.hybrid import HybridSpec, agree_across_nodes, shard_and_replica
 from shardkit.distributed.model_check import check_same_model
 from shardkit.nn.optimizer_order import check_optimizers_hold_model
 from shardkit.nn.sharded_ddp import state_dict as sd_keys
@@ -19,7 +20,6 @@ from shardkit.nn.sharded_ddp.policy import ReducePolicy, SyncPolicy
 from shardkit.nn.sharded_ddp.reducer import GradReducer, ReducerState, RoundStats
 from shardkit.nn.sharded_ddp.startup import broadcast_across_nodes, sync_module_states
 from shardkit.optim.zero1 import OSS
-from shardkit.optim.zero1.hybrid import HybridSpec, agree_across_nodes, shard_and_replica
 
 
 def _as_sharded_optimizers(sharded_optimizer: Any) -> list[OSS]:

@@ -58,6 +58,27 @@ class WrapConfig:
 
 _ACTIVE_CONFIG: ContextVar[Optional[WrapConfig]] = ContextVar("shardkit_wrap_config", default=None)
 
+#: The wrapper :func:`enable_wrap` uses when it is given none. FSDP is built on this package, so instead of this
+#: package importing FSDP, ``shardkit.nn.fsdp`` registers its class here when it is imported; importing
+#: ``shardkit.nn.wrap`` always imports ``shardkit.nn`` first, which imports ``shardkit.nn.fsdp``. Set once at
+#: import time and never changed by a wrap context (that state lives in ``_ACTIVE_CONFIG``).
+_DEFAULT_WRAPPER: dict[str, WrapperFactory] = {}
+
+
+def register_default_wrapper(wrapper_cls: WrapperFactory) -> None:
+    """Make ``wrapper_cls`` the wrapper :func:`enable_wrap` uses when given none (``shardkit.nn.fsdp`` calls this)."""
+    _DEFAULT_WRAPPER["cls"] = wrapper_cls
+
+
+def _default_wrapper() -> WrapperFactory:
+    try:
+        return _DEFAULT_WRAPPER["cls"]
+    except KeyError:
+        raise RuntimeError(
+            "enable_wrap() was given no wrapper_cls and no default wrapper is registered (shardkit.nn.fsdp registers "
+            "FullyShardedDataParallel when it is imported); pass wrapper_cls=... or import shardkit.nn first"
+        ) from None
+
 
 def current_wrap_config() -> Optional[WrapConfig]:
     """The configuration of the innermost active :func:`enable_wrap` in this thread/task, or ``None``."""
@@ -92,9 +113,7 @@ def enable_wrap(
             tfmr = auto_wrap(torch.nn.Transformer(), min_num_params=10**6)
     """
     if wrapper_cls is None:
-        from shardkit.nn.fsdp import FullyShardedDataParallel
-
-        wrapper_cls = FullyShardedDataParallel
+        wrapper_cls = _default_wrapper()
     move_module_cuda_half = bool(wrapper_kwargs.pop("move_module_cuda_half", False))
     config = WrapConfig(wrapper_cls, auto_wrap_policy, MappingProxyType(dict(wrapper_kwargs)), move_module_cuda_half)
     token = _ACTIVE_CONFIG.set(config)

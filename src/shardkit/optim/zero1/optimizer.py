@@ -12,12 +12,12 @@ from torch.optim import Optimizer
 from shardkit.distributed.arrival import every_rank_calls
 from shardkit.distributed.buckets import BROADCAST_BUCKET_BYTES
 from shardkit.distributed.groups import GroupLike, global_rank, group_rank, group_size
+from shardkit.distributed.hybrid import HybridSpec, agree_across_nodes, shard_and_replica
 from shardkit.distributed.objects import all_gather_objects, gather_objects
 from shardkit.optim.zero1.arguments import check_optimizer_arguments
 from shardkit.optim.zero1.broadcast import ParamBucket, ParamExchange, buckets_intact, build_buckets
 from shardkit.optim.zero1.clip import sharded_clip_grad_norm
 from shardkit.optim.zero1.consistency import check_replicas_agree, check_same_params
-from shardkit.optim.zero1.hybrid import HybridSpec, agree_across_nodes, shard_and_replica
 from shardkit.optim.zero1.partition import Partition
 from shardkit.optim.zero1.state_dict import (
     check_plain_state_dict,

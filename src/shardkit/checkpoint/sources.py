@@ -1,5 +1,8 @@
 """Which :class:`UniversalSource` saves and loads a model and optimizer.
 
+It sits above both the universal engine and the adapters (it dispatches on the adapters' types), below the
+orchestration in :mod:`shardkit.checkpoint.api`.
+
 The strategy is recognised by the same type dispatch as the legacy adapters (:func:`adapter_for`); each
 strategy's source lives beside its legacy adapter, one file per strategy, as a class with a ``(model, optimizer)``
 constructor: ``FSDPSource`` in ``shardkit.checkpoint.adapters.fsdp``, ``SMPSource`` in ``.smp``, ``SlowMoSource``
@@ -14,6 +17,7 @@ from typing import Any, Optional
 
 from torch import nn
 
+from shardkit.checkpoint.adapters import adapter_for
 from shardkit.checkpoint.universal.source import UniversalSource
 
 #: Legacy adapter class name -> (module, class name) of the strategy's universal source.
@@ -33,8 +37,6 @@ def source_for(model: nn.Module, optimizer: Optional[Any]) -> Optional[Universal
 
         source = source_for(ddp_model, optimizer)   # a PlainSource
     """
-    from shardkit.checkpoint.adapters import adapter_for  # imported here: the adapters import the universal layout
-
     entry = STRATEGY_SOURCES.get(type(adapter_for(model, optimizer)).__name__)
     if entry is None:
         return None

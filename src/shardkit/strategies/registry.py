@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from shardkit.bench import comm
+from shardkit.distributed import comm_formulas as comm
 
 Group = Any  # a torch.distributed ProcessGroup (kept loose: the builders pass it straight through)
 
@@ -152,6 +152,7 @@ def _build_zero_torch(model: nn.Module, optim: OptimizerSpec, group: Group) -> t
 
 
 def _build_oss_ddp(model: nn.Module, optim: OptimizerSpec, group: Group) -> tuple[nn.Module, torch.optim.Optimizer]:
+    # start-up cost: the launching process selects strategies; only the workers that build one import it
     from shardkit.optim import OSS
 
     wrapped = _torch_ddp(model, group)
@@ -159,6 +160,7 @@ def _build_oss_ddp(model: nn.Module, optim: OptimizerSpec, group: Group) -> tupl
 
 
 def _build_oss_sdp(model: nn.Module, optim: OptimizerSpec, group: Group) -> tuple[nn.Module, torch.optim.Optimizer]:
+    # start-up cost: the launching process selects strategies; only the workers that build one import it
     from shardkit.nn import ShardedDataParallel
     from shardkit.optim import OSS
 
@@ -179,6 +181,7 @@ def _wrap_blocks(model: nn.Module, wrap: Callable[[nn.Module], nn.Module]) -> nn
 def _build_fsdp(
     model: nn.Module, optim: OptimizerSpec, group: Group, *, reshard_after_forward: bool
 ) -> tuple[nn.Module, torch.optim.Optimizer]:
+    # start-up cost: the launching process selects strategies; only the workers that build one import it
     from shardkit.nn import FullyShardedDataParallel
     from shardkit.nn.fsdp import BackwardPrefetch
 

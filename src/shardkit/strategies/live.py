@@ -23,10 +23,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardkit.bench.memory import MemoryBreakdown, training_memory
-from shardkit.bench.strategies import OptimizerSpec, Strategy
 from shardkit.distributed import CommMeter, collectives, count_comm_bytes
-from shardkit.testing.models import TransformerLM
+from shardkit.memory.meter import MemoryBreakdown, training_memory
+from shardkit.models import TransformerLM
+from shardkit.strategies.registry import OptimizerSpec, Strategy
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 

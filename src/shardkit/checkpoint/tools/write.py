@@ -12,6 +12,7 @@ from typing import Any, Optional, Union
 
 import torch
 
+from shardkit.checkpoint.api import save_source
 from shardkit.checkpoint.errors import CheckpointError
 from shardkit.checkpoint.metadata import IMPORTED_STRATEGY
 from shardkit.checkpoint.universal.source import Held, Span, UniversalSource
@@ -92,8 +93,6 @@ def write_state(
         sd = torch.load("model.pt", weights_only=True)
         write_state("ckpt", [Held(t, (Span(k, t.shape, 0, t.numel()),)) for k, t in sd.items()])
     """
-    from shardkit.checkpoint.api import save_source  # the orchestration imports this package
-
     return save_source(directory, StaticSource(held, optimizer_state, hyper), step=step, extra=extra)
 
 
