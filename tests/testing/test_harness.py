@@ -50,6 +50,8 @@ def test_hang_fails_within_timeout() -> None:
     message = str(info.value)
     assert "rank 0 did not finish" in message
     assert "rank 1 raised" in message
+    # The hung rank's stack says where it waits: the sleep in this file's function.
+    assert "its stack when it was given up on" in message and "_rank_zero_skips_collective" in message
 
 
 def _returns_tensor(rank: int, world_size: int) -> torch.Tensor:

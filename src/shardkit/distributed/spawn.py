@@ -8,6 +8,7 @@ private temporary directory, so concurrent jobs never fight over ports.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import multiprocessing as mp
 import os
 import pickle
@@ -65,6 +66,10 @@ def _worker(
     os.environ.update(env or {})  # a test's per-rank overrides (e.g. a simulated node layout)
     # One intra-op thread per rank: ranks share the machine's cores, more threads only oversubscribe them.
     torch.set_num_threads(1)
+    # A rank still running when the parent gives up writes where it is: the report of a hang then shows the call
+    # each rank is blocked in instead of only "did not finish".
+    stack_file = open(f"{init_file}.stack{rank}", "w")  # open for the whole run
+    faulthandler.dump_traceback_later(timeout_s + FAILURE_GRACE_S / 2, file=stack_file)
     try:
         dist.init_process_group(
             backend,
@@ -74,6 +79,7 @@ def _worker(
             timeout=timedelta(seconds=timeout_s),
         )
         value = fn(rank, world_size, *args, **kwargs)
+        faulthandler.cancel_dump_traceback_later()
         # Pickled by value here: the queue would otherwise pass tensors through shared memory that dies with
         # this process before the parent reads it.
         results.put((rank, "ok", pickle.dumps(value)))
@@ -151,6 +157,9 @@ def run_distributed(
             proc.start()
         try:
             outcomes = _collect(procs, results, timeout_s)
+            for rank in range(world_size):
+                if rank not in outcomes:
+                    outcomes[rank] = ("hung", _read_stack(f"{init_file}.stack{rank}"))
         finally:
             for proc in procs:
                 if proc.is_alive():
@@ -183,6 +192,13 @@ def _collect(procs: Sequence[Any], results: Any, timeout_s: float) -> dict[int, 
     return outcomes
 
 
+def _read_stack(path: str) -> str:
+    """What a hung rank's stack dump says ('' if it wrote none)."""
+    with contextlib.suppress(OSError), open(path) as dump:
+        return dump.read().strip()
+    return ""
+
+
 def _report(
     fn: Callable[..., Any], world_size: int, timeout_s: float, outcomes: dict[int, tuple[str, Any]]
 ) -> list[Any]:
@@ -203,4 +219,6 @@ def _report(
                 f"--- rank {rank} did not finish within {timeout_s + FAILURE_GRACE_S:.0f}s: it is probably blocked "
                 "in a collective that another rank skipped, failed before, or issued with different arguments"
             )
+            if value:
+                lines.append(f"its stack when it was given up on:\n{value}")
     raise DistributedTestError("\n".join(lines))
