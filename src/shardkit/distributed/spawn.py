@@ -68,7 +68,7 @@ def _worker(
     torch.set_num_threads(1)
     # A rank still running when the parent gives up writes where it is: the report of a hang then shows the call
     # each rank is blocked in instead of only "did not finish".
-    stack_file = open(f"{init_file}.stack{rank}", "w")  # open for the whole run
+    stack_file = open(f"{init_file}.stack{rank}", "w")  # noqa: SIM115 (open for the whole run)
     faulthandler.dump_traceback_later(timeout_s + FAILURE_GRACE_S / 2, file=stack_file)
     try:
         dist.init_process_group(
