@@ -1,6 +1,6 @@
 """The virtual-stage tick exchange cannot deadlock on a transport whose sends block (NCCL), and delivers every
 message to its chunk: p threads drive real :class:`ChunkLink` s through the interleaved and the ZBV tick grids over
-the fake blocking transport of ``test_smp_p2p_blocking`` (a send completes only while the peer's matching receive
+the fake blocking transport of ``testkit.blocking_transport`` (a send completes only while the peer's matching receive
 runs, one group at a time per rank)."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ import threading
 
 import pytest
 import torch
-from test_smp_p2p_blocking import FakeTransport, RendezvousWorld
 
 from shardkit.modelparallel.topology import Topology
 from shardkit.modelparallel.virtual_p2p import ChunkLink, Expected
 from shardkit.modelparallel.virtual_schedules import ChunkAction, placement, schedule_grid
+from testkit.blocking_transport import FakeTransport, RendezvousWorld
 
 CPU = torch.device("cpu")
 
