@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from ck_tools_lib import ck_net, write_fairscale_shards
 from safetensors.torch import load_file, save_file
-from test_ck_sources import _fairscale_shards, _net
 
 from shardkit.checkpoint import load_checkpoint
 from shardkit.checkpoint.cli import main
@@ -16,7 +16,7 @@ from shardkit.checkpoint.tools.inspect import inspect_checkpoint
 
 
 def _fresh() -> torch.nn.Module:
-    torch.manual_seed(99)  # other weights than _net(): a load that does nothing fails the comparison
+    torch.manual_seed(99)  # other weights than ck_net(): a load that does nothing fails the comparison
     return torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.BatchNorm1d(7), torch.nn.Linear(7, 3))
 
 
@@ -32,7 +32,7 @@ def _check_loaded(ck: Path, want: dict[str, torch.Tensor], step: int = 0) -> Non
 
 @pytest.mark.parametrize("source", ["state-dict", "safetensors", "fairscale-shards", "fairscale-full"])
 def test_import_then_load_equals_the_source(tmp_path: Path, source: str) -> None:
-    net = _net()
+    net = ck_net()
     with torch.no_grad():
         net[1].running_var.uniform_(0.5, 2.0)
     sd = net.state_dict()
@@ -45,7 +45,7 @@ def test_import_then_load_equals_the_source(tmp_path: Path, source: str) -> None
     elif source == "fairscale-shards":
         src = tmp_path / "shards"
         src.mkdir()
-        _fairscale_shards(net, 3, src)
+        write_fairscale_shards(net, 3, src)
     else:
         src = tmp_path / "consolidated.pt"
         torch.save({"_fsdp_wrapped_module." + k: v for k, v in sd.items()}, src)

@@ -6,17 +6,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from ck_tools_lib import ck_net, write_fairscale_shards
 from safetensors.torch import save_file
-from torch import nn
 
 from shardkit.checkpoint.errors import CorruptCheckpointError, UnsafeCheckpointError
 from shardkit.checkpoint.tools.import_ import detect_format, read_source
 from shardkit.checkpoint.tools.sources import clean_name
-
-
-def _net() -> nn.Module:
-    torch.manual_seed(3)
-    return nn.Sequential(nn.Linear(5, 7), nn.BatchNorm1d(7), nn.Linear(7, 3))
 
 
 def _same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
@@ -26,7 +21,7 @@ def _same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
 
 
 def test_state_dict_file_plain_nested_and_ddp_prefixed(tmp_path: Path) -> None:
-    sd = _net().state_dict()
+    sd = ck_net().state_dict()
     torch.save(sd, tmp_path / "plain.pt")
     torch.save({"model": sd, "epoch": 3}, tmp_path / "nested.pt")
     torch.save({"module." + k: v for k, v in sd.items()}, tmp_path / "ddp.pt")
@@ -44,7 +39,7 @@ def test_state_dict_with_pickled_code_is_refused(tmp_path: Path) -> None:
 
 
 def test_safetensors_file_and_hf_shard_folder(tmp_path: Path) -> None:
-    sd = {k: v.contiguous() for k, v in _net().state_dict().items()}
+    sd = {k: v.contiguous() for k, v in ck_net().state_dict().items()}
     save_file(sd, tmp_path / "one.safetensors")
     _same(read_source(tmp_path / "one.safetensors").model, sd)
     folder = tmp_path / "hf"
@@ -56,65 +51,19 @@ def test_safetensors_file_and_hf_shard_folder(tmp_path: Path) -> None:
     _same(read_source(folder).model, sd)
 
 
-# fairscale FSDP local shards, built the way fairscale lays them out (see sources.py's docstring): each FSDP
-# instance flattens its own parameters into flat_param_0, pads it to a multiple of the world size, and every
-# rank keeps chunk ``rank`` (torch.chunk sizes; the short last chunks padded at their end).
-
-
-def _fairscale_shards(model: nn.Module, world_size: int, folder: Path) -> None:
-    units = {"0": ["weight", "bias"], "": ["1.weight", "1.bias", "2.weight", "2.bias"]}  # inner unit, root
-    sd = model.state_dict()
-    weights: list[dict] = [{} for _ in range(world_size)]
-    metas: list[dict] = [{"param_metadata": [], "buffer_names": []} for _ in range(world_size)]
-    for path, names in units.items():
-        full = [sd[f"{path}.{n}" if path else n] for n in names]
-        flat = torch.cat([t.reshape(-1) for t in full])
-        chunks = flat.chunk(world_size)
-        size = chunks[0].numel()
-        for rank in range(world_size):
-            piece = chunks[rank] if rank < len(chunks) else flat[:0]
-            pad = size - piece.numel()
-            raw = (
-                ("_fsdp_wrapped_module._fpw_module." + path + "._fsdp_wrapped_module.")
-                if path
-                else "_fsdp_wrapped_module."
-            )
-            weights[rank][raw + "flat_param_0"] = torch.cat([piece, piece.new_zeros(pad)])
-            metas[rank]["param_metadata"].append(
-                {
-                    "fsdp_path": path,
-                    "params": {
-                        "flat_param_0": {
-                            "names": names,
-                            "shapes": [t.shape for t in full],
-                            "numels": [t.numel() for t in full],
-                            "padding": pad,
-                        }
-                    },
-                    "no_broadcast_optim_state": False,
-                    "shared_param_info": [],
-                }
-            )
-    for rank in range(world_size):
-        for name in ("1.running_mean", "1.running_var", "1.num_batches_tracked"):
-            weights[rank][name] = sd[name]
-        metas[rank]["buffer_names"] = ["1.running_mean", "1.running_var", "1.num_batches_tracked"]
-        torch.save({"model": weights[rank], "shard_metadata": metas[rank]}, folder / f"checkpoint-shard{rank}.pt")
-
-
 @pytest.mark.parametrize("world_size", [1, 3, 4])
 def test_fairscale_local_shards_consolidate_to_the_full_model(tmp_path: Path, world_size: int) -> None:
-    model = _net()
+    model = ck_net()
     with torch.no_grad():
         model[1].running_mean.uniform_()
-    _fairscale_shards(model, world_size, tmp_path)
+    write_fairscale_shards(model, world_size, tmp_path)
     assert detect_format(tmp_path) == "fairscale-shards"
     _same(read_source(tmp_path).model, model.state_dict())
 
 
 def test_fairscale_missing_rank_and_consolidated_file(tmp_path: Path) -> None:
-    model = _net()
-    _fairscale_shards(model, 3, tmp_path)
+    model = ck_net()
+    write_fairscale_shards(model, 3, tmp_path)
     (tmp_path / "checkpoint-shard1.pt").unlink()
     with pytest.raises(CorruptCheckpointError, match=r"ranks \[0, 2\]"):
         read_source(tmp_path)

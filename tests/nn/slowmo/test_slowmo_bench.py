@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from test_slowmo_reference import make_batch, make_model
+from slowmo_reference import make_batch, make_model
 
 from shardkit.bench.ddp_hook import labelled_allreduce_hook
 from shardkit.bench.slowmo import Measured, _verdict, parse_args, settings_from_args

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from test_slowmo_reference import Case, PlainSGD, flat_params, make_batch, make_model, simulate
+from slowmo_reference import Case, PlainSGD, flat_params, make_batch, make_model, simulate
 
 from shardkit.distributed import count_comm_bytes
 from shardkit.nn.data_parallel import SlowMoBaseAlgorithm, SlowMoDistributedDataParallel

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from test_slowmo_reference import Case, PlainSGD, flat_params, make_batch, make_model, simulate
+from slowmo_reference import Case, PlainSGD, flat_params, make_batch, make_model, simulate
 
 from shardkit.nn.data_parallel import SlowMoDistributedDataParallel
 from shardkit.testing import run_distributed

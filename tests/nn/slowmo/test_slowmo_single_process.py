@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from test_slowmo_reference import Case, StarGraph, flat_params, make_batch, make_model, simulate
+from slowmo_reference import Case, StarGraph, flat_params, make_batch, make_model, simulate
 
 from shardkit.distributed import DummyProcessGroup
 from shardkit.nn import SlowMoBaseAlgorithm as FromNn

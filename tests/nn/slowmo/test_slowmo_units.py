@@ -6,7 +6,7 @@ import warnings
 from typing import Any
 
 import pytest
-from test_slowmo_reference import SkewedMixing, StarGraph
+from slowmo_reference import SkewedMixing, StarGraph
 
 from shardkit.nn.slowmo import (
     DynamicBipartiteExponentialGraph,
