@@ -58,7 +58,8 @@ def build_zero_torch(
 def _oss_options(
     name: str, wrapper_init: Any, options: dict[str, Any], group: Group, topology: Any
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The wrapper's options and OSS's (``options["oss"]``), both checked; OSS shards inside the node when hybrid."""
+    """The wrapper's options and OSS's (``options["oss"]``), both checked; OSS shards over ``group``, or inside
+    the node when hybrid (ShardedDataParallel then reduces over OSS's group by default)."""
     # start-up cost: a strategy's package (and torch._dynamo) is imported only by the process that builds it
     from shardkit.optim import OSS
 
@@ -66,8 +67,7 @@ def _oss_options(
     nodes = hybrid_topology(name, wrapper_opts, topology)
     check_options(name, wrapper_init, wrapper_opts, ("oss",))
     check_options(f"{name} (oss=...)", OSS.__init__, oss_opts)
-    oss_opts = _with_group(oss_opts, "group", nodes if nodes is not None else group)
-    return _with_group(wrapper_opts, "process_group", group), oss_opts
+    return wrapper_opts, _with_group(oss_opts, "group", nodes if nodes is not None else group)
 
 
 def build_oss_ddp(
@@ -80,7 +80,7 @@ def build_oss_ddp(
     from shardkit.optim import OSS
 
     ddp_opts, oss_opts = _oss_options("oss_ddp", DistributedDataParallel.__init__, options, group, topology)
-    wrapped = DistributedDataParallel(model, **ddp_opts)
+    wrapped = DistributedDataParallel(model, **_with_group(ddp_opts, "process_group", group))
     return wrapped, OSS(optim.params(wrapped), optim=optim.cls, **oss_opts, **optim.kwargs), nothing
 
 
