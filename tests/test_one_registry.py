@@ -74,7 +74,7 @@ def test_the_registry_builders_call_every_wrapper_the_scan_looks_for() -> None:
 def test_plan_bench_and_demo_names_are_the_same_registry_entries() -> None:
     for name, entry in plan_strategies.STRATEGIES.items():
         assert entry is registry.get_strategy(name)
-    available, missing = registry.select()
+    available, _ = registry.select()
     for entry in available:
         assert entry is registry.get_strategy(entry.name)
     for entry_name, _ in multinode_measure.ROWS.values():
