@@ -42,7 +42,7 @@ def _ddp_bytes_seen_by_hook(rank: int, world_size: int) -> tuple[int, int]:
     torch.manual_seed(0)
     model = TransformerLM(LMConfig())
     formula = comm.ddp_allreduce_bytes(model, world_size)
-    ddp, opt = strategies.get_strategy("ddp").build(model, OptimizerSpec(), dist.group.WORLD)
+    ddp, opt, _ = strategies.get_strategy("ddp").build(model, OptimizerSpec(), dist.group.WORLD)
     assert isinstance(ddp, DistributedDataParallel)
     seen = []
 

@@ -12,14 +12,15 @@ another seed only matches if the buffer was loaded too.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 
-from testkit import data_parallel_rows, regression_batch, train_step
+from shardkit.strategies.options import nothing
+from shardkit.strategies.registry import OptimizerSpec, get_strategy
+from testkit import data_parallel_rows, regression_batch, train_step, units_at
 
 #: Families the parity tests move checkpoints between, and the world sizes each runs at here.
 FAMILY_SIZES: dict[str, tuple[int, ...]] = {
@@ -66,56 +67,53 @@ class Run:
     optimizer: Any
     dp_rank: int
     dp_size: int
+    after_step: Callable[[], None] = nothing
 
 
-def _sgd(params: Any) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)
+def _sgd() -> OptimizerSpec:
+    return OptimizerSpec(torch.optim.SGD, {"lr": LR, "momentum": MOMENTUM})
+
+
+def _registry_entry(family: str, module: nn.Sequential, mixed_precision: bool) -> tuple[str, dict[str, Any], Any]:
+    """The registry strategy a family is, its options, and the node topology it needs (``fsdp_hybrid``)."""
+    if family in ("ddp", "oss_sdp"):
+        return family, {}, None
+    if family == "oss":
+        return "oss_ddp", {}, None
+    if family == "slowmo":
+        return "slowmo", {"localsgd_frequency": 1, "slowmo_momentum": 0.0, "slowmo_lr": 1.0}, None
+    if family not in ("fsdp_nested", "fsdp_noflat", "fsdp_hybrid"):
+        raise ValueError(f"unknown family {family}")
+    options: dict[str, Any] = {"mixed_precision": True, "compute_dtype": torch.bfloat16} if mixed_precision else {}
+    topology = None
+    if family == "fsdp_hybrid":  # nodes from LOCAL_WORLD_SIZE; shards in CPU memory (offload)
+        from shardkit.distributed import Topology
+
+        topology = Topology.from_env()
+        options.update(sharding_strategy="HYBRID_SHARD", cpu_offload=True, compute_device="cpu")
+    if family == "fsdp_noflat":
+        options.update(auto_wrap_policy=None, flatten_parameters=False)
+    else:
+        options["auto_wrap_policy"] = units_at(module[0], module[2])
+    return "fsdp", options, topology
 
 
 def build(family: str, rank: int, world_size: int, seed: int, mixed_precision: bool = False) -> Run:
     """``family`` over :func:`net` at this world size (every rank must call it; wrappers synchronise)."""
     module = net(seed)
     if family == "plain":
-        return Run(family, module, _sgd(module.parameters()), 0, 1)
-    if family == "ddp":
-        model = DDP(module)
-        return Run(family, model, _sgd(model.parameters()), rank, world_size)
-    if family in ("oss", "oss_sdp"):
-        from shardkit.nn import ShardedDataParallel
-        from shardkit.optim import OSS
-
-        opt = OSS(module.parameters(), optim=torch.optim.SGD, lr=LR, momentum=MOMENTUM)
-        model = ShardedDataParallel(module, opt) if family == "oss_sdp" else DDP(module)
-        return Run(family, model, opt, rank, world_size)
-    if family in ("fsdp_nested", "fsdp_noflat", "fsdp_hybrid"):
-        from shardkit.nn import FullyShardedDataParallel as FSDP
-        from shardkit.nn.fsdp import ShardingStrategy
-
-        options: dict[str, Any] = {"mixed_precision": True, "compute_dtype": torch.bfloat16} if mixed_precision else {}
-        if family == "fsdp_hybrid":  # nodes from LOCAL_WORLD_SIZE; shards in CPU memory (offload)
-            options.update(sharding_strategy=ShardingStrategy.HYBRID_SHARD, cpu_offload=True, compute_device="cpu")
-        if family in ("fsdp_nested", "fsdp_hybrid"):
-            module[0] = FSDP(module[0], **options)
-            module[2] = FSDP(module[2], **options)
-            model = FSDP(module, **options)
-        else:
-            model = FSDP(module, flatten_parameters=False, **options)
-        return Run(family, model, _sgd(model.parameters()), rank, world_size)
-    if family in ("smp", "smp_p4"):
+        return Run(family, module, _sgd().make(module.parameters()), 0, 1)
+    if family in ("smp", "smp_p4"):  # pipeline parallelism: no registry entry, built by its own API
         import shardkit.modelparallel as smp
 
         partitions = 4 if family == "smp_p4" else 1 if world_size == 1 else 2
         smp.init({"partitions": partitions, "microbatches": 2, "ddp": True})
         model = smp.DistributedModel(module)
-        return Run(family, model, smp.DistributedOptimizer(_sgd(model.parameters())), smp.dp_rank(), smp.dp_size())
-    if family == "slowmo":
-        from shardkit.nn.data_parallel import SlowMoDistributedDataParallel
-
-        model = SlowMoDistributedDataParallel(
-            module, nprocs_per_node=1, localsgd_frequency=1, slowmo_momentum=0.0, slowmo_lr=1.0
-        )
-        return Run(family, model, _sgd(model.parameters()), rank, world_size)
-    raise ValueError(f"unknown family {family}")
+        optimizer = smp.DistributedOptimizer(_sgd().make(model.parameters()))
+        return Run(family, model, optimizer, smp.dp_rank(), smp.dp_size())
+    name, options, topology = _registry_entry(family, module, mixed_precision)
+    model, optimizer, after_step = get_strategy(name).build(module, _sgd(), None, options, topology)
+    return Run(family, model, optimizer, rank, world_size, after_step)
 
 
 def release(run: Run) -> None:
@@ -143,8 +141,7 @@ def train(run: Run, steps: range) -> None:
         else:
             # promoted by hand: torch < 2.12's mse_loss backward refuses bf16 against fp32
             train_step(run.model, run.optimizer, lambda _, x=x, y=y: (x, y), loss_fn=_mse_in_float)
-        if run.family == "slowmo":
-            run.model.perform_slowmo(run.optimizer)
+        run.after_step()
 
 
 def _mse_in_float(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

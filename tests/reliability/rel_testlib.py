@@ -14,83 +14,86 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 
-from testkit import bitwise_difference, regression_batch, train_step
+from shardkit.strategies.options import nothing
+from shardkit.strategies.registry import OptimizerSpec, get_strategy
+from testkit import bitwise_difference, regression_batch, train_step, units_at
 
 STRATEGIES = ("ddp", "oss", "oss_sdp", "fsdp", "smp", "slowmo")
 
 
-def tiny_net(seed: int, fsdp_inner: bool = False, width: int = 8, group: Any = None) -> nn.Module:
-    """Linear(6, 8) - ReLU - Dropout - Linear(8, width) - Tanh - Linear(width, 3).
-
-    With ``fsdp_inner`` the first layer is its own FSDP unit (over ``group``).
-    """
+def tiny_net(seed: int, width: int = 8) -> nn.Module:
+    """Linear(6, 8) - ReLU - Dropout - Linear(8, width) - Tanh - Linear(width, 3)."""
     torch.manual_seed(seed)
-    first: nn.Module = nn.Linear(6, 8)
-    if fsdp_inner:
-        from shardkit.nn import FullyShardedDataParallel as FSDP
+    return nn.Sequential(
+        nn.Linear(6, 8), nn.ReLU(), nn.Dropout(0.25), nn.Linear(8, width), nn.Tanh(), nn.Linear(width, 3)
+    )
 
-        first = FSDP(first, process_group=group)
-    return nn.Sequential(first, nn.ReLU(), nn.Dropout(0.25), nn.Linear(8, width), nn.Tanh(), nn.Linear(width, 3))
+
+def _sgd() -> OptimizerSpec:
+    return OptimizerSpec(torch.optim.SGD, {"lr": 0.05, "momentum": 0.9})
+
+
+def _adam() -> OptimizerSpec:
+    return OptimizerSpec(torch.optim.Adam, {"lr": 0.01})
+
+
+def _first_layer_unit(net: nn.Module) -> dict[str, Any]:
+    return {"auto_wrap_policy": units_at(net[0])}
+
+
+def _registry_entry(strategy: str, net: nn.Module) -> tuple[str, OptimizerSpec, dict[str, Any]]:
+    """The registry strategy each strategy of these tests is, its optimizer and its options."""
+    if strategy in ("ddp", "oss"):
+        return ("ddp" if strategy == "ddp" else "oss_ddp"), _sgd(), {}
+    if strategy == "oss_sdp":
+        return "oss_sdp", _adam(), {}
+    if strategy == "fsdp":
+        return "fsdp", _adam(), _first_layer_unit(net)
+    if strategy == "slowmo":
+        return "slowmo", _sgd(), {"slowmo_base_algorithm": "sgp", "slowmo_frequency": 3, "slowmo_num_shards": 2}
+    raise ValueError(f"unknown strategy {strategy}")
 
 
 def fsdp_model(seed: int, width: int = 8, group: Any = None) -> nn.Module:
-    """:func:`tiny_net` in FSDP, with its first layer in a nested unit."""
-    from shardkit.nn import FullyShardedDataParallel as FSDP
-
-    return FSDP(tiny_net(seed, fsdp_inner=True, width=width, group=group), process_group=group)
+    """:func:`tiny_net` in FSDP (over ``group``), with its first layer in a nested unit."""
+    net = tiny_net(seed, width=width)
+    return get_strategy("fsdp").build(net, _adam(), group, _first_layer_unit(net))[0]
 
 
 @dataclass
 class Run:
-    """A model under one strategy, with its optimizer and grad scaler."""
+    """A model under one strategy, with its optimizer, grad scaler and what runs after each optimizer step."""
 
     strategy: str
     model: Any
     optimizer: Any
     scaler: Optional[Any] = None
+    after_step: Callable[[], None] = nothing
 
 
 def build(strategy: str, seed: int) -> Run:
     """``strategy`` over :func:`tiny_net` (every rank must call it: wrappers synchronise at construction)."""
-    if strategy == "ddp":
-        model = DDP(tiny_net(seed))
-        return Run(strategy, model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
-    if strategy == "oss":
-        from shardkit.optim import OSS
-
-        model = DDP(tiny_net(seed))
-        return Run(strategy, model, OSS(model.parameters(), optim=torch.optim.SGD, lr=0.05, momentum=0.9))
-    if strategy == "oss_sdp":
-        from shardkit.nn import ShardedDataParallel
-        from shardkit.optim import OSS, ShardedGradScaler
-
-        net = tiny_net(seed)
-        opt = OSS(net.parameters(), optim=torch.optim.Adam, lr=0.01)
-        return Run(strategy, ShardedDataParallel(net, opt), opt, ShardedGradScaler(init_scale=2.0**10))
-    if strategy == "fsdp":
-        model = fsdp_model(seed)
-        return Run(strategy, model, torch.optim.Adam(model.parameters(), lr=0.01))
-    if strategy == "smp":
+    if strategy == "smp":  # no registry entry: pipeline parallelism has an API of its own
         import shardkit.modelparallel as smp
 
         smp.init({"partitions": 2, "microbatches": 2})
         model = smp.DistributedModel(tiny_net(seed))
         return Run(strategy, model, smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05)))
-    if strategy == "slowmo":
-        from shardkit.nn.data_parallel import SlowMoDistributedDataParallel
+    net = tiny_net(seed)
+    name, optim, options = _registry_entry(strategy, net)
+    model, optimizer, after_step = get_strategy(name).build(net, optim, None, options)
+    scaler = None
+    if strategy == "oss_sdp":  # ShardedDataParallel's gradients live on their owner ranks: the sharded scaler
+        from shardkit.optim import ShardedGradScaler
 
-        model = SlowMoDistributedDataParallel(
-            tiny_net(seed), nprocs_per_node=1, slowmo_base_algorithm="sgp", slowmo_frequency=3, slowmo_num_shards=2
-        )
-        return Run(strategy, model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
-    raise ValueError(f"unknown strategy {strategy}")
+        scaler = ShardedGradScaler(init_scale=2.0**10)
+    return Run(strategy, model, optimizer, scaler, after_step)
 
 
 def release(run: Run) -> None:
@@ -119,8 +122,7 @@ def train(run: Run, steps: range, rank: int, poison_at: Optional[tuple[int, int]
             run.optimizer.step()
             continue
         train_step(run.model, run.optimizer, lambda _, x=x, y=y: (x, y), scaler=run.scaler)
-        if run.strategy == "slowmo":
-            run.model.perform_slowmo(run.optimizer)
+        run.after_step()
 
 
 def full_state(run: Run) -> dict[str, torch.Tensor]:

@@ -37,6 +37,7 @@ from shardkit.checkpoint import (
 )
 from shardkit.distributed import DummyProcessGroup
 from shardkit.optim import OSS
+from shardkit.strategies.registry import OptimizerSpec, get_strategy
 from shardkit.testing import run_distributed
 from testkit import bitwise_difference
 
@@ -200,12 +201,10 @@ def _fsdp_and_oss_bad_inputs(rank: int, world_size: int, root: str) -> dict[str,
 
 def _slowmo_gossip_in_flight(rank: int, root: Path) -> list[str]:
     """Overlapped gossip still in flight cannot be saved; eval() completes it, and then the save works."""
-    from shardkit.nn.data_parallel import SlowMoDistributedDataParallel
-
-    model = SlowMoDistributedDataParallel(
-        tiny_net(seed=0), nprocs_per_node=1, slowmo_base_algorithm="sgp", overlap=True
-    )
-    run = Run("slowmo", model, torch.optim.SGD(model.parameters(), lr=0.05))
+    sgd = OptimizerSpec(torch.optim.SGD, {"lr": 0.05})
+    options = {"slowmo_base_algorithm": "sgp", "overlap": True}
+    model, optimizer, after_step = get_strategy("slowmo").build(tiny_net(seed=0), sgd, None, options)
+    run = Run("slowmo", model, optimizer, after_step=after_step)
     train(run, range(2), rank)
     seen = []
     try:

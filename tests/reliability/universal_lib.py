@@ -13,12 +13,14 @@ from typing import Any, Optional
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 
+from shardkit.strategies.registry import OptimizerSpec, get_strategy
 from testkit import data_parallel_rows, regression_batch, state_difference, train_step
 
 GLOBAL_BATCH = 8
 LR = 0.02
+#: The registry strategy each family builds (``plain`` is the unwrapped model in one process).
+REGISTRY_NAMES = {"ddp": "ddp", "oss": "oss_ddp", "oss_sdp": "oss_sdp"}
 
 
 class TiedNet(nn.Module):
@@ -61,15 +63,11 @@ class Family:
 def build(name: str, seed: int, width: int = 6) -> Family:
     """``plain`` (one process), ``ddp``, ``oss`` (OSS under torch DDP) or ``oss_sdp``."""
     inner = TiedNet(seed, width)
-    rank, size = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if name != "plain" else (0, 1)
-    if name in ("plain", "ddp"):
-        model: nn.Module = inner if name == "plain" else DDP(inner)
-        return Family(name, model, torch.optim.Adam(param_groups(inner), lr=LR), inner, rank, size)
-    from shardkit.nn import ShardedDataParallel
-    from shardkit.optim import OSS
-
-    optimizer = OSS(param_groups(inner), optim=torch.optim.Adam, lr=LR)
-    model = DDP(inner) if name == "oss" else ShardedDataParallel(inner, optimizer)
+    if name == "plain":
+        return Family(name, inner, torch.optim.Adam(param_groups(inner), lr=LR), inner, 0, 1)
+    rank, size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    adam = OptimizerSpec(torch.optim.Adam, {"lr": LR}, param_groups=param_groups)
+    model, optimizer, _ = get_strategy(REGISTRY_NAMES[name]).build(inner, adam)
     return Family(name, model, optimizer, inner, rank, size)
 
 

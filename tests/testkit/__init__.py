@@ -3,7 +3,8 @@ the three test speeds (``speeds``).
 
 ``tests/`` is on ``sys.path`` under pytest (its ``conftest.py`` sits there and ``tests/`` is no package), so any test
 or per-folder helper imports ``from testkit import ...``; the multi-process harness's workers inherit that path.
-smp helpers live in ``testkit.smp`` (importing it imports ``shardkit.modelparallel``).
+Strategies are built through the registry (``units_at``: chosen FSDP units). smp helpers live in ``testkit.smp``
+(importing it imports ``shardkit.modelparallel``).
 """
 
 from .compare import (
@@ -16,6 +17,7 @@ from .compare import (
 )
 from .data import Batch, data_parallel_rows, model_batch, rank_batch, regression_batch, unwrap
 from .models import OPTIMIZERS, BranchyNet, tiny_model
+from .strategies import units_at
 from .train import average_grads, train_harness_model, train_step
 
 __all__ = [
@@ -36,5 +38,6 @@ __all__ = [
     "tiny_model",
     "train_harness_model",
     "train_step",
+    "units_at",
     "unwrap",
 ]

@@ -20,7 +20,6 @@ Run it as ``shardkit bench fsdp`` or ``python -m shardkit.bench.fsdp`` (options:
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import sys
 from dataclasses import dataclass, field, replace
@@ -37,7 +36,7 @@ from shardkit.launch import launch_local
 from shardkit.memory import Category, MemoryTracker
 from shardkit.memory.meter import format_bytes
 from shardkit.models import Block, LMConfig, TransformerLM
-from shardkit.nn.fsdp import BackwardPrefetch, FullyShardedDataParallel
+from shardkit.nn.fsdp import BackwardPrefetch
 from shardkit.strategies import registry
 from shardkit.strategies.live import Combined, LiveStrategy, agree_on_failures, combine_all, quiet_torch_deprecations
 from shardkit.utils.checks import at_least, positive
@@ -100,17 +99,6 @@ class MemoryResult:
         return sum(self.steady.get(c.value, 0) for c in STEADY)
 
 
-def _build_shardkit(
-    model: nn.Module, optim: registry.OptimizerSpec, group: Any, **fsdp_kwargs: Any
-) -> tuple[nn.Module, torch.optim.Optimizer]:
-    blocks = model.blocks
-    assert isinstance(blocks, nn.ModuleList), "the fsdp suite wraps the blocks of a TransformerLM"
-    for index, block in enumerate(blocks):
-        blocks[index] = FullyShardedDataParallel(block, process_group=group, **fsdp_kwargs)
-    wrapped = FullyShardedDataParallel(model, process_group=group, **fsdp_kwargs)
-    return wrapped, optim.make(wrapped.parameters())
-
-
 def prefetch_variants() -> list[registry.Strategy]:
     """shardkit FSDP (reshard after forward) without prefetch, with BACKWARD_PRE, and with both prefetches."""
 
@@ -120,7 +108,9 @@ def prefetch_variants() -> list[registry.Strategy]:
         ("BACKWARD_PRE", {"backward_prefetch": pre}),
         ("BACKWARD_PRE + forward", {"backward_prefetch": pre, "forward_prefetch": True}),
     ]
-    return [registry.Strategy(name, name, functools.partial(_build_shardkit, **kwargs)) for name, kwargs in variants]
+    # Auto-wrapped per block (the registry's fsdp builder), the same units the zero suite's fsdp row has.
+    fsdp = registry.get_strategy("fsdp")
+    return [fsdp.variant(name, name, **kwargs) for name, kwargs in variants]
 
 
 def _batch(task: MarkovTask, settings: FsdpSettings, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -172,7 +162,7 @@ def measure_memory(
     optim_spec = registry.OptimizerSpec(torch.optim.AdamW, {"lr": settings.lr})
     try:
         with MemoryTracker() as tracker:
-            model, optim = strategy.build(model_fn(), optim_spec, group)
+            model, optim, _ = strategy.build(model_fn(), optim_spec, group)
             tracker.watch(model, optim)
             steady: dict[str, int] = {}
             for step in range(2):

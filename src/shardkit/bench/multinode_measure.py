@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -27,9 +27,7 @@ from shardkit.distributed import CommMeter, collectives, comm_delay, count_comm_
 from shardkit.distributed.node_traffic import set_topology
 from shardkit.distributed.topology import Topology
 from shardkit.models import LMConfig, TransformerLM
-from shardkit.nn import FullyShardedDataParallel, ShardedDataParallel, ShardingStrategy, SlowMoDistributedDataParallel
-from shardkit.nn.fsdp import BackwardPrefetch
-from shardkit.optim import OSS
+from shardkit.strategies.registry import Built, OptimizerSpec, get_strategy
 from shardkit.testing.multinode import run_nodes
 from shardkit.utils.checks import at_least, positive
 
@@ -95,49 +93,29 @@ class NodeResult:
     error: Optional[str] = None
 
 
-Built = tuple[nn.Module, torch.optim.Optimizer, Callable[[], None]]
-
-
-def _fsdp(model: nn.Module, process_group: Any, **kwargs: Any) -> nn.Module:
-    def wrap(module: nn.Module) -> nn.Module:
-        return FullyShardedDataParallel(
-            module,
-            process_group=process_group,
-            backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
-            forward_prefetch=True,
-            **kwargs,
-        )
-
-    blocks = model.blocks
-    assert isinstance(blocks, nn.ModuleList)
-    for index, block in enumerate(blocks):
-        blocks[index] = wrap(block)
-    return wrap(model)
+#: Each suite row: its registry strategy and options (prefetch one block ahead, as the zero suite's fsdp row).
+ROWS: dict[str, tuple[str, dict[str, Any]]] = {
+    "ddp": ("ddp", {}),
+    "fsdp": ("fsdp", {"sharding_strategy": "FULL_SHARD", **get_strategy("fsdp").defaults}),
+    "fsdp_hybrid": ("fsdp", {"sharding_strategy": "HYBRID_SHARD", **get_strategy("fsdp").defaults}),
+    "oss_sdp": ("oss_sdp", {}),
+    "oss_sdp_hybrid": ("oss_sdp", {"hybrid": True}),
+    "slowmo": ("slowmo", {}),
+}
 
 
 def build(name: str, model: nn.Module, group: dist.ProcessGroup, settings: MultinodeSettings) -> Built:
-    """``(model, optimizer, after_step)`` for strategy ``name`` over ``group`` (the whole job)."""
-
-    adamw = torch.optim.AdamW
-    nothing: Callable[[], None] = lambda: None  # noqa: E731
+    """``(model, optimizer, after_step)`` for strategy ``name`` over ``group`` (the whole job), from the registry;
+    the hybrid rows shard inside the nodes of ``settings.nproc_per_node`` ranks."""
+    if name not in ROWS:
+        raise ValueError(f"unknown strategy {name!r}")
+    entry, options = ROWS[name]
     nodes = Topology.from_env(group, nprocs_per_node=settings.nproc_per_node)
-    if name == "ddp":
-        ddp = nn.parallel.DistributedDataParallel(model, process_group=group)
-        ddp.register_comm_hook(group, labelled_allreduce_hook)
-        return ddp, adamw(ddp.parameters(), lr=settings.lr), nothing
-    if name in ("fsdp", "fsdp_hybrid"):
-        hybrid = name == "fsdp_hybrid"
-        strategy = ShardingStrategy.HYBRID_SHARD if hybrid else ShardingStrategy.FULL_SHARD
-        wrapped = _fsdp(model, nodes if hybrid else group, sharding_strategy=strategy)
-        return wrapped, adamw(wrapped.parameters(), lr=settings.lr), nothing
-    if name in ("oss_sdp", "oss_sdp_hybrid"):
-        opt = OSS(model.parameters(), optim=adamw, group=nodes if name == "oss_sdp_hybrid" else group, lr=settings.lr)
-        return ShardedDataParallel(model, opt), opt, nothing
-    if name == "slowmo":
-        net = SlowMoDistributedDataParallel(model, nprocs_per_node=settings.nproc_per_node, global_group=group)
-        plain = adamw(net.parameters(), lr=settings.lr)
-        return net, plain, lambda: net.perform_slowmo(plain)
-    raise ValueError(f"unknown strategy {name!r}")
+    adamw = OptimizerSpec(torch.optim.AdamW, {"lr": settings.lr})
+    built = get_strategy(entry).build(model, adamw, group, options, nodes)
+    if isinstance(built[0], nn.parallel.DistributedDataParallel):  # labelled: the byte counter sees DDP's all-reduce
+        built[0].register_comm_hook(group, labelled_allreduce_hook)
+    return built
 
 
 def _short(exc: BaseException) -> str:

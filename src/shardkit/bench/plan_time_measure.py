@@ -33,6 +33,7 @@ from shardkit.memory.meter import training_memory
 from shardkit.plan.runner import call_model
 from shardkit.plan.strategies import Built, get
 from shardkit.plan.workloads import Workload
+from shardkit.strategies.registry import OptimizerSpec
 
 
 @dataclass(frozen=True)
@@ -243,9 +244,8 @@ def _steps_worker(
     built = {}
     for variant in variants:
         torch.manual_seed(0)
-        built[variant.label] = get(variant.strategy).build(
-            work.build(), work.optimizer, dict(work.optimizer_options), dict(variant.options), None
-        )
+        spec = OptimizerSpec(work.optimizer, dict(work.optimizer_options))
+        built[variant.label] = get(variant.strategy).build(work.build(), spec, options=dict(variant.options))
         for _ in range(warmup):
             _step(work, built[variant.label], batch, None)
     out = {variant.label: StepTimes([], [], [], []) for variant in variants}

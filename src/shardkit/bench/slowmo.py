@@ -20,7 +20,7 @@ import argparse
 import sys
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,8 +34,8 @@ from shardkit.distributed import CommMeter, comm_delay, count_comm_bytes
 from shardkit.distributed import collectives as C
 from shardkit.launch import launch_local
 from shardkit.models import LMConfig, TransformerLM
-from shardkit.nn.slowmo import SlowMoBaseAlgorithm, SlowMoDistributedDataParallel
 from shardkit.strategies.live import quiet_torch_deprecations
+from shardkit.strategies.registry import Built, OptimizerSpec, get_strategy
 from shardkit.utils.checks import at_least, positive
 from shardkit.utils.report import format_table, ratio, write_json
 
@@ -95,35 +95,26 @@ class _Trainer:
         self.group = dist.new_group()
         torch.manual_seed(settings.demo.seed)
         model = TransformerLM(settings.lm)
-        self.model, self.after_step = self._wrap(name, model, settings)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=settings.demo.lr, weight_decay=0.0)
+        self.model, self.optimizer, self.after_step = self._build(name, model, settings)
         self.result = Measured(name)
 
-    def _wrap(self, name: str, model: nn.Module, s: SlowMoBenchSettings) -> tuple[nn.Module, Callable[[], None]]:
+    def _build(self, name: str, model: nn.Module, s: SlowMoBenchSettings) -> Built:
+        """The registry's ddp (its all-reduce labelled) or slowmo with this row's options, AdamW without decay."""
+        adamw = OptimizerSpec(torch.optim.AdamW, {"lr": s.demo.lr, "weight_decay": 0.0})
         if name == "ddp":
-            ddp = DistributedDataParallel(model, process_group=self.group)
-            ddp.register_comm_hook(self.group, labelled_allreduce_hook)
-            return ddp, lambda: None
-        base = dict(nprocs_per_node=1, global_group=self.group, localsgd_frequency=s.localsgd_frequency)
-        if name == "localsgd":
-            net = SlowMoDistributedDataParallel(model, slowmo_momentum=0.0, slowmo_lr=1.0, **base)
-        elif name == "slowmo_localsgd":
-            net = SlowMoDistributedDataParallel(
-                model,
-                slowmo_momentum=s.slowmo_momentum,
-                slowmo_frequency=s.slowmo_frequency,
-                **base,
-            )
-        elif name == "sgp":
-            net = SlowMoDistributedDataParallel(
-                model,
-                slowmo_base_algorithm=SlowMoBaseAlgorithm.SGP,
-                slowmo_momentum=0.0,
-                **base,
-            )
-        else:
+            built = get_strategy("ddp").build(model, adamw, self.group, {})
+            assert isinstance(built[0], DistributedDataParallel)
+            built[0].register_comm_hook(self.group, labelled_allreduce_hook)
+            return built
+        rows: dict[str, dict[str, Any]] = {
+            "localsgd": {"slowmo_momentum": 0.0, "slowmo_lr": 1.0},
+            "slowmo_localsgd": {"slowmo_momentum": s.slowmo_momentum, "slowmo_frequency": s.slowmo_frequency},
+            "sgp": {"slowmo_base_algorithm": "sgp", "slowmo_momentum": 0.0},
+        }
+        if name not in rows:
             raise ValueError(f"unknown strategy {name!r}; choose from {', '.join(STRATEGIES)}")
-        return net, lambda: net.perform_slowmo(self.optimizer)
+        options = {"localsgd_frequency": s.localsgd_frequency, **rows[name]}
+        return get_strategy("slowmo").build(model, adamw, self.group, options)
 
     def step(self, tokens: torch.Tensor, targets: torch.Tensor, lr: float) -> float:
         for group in self.optimizer.param_groups:

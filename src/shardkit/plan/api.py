@@ -33,6 +33,7 @@ from shardkit.plan.peerless import PLANNED_BACKENDS
 from shardkit.plan.pipeline import pipeline_bubble, plan_stages, smp_config
 from shardkit.plan.runner import PHASES, LossFn, PlanError, RankRun, default_loss, run_rank, warmup_steps
 from shardkit.plan.strategies import PIPELINE, OptionError, get, offload_options
+from shardkit.strategies.registry import OptimizerSpec
 
 #: Share of this machine's memory a CPU fallback run may use.
 HOST_FRACTION = 0.25
@@ -167,11 +168,11 @@ def _plan_on(
             device, model_fn, batch, loss_fn, world_size, optimizer, optimizer_options, strategy_options, limit,
             nprocs_per_node, backend,
         )  # fmt: skip
-    builder = get(strategy).build
+    entry, spec = get(strategy), OptimizerSpec(optimizer, dict(optimizer_options))
     return run_rank(
         device,
         model_fn,
-        lambda model, topology: builder(model, optimizer, optimizer_options, strategy_options, topology),
+        lambda model, topology: entry.build(model, spec, options=strategy_options, topology=topology),
         batch,
         loss_fn,
         world_size,

@@ -32,6 +32,7 @@ from shardkit.plan.pipeline import builder, pipeline_forward_backward, smp_confi
 from shardkit.plan.runner import call_model, warmup_steps
 from shardkit.plan.strategies import PIPELINE, get
 from shardkit.plan.workloads import Workload
+from shardkit.strategies.registry import OptimizerSpec
 
 
 @dataclass(frozen=True)
@@ -118,9 +119,8 @@ def _measure_one(workload: Workload, strategy: str, topology: Optional[Topology]
             build = builder(smp_config(options, world_size), workload.optimizer, optim_options)
             wrapped, optimizer, after_step = build(model, topology)
         else:
-            wrapped, optimizer, after_step = get(strategy).build(
-                model, workload.optimizer, optim_options, options, topology
-            )
+            spec = OptimizerSpec(workload.optimizer, optim_options)
+            wrapped, optimizer, after_step = get(strategy).build(model, spec, options=options, topology=topology)
         tracker.watch(wrapped, optimizer)
         state = 0
         warmup = warmup_steps(strategy)

@@ -26,6 +26,7 @@ from torch import nn
 from shardkit.distributed import CommMeter, collectives, count_comm_bytes
 from shardkit.memory.meter import MemoryBreakdown, training_memory
 from shardkit.models import TransformerLM
+from shardkit.strategies.options import nothing
 from shardkit.strategies.registry import OptimizerSpec, Strategy
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -98,12 +99,13 @@ class LiveStrategy:
         self.group = dist.new_group(timeout=timedelta(seconds=timeout_s))
         self.model: Optional[nn.Module] = None
         self.optimizer: Optional[torch.optim.Optimizer] = None
+        self.after_step: Callable[[], None] = nothing
         try:
             model = model_fn()
             if strategy.torch_comm is not None:
                 self.result.formula_bytes_per_step = strategy.torch_comm(model, dist.get_world_size(self.group))
             with count_comm_bytes(self._meter):  # construction traffic (initial syncs) is not a step's
-                self.model, self.optimizer = strategy.build(model, optim, self.group)
+                self.model, self.optimizer, self.after_step = strategy.build(model, optim, self.group)
             self._meter.reset()
         except Exception as exc:
             self.fail(exc)
@@ -143,6 +145,7 @@ class LiveStrategy:
                 loss.backward()
                 backward_end = time.perf_counter()
                 optimizer.step()
+                self.after_step()
                 step_end = time.perf_counter()
                 if measure_memory:  # between step and zero_grad: gradients and state both present
                     self.result.memory = training_memory(model, optimizer)

@@ -1,24 +1,28 @@
-"""The registry of data-parallel strategies that ``shardkit bench`` and ``shardkit demo`` run side by side.
+"""The one strategy registry: each data-parallel strategy by name, and how to build its model and optimizer.
 
-A strategy is a small builder: given a freshly built model, an optimizer class with its keyword arguments and
-a process group (inside an initialised ``torch.distributed``), it returns ``(wrapped_model, optimizer)`` ready
-for the plain loop ``loss = loss_fn(model(x), y); loss.backward(); optimizer.step(); optimizer.zero_grad()``.
+``shardkit bench``, ``shardkit demo``, ``shardkit plan`` and the tests all build strategies through it. An entry
+names a builder (:mod:`.builders`) that, given a freshly built model, an :class:`OptimizerSpec`, a process group
+(``None``: the default group), the strategy's options and the node topology, returns ``(model, optimizer,
+after_step)`` ready for the loop ``loss_fn(model(x), y).backward(); optimizer.step(); after_step();
+optimizer.zero_grad()``. Options are the wrapper constructor's keyword arguments, checked against its signature
+(:class:`OptionError` names the valid ones).
 
 Strategies whose implementation has not landed yet (their import fails) are listed as not available instead
-of failing; the demo and the benchmark pick them up as soon as their modules exist.
+of failing; the tools pick them up as soon as their modules exist.
 
 Adding a strategy is one :func:`register` call next to the others::
 
-    def _build_mine(model, optim, group):
-        model = MyWrapper(model, process_group=group)
-        return model, optim.make(model.parameters())
+    def build_mine(model, optim, group, options, topology):
+        check_options("mine", MyWrapper.__init__, options)
+        model = MyWrapper(model, process_group=group, **options)
+        return model, optim.make(optim.params(model)), nothing
 
-    register(Strategy("mine", "my wrapper + AdamW", _build_mine, requires=("my.package",)))
+    register(Strategy("mine", "my wrapper", build_mine, requires=("my.package",)))
 """
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import importlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -28,40 +32,63 @@ import torch
 from torch import nn
 
 from shardkit.distributed import comm_formulas as comm
+from shardkit.strategies import builders
+from shardkit.strategies.options import Built, OptimizerSpec, OptionError
 
 Group = Any  # a torch.distributed ProcessGroup (kept loose: the builders pass it straight through)
 
 
-@dataclass(frozen=True)
-class OptimizerSpec:
-    """An optimizer class and its keyword arguments, so each strategy can build (or shard) it its own way."""
-
-    cls: type[torch.optim.Optimizer] = torch.optim.AdamW
-    kwargs: Mapping[str, Any] = field(default_factory=dict)
-
-    def make(self, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
-        """The plain, unsharded optimizer over ``params``."""
-        return self.cls(params, **self.kwargs)
-
-
-Builder = Callable[[nn.Module, OptimizerSpec, Group], "tuple[nn.Module, torch.optim.Optimizer]"]
+#: ``(model, optimizer spec, group or None, options, topology or None) -> (model, optimizer, after_step)``.
+Builder = Callable[[nn.Module, OptimizerSpec, Group, dict[str, Any], Any], Built]
 
 
 @dataclass(frozen=True)
 class Strategy:
-    """One way of training data-parallel.
+    """One way of training data-parallel: a name, what it is, and its builder.
 
     ``requires`` names modules (``"pkg.mod"`` or ``"pkg.mod:attr"``) whose import must succeed for the strategy
     to be available. ``torch_comm`` estimates the bytes per step (per rank, on the wire, ring algorithms) of
     collectives that torch issues internally, which :func:`~shardkit.distributed.count_comm_bytes` cannot
     see; ``None`` means every collective of the strategy goes through shardkit's counted collectives.
+    ``defaults`` are the options :meth:`build` uses when the caller gives none (how bench and the demo run it);
+    a variant such as ``fsdp_no_reshard`` is its base builder with other defaults. ``side_by_side=False`` keeps
+    a strategy out of :func:`all_strategies`, the set bench, the demo and the GPU check run by default (SlowMo:
+    its local SGD follows its own trajectory, so a loss table beside DDP's would show a mismatch by design).
     """
 
     name: str
     description: str
-    build: Builder
+    builder: Builder
     requires: tuple[str, ...] = ()
     torch_comm: Optional[Callable[[nn.Module, int], int]] = None
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+    side_by_side: bool = True
+
+    def build(
+        self,
+        model: nn.Module,
+        optim: Optional[OptimizerSpec] = None,
+        group: Group = None,
+        options: Optional[Mapping[str, Any]] = None,
+        topology: Any = None,
+    ) -> Built:
+        """Wrap ``model`` and build its optimizer (every rank must call it: wrappers synchronise when built).
+
+        ``optim`` defaults to AdamW with torch's settings. ``options`` replace :attr:`defaults` when given (an
+        empty mapping: the constructors' own defaults), so the planner's ``{}`` means exactly what
+        ``FullyShardedDataParallel(model)`` means.
+
+        Example::
+
+            sgd = OptimizerSpec(torch.optim.SGD, {"lr": 0.1})
+            model, optimizer, after_step = get_strategy("oss_sdp").build(net, sgd)
+        """
+        chosen = dict(self.defaults) if options is None else dict(options)
+        return self.builder(model, optim if optim is not None else OptimizerSpec(), group, chosen, topology)
+
+    def variant(self, name: str, description: str, **defaults: Any) -> Strategy:
+        """This strategy's builder under another name, with ``defaults`` (not registered: for a suite's own rows)."""
+        return dataclasses.replace(self, name=name, description=description, defaults=defaults)
 
     def unavailable_reason(self) -> Optional[str]:
         """``None`` when the strategy can run here, else why not (the first requirement that fails)."""
@@ -101,8 +128,17 @@ def register(strategy: Strategy) -> Strategy:
 
 
 def all_strategies() -> list[Strategy]:
-    """Every registered strategy, available or not, in registration order (DDP, the baseline, first)."""
-    return list(_REGISTRY.values())
+    """Every side-by-side strategy, available or not, in registration order (DDP, the baseline, first).
+
+    This is what bench, the demo and the GPU check run by default; :func:`registered_names` also lists the
+    strategies that only run when named (SlowMo).
+    """
+    return [strategy for strategy in _REGISTRY.values() if strategy.side_by_side]
+
+
+def registered_names() -> list[str]:
+    """The name of every registered strategy, side by side or not, in registration order."""
+    return list(_REGISTRY)
 
 
 def get_strategy(name: str) -> Strategy:
@@ -114,7 +150,7 @@ def get_strategy(name: str) -> Strategy:
 
 
 def select(names: Optional[Iterable[str]] = None) -> tuple[list[Strategy], dict[str, str]]:
-    """Available strategies among ``names`` (all registered ones by default), and ``{name: reason}`` for the rest."""
+    """Available strategies among ``names`` (:func:`all_strategies` by default), and ``{name: reason}`` for the rest."""
     chosen = [get_strategy(n) for n in names] if names is not None else all_strategies()
     available: list[Strategy] = []
     missing: dict[str, str] = {}
@@ -127,119 +163,33 @@ def select(names: Optional[Iterable[str]] = None) -> tuple[list[Strategy], dict[
     return available, missing
 
 
-# --- builders ------------------------------------------------------------------------------------------------
+# --- the entries ----------------------------------------------------------------------------------------------
+#: Prefetch one block ahead in both directions (torch FSDP2 prefetches in backward by default): how the
+#: side-by-side tools run shardkit FSDP. Names, not the enum, so listing strategies never imports FSDP.
+_PREFETCH = {"backward_prefetch": "BACKWARD_PRE", "forward_prefetch": True}
+_FSDP = ("shardkit.nn.fsdp:FullyShardedDataParallel",)
 
-
-def _torch_ddp(model: nn.Module, group: Group) -> nn.Module:
-    from torch.nn.parallel import DistributedDataParallel
-
-    return DistributedDataParallel(model, process_group=group)
-
-
-def _build_ddp(model: nn.Module, optim: OptimizerSpec, group: Group) -> tuple[nn.Module, torch.optim.Optimizer]:
-    wrapped = _torch_ddp(model, group)
-    return wrapped, optim.make(wrapped.parameters())
-
-
-def _build_zero_torch(model: nn.Module, optim: OptimizerSpec, group: Group) -> tuple[nn.Module, torch.optim.Optimizer]:
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    wrapped = _torch_ddp(model, group)
-    opt = ZeroRedundancyOptimizer(
-        wrapped.parameters(), optimizer_class=optim.cls, process_group=group, **dict(optim.kwargs)
+register(
+    Strategy(
+        "ddp",
+        "torch DDP (every rank holds everything; the baseline)",
+        builders.build_ddp,
+        torch_comm=comm.ddp_allreduce_bytes,
     )
-    return wrapped, opt
-
-
-def _build_oss_ddp(model: nn.Module, optim: OptimizerSpec, group: Group) -> tuple[nn.Module, torch.optim.Optimizer]:
-    # start-up cost: the launching process selects strategies; only the workers that build one import it
-    from shardkit.optim import OSS
-
-    wrapped = _torch_ddp(model, group)
-    return wrapped, OSS(wrapped.parameters(), optim=optim.cls, group=group, **dict(optim.kwargs))
-
-
-def _build_oss_sdp(model: nn.Module, optim: OptimizerSpec, group: Group) -> tuple[nn.Module, torch.optim.Optimizer]:
-    # start-up cost: the launching process selects strategies; only the workers that build one import it
-    from shardkit.nn import ShardedDataParallel
-    from shardkit.optim import OSS
-
-    opt = OSS(model.parameters(), optim=optim.cls, group=group, **dict(optim.kwargs))
-    return ShardedDataParallel(model, opt, process_group=group), opt
-
-
-def _wrap_blocks(model: nn.Module, wrap: Callable[[nn.Module], nn.Module]) -> nn.Module:
-    """Wrap every transformer block of ``model`` (a ``TransformerLM``), then the root, with ``wrap``."""
-    blocks = getattr(model, "blocks", None)
-    if not isinstance(blocks, nn.ModuleList):
-        raise TypeError(f"FSDP strategies expect a TransformerLM with a .blocks ModuleList, got {type(model).__name__}")
-    for index, block in enumerate(blocks):
-        blocks[index] = wrap(block)
-    return wrap(model)
-
-
-def _build_fsdp(
-    model: nn.Module, optim: OptimizerSpec, group: Group, *, reshard_after_forward: bool
-) -> tuple[nn.Module, torch.optim.Optimizer]:
-    # start-up cost: the launching process selects strategies; only the workers that build one import it
-    from shardkit.nn import FullyShardedDataParallel
-    from shardkit.nn.fsdp import BackwardPrefetch
-
-    def wrap(module: nn.Module) -> nn.Module:
-        # Prefetch one block ahead in both directions (torch FSDP2 prefetches in backward by default).
-        return FullyShardedDataParallel(
-            module,
-            process_group=group,
-            reshard_after_forward=reshard_after_forward,
-            backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
-            forward_prefetch=True,
-        )
-
-    wrapped = _wrap_blocks(model, wrap)
-    return wrapped, optim.make(wrapped.parameters())
-
-
-def _build_torch_fsdp2(model: nn.Module, optim: OptimizerSpec, group: Group) -> tuple[nn.Module, torch.optim.Optimizer]:
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import fully_shard
-
-    device_type = next(model.parameters()).device.type
-    mesh = DeviceMesh.from_group(group, device_type)
-
-    def wrap(module: nn.Module) -> nn.Module:
-        fully_shard(module, mesh=mesh)
-        return module
-
-    wrapped = _wrap_blocks(model, wrap)
-    return wrapped, optim.make(wrapped.parameters())
-
-
-def _build_torch_fsdp1(model: nn.Module, optim: OptimizerSpec, group: Group) -> tuple[nn.Module, torch.optim.Optimizer]:
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    device = next(model.parameters()).device
-
-    def wrap(module: nn.Module) -> nn.Module:
-        return FullyShardedDataParallel(module, process_group=group, device_id=device)
-
-    wrapped = _wrap_blocks(model, wrap)
-    return wrapped, optim.make(wrapped.parameters())
-
-
-register(Strategy("ddp", "torch DDP + AdamW (baseline)", _build_ddp, torch_comm=comm.ddp_allreduce_bytes))
+)
 register(
     Strategy(
         "zero_torch",
         "torch DDP + torch ZeroRedundancyOptimizer",
-        _build_zero_torch,
+        builders.build_zero_torch,
         torch_comm=comm.ddp_plus_param_broadcast_bytes,
     )
 )
 register(
     Strategy(
         "oss_ddp",
-        "torch DDP + shardkit OSS (ZeRO-1)",
-        _build_oss_ddp,
+        "torch DDP + shardkit OSS (ZeRO-1: optimizer state sharded)",
+        builders.build_oss_ddp,
         requires=("shardkit.optim.zero1:OSS",),
         torch_comm=comm.ddp_allreduce_bytes,
     )
@@ -247,32 +197,35 @@ register(
 register(
     Strategy(
         "oss_sdp",
-        "shardkit OSS + ShardedDataParallel (ZeRO-2)",
-        _build_oss_sdp,
+        "shardkit OSS + ShardedDataParallel (ZeRO-2: + gradients sharded)",
+        builders.build_oss_sdp,
         requires=("shardkit.optim.zero1:OSS", "shardkit.nn.sharded_ddp:ShardedDataParallel"),
     )
 )
 register(
     Strategy(
         "fsdp",
-        "shardkit FSDP per block + root, reshard after forward, prefetch one block ahead (ZeRO-3)",
-        functools.partial(_build_fsdp, reshard_after_forward=True),
-        requires=("shardkit.nn.fsdp:FullyShardedDataParallel",),
+        "shardkit FullyShardedDataParallel per block + root (ZeRO-3: + parameters sharded); by default reshard "
+        "after forward, prefetch one block ahead",
+        builders.build_fsdp,
+        requires=_FSDP,
+        defaults=_PREFETCH,
     )
 )
 register(
     Strategy(
         "fsdp_no_reshard",
         "shardkit FSDP per block + root, keep params until backward, forward prefetch",
-        functools.partial(_build_fsdp, reshard_after_forward=False),
-        requires=("shardkit.nn.fsdp:FullyShardedDataParallel",),
+        builders.build_fsdp,
+        requires=_FSDP,
+        defaults={"reshard_after_forward": False, **_PREFETCH},
     )
 )
 register(
     Strategy(
         "torch_fsdp2",
         "torch fully_shard (FSDP2) per block + root",
-        _build_torch_fsdp2,
+        builders.build_torch_fsdp2,
         requires=("torch.distributed.fsdp:fully_shard", "torch.distributed.device_mesh:DeviceMesh"),
         torch_comm=comm.fsdp_full_shard_bytes,
     )
@@ -281,8 +234,29 @@ register(
     Strategy(
         "torch_fsdp1",
         "torch FullyShardedDataParallel (FSDP1) per block + root",
-        _build_torch_fsdp1,
+        builders.build_torch_fsdp1,
         requires=("torch.distributed.fsdp:FullyShardedDataParallel",),
         torch_comm=comm.fsdp_full_shard_bytes,
     )
 )
+register(
+    Strategy(
+        "slowmo",
+        "shardkit SlowMo DDP (local SGD between nodes + slow momentum)",
+        builders.build_slowmo,
+        requires=("shardkit.nn.slowmo:SlowMoDistributedDataParallel",),
+        side_by_side=False,
+    )
+)
+
+__all__ = [
+    "Built",
+    "OptimizerSpec",
+    "OptionError",
+    "Strategy",
+    "all_strategies",
+    "get_strategy",
+    "register",
+    "registered_names",
+    "select",
+]

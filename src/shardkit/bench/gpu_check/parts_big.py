@@ -42,7 +42,7 @@ def _real_peak(strategy: str, small: bool) -> dict[str, Any]:
 
     cfg = billion_lm(small)
     _free()
-    model, optimizer = get_strategy(strategy).build(
+    model, optimizer, _ = get_strategy(strategy).build(
         build_lm(cfg, DEVICE), OptimizerSpec(torch.optim.AdamW, {"lr": 1e-4}), torch.distributed.group.WORLD
     )
     train(model, optimizer, batches(cfg, 2, BATCH, seed=3))

@@ -106,7 +106,7 @@ def _strategy_run(name: str, small: bool) -> dict[str, Any]:
     reason = strategy.unavailable_reason()
     if reason is not None:
         return {"ok": True, "skipped": reason}
-    model, optimizer = strategy.build(build_lm(cfg, DEVICE), spec, dist.group.WORLD)
+    model, optimizer, _ = strategy.build(build_lm(cfg, DEVICE), spec, dist.group.WORLD)
     losses = train(model, optimizer, data)
     gap, params = loss_gap(losses, ref_losses), max_diff(host_params(model), host_params(ref))
     return {"ok": gap < 1e-4 and params < 1e-4, "loss_gap": gap, "param_gap": params, "losses": losses}
@@ -216,7 +216,7 @@ def _gloo_cuda_worker(rank: int, world_size: int, small: bool) -> dict[str, Any]
     for name in ("fsdp", "oss_sdp"):
         try:
             spec = OptimizerSpec(torch.optim.SGD, {"lr": 0.05})
-            model, optimizer = get_strategy(name).build(build_lm(cfg, DEVICE), spec, dist.group.WORLD)
+            model, optimizer, _ = get_strategy(name).build(build_lm(cfg, DEVICE), spec, dist.group.WORLD)
             losses = train(model, optimizer, data)
             found[f"train:{name}"] = {"losses": losses, "params": host_params(model)}
         except Exception as err:
