@@ -130,7 +130,7 @@ def torch_cuts(settings: PipelineSettings, layouts: set[str], placement: Any) ->
     n_layers, p = settings.lm.n_layers, settings.stages
     smp_parts = None if placement is None else placement.partitions
     cuts = {}
-    for layout in sorted(layouts):
+    for layout in [layout for layout in ("single", "loop", "v") if layout in layouts]:
         per_rank = chunks_per_rank(layout, settings.virtual_stages)
         chunks = p * per_rank
         cut = smp_cut(n_layers, chunks, placement)
