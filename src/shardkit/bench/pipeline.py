@@ -129,7 +129,7 @@ def torch_cuts(settings: PipelineSettings, layouts: set[str], placement: Any) ->
     ``--virtual-stages`` or ``zbv`` with as many chunks), else an even split by blocks."""
     n_layers, p = settings.lm.n_layers, settings.stages
     smp_parts = None if placement is None else placement.partitions
-    cuts = {}
+    cuts: dict[str, tuple[list[range], str]] = {}
     for layout in [layout for layout in ("single", "loop", "v") if layout in layouts]:
         per_rank = chunks_per_rank(layout, settings.virtual_stages)
         chunks = p * per_rank
