@@ -8,7 +8,7 @@ from typing import Optional
 
 import pytest
 
-from shardkit.bench import pipeline
+from shardkit.bench import pipeline, pipeline_torch
 from shardkit.bench.pipeline_report import Row, best_line, print_report
 from shardkit.bench.pipeline_theory import bubble_theory, torch_bubble_theory
 from shardkit.bench.pipeline_torch import chunk_ranks, chunks_per_rank, even_cut, smp_cut
@@ -95,7 +95,7 @@ def test_ratios_to_torch_best_and_our_best(capsys: pytest.CaptureFixture[str]) -
 
 def test_strategy_names_say_why_a_torch_schedule_is_left_out(monkeypatch: pytest.MonkeyPatch) -> None:
     settings = pipeline.PipelineSettings(lm=pipeline.QUICK_LM)  # 2 blocks: too few for 4 chunks
-    monkeypatch.setattr(pipeline, "torch_schedule_class", lambda name: None if name == "torch GPipe" else object)
+    monkeypatch.setattr(pipeline_torch, "torch_schedule_class", lambda name: None if name == "torch GPipe" else object)
     names, skipped = pipeline.strategy_names(settings, "smp,torch all,torch 1F1B")
     assert names == ["smp", "torch 1F1B"]
     assert "has no torch.distributed.pipelining.ScheduleGPipe" in skipped["torch GPipe"]

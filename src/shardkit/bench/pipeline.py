@@ -47,10 +47,8 @@ from shardkit.bench.pipeline_torch import (
     TORCH_SCHEDULES,
     TorchPipeline,
     chunk_ranks,
-    chunks_per_rank,
-    describe_cut,
-    even_cut,
-    smp_cut,
+    strategy_names,
+    torch_cuts,
     torch_schedule_class,
 )
 from shardkit.demo.task import MarkovTask
@@ -63,7 +61,7 @@ from shardkit.utils.checks import at_least, positive
 from shardkit.utils.report import write_json
 
 #: Re-exported: they lived here before the theory and the report got files of their own.
-__all__ = ["PipelineSettings", "Row", "bubble_theory", "combine", "run"]
+__all__ = ["PipelineSettings", "Row", "bubble_theory", "combine", "run", "strategy_names", "torch_cuts"]
 
 QUICK_LM = LMConfig(vocab_size=64, d_model=32, n_heads=4, n_layers=2, seq_len=16)
 
@@ -121,31 +119,6 @@ class PipelineSettings:
 def _build_lm(settings: PipelineSettings) -> TransformerLM:
     torch.manual_seed(settings.seed)
     return TransformerLM(settings.lm)
-
-
-def torch_cuts(settings: PipelineSettings, layouts: set[str], placement: Any) -> dict[str, tuple[list[range], str]]:
-    """The blocks of every chunk per torch layout, and a line saying whose cut it is: smp's, where smp ran the
-    same number of stages or chunks (GPipe/1F1B beside unchunked smp; the multi-stage schedules beside
-    ``--virtual-stages`` or ``zbv`` with as many chunks), else an even split by blocks."""
-    n_layers, p = settings.lm.n_layers, settings.stages
-    smp_parts = None if placement is None else placement.partitions
-    cuts: dict[str, tuple[list[range], str]] = {}
-    for layout in [layout for layout in ("single", "loop", "v") if layout in layouts]:
-        per_rank = chunks_per_rank(layout, settings.virtual_stages)
-        chunks = p * per_rank
-        cut = smp_cut(n_layers, chunks, placement)
-        if cut is not None:
-            whose = "the cut smp runs"
-        elif smp_parts is None:
-            whose = "even by blocks; smp did not run"
-        else:
-            whose = f"even by blocks; DIFFERS from smp's cut into {smp_parts} stages/chunks"
-        where = {"single": "one stage per rank", "loop": "loop placement", "v": "V placement"}[layout]
-        line = (
-            f"{chunks} stages ({where}): {describe_cut(cut or even_cut(n_layers, chunks))}, embedding first ({whose})"
-        )
-        cuts[layout] = (cut or even_cut(n_layers, chunks), line)
-    return cuts
 
 
 def _strategies(
@@ -241,25 +214,6 @@ class _SmpRun:
     def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
         """One training step under this schedule."""
         return self.schedules.step(self.schedule, tokens, targets)
-
-
-def strategy_names(settings: PipelineSettings, strategies: str) -> tuple[list[str], dict[str, str]]:
-    """The strategies to run from ``--strategies`` (``torch all`` expanded), and the torch schedules left out,
-    each with the reason: the installed torch lacks it, or the LM has fewer blocks than its chunks."""
-    names: list[str] = []
-    for name in (n.strip() for n in strategies.split(",")):
-        names += list(TORCH_SCHEDULES) if name == "torch all" else [name] if name else []
-    skipped = {}
-    for name in [n for n in names if n in TORCH_SCHEDULES]:
-        schedule = TORCH_SCHEDULES[name]
-        chunks = settings.stages * chunks_per_rank(schedule.layout, settings.virtual_stages)
-        if torch_schedule_class(name) is None:
-            skipped[name] = f"torch {torch.__version__} has no torch.distributed.pipelining.{schedule.cls_name}"
-        elif chunks > settings.lm.n_layers:
-            skipped[name] = (
-                f"{chunks} stages need at least {chunks} blocks; the LM has {settings.lm.n_layers} (--layers)"
-            )
-    return [n for n in dict.fromkeys(names) if n not in skipped], skipped
 
 
 def run(argv: list[str]) -> None:
