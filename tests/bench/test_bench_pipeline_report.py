@@ -103,4 +103,4 @@ def test_strategy_names_say_why_a_torch_schedule_is_left_out(monkeypatch: pytest
         "torch GPipe",
         *(n for n in pipeline.TORCH_SCHEDULES if n not in ("torch GPipe", "torch 1F1B")),
     }
-    assert "4 stages need at least 4 blocks; the LM has 2" in skipped["torch ZBVZeroBubble"]
+    assert "its 4 pipeline stages (2 per rank) need a block each; the LM has 2" in skipped["torch ZBVZeroBubble"]

@@ -172,7 +172,8 @@ def strategy_names(settings: Any, strategies: str) -> tuple[list[str], dict[str,
             skipped[name] = f"torch {torch.__version__} has no torch.distributed.pipelining.{schedule.cls_name}"
         elif chunks > settings.lm.n_layers:
             skipped[name] = (
-                f"{chunks} stages need at least {chunks} blocks; the LM has {settings.lm.n_layers} (--layers)"
+                f"its {chunks} pipeline stages ({chunks // settings.stages} per rank) need a block each; the LM has "
+                f"{settings.lm.n_layers} (raise --layers)"
             )
     return [n for n in dict.fromkeys(names) if n not in skipped], skipped
 
