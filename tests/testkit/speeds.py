@@ -42,6 +42,7 @@ SINGLE = re.compile(
 KNOWN: dict[str, str] = {
     "bench/test_bench_checkpoint.py::test_quick_run_reports_every_rank": "multi",
     "bench/test_bench_multinode.py": "multi",
+    "bench/test_bench_pipeline_schedules.py": "multi",
     "bench/test_bench_plan.py::test_quick_accuracy_table": "multi",
     "bench/test_bench_plan.py::test_a_group_that_cannot_run_is_a_row_saying_why": "multi",
     "bench/test_bench_plan_time.py::test_quick_suite_prints_a_row_per_strategy": "multi",

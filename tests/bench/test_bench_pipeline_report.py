@@ -1,0 +1,106 @@
+"""The pipeline bench's theory, cuts and report, without processes: bubbles from the formulas the schedules are
+known by, torch's chunk placements, whose cut torch runs, and the ratios to torch's best schedule."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Optional
+
+import pytest
+
+from shardkit.bench import pipeline, pipeline_torch
+from shardkit.bench.pipeline_report import Row, best_line, print_report
+from shardkit.bench.pipeline_theory import bubble_theory, torch_bubble_theory
+from shardkit.bench.pipeline_torch import chunk_ranks, chunks_per_rank, even_cut, smp_cut
+from shardkit.modelparallel.auto_partition import Placement
+
+
+def test_bubble_theory_formulas() -> None:
+    assert bubble_theory("GPipe", 2, 8) == pytest.approx(1 / 9)  # (p-1)/(m+p-1)
+    assert bubble_theory("1F1B", 4, 8) == pytest.approx(3 / 11)
+    assert bubble_theory("interleaved", 4, 8, virtual_stages=2) == pytest.approx(3 / 19)  # (p-1)/(vm+p-1)
+    assert bubble_theory("zero_bubble_h2", 2, 8) == pytest.approx(1 / 25)  # (p-1)/(3m+p-1)
+    assert pipeline.bubble_theory is bubble_theory  # re-exported where it used to live
+
+
+def test_torch_schedules_map_onto_the_smp_schedule_of_their_shape() -> None:
+    assert torch_bubble_theory("1F1B", 2, 8, 1) == pytest.approx(1 / 9)
+    for looped in ("Interleaved1F1B", "LoopedBFS"):
+        assert torch_bubble_theory(looped, 2, 8, 2) == pytest.approx(1 / 17)
+    assert torch_bubble_theory("ZBVZeroBubble", 4, 8, 2) == pytest.approx(bubble_theory("zbv", 4, 8))
+    assert torch_bubble_theory("DualPipeV", 2, 8, 2) is None  # no model: printed as "-", not a made-up number
+    assert torch_bubble_theory("InterleavedZeroBubble", 2, 8, 2) is None
+
+
+def test_chunk_placements() -> None:
+    assert chunks_per_rank("single", 3) == 1 and chunks_per_rank("v", 3) == 2
+    assert chunks_per_rank("loop", 1) == 2 and chunks_per_rank("loop", 3) == 3
+    assert chunk_ranks("single", 4, 1) == (0, 1, 2, 3)
+    assert chunk_ranks("loop", 2, 2) == (0, 1, 0, 1)
+    assert chunk_ranks("v", 4, 2) == (0, 1, 2, 3, 3, 2, 1, 0)  # both ends of the model on rank 0
+
+
+def _placement(partitions: int, modules: tuple[tuple[str, int], ...]) -> Placement:
+    costs = tuple(1.0 / partitions for _ in range(partitions))
+    return Placement(partitions, modules, costs, costs, tuple(0 for _ in costs), 0.2, True)
+
+
+def test_torch_takes_smp_cut_only_when_it_has_as_many_stages() -> None:
+    modules = (("embed", 0), ("blocks.0", 0), ("blocks.1", 0), ("blocks.2", 0), ("blocks.3", 1), ("head", 1))
+    placement = _placement(2, modules)
+    assert smp_cut(4, 2, placement) == [range(0, 3), range(3, 4)]
+    assert smp_cut(4, 4, placement) is None  # four chunks: smp's two stages are not its cut
+    assert even_cut(4, 2) == [range(0, 2), range(2, 4)]
+    settings = replace(pipeline.PipelineSettings(), lm=replace(pipeline.QUICK_LM, n_layers=4))
+    cuts = pipeline.torch_cuts(settings, {"single", "v"}, placement)
+    assert cuts["single"][0] == [range(0, 3), range(3, 4)] and "the cut smp runs" in cuts["single"][1]
+    assert cuts["v"][0] == even_cut(4, 4) and "DIFFERS from smp's cut" in cuts["v"][1]
+
+
+def _row(name: str, schedule: str, median_ms: float, min_ms: float, diff: Optional[float] = None) -> Row:
+    return Row(name, schedule, median_ms / 1e3, min_ms / 1e3, 4.0, diff, None, None)
+
+
+def test_ratios_to_torch_best_and_our_best(capsys: pytest.CaptureFixture[str]) -> None:
+    rows = [
+        _row("smp zero_bubble", "zero_bubble", 90, 80),
+        _row("smp interleaved", "interleaved", 120, 70),
+        _row("torch 1F1B", "1F1B", 150, 140, 0.0),
+        _row("torch Interleaved1F1B", "Interleaved1F1B", 100, 100, 0.0),
+    ]
+    rows[3].chunks_per_rank, rows[3].bubble_theory = 2, 1 / 17
+    assert best_line(rows) == (
+        "our best vs torch's best: 0.90x (median step: smp zero_bubble 90 ms vs torch Interleaved1F1B 100 ms; "
+        "min step: 0.70x, smp interleaved vs torch Interleaved1F1B)"
+    )
+    assert best_line(rows[2:]) is None  # smp did not run
+    settings = pipeline.PipelineSettings(lm=pipeline.QUICK_LM, smp_schedules=("zero_bubble", "interleaved"))
+    skipped = {"torch DualPipeV": "torch 2.8.0 has no ScheduleDualPipeV"}
+    print_report(settings, rows, None, {"v": "4 stages (V placement): ..."}, skipped)
+    out = capsys.readouterr().out
+    cells = {
+        line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+        for line in out.splitlines()
+        if line.startswith(("| smp", "| torch"))
+    }
+    # schedule, median, vs 1F1B, vs best, min, vs 1F1B (min), vs best (min), bubble measured, theory, ...
+    assert cells["smp zero_bubble"][2:7] == ["0.60x", "0.90x", "80", "0.57x", "0.80x"]
+    assert (
+        cells["torch Interleaved1F1B"][0] == "Interleaved1F1B x2 chunks" and cells["torch Interleaved1F1B"][8] == "5.9%"
+    )
+    assert cells["torch 1F1B"][3] == "1.50x"
+    assert "our best vs torch's best: 0.90x" in out and "torch.pipelining v: 4 stages (V placement)" in out
+    assert "torch DualPipeV: skipped (torch 2.8.0 has no ScheduleDualPipeV)" in out
+
+
+def test_strategy_names_say_why_a_torch_schedule_is_left_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    settings = pipeline.PipelineSettings(lm=pipeline.QUICK_LM)  # 2 blocks: too few for 4 chunks
+    monkeypatch.setattr(pipeline_torch, "torch_schedule_class", lambda name: None if name == "torch GPipe" else object)
+    names, skipped = pipeline.strategy_names(settings, "smp,torch all,torch 1F1B")
+    assert names == ["smp", "torch 1F1B"]
+    assert "has no torch.distributed.pipelining.ScheduleGPipe" in skipped["torch GPipe"]
+    assert set(skipped) == {
+        "torch GPipe",
+        *(n for n in pipeline.TORCH_SCHEDULES if n not in ("torch GPipe", "torch 1F1B")),
+    }
+    assert "its 4 pipeline stages (2 per rank) need a block each; the LM has 2" in skipped["torch ZBVZeroBubble"]
