@@ -15,11 +15,14 @@ gradients of the stage's inputs (sent upstream at once) and ``W k`` the paramete
   Both are :func:`split_backward_schedule` lists: a warm-up of ``n_s`` forwards (the micro-batches stage
   ``s`` holds before its first B), a steady state of "B, the W's now due, F", a cool-down of "B, the W's
   due", and the postponed W's at the end. ZB-H1 keeps 1F1B's ``n_s = p - s`` and lets every stage postpone
-  W's until it holds ``p`` micro-batches, the first stage's count under 1F1B; ZB-H2 starts with
-  ``n_s = 2(p - s) - 1`` forwards (up to ``2p - 1`` micro-batches on the first stage). With equal F, B and W
-  times both leave each stage idle ``(p-1)F`` per step, 1F1B ``(p-1)(F+B+W)``; ZB-H1's later stages hold
-  more than under 1F1B, but they hold less per micro-batch once B has run, and on the bench's LM the largest
-  stage's peak stays 1F1B's (BENCHMARKS.md, "Zero-bubble phase lists").
+  W's until it holds ``max(2, p - 1)`` micro-batches (the first stage holds ``p`` under 1F1B already; the
+  paper's bound, ``p`` everywhere, is :func:`zero_bubble_h1_schedule`'s ``hold``). With equal F, B and W
+  times that leaves each stage idle ``(p-1)F`` at 2 stages and ``pF`` from 3, against 1F1B's
+  ``(p-1)(F+B+W)`` (``(p-1)F`` at ``hold=p``). The later stages hold more micro-batches than under 1F1B,
+  but less of each once B has run: on the bench LM the largest stage's peak activation stays within 1.05x
+  of 1F1B's, which ``hold=p`` breaks at 4 stages
+  (:func:`~shardkit.modelparallel.zb_schedules.zero_bubble_h1_hold` has the numbers). ZB-H2 starts with
+  ``n_s = 2(p - s) - 1`` forwards (up to ``2p - 1`` micro-batches on the first stage) and reaches ``(p-1)F``.
 
 Why none of them can deadlock. Only receives block (a send returns at once under gloo, and under NCCL it is
 posted with the sender's next receive or right after B, see ``pp_communications``), and W neither sends nor
@@ -50,6 +53,7 @@ from shardkit.modelparallel.execution import StageExecution
 from shardkit.modelparallel.runtime import MicrobatchRecord
 from shardkit.modelparallel.step_outputs import OutputSharing, share_from_output_stage
 from shardkit.modelparallel.virtual_stages import ProbeFinished, VirtualStageExecution
+from shardkit.modelparallel.zb_schedules import zero_bubble_h1_hold
 from shardkit.utils._torch_private import tree_map
 
 
@@ -99,7 +103,8 @@ def one_f_one_b_schedule(stage: int, num_stages: int, microbatches: int) -> list
 
 def zero_bubble_h1_schedule(stage: int, num_stages: int, microbatches: int, hold: Optional[int] = None) -> list[Action]:
     """ZB-H1: 1F1B's forwards and input-gradient backwards, each stage postponing W's while it holds fewer than
-    ``hold`` micro-batches between F and W (default ``num_stages``, the first stage's count under 1F1B).
+    ``hold`` micro-batches between F and W (default
+    :func:`~shardkit.modelparallel.zb_schedules.zero_bubble_h1_hold`: ``p - 1``, at least 2).
 
     With equal F, B and W times each stage idles ``(2p - 1 - hold) F`` per step, from 1F1B's memory
     (``hold=1``: every stage runs each W right after its B) down to ``(p-1)F`` at ``hold=p``.
@@ -112,7 +117,7 @@ def zero_bubble_h1_schedule(stage: int, num_stages: int, microbatches: int, hold
         [F0, B0, W0, F1, B1, W1, F2, B2, W2, F3, B3, W3]
     """
     warmup = num_stages - stage
-    hold = num_stages if hold is None else hold
+    hold = zero_bubble_h1_hold(num_stages) if hold is None else hold
     return split_backward_schedule(microbatches, warmup, max(0, hold - warmup))
 
 

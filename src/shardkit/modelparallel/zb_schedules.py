@@ -47,9 +47,23 @@ class ActionLike(Protocol):
 
 Key = tuple[int, str, int]  # (stage, kind, micro-batch)
 
+
+def zero_bubble_h1_hold(num_stages: int) -> int:
+    """How many micro-batches ZB-H1 lets every stage hold between F and W: ``p - 1``, at least 2 (at most ``p``).
+
+    Each one more takes ``F`` off every stage's idle time with equal F/B/W times (``hold = p``, the paper's
+    bound, reaches ``(p-1)F``), and adds a micro-batch whose B has run to the later stages. On the bench LM
+    (BENCHMARKS.md, "Zero-bubble phase lists") the largest stage's peak activation stays within 1.05x of
+    1F1B's at 2 stages with ``hold = 2 = p`` (1.00x), but at 4 stages ``hold = 4`` gives 1.17x (its cut puts
+    3 of 8 blocks on stage 2, which then holds 2 micro-batches whole and 2 after B, against the first stage's
+    4 of 2 blocks and the embedding), and ``hold = 3`` stays within the bound.
+    """
+    return min(num_stages, max(2, num_stages - 1))
+
+
 #: Schedule name -> cap of stage ``s`` of ``p``: micro-batches its written list holds between F and W at most.
 ZB_CAPS = {
-    "zero_bubble": lambda s, p: p,
+    "zero_bubble": lambda s, p: max(p - s, zero_bubble_h1_hold(p)),
     "zero_bubble_h2": lambda s, p: max(2 * (p - s) - 1, p),
 }
 
