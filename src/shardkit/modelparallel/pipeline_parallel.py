@@ -138,8 +138,8 @@ def split_backward_schedule(microbatches: int, warmup: int, postponed: int) -> l
     """A stage's zero-bubble list: ``warmup`` forwards, then B / due W's / F, then B / due W's, then the rest.
 
     A W is due once more than ``postponed`` micro-batches have run B but not W, so the stage holds at most
-    ``warmup + postponed`` micro-batches between F and W. The W's left at the end run while the stage would
-    otherwise wait for nothing (its last gradients arrived), and fill the cool-down of the stages before it.
+    ``warmup + postponed`` micro-batches between F and W. The W's still postponed after the last B run once
+    every gradient has gone upstream, while the stages before this one finish their cool-down.
 
     Example::
 
