@@ -42,8 +42,10 @@ def test_schedules_side_by_side_train_identically(tmp_path: Path, capfd: pytest.
         assert len(row["bubble_per_stage"]) == 2 and len(row["peak_activation_mib"]) == 2
         assert all(mib > 0 for mib in row["peak_activation_mib"]) and 0 <= row["bubble_predicted"] < 1
     memory = {name: row["peak_activation_mib"] for name, row in rows.items()}
-    for stage in range(2):  # ZB-H1 holds no more micro-batches than 1F1B on any stage, and B frees what only it needs
-        assert memory["smp zero_bubble"][stage] <= 1.05 * memory["smp interleaved"][stage]
+    # ZB-H1's later stages hold up to p micro-batches as the first does under 1F1B, less each once B has run
+    assert max(memory["smp zero_bubble"]) <= 1.05 * max(memory["smp interleaved"])
+    assert memory["smp zero_bubble"][0] <= 1.05 * memory["smp interleaved"][0]  # the first stage postpones none
+    for stage in range(2):
         assert rows["smp zero_bubble"]["peak_with_w_grads_mib"][stage] >= memory["smp zero_bubble"][stage]
     assert memory["smp zero_bubble_h2"][0] > memory["smp zero_bubble"][0]  # ZB-H2 holds more on the first stage
 

@@ -18,7 +18,8 @@ def bubble_theory(schedule: str, stages: int, microbatches: int, virtual_stages:
     """The bubble fraction of ``schedule`` (smp's names, or torch's ``"GPipe"``/``"1F1B"``) with equal F, B
     and W times: ZBV's from its tick grid, ``(p-1)/(vm+p-1)`` for 1F1B over ``v`` virtual stages, and the others
     simulated from their action lists: ``(p-1)/(m+p-1)`` for GPipe and 1F1B, ``(p-1)/(3m+p-1)`` for ZB-H2 when
-    ``m >= p``, and ``2(p-1)/(3m+2(p-1))`` for ZB-H1 at 1F1B's per-stage memory."""
+    ``m >= p``, and for ZB-H1 (every stage holding up to ``max(2, p-1)`` micro-batches) the same at 2 stages and
+    ``p/(3m+p)`` from 3."""
     p, m = stages, microbatches
     if schedule == "zbv":
         return bubble_fraction(schedule_grid("zbv", p, 2, m))

@@ -31,8 +31,9 @@ class ModelParallelConfig:
     microbatches: int = 1
     #: ``"interleaved"``: 1F1B, each backward as early as possible; ``"simple"``: all forwards, then all backwards;
     #: ``"zero_bubble"`` (a shardkit addition): ZB-H1, each backward split into its input and weight gradients,
-    #: the latter filling the bubble, at 1F1B's activation memory on every stage; ``"zero_bubble_h2"``: ZB-H2,
-    #: a smaller bubble for up to twice the activations (see ``zb_schedules``). Both train correctly with any
+    #: the latter filling the bubble, every stage holding up to ``max(2, partitions - 1)`` micro-batches (the
+    #: first holds ``partitions`` under 1F1B); ``"zero_bubble_h2"``: ZB-H2, a smaller bubble for up to twice
+    #: the activations (see ``pipeline_parallel``). Both train correctly with any
     #: number of micro-batches; below ``partitions`` the bubble shrinks less.
     #: ``"zbv"`` (also an addition): two chunks per rank in a V, each backward split the same way (see
     #: ``virtual_schedules``); needs ``microbatches >= 2 * partitions``.

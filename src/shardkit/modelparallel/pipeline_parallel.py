@@ -11,15 +11,32 @@ gradients of the stage's inputs (sent upstream at once) and ``W k`` the paramete
   forward and one backward, and a cool-down of the remaining backwards, so each backward runs as early as
   its gradients can exist and at most ``num_stages - stage`` micro-batches hold activations.
 - ``zero_bubble`` (ZB-H1) and ``zero_bubble_h2`` (ZB-H2), Qi et al. 2024, arXiv 2401.10241 (shardkit
-  additions to smp's two): each backward split into B and W, the W's placed where the stage would wait.
-  ZB-H1 holds no more micro-batches on a stage than 1F1B does there; ZB-H2 about twice as many on the
-  first stage, for a bubble of only the first activation's trip. Their lists are built by simulating the
-  pipeline (:mod:`~shardkit.modelparallel.zb_schedules`, which also says why they cannot deadlock).
+  additions to smp's two): each backward split into B and W, W's postponed to where the stage would wait.
+  Both are :func:`split_backward_schedule` lists: a warm-up of ``n_s`` forwards (the micro-batches stage
+  ``s`` holds before its first B), a steady state of "B, the W's now due, F", a cool-down of "B, the W's
+  due", and the postponed W's at the end. ZB-H1 keeps 1F1B's ``n_s = p - s`` and lets every stage postpone
+  W's until it holds ``max(2, p - 1)`` micro-batches (the first stage holds ``p`` under 1F1B already; the
+  paper's bound, ``p`` everywhere, is :func:`zero_bubble_h1_schedule`'s ``hold``). With equal F, B and W
+  times that leaves each stage idle ``(p-1)F`` at 2 stages and ``pF`` from 3, against 1F1B's
+  ``(p-1)(F+B+W)`` (``(p-1)F`` at ``hold=p``). The later stages hold more micro-batches than under 1F1B,
+  but less of each once B has run: on the bench LM the largest stage's peak activation stays within 1.05x
+  of 1F1B's, which ``hold=p`` breaks at 4 stages
+  (:func:`~shardkit.modelparallel.zb_schedules.zero_bubble_h1_hold` has the numbers). ZB-H2 starts with
+  ``n_s = 2(p - s) - 1`` forwards (up to ``2p - 1`` micro-batches on the first stage) and reaches ``(p-1)F``.
 
-Activations only flow to higher stages and gradients to lower ones, every stage runs its forwards and its
-backwards in micro-batch order, and W needs nothing from another stage, so each blocking receive of
-``simple`` and ``interleaved`` waits on work the sender's schedule puts before anything that could wait on
-the receiver: neither can deadlock.
+Why none of them can deadlock. Only receives block (a send returns at once under gloo, and under NCCL it is
+posted with the sender's next receive or right after B, see ``pp_communications``), and W neither sends nor
+receives, so only the order of the F's and B's matters. Every stage runs its forwards and its backwards in
+micro-batch order; the first stage never waits for an F, the last never for a B. Suppose every unfinished
+stage waited forever. The highest one waits for an F (a B would come from a stage above it, unfinished and
+so waiting too); following the F waits down to the first stage, which has none, gives a stage ``s`` waiting
+for the gradient of ``B j`` while stage ``s + 1`` waits for the activation of an ``F k`` that ``s`` has not
+run. In ``s``'s list ``B j`` follows ``F 0 .. F(n_s + j - 1)``, so ``k >= n_s + j``; ``s + 1`` is at ``F k``
+and has not run ``B j``, so ``F k`` comes before ``B j`` in its list: ``k < n_(s+1) + j``. Both hold only if
+``n_(s+1) > n_s``. So lists in which no stage runs more forwards before its first B than the stage before it
+(``simple``: all of them; 1F1B: ``p - s``; ZB-H2: ``2(p - s) - 1``; all capped at ``m``) cannot deadlock,
+whatever the action times. :func:`~shardkit.modelparallel.zb_schedules.simulate` checks this for many shapes
+in the tests, and that a list breaking the condition does deadlock.
 """
 
 from __future__ import annotations
@@ -36,7 +53,7 @@ from shardkit.modelparallel.execution import StageExecution
 from shardkit.modelparallel.runtime import MicrobatchRecord
 from shardkit.modelparallel.step_outputs import OutputSharing, share_from_output_stage
 from shardkit.modelparallel.virtual_stages import ProbeFinished, VirtualStageExecution
-from shardkit.modelparallel.zb_schedules import zero_bubble_schedule
+from shardkit.modelparallel.zb_schedules import zero_bubble_h1_hold
 from shardkit.utils._torch_private import tree_map
 
 
@@ -84,16 +101,72 @@ def one_f_one_b_schedule(stage: int, num_stages: int, microbatches: int) -> list
     return actions
 
 
-def zero_bubble_h1_schedule(stage: int, num_stages: int, microbatches: int) -> list[Action]:
-    """ZB-H1: each backward split into B and W, stage ``stage`` holding at most ``num_stages - stage``
-    micro-batches between F and W, as 1F1B does (built in :mod:`~shardkit.modelparallel.zb_schedules`).
+def zero_bubble_h1_schedule(stage: int, num_stages: int, microbatches: int, hold: Optional[int] = None) -> list[Action]:
+    """ZB-H1: 1F1B's forwards and input-gradient backwards, each stage postponing W's while it holds fewer than
+    ``hold`` micro-batches between F and W (default
+    :func:`~shardkit.modelparallel.zb_schedules.zero_bubble_h1_hold`: ``p - 1``, at least 2).
+
+    With equal F, B and W times each stage idles ``(2p - 1 - hold) F`` per step, from 1F1B's memory
+    (``hold=1``: every stage runs each W right after its B) down to ``(p-1)F`` at ``hold=p``.
 
     Example::
 
-        >>> zero_bubble_h1_schedule(1, 2, 3)
-        [F0, B0, W0, F1, B1, W1, F2, B2, W2]
+        >>> zero_bubble_h1_schedule(1, 2, 4)
+        [F0, B0, F1, B1, W0, F2, B2, W1, F3, B3, W2, W3]
+        >>> zero_bubble_h1_schedule(1, 2, 4, hold=1)
+        [F0, B0, W0, F1, B1, W1, F2, B2, W2, F3, B3, W3]
     """
-    return schedule_for("zero_bubble", stage, num_stages, microbatches)
+    warmup = num_stages - stage
+    hold = zero_bubble_h1_hold(num_stages) if hold is None else hold
+    return split_backward_schedule(microbatches, warmup, max(0, hold - warmup))
+
+
+def zero_bubble_h2_schedule(stage: int, num_stages: int, microbatches: int) -> list[Action]:
+    """ZB-H2: ``2(p - s) - 1`` forwards before the first backward on stage ``s``, enough to fill the time
+    until that backward's gradient arrives; stages with fewer than ``p`` postpone W's up to ``p`` in flight.
+
+    Example::
+
+        >>> zero_bubble_h2_schedule(0, 2, 4)
+        [F0, F1, F2, B0, W0, F3, B1, W1, B2, W2, B3, W3]
+    """
+    warmup = 2 * (num_stages - stage) - 1
+    return split_backward_schedule(microbatches, warmup, max(0, num_stages - warmup))
+
+
+def split_backward_schedule(microbatches: int, warmup: int, postponed: int) -> list[Action]:
+    """A stage's zero-bubble list: ``warmup`` forwards, then B / due W's / F, then B / due W's, then the rest.
+
+    A W is due once more than ``postponed`` micro-batches have run B but not W, so the stage holds at most
+    ``warmup + postponed`` micro-batches between F and W. The W's still postponed after the last B run once
+    every gradient has gone upstream, while the stages before this one finish their cool-down.
+
+    Example::
+
+        >>> split_backward_schedule(4, 2, 1)
+        [F0, F1, B0, F2, B1, W0, F3, B2, W1, B3, W2, W3]
+    """
+    warmup = min(warmup, microbatches)
+    actions = [Action("F", k) for k in range(warmup)]
+    forward, backward, weight = warmup, 0, 0
+
+    def due() -> list[Action]:
+        nonlocal weight
+        start, weight = weight, max(weight, backward - postponed)
+        return [Action("W", k) for k in range(start, weight)]
+
+    while forward < microbatches:  # steady state
+        actions.append(Action("B", backward))
+        backward += 1
+        actions += due()
+        actions.append(Action("F", forward))
+        forward += 1
+    while backward < microbatches:  # cool-down
+        actions.append(Action("B", backward))
+        backward += 1
+        actions += due()
+    actions += [Action("W", k) for k in range(weight, microbatches)]  # the postponed W's
+    return actions
 
 
 def schedule_for(pipeline: str, stage: int, num_stages: int, microbatches: int) -> list[Action]:
@@ -101,10 +174,10 @@ def schedule_for(pipeline: str, stage: int, num_stages: int, microbatches: int) 
     ``"zero_bubble"`` or ``"zero_bubble_h2"``)."""
     if pipeline == "simple":
         return simple_schedule(microbatches)
-    if pipeline.startswith("zero_bubble"):
-        return [
-            Action(op.kind, op.microbatch) for op in zero_bubble_schedule(pipeline, stage, num_stages, microbatches)
-        ]
+    if pipeline == "zero_bubble":
+        return zero_bubble_h1_schedule(stage, num_stages, microbatches)
+    if pipeline == "zero_bubble_h2":
+        return zero_bubble_h2_schedule(stage, num_stages, microbatches)
     return one_f_one_b_schedule(stage, num_stages, microbatches)
 
 

@@ -1,38 +1,19 @@
-"""Zero-bubble pipeline schedules (Qi et al. 2024, arXiv 2401.10241), built by simulating the pipeline.
+"""The pipeline simulator behind the zero-bubble schedules (Qi et al. 2024, arXiv 2401.10241): the checker of
+their lists, the source of the bench's and the planner's theoretical bubbles, and a greedy reference builder.
 
-Each micro-batch's backward is split into ``B`` (the stage's input gradients, sent upstream at once) and ``W``
-(its parameters' gradients, which need nothing from another stage and so can run whenever the stage would
-otherwise wait). The schedules differ only in how many micro-batches a stage may hold at once, from the
-start of its ``F`` to the end of its ``W`` (its *cap*):
+The lists themselves are written out phase by phase in :mod:`~shardkit.modelparallel.pipeline_parallel`
+(warm-up forwards; then B, the W's due, F; then the cool-down's B's and W's; then the postponed W's), where
+the argument that they cannot deadlock is given. This module checks them:
 
-- ZB-H1 (``"zero_bubble"``): stage ``s`` holds at most ``p - s`` micro-batches, exactly 1F1B's count on that
-  stage, so no stage keeps more activations than under 1F1B. The steady state is ``F B W``; the cool-down
-  moves each ``W`` into the wait for the next gradient. The critical path then loses one ``W`` per hop:
-  the bubble drops from 1F1B's ``(p-1)(F+B+W)`` to ``(p-1)(F+B)`` per stage and cannot go lower, because the
-  last stage (cap 1) must finish each ``W`` before its next ``F``.
-- ZB-H2 (``"zero_bubble_h2"``): stage ``s`` holds at most ``max(2(p - s) - 1, p)`` micro-batches: the first
-  stage ``2p - 1`` (1F1B's peak is ``p`` there, so about twice the activation memory of the largest 1F1B
-  stage when stages' activations are alike), no stage more than the first. The warm-up runs more forwards
-  and every stage, the last included, can postpone its ``W``'s into the remaining waits. With equal ``F``,
-  ``B`` and ``W`` times its bubble is ``(p-1)F`` per stage, the time the last stage waits for the first
-  activation, which no schedule avoids (so ``(p-1)/(3m+p-1)`` of the step). Fewer slots (``2(p - s)``
-  everywhere, i.e. at most twice each stage's own 1F1B count) leave the last stage unable to postpone
-  enough ``W``'s and the bubble at about 0.6x 1F1B's at 4 stages.
-
-How the lists are built. :func:`build_schedules` runs the pipeline in simulated time with every action
-taking one unit and no link latency. Whenever a stage is free it starts, in this order of preference, the
-next ``B`` whose gradient has arrived, the next ``F`` whose input has arrived if it is under its cap, and
-otherwise the oldest pending ``W``; with nothing to start it waits for the next arrival. The order each stage
-ran its actions in is its list. Real runs reuse that order whatever the actual times.
-
-Why they cannot deadlock. The lists come from one complete run of the simulation, in which every action
-started after its own stage's previous action and after the actions on other stages it receives from. So
-the start times order all actions consistently with both kinds of dependency: the dependency graph has no
-cycle, and in any real run, whatever the durations, the earliest unfinished action in that order has
-everything it waits for and can run (only receives wait: a send returns at once under gloo, and under NCCL
-it is posted with the sender's next receive or right after B, see ``pp_communications``). :func:`simulate`
-checks exactly this for any set of lists (it raises on a cycle), which the tests run for many pipeline
-shapes.
+- :func:`simulate` runs any set of per-stage lists in simulated time (every stage runs its list in order,
+  an ``F`` waiting for the activation from the stage before, a ``B`` for the gradient from the stage after)
+  and raises if the stages would wait on each other forever. The tests run it on the written lists for many
+  pipeline shapes and random action times.
+- :func:`build_schedules` builds lists the other way, by simulation: with every action taking one unit,
+  whenever a stage is free it starts the next ``B`` whose gradient has arrived, else the next ``F`` whose
+  input has arrived if the stage holds fewer than its cap of micro-batches between F and W, else the oldest
+  pending ``W``. The tests check the written lists are never slower than these under the same caps
+  (:data:`ZB_CAPS`).
 """
 
 from __future__ import annotations
@@ -66,9 +47,23 @@ class ActionLike(Protocol):
 
 Key = tuple[int, str, int]  # (stage, kind, micro-batch)
 
-#: Schedule name -> cap of stage ``s`` of ``p``: micro-batches it may hold between their F and their W.
+
+def zero_bubble_h1_hold(num_stages: int) -> int:
+    """How many micro-batches ZB-H1 lets every stage hold between F and W: ``p - 1``, at least 2 (at most ``p``).
+
+    Each one more takes ``F`` off every stage's idle time with equal F/B/W times (``hold = p``, the paper's
+    bound, reaches ``(p-1)F``), and adds a micro-batch whose B has run to the later stages. On the bench LM
+    (BENCHMARKS.md, "Zero-bubble phase lists") the largest stage's peak activation stays within 1.05x of
+    1F1B's at 2 stages with ``hold = 2 = p`` (1.00x), but at 4 stages ``hold = 4`` gives 1.17x (its cut puts
+    3 of 8 blocks on stage 2, which then holds 2 micro-batches whole and 2 after B, against the first stage's
+    4 of 2 blocks and the embedding), and ``hold = 3`` stays within the bound.
+    """
+    return min(num_stages, max(2, num_stages - 1))
+
+
+#: Schedule name -> cap of stage ``s`` of ``p``: micro-batches its written list holds between F and W at most.
 ZB_CAPS = {
-    "zero_bubble": lambda s, p: p - s,
+    "zero_bubble": lambda s, p: max(p - s, zero_bubble_h1_hold(p)),
     "zero_bubble_h2": lambda s, p: max(2 * (p - s) - 1, p),
 }
 
@@ -147,7 +142,14 @@ def _ready_at(action: ActionLike, stage: int, p: int, done: Mapping[Key, float])
 @functools.lru_cache(maxsize=64)
 def build_schedules(num_stages: int, microbatches: int, caps: tuple[int, ...]) -> tuple[tuple[Op, ...], ...]:
     """Every stage's action list of a zero-bubble schedule whose stage ``s`` holds at most ``caps[s]``
-    micro-batches between F and W (see the module docstring for the rule and why it cannot deadlock)."""
+    micro-batches between F and W, built greedily in simulation (the module docstring gives the rule): the
+    reference the written lists are tested against.
+
+    Example::
+
+        >>> build_schedules(2, 3, (2, 2))[1]
+        (F0, B0, F1, B1, W0, W1, F2, B2, W2)
+    """
     p, m = num_stages, microbatches
     state = _Greedy(p, m, caps)
     while not state.finished():
@@ -208,16 +210,3 @@ class _Greedy:
         for o in range(self.p):
             if self.free[o] == now:
                 self.free[o] = min(later)
-
-
-def zero_bubble_schedule(pipeline: str, stage: int, num_stages: int, microbatches: int) -> list[Op]:
-    """The actions of ``stage`` under the zero-bubble ``pipeline`` (a key of :data:`ZB_CAPS`).
-
-    Example::
-
-        >>> zero_bubble_schedule("zero_bubble", 1, 2, 3)
-        [F0, B0, W0, F1, B1, W1, F2, B2, W2]
-    """
-    cap = ZB_CAPS[pipeline]
-    caps = tuple(max(1, cap(s, num_stages)) for s in range(num_stages))
-    return list(build_schedules(num_stages, microbatches, caps)[stage])

@@ -55,8 +55,9 @@ def pipeline_forward_backward(model: nn.Module, batch: Any, loss_fn: LossFn) -> 
 def pipeline_bubble(pipeline: str, partitions: int, microbatches: int) -> float:
     """The fraction of a step each stage idles under smp's ``pipeline`` schedule, from its action lists run in
     simulation with equal forward, input-gradient and weight-gradient times: ``(p-1)/(m+p-1)`` for
-    ``"interleaved"`` and ``"simple"``, less for the zero-bubble schedules (``"zero_bubble"``: ZB-H1 at 1F1B's
-    memory; ``"zero_bubble_h2"``: about twice it, ``(p-1)/(3m+p-1)`` once ``m >= p``)."""
+    ``"interleaved"`` and ``"simple"``, less for the zero-bubble schedules once ``m >= p``: ``"zero_bubble"``
+    (ZB-H1, every stage holding up to ``max(2, p-1)`` micro-batches) ``(p-1)/(3m+p-1)`` at 2 stages and
+    ``p/(3m+p)`` from 3, ``"zero_bubble_h2"`` (up to ``2p-1`` on the first stage) ``(p-1)/(3m+p-1)``."""
     # start-up cost: smp imports shardkit.nn and torch._dynamo, which plans without the pipeline never need
     from shardkit.modelparallel.pipeline_parallel import schedule_for
     from shardkit.modelparallel.zb_schedules import simulate
