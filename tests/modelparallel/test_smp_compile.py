@@ -119,7 +119,8 @@ def _train(rank: int, world_size: int, cases: list[tuple[str, str]]) -> dict[tup
     """Train each (model, schedule) of ``cases`` in turn; its results, or the ValueError it raised."""
     out: dict[tuple[str, str], Any] = {}
     for model_name, name in cases:
-        torch._dynamo.reset()  # each case compiles its own fresh blocks
+        torch._dynamo.reset()  # each case compiles its own fresh blocks, and counts its own graphs
+        torch._dynamo.utils.counters.clear()
         smp.init({"partitions": 2, "microbatches": 4, **SCHEDULES[name]})
         try:
             net = MODELS[model_name]()
