@@ -124,6 +124,13 @@ def test_pipeline_settings_train_the_same_global_batch(tmp_path: Path) -> None:
         "pipeline (smp ZB-H2) 4 stages x 8 mb, bubble 11%",
     }
     assert all("highest peak" in r["notes"][-1] for r in rows)
+    # The schedules over chunks need more layers than the demo LM's two: listed as not planned, saying why.
+    not_planned = json.loads(out_json.read_text())["not_planned"]
+    assert (
+        "pipeline (smp ZBV) 2 stages x 4 mb x4: the model's 2 layers do not split into 4 equal chunks (2 stages x 2 "
+        "per rank): the longest chunk would pace the schedule"
+    ) in not_planned
+    assert sum("virtual stages" in line for line in not_planned) == 4
     by_label = {r["setting"]: r for r in rows}
     one_f_one_b, h1, h2 = (by_label[f"pipeline ({n}) 4 stages x 8 mb, bubble {b}"] for n, b in LABELS_4X8)
     # The bubble shortens the predicted step; ZB-H1 holds no more activations than 1F1B (largest stage), ZB-H2 more.

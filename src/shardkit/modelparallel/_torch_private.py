@@ -10,7 +10,10 @@ importing; ``tests/compat/test_torch_private.py`` says which.
 
 from __future__ import annotations
 
+import sys
+
 import torch
+from torch import nn
 
 foreach_add_ = torch._foreach_add_
 foreach_addcmul_ = torch._foreach_addcmul_
@@ -22,6 +25,19 @@ foreach_mul_ = torch._foreach_mul_
 foreach_norm = torch._foreach_norm
 foreach_sqrt_ = torch._foreach_sqrt_
 
+
+def is_compiled_module(module: nn.Module) -> bool:
+    """Whether calling ``module`` runs compiled code: ``torch.compile(module)``'s wrapper (an ``OptimizedModule``,
+    whose ``forward`` is set on the instance) or a module compiled in place by ``module.compile()`` (which leaves
+    ``forward`` alone and sets ``_compiled_call_impl``). The wrapper's class lives in ``torch._dynamo.eval_frame``,
+    looked up only once something imported it: no wrapper can exist before then, and importing dynamo is slow.
+    """
+    if module.__dict__.get("_compiled_call_impl") is not None:
+        return True
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    return eval_frame is not None and isinstance(module, eval_frame.OptimizedModule)
+
+
 __all__ = [
     "foreach_add_",
     "foreach_addcmul_",
@@ -32,4 +48,5 @@ __all__ = [
     "foreach_mul_",
     "foreach_norm",
     "foreach_sqrt_",
+    "is_compiled_module",
 ]

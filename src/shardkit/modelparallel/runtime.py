@@ -26,6 +26,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from shardkit.modelparallel._torch_private import is_compiled_module
 from shardkit.modelparallel.plan import LeafSpec, PipelinePlan, UnitCall, signature_of
 from shardkit.modelparallel.pp_communications import StageLink
 from shardkit.modelparallel.saved_activations import SavedActivations
@@ -64,17 +65,43 @@ def _needs_grad(dtype: torch.dtype) -> bool:
     return torch.is_grad_enabled() and (dtype.is_floating_point or dtype.is_complex)
 
 
-def _dispatching_class(cls: type[nn.Module], runtime: StageRuntime, unit: str) -> type[nn.Module]:
-    """A subclass of ``cls`` (same name) whose ``forward`` goes through ``runtime`` as unit ``unit``."""
-    original_forward = cls.forward
+def _dispatching_class(cls: type[nn.Module], runtime: StageRuntime, unit: str, compiled: bool) -> type[nn.Module]:
+    """A subclass of ``cls`` (same name) whose ``forward`` goes through ``runtime`` as unit ``unit``.
 
-    @functools.wraps(original_forward)
-    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        return runtime.dispatch(unit, functools.partial(original_forward, self), args, kwargs)
+    A ``compiled`` unit is routed at its call instead: the compiled code must not contain the routing (its
+    sends and receives would break the graph or be traced into it), and ``torch.compile(module)``'s wrapper
+    sets ``forward`` on the instance, where a class cannot reach it. The unit's own forward hooks then run on
+    its stage only (inside the call), where an uncompiled unit's run on every stage.
+    """
+    name = "__call__" if compiled else "forward"
+    original = getattr(cls, name)
 
-    return type(
-        cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__, "__qualname__": cls.__qualname__}
-    )
+    @functools.wraps(original)
+    def routed(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return runtime.dispatch(unit, functools.partial(original, self), args, kwargs)
+
+    return type(cls.__name__, (cls,), {name: routed, "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+
+
+def _check_compiled(root: nn.Module, units: Sequence[str], below: Sequence[tuple[nn.Module, Any]]) -> None:
+    """Refuse a compiled module smp cannot route: one spanning stages (its children's calls are routed), or one
+    also activation-checkpointed (the checkpointing class would sit under the compiled call, never reached)."""
+    checkpointed = {id(module) for module, _ in below}
+    for name, module in root.named_modules():
+        if not is_compiled_module(module):
+            continue
+        if not any(u == "" or name == u or name.startswith(u + ".") for u in units):
+            raise ValueError(
+                f"module {name or '(the model)'!r} is compiled (torch.compile) but its children sit on different "
+                "pipeline stages, and smp routes each child's calls between stages, which compiled code cannot "
+                "contain: compile modules that sit on one stage instead, before smp.DistributedModel, e.g. "
+                "model.blocks[i] = torch.compile(model.blocks[i]) for each block"
+            )
+        if id(module) in checkpointed:
+            raise ValueError(
+                f"module {name!r} is both compiled and given to smp.set_activation_checkpointing: checkpoint the "
+                "module before compiling it (torch.utils.checkpoint inside its forward), or leave one of the two out"
+            )
 
 
 def autocast_state() -> tuple[Any, ...]:
@@ -116,8 +143,9 @@ class StageRuntime:
         undone by :meth:`uninstall`.
         """
         modules = [(name, root.get_submodule(name)) for name in self.plan.units]
-        for name, module in modules:  # checked first: nothing changes when one cannot be routed
-            if "forward" in vars(module):
+        _check_compiled(root, list(self.plan.units), below)  # checked first: nothing changes when one is refused
+        for name, module in modules:
+            if "forward" in vars(module) and not is_compiled_module(module):
                 raise ValueError(
                     f"module {name!r} has a forward assigned on the instance (another library patched it); smp "
                     "routes a module's calls through its class, which an instance-level forward would bypass: "
@@ -128,7 +156,7 @@ class StageRuntime:
             module.__class__ = cls
         for name, module in modules:
             original_cls = type(module)
-            module.__class__ = _dispatching_class(original_cls, self, name)
+            module.__class__ = _dispatching_class(original_cls, self, name, is_compiled_module(module))
             self._installed.append((module, original_cls))
 
     def uninstall(self) -> None:

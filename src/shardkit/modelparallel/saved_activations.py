@@ -48,7 +48,10 @@ class _Slot:
             self._owner.total.remove(self.key, self.nbytes)
 
     def __del__(self) -> None:
-        self.release()
+        # A module compiled in place (``module.compile()``) may have dynamo trace the pack hook, which can leave
+        # a slot whose ``__init__`` never ran: it holds nothing to release.
+        if hasattr(self, "tensor"):
+            self.release()
 
 
 class _Recording:

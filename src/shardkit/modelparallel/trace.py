@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import sys
 import time
 import warnings
 from collections.abc import Iterator
@@ -144,6 +145,14 @@ def is_tracing() -> bool:
     return _TRACING.get()
 
 
+def _eager() -> contextlib.AbstractContextManager[Any]:
+    """Compiled modules run eagerly: compiled, they would trace the hooks and modes that watch the forward into
+    their graphs. Nothing is compiled while dynamo was never imported (importing it only to say so is slow)."""
+    if "torch._dynamo" not in sys.modules:
+        return contextlib.nullcontext()
+    return torch.compiler.set_stance("force_eager")
+
+
 @contextlib.contextmanager
 def side_effect_free(module: nn.Module, record_autograd: bool = False) -> Iterator[None]:
     """Run extra forwards without changing the model: buffers (BatchNorm statistics) and RNG are restored.
@@ -156,7 +165,12 @@ def side_effect_free(module: nn.Module, record_autograd: bool = False) -> Iterat
     token = _TRACING.set(True)
     try:
         # The cache off: a parameter's cast made here under no_grad must not stand in for the step's own cast.
-        with torch.random.fork_rng(devices=devices), torch.set_grad_enabled(record_autograd), autocast_cache_off():
+        with (
+            torch.random.fork_rng(devices=devices),
+            torch.set_grad_enabled(record_autograd),
+            autocast_cache_off(),
+            _eager(),
+        ):
             yield
     finally:
         _TRACING.reset(token)

@@ -314,9 +314,11 @@ def estimate(
         config = smp_config(strategy_options or {}, world_size)
         micro, parts = int(config.get("microbatches", 1)), int(config["partitions"])
         schedule = str(config.get("pipeline", "interleaved"))
-        idle = pipeline_bubble(schedule, parts, micro)
+        virtual = int(config.get("virtual_stages", 1))
+        idle = pipeline_bubble(schedule, parts, micro, virtual)
         stretch = 1.0 / (1.0 - idle)  # busy time / (1 - idle fraction) = the step
-        run.notes = (f"{schedule} pipeline bubble {idle:.1%} of the step ({parts} stages x {micro} mb)", *run.notes)
+        shape = f"{parts} stages x {micro} mb" + (f", {virtual} virtual stages" if virtual > 1 else "")
+        run.notes = (f"{schedule} pipeline bubble {idle:.1%} of the step ({shape})", *run.notes)
     est = _estimate_from(
         run, strategy, world_size, device or DeviceSpec(), link or LinkSpec(), nprocs_per_node, stretch, backend
     )

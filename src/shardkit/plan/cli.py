@@ -26,7 +26,7 @@ from shardkit.plan.api import Estimate, estimate
 from shardkit.plan.cost import DeviceSpec, LinkSpec
 from shardkit.plan.losses import LOSS_HELP, import_attribute, resolve_loss
 from shardkit.plan.once import each_warning_once
-from shardkit.plan.pipeline import pipeline_bubble
+from shardkit.plan.pipeline import chunk_problem, model_blocks, pipeline_bubble
 from shardkit.plan.plot import save_plot
 from shardkit.plan.report import plan_document, plot_title, position_hint, print_failures, recommend, table
 from shardkit.plan.runner import LossFn, PlanError
@@ -79,30 +79,50 @@ def _ints(text: str) -> list[int]:
     return values
 
 
-def pipeline_settings(world_size: int, batch_size: int) -> list[Setting]:
+def pipeline_settings(
+    world_size: int, batch_size: int, blocks: Optional[int] = None
+) -> tuple[list[Setting], list[str]]:
     """smp settings for ``world_size``: 2, 4 and 8 partitions dividing it, with two micro-batches per stage,
     each under smp's 1F1B and shardkit's two zero-bubble schedules (ZB-H1 at 1F1B's activation memory, ZB-H2 at
-    about twice it), each labelled with the bubble its schedule predicts (:func:`pipeline_bubble`).
+    about twice it), interleaved 1F1B over 2 and 4 virtual stages per rank, and ZBV (two chunks per rank in a V,
+    about no bubble at 1F1B's memory), each labelled with the bubble its schedule predicts
+    (:func:`pipeline_bubble`). Returns the settings and, as ``"label xN: why"`` lines, the chunked ones the model
+    cannot take (``blocks``: its layer count, where known; see :func:`chunk_problem`).
 
     A replica of ``p`` stages trains the ``p`` ranks' batches together, so the global batch stays that of the
     data-parallel settings.
     """
-    out = []
+    out: list[Setting] = []
+    skipped: list[str] = []
     for parts in (2, 4, 8):
         if world_size % parts:
             continue
         # Two micro-batches per stage when the batch allows (1F1B's bubble 1/3 of the step), else one each.
         micro = 2 * parts if (batch_size * parts) % (2 * parts) == 0 else parts
-        for schedule, name in PIPELINE_SCHEDULES.items():
+        for schedule, virtual, name in PIPELINE_SCHEDULES:
             config = {"partitions": parts, "microbatches": micro, "pipeline": schedule}
-            idle = pipeline_bubble(schedule, parts, micro)
-            label = f"pipeline ({name}) {parts} stages x {micro} mb, bubble {idle:.0%}"
-            out.append(Setting(label, "smp", config, batch_ranks=parts))
-    return out
+            if virtual > 1:
+                config["virtual_stages"] = virtual
+            shape = f"{parts} stages x {micro} mb"
+            chunked = virtual > 1 or schedule == "zbv"
+            why = chunk_problem(schedule, parts, virtual, micro, blocks) if chunked else ""
+            if why:
+                skipped.append(f"pipeline ({name}) {shape} x{world_size}: {why}")
+                continue
+            idle = pipeline_bubble(schedule, parts, micro, virtual)
+            out.append(Setting(f"pipeline ({name}) {shape}, bubble {idle:.0%}", "smp", config, batch_ranks=parts))
+    return out, skipped
 
 
-#: The smp schedules the planner compares, with the label each setting carries.
-PIPELINE_SCHEDULES = {"interleaved": "smp", "zero_bubble": "smp ZB-H1", "zero_bubble_h2": "smp ZB-H2"}
+#: The smp schedules the planner compares: (pipeline, virtual stages per rank, the label each setting carries).
+PIPELINE_SCHEDULES = (
+    ("interleaved", 1, "smp"),
+    ("zero_bubble", 1, "smp ZB-H1"),
+    ("zero_bubble_h2", 1, "smp ZB-H2"),
+    ("interleaved", 2, "smp, 2 virtual stages"),
+    ("interleaved", 4, "smp, 4 virtual stages"),
+    ("zbv", 2, "smp ZBV"),
+)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -241,11 +261,17 @@ def _plan_all(
     failed: list[str] = []
     if loss is None:
         loss = resolve_loss("mean") if work.kind == "factory" else work.loss
+    blocks = None
+    if any(s.strategy == "smp" for s in settings):  # the layer count, for the pipelines over chunks
+        with torch.device("meta"):
+            blocks = model_blocks(work.build())
     for ws in world_sizes:
         per_node = nprocs_per_node if nprocs_per_node is not None and ws % nprocs_per_node == 0 else None
         with_pipelines = [s for s in settings if s.strategy != "smp"]
         if any(s.strategy == "smp" for s in settings):
-            with_pipelines += pipeline_settings(ws, work.batch_size)
+            pipelines, skipped = pipeline_settings(ws, work.batch_size, blocks)
+            with_pipelines += pipelines
+            failed += skipped
         for setting in with_pipelines:
             if setting.needs_nodes and (nprocs_per_node is None or nprocs_per_node in (1, ws)):
                 continue  # hybrid sharding needs several nodes of several ranks

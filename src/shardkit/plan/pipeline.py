@@ -52,18 +52,56 @@ def pipeline_forward_backward(model: nn.Module, batch: Any, loss_fn: LossFn) -> 
         train_step(model, *(batch if isinstance(batch, (tuple, list)) else (batch,)))
 
 
-def pipeline_bubble(pipeline: str, partitions: int, microbatches: int) -> float:
-    """The fraction of a step each stage idles under smp's ``pipeline`` schedule, from its action lists run in
-    simulation with equal forward, input-gradient and weight-gradient times: ``(p-1)/(m+p-1)`` for
-    ``"interleaved"`` and ``"simple"``, less for the zero-bubble schedules once ``m >= p``: ``"zero_bubble"``
-    (ZB-H1, every stage holding up to ``max(2, p-1)`` micro-batches) ``(p-1)/(3m+p-1)`` at 2 stages and
-    ``p/(3m+p)`` from 3, ``"zero_bubble_h2"`` (up to ``2p-1`` on the first stage) ``(p-1)/(3m+p-1)``."""
+def pipeline_bubble(pipeline: str, partitions: int, microbatches: int, virtual_stages: int = 1) -> float:
+    """The fraction of a step each stage idles under smp's ``pipeline`` schedule, with equal forward,
+    input-gradient and weight-gradient times: ``(p-1)/(m+p-1)`` for ``"interleaved"`` and ``"simple"``, less for
+    the zero-bubble schedules once ``m >= p``, from their action lists run in simulation: ``"zero_bubble"`` (ZB-H1,
+    every stage holding up to ``max(2, p-1)`` micro-batches) ``(p-1)/(3m+p-1)`` at 2 stages and ``p/(3m+p)`` from
+    3, ``"zero_bubble_h2"`` (up to ``2p-1`` on the first stage) ``(p-1)/(3m+p-1)``. Over chunks (``virtual_stages``
+    above 1, or ``"zbv"``'s two per rank) from the schedule's tick grid, where a forward and a backward (ZBV: each
+    half of it) take one tick: ``(p-1)/(v*m+p-1)`` for interleaved 1F1B, and for ZBV only the ramp of its V,
+    which ``m >= 2p`` micro-batches fill."""
+    if pipeline == "zbv" or virtual_stages > 1:
+        # start-up cost: smp imports shardkit.nn and torch._dynamo, which plans without the pipeline never need
+        from shardkit.modelparallel.virtual_schedules import bubble_fraction, schedule_grid
+
+        chunks_per_rank = 2 if pipeline == "zbv" else virtual_stages
+        return bubble_fraction(schedule_grid(pipeline, partitions, chunks_per_rank, microbatches))
     # start-up cost: smp imports shardkit.nn and torch._dynamo, which plans without the pipeline never need
     from shardkit.modelparallel.pipeline_parallel import schedule_for
+
+    # start-up cost: as above
     from shardkit.modelparallel.zb_schedules import simulate
 
     lists = [schedule_for(pipeline, s, partitions, microbatches) for s in range(partitions)]
     return simulate(lists).mean_bubble()
+
+
+def model_blocks(model: nn.Module) -> Optional[int]:
+    """How many blocks (layers) the model repeats: the length of its longest ``nn.ModuleList``, None without one."""
+    lengths = [len(m) for m in model.modules() if isinstance(m, nn.ModuleList)]
+    return max(lengths) if lengths else None
+
+
+def chunk_problem(pipeline: str, partitions: int, virtual_stages: int, microbatches: int, blocks: Optional[int]) -> str:
+    """Why a schedule over chunks (``virtual_stages`` per rank, or ``"zbv"``) does not suit the model, or "":
+    smp's own refusal (ZBV's ``m >= 2p``, the interleaved rounds of ``p`` micro-batches), or ``blocks`` layers
+    that do not split into equal chunks (the longest chunk would pace every tick, and the predicted bubble
+    would not hold)."""
+    # start-up cost: smp imports shardkit.nn and torch._dynamo, which plans without the pipeline never need
+    from shardkit.modelparallel.virtual_schedules import check_virtual_config
+
+    try:
+        check_virtual_config(partitions, virtual_stages, microbatches, pipeline)
+    except ValueError as exc:
+        return str(exc)
+    chunks = partitions * (2 if pipeline == "zbv" else virtual_stages)
+    if blocks is not None and blocks % chunks:
+        return (
+            f"the model's {blocks} layers do not split into {chunks} equal chunks ({partitions} stages x "
+            f"{chunks // partitions} per rank): the longest chunk would pace the schedule"
+        )
+    return ""
 
 
 def smp_config(options: Mapping[str, Any], world_size: int) -> dict[str, Any]:
@@ -147,4 +185,12 @@ def plan_stages(
     return chosen
 
 
-__all__ = ["builder", "pipeline_bubble", "pipeline_forward_backward", "plan_stages", "smp_config"]
+__all__ = [
+    "builder",
+    "chunk_problem",
+    "model_blocks",
+    "pipeline_bubble",
+    "pipeline_forward_backward",
+    "plan_stages",
+    "smp_config",
+]

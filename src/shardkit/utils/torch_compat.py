@@ -125,6 +125,7 @@ PRIVATE_APIS: tuple[TorchAPI, ...] = (
     TorchAPI("torch.distributed", "ProcessGroup._reduce_scatter_base", "plan.peerless (overridden)"),
     TorchAPI("torch.distributed", "ProcessGroup._set_group_name", "plan.peerless (overridden)"),
     TorchAPI("torch.distributed", "ProcessGroup._set_group_desc", "plan.peerless (overridden)"),
+    TorchAPI("torch._dynamo.eval_frame", "OptimizedModule", "modelparallel (routing a compiled unit)"),
     *(
         TorchAPI("torch", f"_foreach_{op}", "modelparallel.optimizers (LAMB, NovoGrad)")
         for op in ("add_", "addcmul_", "copy_", "div", "div_", "mul", "mul_", "sqrt_")
