@@ -50,6 +50,22 @@ def _vs_first(runs: list[dict[str, dict]], name: str) -> float:
     return statistics.median(ratios)
 
 
+def _report(args: argparse.Namespace, runs: dict[str, list[dict[str, dict]]]) -> None:
+    rounds = len(runs["after"])
+    print(f"suite {args.suite}, {rounds} rounds, before {args.before}, after {args.after}, extra {args.extra}")
+    print("| strategy | before ms | after ms | after/before | per step vs first, after/before | same loss |")
+    print("|---|--:|--:|--:|--:|---|")
+    for name in runs["before"][0]:
+        if not all(name in r for side in runs.values() for r in side):
+            continue
+        before = [r[name]["median_step_s"] for r in runs["before"]]
+        after = [r[name]["median_step_s"] for r in runs["after"]]
+        paired = _vs_first(runs["after"], name) / _vs_first(runs["before"], name)
+        same = all(rb[name]["losses"] == ra[name]["losses"] for rb, ra in zip(runs["before"], runs["after"]))
+        b, a = statistics.median(before), statistics.median(after)
+        print(f"| {name} | {b * 1e3:.0f} | {a * 1e3:.0f} | {a / b:.2f}x | {paired:.2f}x | {'yes' if same else 'NO'} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--before", required=True)
@@ -66,23 +82,11 @@ def main() -> None:
             for i in range(args.rounds):
                 for side in ("before", "after"):
                     runs[side].append(_bench(trees[side], args.suite, args.extra, Path(tmp) / f"{side}{i}.json"))
-                    print(f"round {i + 1}/{args.rounds}: {side} done", file=sys.stderr, flush=True)
+                print(f"after round {i + 1} of {args.rounds}:", flush=True)
+                _report(args, runs)
         finally:
             for tree in trees.values():
                 subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False)
-
-    print(f"suite {args.suite}, {args.rounds} rounds, before {args.before}, after {args.after}, extra {args.extra}")
-    print("| strategy | before ms | after ms | after/before | per step vs first, after/before | same loss |")
-    print("|---|--:|--:|--:|--:|---|")
-    for name in runs["before"][0]:
-        if not all(name in r for side in runs.values() for r in side):
-            continue
-        before = [r[name]["median_step_s"] for r in runs["before"]]
-        after = [r[name]["median_step_s"] for r in runs["after"]]
-        paired = _vs_first(runs["after"], name) / _vs_first(runs["before"], name)
-        same = all(rb[name]["losses"] == ra[name]["losses"] for rb, ra in zip(runs["before"], runs["after"]))
-        b, a = statistics.median(before), statistics.median(after)
-        print(f"| {name} | {b * 1e3:.0f} | {a * 1e3:.0f} | {a / b:.2f}x | {paired:.2f}x | {'yes' if same else 'NO'} |")
 
 
 if __name__ == "__main__":

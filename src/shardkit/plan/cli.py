@@ -83,9 +83,9 @@ def pipeline_settings(
     world_size: int, batch_size: int, blocks: Optional[int] = None
 ) -> tuple[list[Setting], list[str]]:
     """smp settings for ``world_size``: 2, 4 and 8 partitions dividing it, with two micro-batches per stage,
-    each under smp's 1F1B and shardkit's two zero-bubble schedules (ZB-H1 at 1F1B's activation memory, ZB-H2 at
-    about twice it), interleaved 1F1B over 2 and 4 virtual stages per rank, and ZBV (two chunks per rank in a V,
-    about no bubble at 1F1B's memory), each labelled with the bubble its schedule predicts
+    each under smp's 1F1B and shardkit's two zero-bubble schedules (ZB-H1 with its largest stage at about 1F1B's
+    activation memory, ZB-H2 at about twice it), interleaved 1F1B over 2 and 4 virtual stages per rank, and ZBV
+    (two chunks per rank in a V), each labelled with the bubble its schedule predicts
     (:func:`pipeline_bubble`). Returns the settings and, as ``"label xN: why"`` lines, the chunked ones the model
     cannot take (``blocks``: its layer count, where known; see :func:`chunk_problem`).
 
