@@ -51,6 +51,10 @@ def test_torch_takes_smp_cut_only_when_it_has_as_many_stages() -> None:
     assert smp_cut(4, 2, placement) == [range(0, 3), range(3, 4)]
     assert smp_cut(4, 4, placement) is None  # four chunks: smp's two stages are not its cut
     assert even_cut(4, 2) == [range(0, 2), range(2, 4)]
+    head_alone = (("embed", 0), ("blocks.0", 0), ("blocks.1", 1), ("head", 2))  # as smp cuts 8 blocks in 8 chunks
+    assert smp_cut(2, 3, _placement(3, head_alone)) == [range(0, 1), range(1, 2), range(2, 2)]
+    empty_middle = (("embed", 0), ("blocks.0", 0), ("blocks.1", 0), ("head", 2))
+    assert smp_cut(2, 3, _placement(3, empty_middle)) is None  # torch's middle stage would do nothing
     settings = replace(pipeline.PipelineSettings(), lm=replace(pipeline.QUICK_LM, n_layers=4))
     cuts = pipeline.torch_cuts(settings, {"single", "v"}, placement)
     assert cuts["single"][0] == [range(0, 3), range(3, 4)] and "the cut smp runs" in cuts["single"][1]

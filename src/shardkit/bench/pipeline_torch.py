@@ -70,16 +70,20 @@ def even_cut(n_layers: int, stages: int) -> list[range]:
 
 def smp_cut(n_layers: int, stages: int, placement: Any) -> Optional[list[range]]:
     """The blocks of each of smp's ``stages`` stages (or chunks), or ``None`` when smp's placement has another
-    number of them, or is not a contiguous run of whole blocks with the embedding first and the output last."""
-    if placement is not None and placement.partitions == stages:
-        per_stage = [
-            [int(n.split(".")[1]) for n in placement.modules_on(s) if n.startswith("blocks.")] for s in range(stages)
-        ]
-        flat = [b for blocks in per_stage for b in blocks]
-        ends_ok = placement.stage_of("embed") == 0 and placement.stage_of("head") == stages - 1
-        if ends_ok and flat == list(range(n_layers)) and all(per_stage):
-            return [range(blocks[0], blocks[-1] + 1) for blocks in per_stage]
-    return None
+    number of them, or is not a contiguous run of whole blocks with the embedding first and the output last.
+    The first and the last may hold no block (the embedding, or the output projection, alone); a middle one may
+    not (torch's stage would pass its input through untouched)."""
+    if placement is None or placement.partitions != stages:
+        return None
+    per_stage = [
+        [int(n.split(".")[1]) for n in placement.modules_on(s) if n.startswith("blocks.")] for s in range(stages)
+    ]
+    flat = [b for blocks in per_stage for b in blocks]
+    ends_ok = placement.stage_of("embed") == 0 and placement.stage_of("head") == stages - 1
+    if not ends_ok or flat != list(range(n_layers)) or not all(per_stage[1:-1]):
+        return None
+    starts = [sum(len(blocks) for blocks in per_stage[:s]) for s in range(stages)]
+    return [range(start, start + len(blocks)) for start, blocks in zip(starts, per_stage)]
 
 
 @dataclass(frozen=True)
@@ -129,8 +133,8 @@ def chunk_ranks(layout: str, stages: int, per_rank: int) -> tuple[int, ...]:
 
 
 def describe_cut(cut: list[range]) -> str:
-    """``blocks 0-3 | blocks 4-7`` (a chunk with no block shows as ``-``)."""
-    return " | ".join(f"blocks {b[0]}-{b[-1]}" if len(b) else "-" for b in cut)
+    """``blocks 0-3 | blocks 4-7`` (a chunk with no block: ``no block``)."""
+    return " | ".join(f"blocks {b[0]}-{b[-1]}" if len(b) else "no block" for b in cut)
 
 
 def torch_cuts(settings: Any, layouts: set[str], placement: Any) -> dict[str, tuple[list[range], str]]:
