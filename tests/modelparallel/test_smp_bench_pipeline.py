@@ -62,6 +62,7 @@ def test_chunked_schedules_train_as_torch_1f1b(
     rows = {row["name"]: row for row in json.loads(out_json.read_text())["rows"]}
     assert rows["torch 1F1B"]["max_loss_diff_vs_smp"] <= 1e-5, rows
     assert 0.0 <= rows["smp"]["bubble_measured"] < 1.0 and len(rows["smp"]["peak_activation_mib"]) == 2
+    assert all(mib > 0 for mib in rows["smp"]["peak_activation_mib"])  # the chunks' forwards are measured too
 
 
 def test_chunked_schedule_runs_alone() -> None:

@@ -43,7 +43,7 @@ from shardkit.utils.checks import at_least, positive
 from shardkit.utils.report import format_table, ratio, unavailable_lines, write_json
 
 DEFAULT_STRATEGIES = ("ddp", "fsdp", "fsdp_no_reshard", "torch_fsdp2", "torch_fsdp1")
-QUICK_LM = LMConfig(vocab_size=64, d_model=32, n_heads=4, n_layers=2, seq_len=16)
+QUICK_LM = LMConfig.quick()
 STEADY = (Category.PARAMETERS, Category.GRADIENTS, Category.OPTIMIZER_STATE)
 
 

@@ -34,13 +34,14 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
 from shardkit.bench.pipeline_report import Row, combine, print_report
+from shardkit.bench.pipeline_settings import QUICK_LM, PipelineSettings
 from shardkit.bench.pipeline_smp import SmpSchedules, action_costs
 from shardkit.bench.pipeline_theory import bubble_theory
 from shardkit.bench.pipeline_torch import (
@@ -55,65 +56,12 @@ from shardkit.demo.task import MarkovTask
 from shardkit.distributed import collectives
 from shardkit.launch import launch_local
 from shardkit.modelparallel.config import PIPELINES
-from shardkit.models import LMConfig, TransformerLM
+from shardkit.models import TransformerLM
 from shardkit.strategies.live import quiet_torch_deprecations
-from shardkit.utils.checks import at_least, positive
 from shardkit.utils.report import write_json
 
 #: Re-exported: they lived here before the theory and the report got files of their own.
 __all__ = ["PipelineSettings", "Row", "bubble_theory", "combine", "run", "strategy_names", "torch_cuts"]
-
-QUICK_LM = LMConfig(vocab_size=64, d_model=32, n_heads=4, n_layers=2, seq_len=16)
-
-
-@dataclass(frozen=True)
-class PipelineSettings:
-    """What the suite runs; plain data handed to every worker."""
-
-    lm: LMConfig = field(default_factory=LMConfig.bench)
-    stages: int = 2
-    #: As the data-parallel suite: the global batch is batch_per_rank * stages.
-    batch_per_rank: int = 4
-    microbatches: int = 8
-    steps: int = 8
-    warmup: int = 2
-    lr: float = 1e-3
-    seed: int = 0
-    smp_pipeline: str = "interleaved"
-    #: smp schedules to run side by side (``--schedules``); empty means just ``smp_pipeline``.
-    smp_schedules: tuple[str, ...] = ()
-    #: Auto-partition balancing compute (memory_weight 0.2)
-    smp_optimize: str = "speed"
-    #: smp's step also returns ``loss.item()``: every step then broadcasts one small object over the stages.
-    smp_item_outputs: bool = False
-    #: smp's ``virtual_stages`` (``--virtual-stages``): model chunks per stage under the interleaved schedule.
-    virtual_stages: int = 1
-
-    def __post_init__(self) -> None:
-        for name in ("stages", "batch_per_rank", "microbatches", "steps"):
-            at_least(self, name, getattr(self, name), 1)
-        at_least(self, "warmup", self.warmup, 0)
-        at_least(self, "virtual_stages", self.virtual_stages, 1)
-        positive(self, "lr", self.lr)
-
-    @property
-    def schedules(self) -> list[str]:
-        """The smp schedules this run compares (the first is the baseline of the smp ratios)."""
-        return list(self.smp_schedules) or [self.smp_pipeline]
-
-    def smp_name(self, schedule: str) -> str:
-        """The row name of smp under ``schedule``: plain ``smp`` when only one schedule runs."""
-        return "smp" if len(self.schedules) == 1 else f"smp {schedule}"
-
-    @property
-    def smp_chunked(self) -> bool:
-        """smp cuts the model into more chunks than stages (virtual stages, ZBV): its cut is not torch's."""
-        return self.virtual_stages > 1 or "zbv" in self.schedules
-
-    @property
-    def global_batch(self) -> int:
-        """Sequences per step, over all micro-batches."""
-        return self.batch_per_rank * self.stages
 
 
 def _build_lm(settings: PipelineSettings) -> TransformerLM:

@@ -65,7 +65,7 @@ class ZeroSettings:
         positive(self, "timeout_s", self.timeout_s)
 
 
-QUICK_LM = LMConfig(vocab_size=64, d_model=32, n_heads=4, n_layers=2, seq_len=16)
+QUICK_LM = LMConfig.quick()
 
 
 def _batch_seed(seed: int, rank: int, step: int) -> int:

@@ -272,7 +272,8 @@ class VirtualStageExecution(StageExecution):
                     runtime.activate(action.chunk)
                     link.action = action
                     if action.kind == "F":
-                        run.forward_into(record)
+                        with self.saving(split):  # ZBV's B frees what only it needed; the bench counts bytes
+                            run.forward_into(record)
                         if action.chunk != out_chunk:
                             record.outputs = None  # placeholders' results: free what they hold
                     else:

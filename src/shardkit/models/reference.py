@@ -62,6 +62,11 @@ class LMConfig:
         """Small enough to train to its loss floor in a couple of minutes on two CPU cores."""
         return cls(vocab_size=64, d_model=128, n_heads=4, n_layers=2, seq_len=32)
 
+    @classmethod
+    def quick(cls) -> LMConfig:
+        """The benchmarks' ``--quick`` LM: two blocks of width 32, so a run of any suite takes seconds."""
+        return cls(vocab_size=64, d_model=32, n_heads=4, n_layers=2, seq_len=16)
+
 
 class Block(nn.Module):
     """Pre-norm transformer block: causal self-attention then an MLP, each with a residual."""
