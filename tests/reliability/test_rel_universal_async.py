@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -29,17 +29,22 @@ from shardkit.checkpoint import (
 from shardkit.checkpoint.universal import save as universal_save
 from shardkit.testing import DistributedTestError, run_distributed
 
-DELAY_S = 1.0
+#: Set by the saving thread once ``save_checkpoint`` has returned; the background write waits for it, so a save
+#: that wrote before returning (not asynchronous) is seen as such by a flag, not by a clock.
+_RETURNED = threading.Event()
+#: For each background write, whether it found the save already returned (False: it gave up waiting).
+_WRITES_AFTER_RETURN: list[bool] = []
 
 
-def _slow_writes() -> None:
+def _gate_writes(wait_s: float = 60.0) -> None:
+    """Make this process's background writes wait until the caller has returned from ``save_checkpoint``."""
     original = universal_save.write_staged
 
-    def slow(*args: Any, **kwargs: Any) -> None:
-        time.sleep(DELAY_S)
+    def gated(*args: Any, **kwargs: Any) -> None:
+        _WRITES_AFTER_RETURN.append(_RETURNED.wait(wait_s))
         original(*args, **kwargs)
 
-    universal_save.write_staged = slow  # type: ignore[assignment]  # this process only
+    universal_save.write_staged = gated  # type: ignore[assignment]  # this process only
 
 
 def _async_job(rank: int, world_size: int, root: str) -> dict[str, Any]:
@@ -47,12 +52,11 @@ def _async_job(rank: int, world_size: int, root: str) -> dict[str, Any]:
     family = build("oss_sdp", seed=0)
     train(family, range(2))
     save_checkpoint(base / "step_2", step=2, model=family.model, optimizer=family.optimizer)
-    _slow_writes()
+    _gate_writes()
     expected, expected_optim = state(family), optimizer_state(family)
-    start = time.perf_counter()
     save_checkpoint(base / "step_3", step=3, model=family.model, optimizer=family.optimizer, async_save=True)
-    returned_after = time.perf_counter() - start
     visible_at_return = (base / "step_3").exists()
+    _RETURNED.set()
     train(family, range(2, 3))  # the live state moves on while the background writes the staged copy
     wait_for_checkpoint()
     fresh = build("oss_sdp", seed=9)
@@ -80,7 +84,7 @@ def _async_job(rank: int, world_size: int, root: str) -> dict[str, Any]:
         failure = str(err)
     universal_save.write_local = original  # type: ignore[assignment]
     return {
-        "returned_after": returned_after,
+        "writes_after_return": list(_WRITES_AFTER_RETURN),
         "visible_at_return": visible_at_return,
         "same": same,
         "same_optim": same_optim,
@@ -91,7 +95,8 @@ def _async_job(rank: int, world_size: int, root: str) -> dict[str, Any]:
 def test_async_save_returns_before_publishing_and_saves_the_state_of_the_call(tmp_path: Path) -> None:
     results = run_distributed(_async_job, 2, str(tmp_path), timeout_s=120)
     for rank, out in enumerate(results):
-        assert out["returned_after"] < DELAY_S and not out["visible_at_return"], (rank, out)
+        assert out["writes_after_return"] and all(out["writes_after_return"]), (rank, out)
+        assert not out["visible_at_return"], (rank, out)
         assert out["same"] and out["same_optim"], rank
         assert "disk full (injected)" in out["failure"] and "rank(s) 1" in out["failure"], (rank, out["failure"])
     assert verify_checkpoint(tmp_path / "step_3").step == 3
@@ -104,7 +109,7 @@ def _save_then_exit(rank: int, world_size: int, root: str, how: str) -> None:
     family = build("plain", seed=0)
     train(family, range(2))
     save_checkpoint(base / "step_2", step=2, model=family.model, optimizer=family.optimizer)
-    _slow_writes()
+    _gate_writes()  # never released here: the background cannot publish before the exit below
     train(family, range(2, 3))
     save_checkpoint(base / "step_3", step=3, model=family.model, optimizer=family.optimizer, async_save=True)
     if how == "crash":
