@@ -1,49 +1,46 @@
 """``FullyShardedDataParallel``: the public ZeRO-3 wrapper (fairscale's arguments, shardkit's internals).
 
-What a unit *is* (its run-time state, settings and names) lives in the base class,
-:class:`~shardkit.nn.fsdp.unit_module.UnitModule`; this class adds what it *does*: construction, forward,
-gradient sync and clipping. It inherits the rest, built on that base class so those layers never import this one:
-``summon_full_params`` and ``reset_parameters`` from :class:`~shardkit.nn.fsdp.full_params.FullParamsMethods`,
-the state-dict methods (full, local, DCP-sharded, optimizer state) from
-:class:`~shardkit.nn.fsdp.state_dict.methods.StateDictMethods`. The root's first-forward set-up is
-:func:`~shardkit.nn.fsdp.root.init_root`.
+One class, built by composition as torch's FSDP2 is (module state -> parameter group -> parameter): what a unit
+*is* (its run-time state through ``fsdp_unit``, fairscale's settings, clean names) comes from
+:class:`~shardkit.nn.fsdp.unit_module.UnitModule`, the type the lower layers walk; this class adds construction,
+forward and gradients, and holds two collaborators its public methods delegate to: a
+:class:`~shardkit.nn.fsdp.full_params.FullParams` view (``summon_full_params``, ``apply``, ``reset_parameters``)
+and a :class:`~shardkit.nn.fsdp.state_dict.facade.StateDictFacade` (full, local, DCP-sharded and optimizer state).
+The root's first-forward set-up is :func:`~shardkit.nn.fsdp.root.init_root`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Optional, Union
 
 import torch
 from torch import nn
 
 from shardkit.distributed.groups import GroupLike, group_rank, group_size
-from shardkit.distributed.hybrid import HybridSpec, agree_across_nodes
-from shardkit.distributed.model_check import check_same_model
+from shardkit.distributed.hybrid import HybridSpec
 from shardkit.nn import optimizer_order
-from shardkit.nn.fsdp import grad_norm, hf_models, ties
-from shardkit.nn.fsdp.forward_methods import check_forward_method
-from shardkit.nn.fsdp.full_params import FullParamsMethods
-from shardkit.nn.fsdp.hybrid import resolve_unit_groups
-from shardkit.nn.fsdp.input_cast import make_input_mover
+from shardkit.nn._torch_private import IncompatibleKeys
+from shardkit.nn.fsdp import grad_norm, ties
+from shardkit.nn.fsdp.forward_methods import ForwardRunner
+from shardkit.nn.fsdp.full_params import FullParams
+from shardkit.nn.fsdp.hybrid import resolve_unit
+from shardkit.nn.fsdp.input_cast import unit_input_caster
 from shardkit.nn.fsdp.param_group import ParamGroup
 from shardkit.nn.fsdp.policies import (
     BackwardPrefetch,
     CPUOffload,
     ProcessGroupName,
     ShardingStrategy,
-    policies_from_args,
 )
-from shardkit.nn.fsdp.reduce_channels import resolve_reduce_group
-from shardkit.nn.fsdp.root import init_root
-from shardkit.nn.fsdp.runtime import TrainingState, Unit, eager, make_fp16_to_fp32_caster, make_input_caster
-from shardkit.nn.fsdp.state_dict.methods import StateDictMethods
+from shardkit.nn.fsdp.runtime import TrainingState, Unit
+from shardkit.nn.fsdp.state_dict import consolidate
+from shardkit.nn.fsdp.state_dict.facade import StateDictFacade
 from shardkit.nn.fsdp.unit_module import UnitModule
 
 
-class FullyShardedDataParallel(FullParamsMethods, StateDictMethods):
+class FullyShardedDataParallel(UnitModule):
     """Shard a module's parameters, gradients and optimizer state across a process group (ZeRO-3).
 
     Each rank keeps ``1/world_size`` of every parameter as a flat FP32 shard; ``model.parameters()`` yields only
@@ -200,20 +197,7 @@ class FullyShardedDataParallel(FullParamsMethods, StateDictMethods):
         # (policies_from_args refuses one that no builder reads): no other place lists them.
         settings = {name: value for name, value in locals().items() if name not in _NOT_SETTINGS}
         super().__init__()
-        group, replica_group, sharding_strategy = resolve_unit_groups(
-            process_group, sharding_strategy, reshard_after_forward
-        )
-        policies = policies_from_args(
-            {**settings, "sharding_strategy": sharding_strategy, "replica_group": replica_group}
-        )
-        policies = resolve_reduce_group(policies, group)
-        if replica_group is not None:  # the replicas must hold the same model too (nothing changed yet)
-            agree_across_nodes(
-                lambda g, err: check_same_model(module, g, "FullyShardedDataParallel", local_error=err),
-                group,
-                replica_group,
-                None,
-            )
+        group, policies = resolve_unit(module, process_group, settings)  # may raise; nothing changed yet
         self.process_group = group
         self.rank = group_rank(group)
         self.world_size = group_size(group)
@@ -229,73 +213,146 @@ class FullyShardedDataParallel(FullParamsMethods, StateDictMethods):
         ties.claim(self, module, tied)
         self.add_module("module", module)  # read back as .wrapped_module, and .module at fairscale's level
         self._unit = Unit(param_group, policies, label)
-        if policies.mixed_precision.param_dtype is not None:
-            # Every mixed-precision unit casts its floating-point inputs (a no-op below a mixed-precision root),
-            # so a mixed-precision unit inside a full-precision root still gets inputs of its compute dtype.
-            self._unit.cast_inputs = make_input_caster(policies.mixed_precision.param_dtype)
-        elif policies.mixed_precision.force_input_to_fp32:
-            self._unit.cast_inputs = make_fp16_to_fp32_caster()
-        if policies.offload.offload_params and param_group.handles:
-            # Offload chose the compute device (the rank's GPU when there is one): bring the batch there too.
-            cast, move = self._unit.cast_inputs, make_input_mover(param_group.handles[0].compute_device)
-            self._unit.cast_inputs = lambda tree: cast(move(tree))
+        handles = param_group.handles
+        offload_device = handles[0].compute_device if policies.offload.offload_params and handles else None
+        mp = policies.mixed_precision
+        self._unit.cast_inputs = unit_input_caster(mp.param_dtype, mp.force_input_to_fp32, offload_device)
         #: Original dtypes of floating-point buffers cast for mixed precision (clean name -> dtype), root only.
         self.buffer_original_dtypes: dict[str, torch.dtype] = {}
+        # The collaborators the public methods below delegate to.
+        self._forward = ForwardRunner(self)
+        self._full_params = FullParams(self)
+        self._state_dicts = StateDictFacade(self)
 
-    # ------------------------------------------------------------------ forward
+    # ------------------------------------------------------------------ forward (ForwardRunner)
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self._forward_with(self.wrapped_module, args, kwargs)
+        return self._forward.run(self.wrapped_module, args, kwargs)
 
-    def _forward_with(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Run ``fn`` (the wrapped module or one of its registered methods) as this unit's forward."""
-        self._lazy_init()
-        if self._unit.forward_inside_summon():
-            return fn(*args, **kwargs)  # the summoned full parameters are in place: nothing to gather or free
-        compiling = torch.compiler.is_compiling()
-        args, kwargs = self._unit.pre_forward(args, kwargs, not compiling)  # guarded unless compiling
-        if compiling:
-            # No try block under torch.compile: dynamo cannot resume after a graph break inside one, and nested
-            # units break the graph at their (eager) hooks. A forward that raises is undone at the next one.
-            output = fn(*args, **kwargs)
-        else:
-            try:
-                output = fn(*args, **kwargs)
-            except BaseException:
-                # e.g. a user error, or activation checkpointing stopping a recomputation early on purpose
-                self._unit.forward_failed()
-                raise
-        output = self._unit.post_forward(output)
-        if self._policies.mixed_precision.clear_autocast_cache:
-            torch.clear_autocast_cache()
-        return output
-
-    @eager
-    def _lazy_init(self) -> None:
-        """At the first forward of the outermost instance: mark it root, mark nested instances non-root."""
-        init_root(self)
-
-    # ------------------------------------------------------------------ attributes of the wrapped module
     def __getattr__(self, name: str) -> Any:
         """Fall back to the wrapped module's attributes (``fsdp.get_input`` reaches ``fsdp.module.get_input``)."""
         try:
             return super().__getattr__(name)
         except AttributeError:
-            module = self.__dict__.get("_modules", {}).get("module")
-            if module is None:
+            module, runner = self.__dict__.get("_modules", {}).get("module"), self.__dict__.get("_forward")
+            if module is None or runner is None:  # during construction
                 raise
-            if name in self.__dict__.get("_forward_methods", ()) or hf_models.routed_by_default(module, name):
-                return functools.partial(self.call_forward_method, name)
-            if name in hf_models.READS_PARAMETERS and hf_models.is_transformers_model(module):
-                return hf_models.read_with_params_listed(self, module, name)  # model.device, num_parameters()
-            return getattr(module, name)
+            return runner.attribute(module, name)
 
-    # ------------------------------------------------------------------ full parameters
-    def apply(self, fn: Any) -> FullyShardedDataParallel:
+    # ------------------------------------------------------------------ full parameters (FullParams)
+    def summon_full_params(
+        self, recurse: bool = True, volatile: bool = False, *, writeback: Optional[bool] = None
+    ) -> contextlib.AbstractContextManager[None]:
+        """Gather full-precision parameters and expose them under their original names inside the block.
+
+        Unless ``volatile`` (fairscale's name; ``writeback=False`` is the same) the values (edited in place or
+        reassigned, same shape) are copied back into the shards on exit; every rank keeps its own part, so edits
+        should agree across ranks. ``recurse=False`` gathers only this unit's own parameters. Not allowed inside
+        forward or backward; every rank enters the block. Example::
+
+            with model.summon_full_params():
+                model.module.fc.weight.mul_(0.5)
+            with model.summon_full_params(volatile=True):   # read only: nothing is copied back
+                snapshot = {n: p.clone() for n, p in model.named_parameters()}
+        """
+        return self._full_params.summon(recurse, volatile, writeback)
+
+    def apply(self, fn: Callable[[nn.Module], None]) -> FullyShardedDataParallel:
         """``nn.Module.apply`` with full parameters, written back to the shards (e.g. custom initialisation)."""
-        if self._unit.state == TrainingState.SUMMON_FULL_PARAMS:
-            return super().apply(fn)
-        with self.summon_full_params(recurse=True, writeback=True):
-            return super().apply(fn)
+        self._full_params.apply(fn)
+        return self
+
+    def reset_parameters(self) -> None:
+        """Re-initialise the wrapped module (``module.reset_parameters()`` on its full parameters, written back
+        to the shards). Only with ``allow_reset_parameters=True``: re-initialising after sharding gives
+        different values than before wrapping (random streams differ), so fairscale makes it opt-in too."""
+        self._full_params.reset()
+
+    # ------------------------------------------------------------------ state dicts (StateDictFacade)
+    def state_dict(  # type: ignore[override]
+        self,
+        *args: Any,
+        destination: Optional[dict[str, Any]] = None,
+        prefix: str = "",
+        keep_vars: bool = False,
+        **kwargs: Any,
+    ) -> dict[str, Any]:
+        """Full, unflattened state dict with the unwrapped model's keys (see :mod:`shardkit.nn.fsdp.state_dict`).
+
+        Takes ``nn.Module.state_dict``'s keywords (fairscale's signature is ``(*args, **kwargs)``); call on
+        every rank. Example::
+
+            torch.save(model.state_dict(), "full.pt")
+        """
+        options = {"destination": destination, "prefix": prefix, "keep_vars": keep_vars}
+        return self._state_dicts.state_dict(*args, **options, **kwargs)
+
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> IncompatibleKeys:
+        """Load a full state dict (as returned by :meth:`state_dict` or by the unwrapped model); every rank."""
+        return self._state_dicts.load_state_dict(state_dict, strict, assign)
+
+    def local_state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """This rank's shards and buffers, for saving and loading at the same world size and wrapping.
+
+        Takes ``nn.Module.state_dict``'s ``destination``, ``prefix`` and ``keep_vars`` (by keyword or in that
+        order), as fairscale's does: keys get ``prefix``, entries are added to ``destination`` (returned), and
+        ``keep_vars=True`` keeps the shards as the parameters themselves. No communication. Example::
+
+            torch.save(model.local_state_dict(), f"shard{rank}.pt")
+            sub = model.local_state_dict(destination={}, prefix="model.")   # as a parent's state_dict asks
+        """
+        return self._state_dicts.local_state_dict(*args, **kwargs)
+
+    def load_local_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> IncompatibleKeys:
+        """Load what :meth:`local_state_dict` returned on this rank."""
+        return self._state_dicts.load_local_state_dict(state_dict, strict)
+
+    def local_metadata_dict(self) -> dict[str, Any]:
+        """How this rank's :meth:`local_state_dict` maps onto the full model, for :meth:`consolidate_shard_weights`."""
+        return self._state_dicts.local_metadata_dict()
+
+    @staticmethod
+    def consolidate_shard_weights(
+        shard_weights: list[dict[str, torch.Tensor]],
+        shard_metadata: list[dict[str, Any]],
+        with_module_buffers: bool = True,
+        strict: bool = True,
+    ) -> dict[str, torch.Tensor]:
+        """The full state dict from every rank's :meth:`local_state_dict` and :meth:`local_metadata_dict`, offline
+        (no processes, no model; see :mod:`shardkit.nn.fsdp.state_dict.consolidate`)."""
+        return consolidate.consolidate_shard_weights(shard_weights, shard_metadata, with_module_buffers, strict)
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """Per original parameter a row-sharded DTensor, for ``torch.distributed.checkpoint.save``. Example::
+
+        torch.distributed.checkpoint.save({"model": model.sharded_state_dict()}, checkpoint_id=path)
+        """
+        return self._state_dicts.sharded_state_dict()
+
+    def load_sharded_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> IncompatibleKeys:
+        """Load what ``torch.distributed.checkpoint.load`` filled in from :meth:`sharded_state_dict`, at any
+        world size."""
+        return self._state_dicts.load_sharded_state_dict(state_dict, strict)
+
+    def gather_full_optim_state_dict(self, optim: Any, **ignored: Any) -> Optional[dict[str, Any]]:
+        """The optimizer state for the full, unflattened model (see :mod:`shardkit.nn.fsdp.state_dict`).
+
+        ``optim`` is the torch optimizer built from ``model.parameters()``, or a wrapper around it with
+        ``param_groups`` and ``state_dict()``. ``recipient_rank`` (default 0) is the one keyword used;
+        fairscale's other keywords are ignored, as there. A wrong ``optim`` is refused on every rank.
+        """
+        return self._state_dicts.gather_full_optim_state_dict(optim, ignored.get("recipient_rank", 0))
+
+    def get_shard_from_optim_state_dict(
+        self, full_optim_state_dict: dict[str, Any], optim: Optional[torch.optim.Optimizer] = None
+    ) -> dict[str, Any]:
+        """This rank's part of a full optimizer state dict, ready for ``optim.load_state_dict``."""
+        return self._state_dicts.get_shard_from_optim_state_dict(full_optim_state_dict, optim)
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        # Reached only when an *unwrapped* parent's load_state_dict recurses into this unit (auto_wrap case).
+        self._state_dicts.load_from_state_dict_hook(state_dict, prefix, *args)
 
     # ------------------------------------------------------------------ gradients
     @contextlib.contextmanager
@@ -305,7 +362,7 @@ class FullyShardedDataParallel(FullParamsMethods, StateDictMethods):
         Costs memory: every unit keeps an *unsharded* gradient (master dtype) until the next backward outside
         the block reduce-scatters the sum, so peak memory grows by the full model's gradient size, as in DDP.
         """
-        units = [m.fsdp_unit for m in self.modules() if isinstance(m, UnitModule)]
+        units = self.fsdp_units()
         previous = [u.sync_grads for u in units]
         for u in units:
             u.sync_grads = False
@@ -321,7 +378,7 @@ class FullyShardedDataParallel(FullParamsMethods, StateDictMethods):
         Handles units sharded over different groups (e.g. experts in a size-one group). Returns the norm
         before clipping.
         """
-        self._lazy_init()
+        self._forward.init_root()
         if not self._unit.is_root:
             raise RuntimeError(
                 f"clip_grad_norm_ was called on the nested unit '{self._unit.name}'; call it on the root (outermost) "
@@ -343,23 +400,12 @@ class FullyShardedDataParallel(FullParamsMethods, StateDictMethods):
             model.register_forward_method("generate")
             tokens = model.generate(input_ids, max_new_tokens=8)
         """
-        check_forward_method(self, method_name)
-        registered = self.__dict__.get("_forward_methods", frozenset())
-        self.__dict__["_forward_methods"] = registered | {method_name}
+        self._forward.register(method_name)
 
     def call_forward_method(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
         """Run ``self.module.<method_name>(*args, **kwargs)`` as this unit's forward (what ``self.<method_name>``
         does once registered)."""
-        method = getattr(self.wrapped_module, method_name)
-        self._lazy_init()
-        listed: Any = contextlib.nullcontext()
-        if hf_models.is_transformers_model(self.wrapped_module):  # generate() reads self.device
-            listed = hf_models.original_params_listed(self)
-        if self._unit.state == TrainingState.SUMMON_FULL_PARAMS:
-            with torch.no_grad(), listed:  # inference on the summoned parameters: their gradients would be lost
-                return method(*args, **kwargs)
-        with listed:
-            return self._forward_with(method, args, kwargs)
+        return self._forward.call(method_name, *args, **kwargs)
 
 
 #: Constructor arguments that are not settings of a policy (``__class__``: the cell ``super()`` reads).

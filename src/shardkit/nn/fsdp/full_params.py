@@ -1,47 +1,39 @@
-"""Full parameters on demand: the ``summon_full_params`` and ``reset_parameters`` methods of
-:class:`~shardkit.nn.fsdp.FullyShardedDataParallel`, as a base class it inherits.
+"""Full parameters on demand: the view a :class:`~shardkit.nn.fsdp.FullyShardedDataParallel` holds and hands
+``summon_full_params``, ``apply`` and ``reset_parameters`` to.
 
-Built on :class:`~shardkit.nn.fsdp.unit_module.UnitModule` (a unit's state and settings), so users call them on
-the FSDP object and ``help(FullyShardedDataParallel)`` lists them, while the public class keeps construction,
-forward and gradients.
+The view works on the :class:`~shardkit.nn.fsdp.unit_module.UnitModule` it belongs to (its run-time units, group
+and settings), never on the public class, so the public class imports it and not the other way round.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Optional
+
+from torch import nn
 
 from shardkit.nn.fsdp.collective_calls import every_rank_calls
 from shardkit.nn.fsdp.runtime import TrainingState
 from shardkit.nn.fsdp.unit_module import UnitModule
 
 
-class FullParamsMethods(UnitModule):
-    """Gather a unit's full parameters for a block of code, or re-initialise them.
+class FullParams:
+    """Gathers one unit's (and by default its nested units') full parameters for a block of code.
 
-    Not used on its own: :class:`~shardkit.nn.fsdp.FullyShardedDataParallel` inherits it. Example::
+    Example (what ``model.summon_full_params()`` runs; every rank enters the block)::
 
-        with model.summon_full_params():   # model: a FullyShardedDataParallel; every rank enters the block
+        with FullParams(model).summon():
             model.module.fc.weight.mul_(0.5)
     """
 
+    def __init__(self, owner: UnitModule) -> None:
+        self.owner = owner
+
     @contextlib.contextmanager
-    def summon_full_params(
-        self, recurse: bool = True, volatile: bool = False, *, writeback: Optional[bool] = None
-    ) -> Iterator[None]:
-        """Gather full-precision parameters and expose them under their original names inside the block.
-
-        Unless ``volatile`` (fairscale's name; ``writeback=False`` is the same) the values (edited in place or
-        reassigned, same shape) are copied back into the shards on exit; every rank keeps its own part, so edits
-        should agree across ranks. ``recurse=False`` gathers only this unit's own parameters. Not allowed inside
-        forward or backward. Example::
-
-            with model.summon_full_params():
-                model.module.fc.weight.mul_(0.5)
-            with model.summon_full_params(volatile=True):   # read only: nothing is copied back
-                snapshot = {n: p.clone() for n, p in model.named_parameters()}
-        """
+    def summon(self, recurse: bool = True, volatile: bool = False, writeback: Optional[bool] = None) -> Iterator[None]:
+        """Full parameters under their original names inside the block; unless ``volatile`` (or
+        ``writeback=False``), written back to the shards on exit. Not allowed inside forward or backward."""
         if writeback is None:
             writeback = not volatile
         elif writeback and volatile:
@@ -49,12 +41,11 @@ class FullParamsMethods(UnitModule):
                 "summon_full_params(volatile=True, writeback=True) contradict each other: volatile=True means no "
                 "writeback; pass only one of them"
             )
-        if self._unit.state != TrainingState.SUMMON_FULL_PARAMS:
-            every_rank_calls(self.process_group, "summon_full_params()")
-        targets = [m.fsdp_unit for m in self.modules() if isinstance(m, UnitModule)] if recurse else [self._unit]
+        if self.owner.training_state != TrainingState.SUMMON_FULL_PARAMS:
+            every_rank_calls(self.owner.process_group, "summon_full_params()")
         entered = []
         try:
-            for unit in targets:
+            for unit in self.owner.fsdp_units(recurse):
                 if unit.state == TrainingState.SUMMON_FULL_PARAMS:
                     continue  # already summoned by an enclosing call
                 unit.transition("summon")
@@ -67,15 +58,22 @@ class FullParamsMethods(UnitModule):
                     unit.group.unsummon(writeback)
                 unit.transition("unsummon")
 
-    def reset_parameters(self) -> None:
-        """Re-initialise the wrapped module (``module.reset_parameters()`` on its full parameters, written back
-        to the shards). Only with ``allow_reset_parameters=True``: re-initialising after sharding gives
-        different values than before wrapping (random streams differ), so fairscale makes it opt-in too."""
-        if not self._policies.allow_reset_parameters:
+    def apply(self, fn: Callable[[nn.Module], None]) -> None:
+        """``nn.Module.apply(fn)`` over the owner with full parameters, written back to the shards."""
+        if self.owner.training_state == TrainingState.SUMMON_FULL_PARAMS:
+            nn.Module.apply(self.owner, fn)
+            return
+        with self.summon(recurse=True, writeback=True):
+            nn.Module.apply(self.owner, fn)
+
+    def reset(self) -> None:
+        """``reset_parameters()`` of the wrapped module on its full parameters, only when the owner allows it
+        (re-initialising after sharding gives different values than before wrapping: random streams differ)."""
+        if not self.owner.allow_reset_parameters:
             raise RuntimeError(
                 "reset_parameters() after FullyShardedDataParallel wrapping is not allowed: initialise the module "
                 "before wrapping, or pass allow_reset_parameters=True"
             )
-        with self.summon_full_params(recurse=True):
-            module: Any = self.wrapped_module  # any module class may define reset_parameters
+        with self.summon(recurse=True):
+            module: Any = self.owner.wrapped_module  # any module class may define reset_parameters
             module.reset_parameters()

@@ -21,12 +21,32 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from torch import nn
+
 from shardkit.distributed.groups import GroupLike, group_size, resolve_group
-from shardkit.distributed.hybrid import hybrid_topology, is_hybrid_spec, is_mesh, mesh_group
+from shardkit.distributed.hybrid import agree_across_nodes, hybrid_topology, is_hybrid_spec, is_mesh, mesh_group
+from shardkit.distributed.model_check import check_same_model
 from shardkit.distributed.topology import Topology
+from shardkit.nn.fsdp.policies import FSDPPolicies, policies_from_args
+from shardkit.nn.fsdp.reduce_channels import resolve_reduce_group
 from shardkit.nn.fsdp.strategy import ShardingStrategy
 
 _WHO = "FullyShardedDataParallel"
+
+
+def resolve_unit(module: nn.Module, process_group: Any, settings: dict[str, Any]) -> tuple[GroupLike, FSDPPolicies]:
+    """A new unit's shard group and frozen policies, from the constructor's ``process_group`` and other
+    arguments (``settings``); where there are replicas, they must hold the same model. Raises on every rank
+    before anything changes."""
+    strategy, reshard = settings["sharding_strategy"], settings["reshard_after_forward"]
+    group, replica_group, strategy = resolve_unit_groups(process_group, strategy, reshard)
+    policies = policies_from_args({**settings, "sharding_strategy": strategy, "replica_group": replica_group})
+    policies = resolve_reduce_group(policies, group)
+    if replica_group is not None:
+        agree_across_nodes(
+            lambda g, err: check_same_model(module, g, _WHO, local_error=err), group, replica_group, None
+        )
+    return group, policies
 
 
 def resolve_unit_groups(

@@ -8,7 +8,7 @@ casts the floating-point tensors and leaves everything else as it is. Example::
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -50,3 +50,27 @@ def make_input_mover(device: torch.device) -> Callable[[Any], Any]:
         return tensor
 
     return lambda tree: tree_map(move, tree)
+
+
+def unit_input_caster(
+    param_dtype: Optional[torch.dtype], force_input_to_fp32: bool, offload_device: Optional[torch.device]
+) -> Callable[[Any], Any]:
+    """What a unit applies to its forward inputs: the compute dtype ``param_dtype`` under mixed precision (every
+    mixed-precision unit casts, a no-op below a mixed-precision root, so one inside a full-precision root still
+    gets its compute dtype), else float16 to float32 with ``force_input_to_fp32``; under CPU offload
+    (``offload_device``: the compute device offload chose, the rank's GPU when there is one) the batch is first
+    brought there."""
+    if param_dtype is not None:
+        cast = make_input_caster(param_dtype)
+    elif force_input_to_fp32:
+        cast = make_fp16_to_fp32_caster()
+    else:
+        cast = _unchanged
+    if offload_device is None:
+        return cast
+    move = make_input_mover(offload_device)
+    return lambda tree: cast(move(tree))
+
+
+def _unchanged(tree: Any) -> Any:
+    return tree

@@ -25,7 +25,6 @@ from torch.profiler import record_function
 
 from shardkit.nn.fsdp.comm_context import CommContext
 from shardkit.nn.fsdp.handle import FlatParamHandle
-from shardkit.nn.fsdp.input_cast import make_fp16_to_fp32_caster, make_input_caster
 from shardkit.nn.fsdp.param_group import ParamGroup
 from shardkit.nn.fsdp.policies import BackwardPrefetch, FSDPPolicies
 from shardkit.nn.fsdp.prefetch import Schedule
@@ -34,14 +33,7 @@ from shardkit.nn.fsdp.unit_state import IN_BACKWARD, TrainingState, check_event,
 from shardkit.utils._torch_private import queue_autograd_callback, tree_flatten, tree_unflatten
 from shardkit.utils.autograd import backward_running
 
-__all__ = [
-    "EAGER_REASON",
-    "TrainingState",
-    "Unit",
-    "eager",
-    "make_fp16_to_fp32_caster",
-    "make_input_caster",
-]
+__all__ = ["EAGER_REASON", "TrainingState", "Unit", "eager"]
 
 #: Why the lifecycle hooks run eagerly under ``torch.compile`` (shown by ``fullgraph=True``'s error).
 EAGER_REASON = (

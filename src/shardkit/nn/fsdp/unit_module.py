@@ -5,9 +5,10 @@ and reports, for the layers that build on it without depending on the public cla
 the checkpoint adapters read) walks: its run-time state through one accessor (:attr:`UnitModule.fsdp_unit`, the
 :class:`~shardkit.nn.fsdp.runtime.Unit` with its parameter group), the settings under fairscale's attribute names,
 and names as the unwrapped model spells them (:func:`walk_modules`, the one walker that knows which wrapper levels
-add no path segment). What a unit *does* (forward, summon, state dicts, optimizer state) is the public class's, in
-:mod:`shardkit.nn.fsdp.api`, which imports the state-dict layer; this module imports neither, so the layers form no
-cycle. torch's FSDP2 splits its ``FSDPModule`` the same way.
+add no path segment). What a unit *does* (forward, summon, state dicts, optimizer state) lives in collaborators
+that take a :class:`UnitModule` (:mod:`~shardkit.nn.fsdp.forward_methods`, :mod:`~shardkit.nn.fsdp.full_params`,
+:mod:`~shardkit.nn.fsdp.state_dict.facade`) and that the public class, its only subclass, holds and delegates to;
+this module imports none of them, so the layers form no cycle. torch's FSDP2 splits its ``FSDPModule`` the same way.
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ class PolicySetting(Generic[_T]):
 
 
 class UnitModule(nn.Module):
-    """Base of :class:`~shardkit.nn.fsdp.FullyShardedDataParallel`: one wrapped unit's state and settings.
+    """Base of :class:`~shardkit.nn.fsdp.FullyShardedDataParallel` (its one base): a wrapped unit's state and settings.
 
     Not constructed on its own; the subclass's constructor sets the attributes declared here.
     """
@@ -152,6 +153,10 @@ class UnitModule(nn.Module):
         ``handles`` are the flat parameters), its :class:`TrainingState`, its name and, on the root, the tree's
         units and schedule. For the core's layers; readers of the shards use :func:`shardkit.nn.fsdp.layout`."""
         return self._unit
+
+    def fsdp_units(self, recurse: bool = True) -> list[Unit]:
+        """This unit's run-time state and, with ``recurse``, that of every unit below it (``modules()`` order)."""
+        return [m.fsdp_unit for m in self.modules() if isinstance(m, UnitModule)] if recurse else [self._unit]
 
     @property
     def _policies(self) -> FSDPPolicies:
@@ -303,7 +308,7 @@ class UnitModule(nn.Module):
         """
         if not (pre > 0 and post > 0):
             raise ValueError(f"set_gradient_divide_factors: factors must be > 0, got pre={pre}, post={post}")
-        targets = [m.fsdp_unit for m in self.modules() if isinstance(m, UnitModule)] if recursive else [self._unit]
+        targets = self.fsdp_units(recursive)
         for unit in targets:
             unit.assert_state(TrainingState.IDLE)
         for unit in targets:

@@ -39,31 +39,19 @@ Example::
 """
 
 from shardkit.nn.fsdp.state_dict.consolidate import consolidate_shard_weights, local_metadata_dict
-from shardkit.nn.fsdp.state_dict.full import (
-    load_from_state_dict_hook,
-    load_local_state_dict,
-    load_state_dict,
-    local_state_dict,
-    state_dict,
-)
-from shardkit.nn.fsdp.state_dict.optim import (
-    gather_full_optim_state_dict,
-    get_shard_from_optim_state_dict,
-    optim_input_error,
-)
+from shardkit.nn.fsdp.state_dict.full import load_local_state_dict, load_state_dict, local_state_dict, state_dict
+from shardkit.nn.fsdp.state_dict.optim import gather_full_optim_state_dict, get_shard_from_optim_state_dict
 from shardkit.nn.fsdp.state_dict.sharded import load_sharded_state_dict, sharded_state_dict
 
 __all__ = [
     "consolidate_shard_weights",
     "gather_full_optim_state_dict",
     "get_shard_from_optim_state_dict",
-    "load_from_state_dict_hook",
     "load_local_state_dict",
     "load_sharded_state_dict",
     "load_state_dict",
     "local_metadata_dict",
     "local_state_dict",
-    "optim_input_error",
     "sharded_state_dict",
     "state_dict",
 ]

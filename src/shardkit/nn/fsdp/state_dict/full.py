@@ -26,11 +26,7 @@ _LOCAL_META_KEY = "shardkit.fsdp.local"
 
 
 def state_dict(
-    fsdp: UnitModule,
-    *args: Any,
-    destination: Optional[dict[str, Any]] = None,
-    prefix: str = "",
-    keep_vars: bool = False,
+    fsdp: UnitModule, destination: Optional[dict[str, Any]] = None, prefix: str = "", keep_vars: bool = False
 ) -> dict[str, Any]:
     """Full, unflattened state dict: exactly the unwrapped model's keys, FP32 parameters, buffers in their
     original dtypes, on ``state_dict_device`` (default: the parameters' device). Call on every rank.
@@ -40,8 +36,6 @@ def state_dict(
     except with ``state_dict_on_rank_0_only``: every rank still takes part in the gathers, but only global rank 0
     copies the values out and the others get ``{}`` (nothing added to ``destination``).
     """
-    if args:
-        raise TypeError("state_dict() takes keyword arguments only (destination=, prefix=, keep_vars=)")
     view = layout(fsdp).require_idle("state_dict()")
     device = fsdp.state_dict_device
     keep = not fsdp.state_dict_on_rank_0_only or _global_rank(fsdp) == 0
