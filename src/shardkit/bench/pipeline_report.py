@@ -12,15 +12,13 @@ import math
 import os
 import statistics
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
+from shardkit.bench.pipeline_settings import PipelineSettings
 from shardkit.bench.pipeline_smp import predicted_bubble
 from shardkit.bench.pipeline_theory import bubble_theory, torch_bubble_theory
 from shardkit.bench.pipeline_torch import TORCH_SCHEDULES, chunks_per_rank
 from shardkit.utils.report import format_table, ratio
-
-if TYPE_CHECKING:
-    from shardkit.bench.pipeline import PipelineSettings
 
 
 @dataclass
