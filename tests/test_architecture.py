@@ -10,7 +10,7 @@ it, so the message says which file to change.
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NamedTuple
 
@@ -87,11 +87,12 @@ def import_edges() -> list[Edge]:
     return edges
 
 
-def package_cycles(edges: list[Edge]) -> list[list[str]]:
-    """Groups of packages that reach each other (strongly connected, more than one package), each sorted."""
+def package_cycles(edges: list[Edge], group: Callable[[str], str] = package_of) -> list[list[str]]:
+    """Groups of packages (or of whatever ``group`` maps a module to) that reach each other (strongly connected,
+    more than one member), each sorted."""
     graph: dict[str, set[str]] = {}
     for edge in edges:
-        src, dst = package_of(edge.importer), package_of(edge.imported)
+        src, dst = group(edge.importer), group(edge.imported)
         graph.setdefault(src, set())
         graph.setdefault(dst, set())
         if src != dst:
@@ -135,6 +136,15 @@ def test_no_package_imports_another_that_imports_it_back() -> None:
     assert not cycles, (
         f"{len(cycles)} package cycle(s); move the code to the layer that owns it (a lazy import is still an "
         "edge):\n" + "\n".join(describe(cycle, edges) for cycle in cycles)
+    )
+
+
+def test_no_module_imports_another_that_imports_it_back() -> None:
+    edges = import_edges()
+    cycles = package_cycles(edges, group=lambda module: module)
+    assert not cycles, (
+        f"{len(cycles)} module cycle(s), type-checking imports included; move what both need to a module of its "
+        "own:\n" + "\n".join(" <-> ".join(cycle) for cycle in cycles)
     )
 
 
