@@ -7,6 +7,7 @@ files holding the state at the time of the call.
 
 from __future__ import annotations
 
+import atexit
 import os
 import subprocess
 import sys
@@ -109,11 +110,14 @@ def _save_then_exit(rank: int, world_size: int, root: str, how: str) -> None:
     family = build("plain", seed=0)
     train(family, range(2))
     save_checkpoint(base / "step_2", step=2, model=family.model, optimizer=family.optimizer)
-    _gate_writes()  # never released here: the background cannot publish before the exit below
+    _gate_writes()  # the background cannot write before the gate opens
     train(family, range(2, 3))
     save_checkpoint(base / "step_3", step=3, model=family.model, optimizer=family.optimizer, async_save=True)
     if how == "crash":
-        os._exit(3)  # dies before the background publishes; no atexit
+        os._exit(3)  # dies with the gate shut: the background never publishes; no atexit
+    # Opened only once the process exits (atexit runs the last registered first, so before shardkit's wait): the
+    # save is certainly still pending then, and the exit must wait for it.
+    atexit.register(_RETURNED.set)
 
 
 def test_crash_before_publish_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
