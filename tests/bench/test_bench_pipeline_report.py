@@ -100,7 +100,7 @@ def test_ratios_to_torch_best_and_our_best(capsys: pytest.CaptureFixture[str]) -
 def test_strategy_names_say_why_a_torch_schedule_is_left_out(monkeypatch: pytest.MonkeyPatch) -> None:
     settings = pipeline.PipelineSettings(lm=pipeline.QUICK_LM)  # 2 blocks: too few for 4 chunks
     monkeypatch.setattr(pipeline_torch, "torch_schedule_class", lambda name: None if name == "torch GPipe" else object)
-    monkeypatch.setattr(pipeline_torch, "zbv_schedule_runs_on_gloo", lambda: True)  # the block count decides here
+    monkeypatch.setattr(pipeline_torch, "v_schedules_run_on_gloo", lambda: True)  # the block count decides here
     names, skipped = pipeline.strategy_names(settings, "smp,torch all,torch 1F1B")
     assert names == ["smp", "torch 1F1B"]
     assert "has no torch.distributed.pipelining.ScheduleGPipe" in skipped["torch GPipe"]
@@ -109,6 +109,6 @@ def test_strategy_names_say_why_a_torch_schedule_is_left_out(monkeypatch: pytest
         *(n for n in pipeline.TORCH_SCHEDULES if n not in ("torch GPipe", "torch 1F1B")),
     }
     assert "its 4 pipeline stages (2 per rank) need a block each; the LM has 2" in skipped["torch ZBVZeroBubble"]
-    monkeypatch.setattr(pipeline_torch, "zbv_schedule_runs_on_gloo", lambda: False)
+    monkeypatch.setattr(pipeline_torch, "v_schedules_run_on_gloo", lambda: False)
     _, skipped = pipeline.strategy_names(settings, "smp,torch ZBVZeroBubble")
-    assert "ZBVZeroBubble fails over gloo (runs from 2.13)" in skipped["torch ZBVZeroBubble"]
+    assert "ScheduleZBVZeroBubble fails over gloo (runs from 2.13)" in skipped["torch ZBVZeroBubble"]

@@ -21,7 +21,7 @@ from torch import nn
 from shardkit.distributed import collectives
 from shardkit.modelparallel.virtual_schedules import placement as chunk_placement
 from shardkit.models import TransformerLM
-from shardkit.utils.torch_compat import step_takes_return_outputs, zbv_schedule_runs_on_gloo
+from shardkit.utils.torch_compat import step_takes_return_outputs, v_schedules_run_on_gloo
 
 
 class _FirstStage(nn.Module):
@@ -174,8 +174,8 @@ def strategy_names(settings: Any, strategies: str) -> tuple[list[str], dict[str,
         chunks = settings.stages * chunks_per_rank(schedule.layout, settings.virtual_stages)
         if torch_schedule_class(name) is None:
             skipped[name] = f"torch {torch.__version__} has no torch.distributed.pipelining.{schedule.cls_name}"
-        elif schedule.cls_name == "ScheduleZBVZeroBubble" and not zbv_schedule_runs_on_gloo():
-            skipped[name] = f"torch {torch.__version__}'s ZBVZeroBubble fails over gloo (runs from 2.13)"
+        elif schedule.layout == "v" and not v_schedules_run_on_gloo():
+            skipped[name] = f"torch {torch.__version__}'s {schedule.cls_name} fails over gloo (runs from 2.13)"
         elif chunks > settings.lm.n_layers:
             skipped[name] = (
                 f"its {chunks} pipeline stages ({chunks // settings.stages} per rank) need a block each; the LM has "

@@ -177,11 +177,12 @@ def cpu_flash_attention_takes_gqa() -> bool:
     return release() >= (2, 9)
 
 
-def zbv_schedule_runs_on_gloo() -> bool:
-    """Whether torch.distributed.pipelining's ``ScheduleZBVZeroBubble`` completes a step over gloo. Checked with
-    ``shardkit bench pipeline --quick --layers 4 --strategies "smp,torch ZBVZeroBubble"`` at 2 ranks: 2.8.0 and
-    2.11.0 fail in its batched sends ("Pair is not connected" on one rank, "Connection closed by peer" on the
-    other); 2.13.0 runs and trains as smp (2.12 not run, so it counts as failing)."""
+def v_schedules_run_on_gloo() -> bool:
+    """Whether torch.distributed.pipelining's V-placement schedules (``ScheduleZBVZeroBubble``,
+    ``ScheduleDualPipeV``) complete a step over gloo. Checked with ``shardkit bench pipeline --quick --layers 4``
+    at 2 ranks: ZBVZeroBubble fails on 2.8.0 and 2.11.0, DualPipeV (from 2.9) on 2.11.0, in their batched
+    sends ("Pair is not connected" on one rank, "Connection closed by peer" on the other); both run on 2.13.0 and
+    train as smp (2.9, 2.10 and 2.12 not run, so they count as failing)."""
     return release() >= (2, 13)
 
 
