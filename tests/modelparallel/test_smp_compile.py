@@ -14,6 +14,7 @@ from torch import nn
 
 import shardkit.modelparallel as smp
 from shardkit.testing import run_distributed
+from testkit.models import ScaleWithWeightGrad
 
 SCHEDULES: dict[str, dict[str, Any]] = {
     "simple": {"pipeline": "simple"},
@@ -29,22 +30,8 @@ STEPS = 2
 TOL = 1e-5
 
 
-class _Scale(torch.autograd.Function):
-    """``x * w``; its backward returns the input's and the weight's gradients together (cannot run in halves)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x, w)
-        return x * w
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x, w = ctx.saved_tensors
-        return grad * w, (grad * x).sum(0)
-
-
 class Block(nn.Module):
-    """A linear layer, tanh, and (``custom``) a learned scale through :class:`_Scale`."""
+    """A linear layer, tanh, and (``custom``) a learned scale through :class:`~testkit.models.ScaleWithWeightGrad`."""
 
     def __init__(self, fan_in: int, fan_out: int, custom: bool = False) -> None:
         super().__init__()
@@ -53,7 +40,7 @@ class Block(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.lin(h))
-        return _Scale.apply(h, self.scale) if self.scale is not None else h
+        return ScaleWithWeightGrad.apply(h, self.scale) if self.scale is not None else h
 
 
 def _net(custom: bool = False) -> nn.Sequential:
@@ -183,7 +170,7 @@ def test_compiled_blocks_train_as_one_process_under_every_schedule() -> None:
 def test_custom_function_with_weight_gradient_trains_as_one_process_under_every_schedule() -> None:
     """Item 6: a Function whose backward returns the weight's gradient with the input's runs unsplit, exactly."""
     results = run_distributed(_train, 2, [("custom_function", name) for name in SCHEDULES])
-    _assert_trains_as_one_process(results, "custom_function", node="_ScaleBackward")
+    _assert_trains_as_one_process(results, "custom_function", node="ScaleWithWeightGradBackward")
 
 
 def test_compiled_modules_smp_cannot_route_are_refused_on_every_rank() -> None:

@@ -19,6 +19,7 @@ from torch import nn
 
 import shardkit.modelparallel as smp
 from shardkit.testing import run_distributed
+from testkit.models import ScaleWithWeightGrad
 
 ZB = "zero_bubble"
 H2 = "zero_bubble_h2"
@@ -110,25 +111,13 @@ def test_checkpointed_stage_falls_back_to_the_unsplit_backward() -> None:
         assert len(r["warnings"]) == 1 and "activation-checkpointed" in r["warnings"][0], r["warnings"]
 
 
-class _Scale(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x, w)
-        return x * w
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x, w = ctx.saved_tensors
-        return grad * w, (grad * x).sum(0)
-
-
 class _CustomLayer(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.w = nn.Parameter(torch.linspace(0.5, 1.5, 16))
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return _Scale.apply(h, self.w)
+        return ScaleWithWeightGrad.apply(h, self.w)
 
 
 def _custom_net() -> nn.Module:
@@ -169,7 +158,7 @@ def test_custom_function_on_both_gradient_paths_runs_unsplit() -> None:
     for rank, (a, b) in enumerate(zip(split, plain)):
         assert max_diff(a["state"], b["state"]) == 0.0
         if rank == 1:
-            assert len(a["warnings"]) == 1 and "_ScaleBackward" in a["warnings"][0], a["warnings"]
+            assert len(a["warnings"]) == 1 and "ScaleWithWeightGradBackward" in a["warnings"][0], a["warnings"]
         else:
             assert a["warnings"] == []
 

@@ -46,3 +46,18 @@ def tiny_model(name: str, seed: int = 0) -> nn.Module:
         torch.manual_seed(seed)
         return BranchyNet()
     return build(name, seed=seed)
+
+
+class ScaleWithWeightGrad(torch.autograd.Function):
+    """``x * w`` whose backward returns the input's and the weight's gradients together: a node a split backward
+    cannot run in halves (the zero-bubble schedules must fall back to the unsplit backward for it)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, w = ctx.saved_tensors
+        return grad * w, (grad * x).sum(0)
