@@ -9,6 +9,7 @@ same values computed in one process.
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import pytest
@@ -19,6 +20,7 @@ from torch import nn
 import shardkit.modelparallel as smp
 from shardkit.modelparallel.step import gather_microbatch_outputs
 from shardkit.testing import run_distributed
+from testkit.smp import new_mse_step
 
 MICROBATCHES = 4
 BATCH = 16
@@ -199,3 +201,30 @@ def test_gather_refuses_outputs_whose_structure_differs_between_microbatches() -
         gather_microbatch_outputs([{"a": 1}, {"b": 1}])
     with pytest.raises(ValueError, match="tensor in micro-batch 0"):
         gather_microbatch_outputs([torch.tensor(1.0), 1.0])
+
+
+def _models_one_after_another(rank: int, world_size: int, models: int) -> list[list[float]]:
+    """One step function over several models in turn. Rank 1 sees every model at the same ``id`` (as when a freed
+    model's memory is reused for the next one, which CPython does by chance): nothing may depend on it."""
+    if rank == 1:
+        # Shadows the builtin inside the module (``smp.step`` the attribute is the decorator, not the module).
+        importlib.import_module("shardkit.modelparallel.step").id = lambda obj: 0
+    step = new_mse_step()
+    losses, kept = [], []
+    for _ in range(models):
+        smp.init({"partitions": world_size, "microbatches": MICROBATCHES})
+        model = smp.DistributedModel(_classifier())
+        x, y = _batch(0)
+        losses.append([t.item() for t in step(model, x, F.one_hot(y, 4).float()).outputs])
+        kept.append(model)  # rank 0's models keep their distinct ids
+        smp.reset()
+    return losses
+
+
+def test_a_new_model_is_checked_afresh_even_where_an_old_ones_memory_is_reused() -> None:
+    """The first-call check of a step's outputs belongs to the model object: keyed by ``id(model)``, a rank that
+    reused a freed model's address skipped the check the other rank made, and the two waited in different
+    collectives until the job was killed."""
+    per_rank = run_distributed(_models_one_after_another, 2, 3, timeout_s=60)
+    assert per_rank[0] == per_rank[1]
+    assert per_rank[0][0] == per_rank[0][1] == per_rank[0][2]  # the same start and batch: the same losses

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import weakref
 from collections.abc import Iterable
 from typing import Any, Callable, Optional, Union, overload
 
@@ -96,8 +97,10 @@ def step(
 
     def decorate(fn: StepFunction) -> StepFunction:
         signature = inspect.signature(fn)
-        # Per decorated function and model: its outputs' layout is checked on its first call.
-        sharings: dict[int, OutputSharing] = {}
+        # Per decorated function and model: its outputs' layout is checked on its first call. Keyed by the model
+        # object itself (weakly): an ``id`` can be reused by a later model on one rank and not another, which
+        # would have that rank skip a check the others make.
+        sharings: weakref.WeakKeyDictionary[Any, OutputSharing] = weakref.WeakKeyDictionary()
 
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -116,7 +119,7 @@ def step(
             def forward(mb: int) -> Any:
                 return fn(*per_mb[mb].args, **per_mb[mb].kwargs)
 
-            sharing = sharings.setdefault(id(model), OutputSharing())
+            sharing = sharings.setdefault(model, OutputSharing())
             run = StepRun(lambda: model.stage_execution, num_mb, forward, detach_outputs, sharing)
             with model.running(run):
                 outputs = run.run()
