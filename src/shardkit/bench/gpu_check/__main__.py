@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 #: Name, time limit (seconds) and what it shows; run in this order, most valuable first. The limits add up to
-#: 445 s; with process starts the whole stays inside :data:`BUDGET_S`, under the 8 minutes asked for.
+#: 490 s, more than :data:`BUDGET_S` (8 minutes, as asked): a part gets what is left, so a slow run squeezes the
+#: least valuable parts at the end, never the first ones.
 PARTS: tuple[tuple[str, int, str], ...] = (
     ("env", 30, "versions, every module imported, private torch APIs"),
     ("strategies", 70, "every strategy at world size 1 on NCCL against the unwrapped model"),
@@ -30,13 +31,14 @@ PARTS: tuple[tuple[str, int, str], ...] = (
     ("compile", 75, "torch.compile (inductor) of shardkit FSDP against eager"),
     ("checkpoint", 30, "universal checkpoint from GPU memory, sync and async, host peak"),
     ("gloo_ranks", 45, "two ranks on one GPU over gloo with CUDA tensors"),
+    ("pipeline", 45, "every smp schedule (split backward on CUDA's autograd threads) over two ranks on one GPU"),
     ("cuda_tests", 40, "the CUDA-only tests under pytest"),
     ("plan", 55, "plan's accelerator estimate against max_memory_allocated, ~1B model, DDP and FSDP"),
     ("throughput", 50, "plain vs shardkit FSDP vs torch FSDP2 on the ~1B model: tokens/s, peak memory"),
 )
 #: Wall seconds for all parts together (process starts included): a part gets what is left if that is less
 #: than its own limit, and is skipped with under 10 s left.
-BUDGET_S = 450
+BUDGET_S = 480
 
 
 @dataclass

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from shardkit.bench.gpu_check import parts_big, parts_core, parts_fsdp
+from shardkit.bench.gpu_check import parts_big, parts_core, parts_fsdp, parts_pipeline
 from shardkit.bench.gpu_check.common import Results, close_world
 
 
@@ -24,6 +24,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "env": parts_core.part_env,
         "strategies": parts_core.part_strategies,
         "gloo_ranks": parts_core.part_gloo_ranks,
+        "pipeline": parts_pipeline.part_pipeline,
         "fsdp": parts_fsdp.part_fsdp,
         "compile": parts_fsdp.part_compile,
         "checkpoint": parts_fsdp.part_checkpoint,
