@@ -126,8 +126,21 @@ def _worker(settings: PipelineSettings, names: list[str]) -> dict[str, Any]:
     result: dict[str, Any] = {"rank": dist.get_rank(), "times": times, "losses": losses, "cuts": cut_lines}
     if smp_live is not None:
         _smp_results(settings, smp_live, result, tokens, targets)
+    _torch_results(settings, lives, result, tokens, targets)
     dist.destroy_process_group()
     return result
+
+
+def _torch_results(
+    settings: PipelineSettings, lives: dict[str, Any], result: dict[str, Any], tokens: Any, targets: Any
+) -> None:
+    """torch's measurements of every schedule into ``result``: bytes sent and receive waits of the timed steps,
+    peak activation memory (one more step each, every rank in the same order)."""
+    for name, live in lives.items():
+        if isinstance(live, TorchPipeline):
+            result.setdefault("torch_sent", {})[name] = live.meters.sent[settings.warmup :]
+            result.setdefault("torch_wait", {})[name] = live.meters.waits[settings.warmup :]
+            result.setdefault("torch_peak_activation", {})[name] = live.peak_activation_bytes(tokens, targets)
 
 
 def _smp_results(
@@ -142,6 +155,7 @@ def _smp_results(
         result.setdefault("smp_peak_with_w_grads", {})[name] = with_w
         result.setdefault("smp_wait", {})[name] = smp_live.waits[schedule][settings.warmup :]
         result.setdefault("smp_share", {})[name] = smp_live.shares[schedule][settings.warmup :]
+        result.setdefault("smp_sent", {})[name] = smp_live.sent[schedule][settings.warmup :]
         costs = action_costs(smp_live.costs[schedule][settings.warmup :], settings.microbatches)
         result.setdefault("smp_costs", {})[name] = costs
         result.setdefault("smp_trace", {})[name] = smp_live.traces.get(schedule, [])
