@@ -14,13 +14,15 @@ skipped, with the reason).
 
 The table (:mod:`shardkit.bench.pipeline_report`) gives the median and the minimum step time (slowest rank per
 step; the minimum is the least disturbed by other load on a shared machine), their ratios to torch's 1F1B and
-to torch's best schedule of the run, smp's measured bubble (time each stage spent blocked on receives,
-averaged over stages) against the theory (:mod:`shardkit.bench.pipeline_theory`), and smp's peak activation
-memory per stage (bytes saved for backward, measured in one extra step per schedule:
-:mod:`shardkit.bench.pipeline_smp`); then ``our best vs torch's best``. ``--schedules interleaved,zero_bubble``
-runs several smp schedules side by side in the same processes, each with its own weights, and prints each
-against the first. ``--virtual-stages v`` (interleaved 1F1B over ``v`` chunks per stage) and
-``--smp-pipeline zbv`` cut the model into chunks of their own, so they run as the only smp schedule of their run.
+to torch's best schedule of the run, the measured bubble (time each stage spent blocked on receives,
+averaged over stages) against the theory (:mod:`shardkit.bench.pipeline_theory`), the peak activation memory
+per stage (bytes saved for backward, measured in one extra step per schedule), and the bytes each stage sent to
+the others per step, for smp's schedules (:mod:`shardkit.bench.pipeline_smp`) and torch's
+(:mod:`shardkit.bench.pipeline_torch_meters`) alike; then ``our best vs torch's best``.
+``--schedules interleaved,zero_bubble`` runs several smp schedules side by side in the same processes, each with
+its own weights, and prints each against the first. ``--virtual-stages v`` (interleaved 1F1B over ``v`` chunks
+per stage) and ``--smp-pipeline zbv`` cut the model into chunks of their own, so they run as the only smp
+schedule of their run.
 
 Run it as ``shardkit bench pipeline`` (options ``--steps``, ``--warmup``, ``--world-size``/``--stages``,
 ``--quick``, ``--layers``, ``--microbatches``, ``--smp-pipeline simple|interleaved|zero_bubble|zbv``,

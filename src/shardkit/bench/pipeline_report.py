@@ -2,8 +2,9 @@
 lines printed under it (:func:`print_report`).
 
 Every step time is the slowest rank's; the table gives each strategy's median and minimum (the least disturbed
-by other load on a shared machine) against torch's 1F1B and against torch's best schedule of the same run, and
-the line ``our best vs torch's best`` compares smp's fastest schedule with torch's fastest.
+by other load on a shared machine) against torch's 1F1B and against torch's best schedule of the same run, each
+row's measured bubble, peak activation memory and bytes sent per stage (a note under the table says what each
+counts), and the line ``our best vs torch's best`` compares smp's fastest schedule with torch's fastest.
 """
 
 from __future__ import annotations
