@@ -34,6 +34,7 @@ IMPORT_POINTS = (
     "shardkit.checkpoint._torch_private",
     "shardkit.modelparallel._torch_private",
     "shardkit.plan._torch_private",
+    "shardkit.bench._torch_private",
 )
 
 #: Private attributes of torch objects that are reached on an instance (no ``torch.`` prefix to see): the scan

@@ -14,13 +14,15 @@ skipped, with the reason).
 
 The table (:mod:`shardkit.bench.pipeline_report`) gives the median and the minimum step time (slowest rank per
 step; the minimum is the least disturbed by other load on a shared machine), their ratios to torch's 1F1B and
-to torch's best schedule of the run, smp's measured bubble (time each stage spent blocked on receives,
-averaged over stages) against the theory (:mod:`shardkit.bench.pipeline_theory`), and smp's peak activation
-memory per stage (bytes saved for backward, measured in one extra step per schedule:
-:mod:`shardkit.bench.pipeline_smp`); then ``our best vs torch's best``. ``--schedules interleaved,zero_bubble``
-runs several smp schedules side by side in the same processes, each with its own weights, and prints each
-against the first. ``--virtual-stages v`` (interleaved 1F1B over ``v`` chunks per stage) and
-``--smp-pipeline zbv`` cut the model into chunks of their own, so they run as the only smp schedule of their run.
+to torch's best schedule of the run, the measured bubble (time each stage spent blocked on receives,
+averaged over stages) against the theory (:mod:`shardkit.bench.pipeline_theory`), the peak activation memory
+per stage (bytes saved for backward, measured in one extra step per schedule), and the bytes each stage sent to
+the others per step, for smp's schedules (:mod:`shardkit.bench.pipeline_smp`) and torch's
+(:mod:`shardkit.bench.pipeline_torch_meters`) alike; then ``our best vs torch's best``.
+``--schedules interleaved,zero_bubble`` runs several smp schedules side by side in the same processes, each with
+its own weights, and prints each against the first. ``--virtual-stages v`` (interleaved 1F1B over ``v`` chunks
+per stage) and ``--smp-pipeline zbv`` cut the model into chunks of their own, so they run as the only smp
+schedule of their run.
 
 Run it as ``shardkit bench pipeline`` (options ``--steps``, ``--warmup``, ``--world-size``/``--stages``,
 ``--quick``, ``--layers``, ``--microbatches``, ``--smp-pipeline simple|interleaved|zero_bubble|zbv``,
@@ -126,8 +128,21 @@ def _worker(settings: PipelineSettings, names: list[str]) -> dict[str, Any]:
     result: dict[str, Any] = {"rank": dist.get_rank(), "times": times, "losses": losses, "cuts": cut_lines}
     if smp_live is not None:
         _smp_results(settings, smp_live, result, tokens, targets)
+    _torch_results(settings, lives, result, tokens, targets)
     dist.destroy_process_group()
     return result
+
+
+def _torch_results(
+    settings: PipelineSettings, lives: dict[str, Any], result: dict[str, Any], tokens: Any, targets: Any
+) -> None:
+    """torch's measurements of every schedule into ``result``: bytes sent and receive waits of the timed steps,
+    peak activation memory (one more step each, every rank in the same order)."""
+    for name, live in lives.items():
+        if isinstance(live, TorchPipeline):
+            result.setdefault("torch_sent", {})[name] = live.meters.sent[settings.warmup :]
+            result.setdefault("torch_wait", {})[name] = live.meters.waits[settings.warmup :]
+            result.setdefault("torch_peak_activation", {})[name] = live.peak_activation_bytes(tokens, targets)
 
 
 def _smp_results(
@@ -142,6 +157,7 @@ def _smp_results(
         result.setdefault("smp_peak_with_w_grads", {})[name] = with_w
         result.setdefault("smp_wait", {})[name] = smp_live.waits[schedule][settings.warmup :]
         result.setdefault("smp_share", {})[name] = smp_live.shares[schedule][settings.warmup :]
+        result.setdefault("smp_sent", {})[name] = smp_live.sent[schedule][settings.warmup :]
         costs = action_costs(smp_live.costs[schedule][settings.warmup :], settings.microbatches)
         result.setdefault("smp_costs", {})[name] = costs
         result.setdefault("smp_trace", {})[name] = smp_live.traces.get(schedule, [])

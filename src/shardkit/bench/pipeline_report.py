@@ -2,8 +2,9 @@
 lines printed under it (:func:`print_report`).
 
 Every step time is the slowest rank's; the table gives each strategy's median and minimum (the least disturbed
-by other load on a shared machine) against torch's 1F1B and against torch's best schedule of the same run, and
-the line ``our best vs torch's best`` compares smp's fastest schedule with torch's fastest.
+by other load on a shared machine) against torch's 1F1B and against torch's best schedule of the same run, each
+row's measured bubble, peak activation memory and bytes sent per stage (a note under the table says what each
+counts), and the line ``our best vs torch's best`` compares smp's fastest schedule with torch's fastest.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from shardkit.bench.pipeline_settings import PipelineSettings
 from shardkit.bench.pipeline_smp import predicted_bubble
 from shardkit.bench.pipeline_theory import bubble_theory, torch_bubble_theory
 from shardkit.bench.pipeline_torch import TORCH_SCHEDULES, chunks_per_rank
+from shardkit.bench.pipeline_torch_meters import P2P_MISSING
 from shardkit.utils.report import format_table, ratio
 
 
@@ -49,6 +51,9 @@ class Row:
     chunks_per_rank: int = 1
     #: The bubble of this schedule with equal F, B and W times; ``None`` where the bench has no model of it.
     bubble_theory: Optional[float] = None
+    #: Per stage, the bytes of activations and gradients it sent to other ranks in one step (median over steps;
+    #: smp: its stage link's count; torch: its schedules' ``isend`` tensors). ``None``: torch not measurable.
+    sent_bytes: Optional[list[int]] = None
 
 
 def _smp_fields(settings: PipelineSettings, name: str, schedule: str, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
@@ -61,12 +66,28 @@ def _smp_fields(settings: PipelineSettings, name: str, schedule: str, per_rank: 
         "bubble_per_stage": per_stage,
         "output_share_s": statistics.median(max(r["smp_share"][name][i] for r in per_rank) for i in steps),
         "peak_activation_mib": [r["smp_peak_activation"][name] / 2**20 for r in per_rank],
+        "sent_bytes": [statistics.median_high(r["smp_sent"][name]) for r in per_rank],
         "peak_with_w_grads_mib": [r["smp_peak_with_w_grads"][name] / 2**20 for r in per_rank],
         "action_ms": [{k: v * 1e3 for k, v in c.items()} for c in costs],
         # chunked schedules run on their own tick grid, with no per-action times to replay
         "bubble_predicted": None if settings.smp_chunked else predicted_bubble(schedule, costs, settings.microbatches),
         "trace": [r["smp_trace"][name] for r in per_rank],
     }
+
+
+def _torch_fields(name: str, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """torch's measurements of one schedule, as smp's: bubble (receive waits / step), memory, bytes sent; bubble
+    and bytes ``None`` where this torch has no helpers to count them at (:mod:`.pipeline_torch_meters`)."""
+    fields: dict[str, Any] = {
+        "bubble_measured": None,
+        "bubble_per_stage": None,
+        "peak_activation_mib": [r["torch_peak_activation"][name] / 2**20 for r in per_rank],
+    }
+    if all(x is not None for r in per_rank for x in r["torch_sent"][name] + r["torch_wait"][name]):
+        per_stage = [statistics.fmean(r["torch_wait"][name]) for r in per_rank]
+        fields["bubble_measured"], fields["bubble_per_stage"] = statistics.fmean(per_stage), per_stage
+        fields["sent_bytes"] = [statistics.median_high(r["torch_sent"][name]) for r in per_rank]
+    return fields
 
 
 def combine(settings: PipelineSettings, per_rank: list[dict[str, Any]]) -> list[Row]:
@@ -92,8 +113,8 @@ def combine(settings: PipelineSettings, per_rank: list[dict[str, Any]]) -> list[
         else:
             torch_schedule = TORCH_SCHEDULES[name]
             schedule, chunks = torch_schedule.short, chunks_per_rank(torch_schedule.layout, v)
-            theory = torch_bubble_theory(schedule, p, m, chunks)
-            extra = {"bubble_measured": None, "bubble_per_stage": None, "bubble_theory": theory}
+            extra = _torch_fields(name, per_rank)
+            extra["bubble_theory"] = torch_bubble_theory(schedule, p, m, chunks)
         median, fastest = statistics.median(step_times), min(step_times)
         rows.append(Row(name, schedule, median, fastest, losses[-1], diff, **extra, chunks_per_rank=chunks))
     return rows
@@ -101,6 +122,13 @@ def combine(settings: PipelineSettings, per_rank: list[dict[str, Any]]) -> list[
 
 def _percent(value: Optional[float]) -> str:
     return "-" if value is None else f"{value:.1%}"
+
+
+def _mib(values: Optional[list[float]]) -> str:
+    """``1.25/0.50`` per stage (three significant digits below 1 MiB, so a quick run's KiB still show)."""
+    if values is None:
+        return "-"
+    return "/".join(f"{x:.2f}" if x >= 1 else f"{x:.3g}" for x in values)
 
 
 def _torch_best(rows: list[Row]) -> tuple[Optional[Row], Optional[Row]]:
@@ -116,10 +144,10 @@ def _table(rows: list[Row]) -> str:
     best, best_min = _torch_best(rows)
     headers = ["strategy", "schedule", "median ms", "vs torch 1F1B", "vs torch best", "min ms"]
     headers += ["vs torch 1F1B (min)", "vs torch best (min)", "bubble measured", "bubble theory"]
-    headers += ["peak act. MiB/stage", "loss", "loss diff"]
+    headers += ["peak act. MiB/stage", "sent MiB/stage", "loss", "loss diff"]
     table = []
     for r in rows:
-        memory = "-" if r.peak_activation_mib is None else "/".join(f"{x:.1f}" for x in r.peak_activation_mib)
+        sent = None if r.sent_bytes is None else [b / 2**20 for b in r.sent_bytes]
         table.append(
             [
                 r.name,
@@ -132,7 +160,8 @@ def _table(rows: list[Row]) -> str:
                 ratio(r.min_step_s, best_min.min_step_s if best_min else None),
                 _percent(r.bubble_measured),
                 _percent(r.bubble_theory),
-                memory,
+                _mib(r.peak_activation_mib),
+                _mib(sent),
                 f"{r.final_loss:.4f}",
                 "-" if r.max_loss_diff_vs_smp is None else f"{r.max_loss_diff_vs_smp:.1e}",
             ]
@@ -194,6 +223,21 @@ def _print_smp_ratios(smp_rows: list[Row]) -> None:
             )
 
 
+def _print_column_notes(rows: list[Row]) -> None:
+    """What the measured columns count, once under the table (and why a torch row has "-")."""
+    print(
+        "bubble measured: each stage's time blocked on receives / its step time, averaged over stages (smp: its "
+        "stage link's receive waits; torch: its waits on P2P batches holding a receive). peak act.: bytes saved "
+        "for backward at their peak over one extra step (one saved-tensor meter for both). sent: bytes of "
+        "activations and gradients each stage sent to other ranks per step (smp: its stage link; torch: the "
+        "isend tensors its schedule posts); not counted: smp's sharing of the step's outputs (a broadcast of the "
+        "per-micro-batch losses from the output stage, its cost printed below), either side's first-step shape "
+        "exchange, nor the tied weight's gradient sum"
+    )
+    if any(r.name in TORCH_SCHEDULES and r.sent_bytes is None for r in rows):
+        print(f"torch rows' bubble measured and sent: - ({P2P_MISSING})")
+
+
 def print_report(
     settings: PipelineSettings,
     rows: list[Row],
@@ -210,7 +254,8 @@ def print_report(
         f"median of {settings.steps} steps after {settings.warmup} warm-up; load average {os.getloadavg()[0]:.1f}"
     )
     print(_table(rows))
-    smp_rows = [r for r in rows if r.bubble_per_stage is not None]
+    _print_column_notes(rows)
+    smp_rows = [r for r in rows if r.name not in TORCH_SCHEDULES]
     _print_smp_bubbles(smp_rows)
     _print_smp_ratios(smp_rows)
     if smp_rows:

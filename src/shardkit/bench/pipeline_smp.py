@@ -49,6 +49,8 @@ class SmpSchedules:
         self.optimizer = smp.DistributedOptimizer(torch.optim.AdamW(self.model.parameters(), lr=settings.lr))
         self.waits: dict[str, list[float]] = {s: [] for s in schedules}
         self.shares: dict[str, list[float]] = {s: [] for s in schedules}
+        #: Bytes this stage sent to the others per step (activations and gradients: ``StepStats.sent_bytes``).
+        self.sent: dict[str, list[int]] = {s: [] for s in schedules}
         self.costs: dict[str, list[dict[str, float]]] = {s: [] for s in schedules}
         #: Each schedule's last timed step, action by action (``StepStats.trace``), for --json.
         self.traces: dict[str, list[tuple[str, float, float, float]]] = {}
@@ -106,6 +108,7 @@ class SmpSchedules:
         self.optimizer.step()
         self.waits[schedule].append(self.model.last_step_stats.bubble_fraction)
         self.shares[schedule].append(self.model.last_step_stats.share_s)
+        self.sent[schedule].append(self.model.last_step_stats.sent_bytes)
         self.costs[schedule].append(dict(self.model.last_step_stats.compute_s))
         self.traces[schedule] = list(self.model.last_step_stats.trace)
         return float(loss)
@@ -123,7 +126,7 @@ class SmpSchedules:
             self.step(schedule, tokens, targets)
         finally:
             execution.measure_activations = False
-        for series in (self.waits, self.shares, self.costs):
+        for series in (self.waits, self.shares, self.costs, self.sent):
             series[schedule].pop()
         self.traces[schedule] = timed_trace
         return execution.activations.saved.peak, execution.activations.total.peak

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardkit.bench.pipeline_torch_meters import TorchStepMeters, peak_saved_bytes
 from shardkit.distributed import collectives
 from shardkit.modelparallel.virtual_schedules import placement as chunk_placement
 from shardkit.models import TransformerLM
@@ -227,6 +228,8 @@ class TorchPipeline:
         target: Any = stages if chunks > settings.stages else stages[0]  # the multi-stage schedules take a list
         self.schedule = schedule_cls(target, settings.microbatches, loss_fn=TransformerLM.loss_fn)
         self.optimizer = torch.optim.AdamW([p for m in modules for p in m.parameters()], lr=settings.lr)
+        #: Bytes sent and receive waits of every step (:mod:`shardkit.bench.pipeline_torch_meters`).
+        self.meters = TorchStepMeters()
 
     def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
         """One training step; returns the mean loss on the rank of the last chunk (NaN elsewhere)."""
@@ -238,10 +241,17 @@ class TorchPipeline:
             kwargs = {"target": targets, "losses": losses}
             if step_takes_return_outputs(self.schedule):
                 kwargs["return_outputs"] = False
-        self.schedule.step(*args, **kwargs)
-        self._sync_tied()
+        with self.meters.step():  # what smp's step covers: the pipeline and the tied weight's sync
+            self.schedule.step(*args, **kwargs)
+            self._sync_tied()
         self.optimizer.step()
         return float(torch.stack(losses).detach().mean()) if losses else float("nan")
+
+    def peak_activation_bytes(self, tokens: torch.Tensor, targets: torch.Tensor) -> int:
+        """One more (untimed) step: this rank's peak bytes saved for backward (every chunk of it together)."""
+        peak = peak_saved_bytes(lambda: self.step(tokens, targets))
+        self.meters.drop_last()
+        return peak
 
     def _sync_tied(self) -> None:
         """Embedding and output projection are one weight: both copies take the sum of their gradients."""

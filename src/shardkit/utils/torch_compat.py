@@ -5,8 +5,9 @@ torch promises nothing about names that start with an underscore, and some publi
 on the installed torch, so one test (``tests/compat/test_torch_compat.py``, run by ``tools/torch_matrix.sh`` on
 each release) tells which of them a release lacks before any strategy trips over it. The private names are
 imported (or reached) in one import point per package, ``_torch_private.py`` in ``utils``, ``distributed``,
-``nn``, ``checkpoint``, ``modelparallel`` and ``plan``, and nowhere else: ``tests/compat/test_torch_private.py``
-scans ``src/`` for any other reach and checks every name an import point reaches is listed here.
+``nn``, ``checkpoint``, ``modelparallel``, ``plan`` and ``bench``, and nowhere else:
+``tests/compat/test_torch_private.py`` scans ``src/`` for any other reach and checks every name an import point
+reaches is listed here.
 
 Checked on (``tools/torch_matrix.sh``, CPU): torch 2.14.1, 2.13.0, 2.11.0 and 2.8.0. Behaviour that differs
 between releases is named here too (:func:`dcp_save_needs_full_cover_on_one_rank`,
@@ -105,6 +106,20 @@ PRIVATE_APIS: tuple[TorchAPI, ...] = (
         "bench.pipeline",
         "2.9+; without it the keyword is left out (step_takes_return_outputs)",
         keyword="return_outputs",
+        optional=True,
+    ),
+    TorchAPI(
+        "torch.distributed.pipelining.schedules",
+        "_batch_p2p",
+        "bench.pipeline (bytes torch's schedules send)",
+        "without it the bench prints '-'",
+        optional=True,
+    ),
+    TorchAPI(
+        "torch.distributed.pipelining.schedules",
+        "_wait_batch_p2p",
+        "bench.pipeline (torch's schedules' receive waits)",
+        "without it the bench prints '-'",
         optional=True,
     ),
     TorchAPI("torch.distributed", "ProcessGroup._get_backend", "distributed.groups.group_timeout (falls back)"),
