@@ -255,7 +255,7 @@ def print_report(
     )
     print(_table(rows))
     _print_column_notes(rows)
-    smp_rows = [r for r in rows if r.name not in TORCH_SCHEDULES]
+    smp_rows = [r for r in rows if r.name not in TORCH_SCHEDULES and r.bubble_per_stage is not None]
     _print_smp_bubbles(smp_rows)
     _print_smp_ratios(smp_rows)
     if smp_rows:
