@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from shardkit.bench.pipeline_settings import PipelineSettings
-from shardkit.bench.pipeline_smp import predicted_bubble
+from shardkit.bench.pipeline_smp import bubble_floor, predicted_bubble
 from shardkit.bench.pipeline_theory import bubble_theory, torch_bubble_theory
 from shardkit.bench.pipeline_torch import TORCH_SCHEDULES, chunks_per_rank
 from shardkit.bench.pipeline_torch_meters import P2P_MISSING
@@ -45,6 +45,8 @@ class Row:
     action_ms: Optional[list[dict[str, float]]] = None
     #: smp: the bubble of this schedule's lists simulated with those per-stage times.
     bubble_predicted: Optional[float] = None
+    #: smp: the least mean bubble any order of those per-stage times allows (:func:`.pipeline_smp.bubble_floor`).
+    bubble_floor: Optional[float] = None
     #: smp: per stage, the last timed step's actions: (action, start s, end s, s blocked on receives).
     trace: Optional[list[list[tuple[str, float, float, float]]]] = None
     #: Model chunks each rank runs (smp's virtual stages or ZBV's two; torch's multi-stage schedules).
@@ -71,6 +73,7 @@ def _smp_fields(settings: PipelineSettings, name: str, schedule: str, per_rank: 
         "action_ms": [{k: v * 1e3 for k, v in c.items()} for c in costs],
         # chunked schedules run on their own tick grid, with no per-action times to replay
         "bubble_predicted": None if settings.smp_chunked else predicted_bubble(schedule, costs, settings.microbatches),
+        "bubble_floor": None if settings.smp_chunked else bubble_floor(costs, settings.microbatches),
         "trace": [r["smp_trace"][name] for r in per_rank],
     }
 
@@ -196,6 +199,7 @@ def _print_smp_bubbles(smp_rows: list[Row]) -> None:
                 else "; F/B/W ms per micro-batch: "
                 + ", ".join("/".join(f"{ms[k]:.0f}" for k in "FBW") for ms in smp_row.action_ms)
                 + f"; bubble of its lists with these times: {smp_row.bubble_predicted:.1%}"
+                + f" (no order of these times idles less than {smp_row.bubble_floor or 0.0:.1%})"
             )
         )
 

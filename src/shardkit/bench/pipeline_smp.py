@@ -137,6 +137,21 @@ def action_costs(per_step: Sequence[dict[str, float]], microbatches: int) -> dic
     return {kind: statistics.median(step.get(kind, 0.0) for step in per_step) / microbatches for kind in "FBW"}
 
 
+def bubble_floor(costs: Sequence[dict[str, float]], microbatches: int) -> float:
+    """The least mean idle fraction any order of these per-stage action times allows (``costs[s]``: seconds of
+    one F, B and W on stage ``s``).
+
+    Stage ``s`` can start nothing before the first micro-batch's forward has passed every stage ahead of it, and
+    then has ``m (F + B + W)`` of its own to do, so no step is shorter than the largest
+    ``F_0 + ... + F_{s-1} + m (F_s + B_s + W_s)``; the stages cannot be busier than their work over ``p`` such
+    steps. With equal times at 2 stages this is ZB-H1's idle time (``F`` on each stage): what is left above it
+    in a measured bubble is the schedule's (or the run's), what is below it no schedule can remove.
+    """
+    work = [microbatches * sum(c.get(kind, 0.0) for kind in "FBW") for c in costs]
+    step = max(sum(c["F"] for c in costs[:s]) + work[s] for s in range(len(costs)))
+    return 1.0 - sum(work) / (len(costs) * step) if step > 0 else 0.0
+
+
 def predicted_bubble(schedule: str, costs: Sequence[dict[str, float]], microbatches: int) -> float:
     """The mean idle fraction of ``schedule``'s lists run with each stage's measured action ``costs``."""
     stages = len(costs)
