@@ -26,7 +26,8 @@ tests compare it with torch's ``ScheduleDualPipeV`` lists, torch 2.11 to 2.14).
 
 Why it cannot deadlock. ZBV's executor posts, at every tick of the grid all ranks compute
 (:func:`~shardkit.modelparallel.virtual_schedules.tick_grid`), one group of sends and receives that is the same
-on both sides, so any lists that admit a tick grid run on any transport. Lists admit one when they never wait
+on both sides, so any lists that admit a tick grid run on any transport (``test_smp_virtual_p2p`` runs
+DualPipeV's grid over a fake transport whose sends block, as NCCL's do). Lists admit one when they never wait
 on each other in a cycle, and that holds for lists read off a timeline that puts every action after the
 actions it needs: of the ranks that would wait forever, the one whose next action is earliest on the
 timeline would wait for an action earlier still, which its rank has therefore run. The phases are such a
