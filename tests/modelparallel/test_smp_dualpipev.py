@@ -80,6 +80,16 @@ def test_lists_run_on_the_tick_grid_within_dualpipev_bounds(p: int, m: int) -> N
     assert bubble_fraction(grid) <= bubble_fraction(zbv_grid) + 1e-12
 
 
+def test_wider_sweep_runs_with_the_same_bubble() -> None:
+    """Beyond the shapes checked in full: up to 10 ranks and 6p + 3 micro-batches, the grid exists (no cycle) and
+    every rank idles exactly p - 1 ticks."""
+    for p in range(2, 11):
+        for m in range(2 * p, 6 * p + 4):
+            grid = schedule_grid("dualpipev", p, 2, m)
+            assert len(grid) == 6 * m + p - 1, (p, m)
+            assert all(sum(row[r] is None for row in grid) == p - 1 for r in range(p)), (p, m)
+
+
 def test_phases_of_one_rank() -> None:
     """Rank 1 of 3 (chunks 1 and 4), 7 micro-batches: the warm-up, the paired steady state and the cool-down."""
     actions = dualpipev_schedule(1, 3, 7)

@@ -35,10 +35,13 @@ timeline read rank by rank (DualPipeV's figure, one tick per F, B and W): rank `
 runs without a gap until its last forward, each forward's input and each backward's gradient having left the
 neighbouring rank at least a tick earlier; its only other idle ticks are in the cool-down, where a B of the
 down chunk waits for the same micro-batch's B from rank ``r + 1``. The tick grid finds that timeline for
-every ``p`` in 2..6 and ``m`` in ``2p..4p`` (the tests check all of the above): every rank idles exactly
-``p - 1`` ticks, so the bubble is ``(p-1) / (6m + p - 1)``: never above ZBV's on the same grid (equal at
-``p = 2`` and for some larger shapes, a few ticks below it for others), against 1F1B's ``(p-1) / (m + p - 1)``
-over ``p`` stages.
+every ``p`` in 2..6 and ``m`` in ``2p..4p``, where the tests check all of the above, and up to 10 ranks and
+``6p + 3`` micro-batches, where they check the grid and its idle count: every rank idles exactly ``p - 1``
+ticks, so the bubble is ``(p-1) / (6m + p - 1)``, never above ZBV's on the same grid (equal at ``p = 2`` and for
+some larger shapes, a few ticks below it for others), against 1F1B's ``(p-1) / (m + p - 1)`` over ``p`` stages.
+No algebra here covers every ``p`` and ``m``; a shape whose lists did wait in a cycle would fail on every rank
+alike with ``tick_grid``'s error before the step's first action (every rank computes the grid before it runs
+one), not hang.
 
 Memory. A rank holds at most ``2p + 1`` chunk-micro-batches between F and W: ``2p`` after the warm-up's
 forwards (1F1B's first stage holds ``p`` micro-batches of two chunks' worth), one more during each pair
