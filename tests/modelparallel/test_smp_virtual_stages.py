@@ -103,6 +103,8 @@ def test_data_parallel_replicas_match_single_process() -> None:
     cases = [
         ("lm", {"partitions": 2, "microbatches": 4, "ddp": True, **V2}, {}),
         ("residual", {"partitions": 2, "microbatches": 2, "ddp": True, "auto_partition": False, **V2}, {"stages": 4}),
+        # the overlapped all-reduce armed before DualPipeV's last W on each rank
+        ("lm", {"partitions": 2, "microbatches": 4, "ddp": True, **DUALPIPEV}, {}),
     ]
     _check(run_distributed(_parity_here, 4, cases, {"bucket_cap_mb": 0.001}))
     _check(run_distributed(_parity_here, 4, cases[:1], {"gradient_as_bucket_view": True}))
