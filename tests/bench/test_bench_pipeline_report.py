@@ -22,6 +22,7 @@ def test_bubble_theory_formulas() -> None:
     assert bubble_theory("1F1B", 4, 8) == pytest.approx(3 / 11)
     assert bubble_theory("interleaved", 4, 8, virtual_stages=2) == pytest.approx(3 / 19)  # (p-1)/(vm+p-1)
     assert bubble_theory("zero_bubble_h2", 2, 8) == pytest.approx(1 / 25)  # (p-1)/(3m+p-1)
+    assert bubble_theory("dualpipev", 4, 8) == pytest.approx(3 / 51)  # (p-1)/(6m+p-1), from its tick grid
     assert pipeline.bubble_theory is bubble_theory  # re-exported where it used to live
 
 
@@ -30,8 +31,8 @@ def test_torch_schedules_map_onto_the_smp_schedule_of_their_shape() -> None:
     for looped in ("Interleaved1F1B", "LoopedBFS"):
         assert torch_bubble_theory(looped, 2, 8, 2) == pytest.approx(1 / 17)
     assert torch_bubble_theory("ZBVZeroBubble", 4, 8, 2) == pytest.approx(bubble_theory("zbv", 4, 8))
-    assert torch_bubble_theory("DualPipeV", 2, 8, 2) is None  # no model: printed as "-", not a made-up number
-    assert torch_bubble_theory("InterleavedZeroBubble", 2, 8, 2) is None
+    assert torch_bubble_theory("DualPipeV", 4, 8, 2) == pytest.approx(bubble_theory("dualpipev", 4, 8))
+    assert torch_bubble_theory("InterleavedZeroBubble", 2, 8, 2) is None  # no model: "-", not a made-up number
 
 
 def test_chunk_placements() -> None:

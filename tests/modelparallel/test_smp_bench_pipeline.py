@@ -99,6 +99,10 @@ def test_chunked_schedules_train_as_torch_1f1b(
 def test_chunked_schedule_runs_alone() -> None:
     with pytest.raises(SystemExit):
         pipeline.run(["--quick", "--virtual-stages", "2", "--schedules", "interleaved,zero_bubble"])
+    # DualPipeV cuts its own V of chunks as ZBV does (its run: test_smp_dualpipev's parity, the bench by hand)
+    assert pipeline.PipelineSettings(smp_pipeline="dualpipev").smp_chunked
+    with pytest.raises(SystemExit):
+        pipeline.run(["--quick", "--schedules", "interleaved,dualpipev"])
 
 
 def test_torch_meters_count_sends_and_time_waits_on_receives(

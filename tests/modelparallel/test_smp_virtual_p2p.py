@@ -63,7 +63,14 @@ def _rank(
 
 @pytest.mark.parametrize(
     ("pipeline", "ranks", "v", "m"),
-    [("interleaved", 2, 2, 4), ("interleaved", 4, 2, 4), ("interleaved", 2, 3, 2), ("zbv", 2, 2, 4), ("zbv", 4, 2, 8)],
+    [
+        ("interleaved", 2, 2, 4),
+        ("interleaved", 4, 2, 4),
+        ("interleaved", 2, 3, 2),
+        ("zbv", 2, 2, 4),
+        ("zbv", 4, 2, 8),
+        ("dualpipev", 4, 2, 9),
+    ],
 )
 def test_tick_exchange_delivers_every_message_on_blocking_sends(pipeline: str, ranks: int, v: int, m: int) -> None:
     world = RendezvousWorld(ranks)

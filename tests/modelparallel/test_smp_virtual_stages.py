@@ -28,6 +28,7 @@ from shardkit.testing.models import LMConfig, TransformerLM
 
 V2 = {"pipeline": "interleaved", "virtual_stages": 2}
 ZBV = {"pipeline": "zbv"}
+DUALPIPEV = {"pipeline": "dualpipev"}  # ZBV's V and executor in DualPipeV's order (test_smp_dualpipev)
 
 
 def _deep_lm() -> nn.Module:
@@ -92,6 +93,7 @@ def test_four_ranks_two_chunks_match_single_process() -> None:
         ("lm6", {"partitions": 4, "microbatches": 4, **V2}, {}),
         ("lm6", {"partitions": 4, "microbatches": 8, **V2}, {}),
         ("lm6", {"partitions": 4, "microbatches": 8, **ZBV}, {}),
+        ("lm6", {"partitions": 4, "microbatches": 8, **DUALPIPEV}, {}),
     ]
     _check(run_distributed(_parity_here, 4, cases))
 
@@ -101,6 +103,8 @@ def test_data_parallel_replicas_match_single_process() -> None:
     cases = [
         ("lm", {"partitions": 2, "microbatches": 4, "ddp": True, **V2}, {}),
         ("residual", {"partitions": 2, "microbatches": 2, "ddp": True, "auto_partition": False, **V2}, {"stages": 4}),
+        # the overlapped all-reduce armed before DualPipeV's last W on each rank
+        ("lm", {"partitions": 2, "microbatches": 4, "ddp": True, **DUALPIPEV}, {}),
     ]
     _check(run_distributed(_parity_here, 4, cases, {"bucket_cap_mb": 0.001}))
     _check(run_distributed(_parity_here, 4, cases[:1], {"gradient_as_bucket_view": True}))
@@ -231,10 +235,13 @@ def test_zbv_schedule_places_chunks_in_a_v_and_splits_every_backward() -> None:
 
 
 def test_zbv_two_ranks_match_single_process() -> None:
+    """ZBV, and DualPipeV on the same V, train as one process."""
     cases = [
         ("mlp", {"partitions": 2, "microbatches": 4, **ZBV}, {}),
         ("residual", {"partitions": 2, "microbatches": 4, "auto_partition": False, **ZBV}, {"stages": 4}),
         ("lm", {"partitions": 2, "microbatches": 8, **ZBV}, {}),  # loss and embedding both on rank 0
+        ("residual", {"partitions": 2, "microbatches": 8, "auto_partition": False, **DUALPIPEV}, {"stages": 4}),
+        ("lm", {"partitions": 2, "microbatches": 4, **DUALPIPEV}, {}),  # m = 2p; the tied embedding and head on rank 0
     ]
     _check(run_distributed(_parity_here, 2, cases))
 

@@ -1,5 +1,5 @@
-"""The planner's smp settings over chunks: interleaved 1F1B over 2 and 4 virtual stages, and ZBV, each with the
-bubble its schedule predicts beside 1F1B and the zero-bubble schedules; the ones a model cannot take say why."""
+"""The planner's smp settings over chunks: interleaved 1F1B over 2 and 4 virtual stages, ZBV and DualPipeV, each with
+the bubble its schedule predicts beside 1F1B and the zero-bubble schedules; the ones a model cannot take say why."""
 
 from __future__ import annotations
 
@@ -32,9 +32,19 @@ def test_chunked_settings_carry_their_predicted_bubble() -> None:
         assert zbv <= p / (6 * m + p)
         assert zbv < pipeline_bubble("zero_bubble", p, m) < pipeline_bubble("interleaved", p, m)
         assert by_label[f"pipeline (smp ZBV) {p} stages x {m} mb, bubble {zbv:.0%}"].options["pipeline"] == "zbv"
+        # DualPipeV on the same V: p - 1 idle ticks per rank, never more than ZBV.
+        dual = pipeline_bubble("dualpipev", p, m)
+        assert dual == pytest.approx((p - 1) / (6 * m + p - 1)) and dual <= zbv
+        label = f"pipeline (smp DualPipeV) {p} stages x {m} mb, bubble {dual:.0%}"
+        assert by_label[label].options == {
+            "partitions": p,
+            "microbatches": m,
+            "pipeline": "dualpipev",
+            "virtual_stages": 2,
+        }
         # 1F1B, ZB-H1 and ZB-H2 are still offered beside them.
         assert f"pipeline (smp) {p} stages x {m} mb, bubble {(p - 1) / (m + p - 1):.0%}" in by_label
-    assert len(settings) == 3 * 6
+    assert len(settings) == 3 * 7
 
 
 def test_settings_a_model_cannot_take_say_why() -> None:
@@ -43,6 +53,7 @@ def test_settings_a_model_cannot_take_say_why() -> None:
     labels = {s.label for s in settings}
     assert "pipeline (smp, 2 virtual stages) 2 stages x 4 mb, bubble 11%" in labels
     assert "pipeline (smp ZBV) 2 stages x 4 mb, bubble 4%" in labels
+    assert "pipeline (smp DualPipeV) 2 stages x 4 mb, bubble 4%" in labels
     why = dict(line.split(": ", 1) for line in skipped)
     assert why["pipeline (smp, 4 virtual stages) 2 stages x 4 mb x4"].startswith(
         "the model's 4 layers do not split into 8 equal chunks (2 stages x 4 per rank)"
@@ -52,14 +63,17 @@ def test_settings_a_model_cannot_take_say_why() -> None:
         "pipeline (smp, 2 virtual stages) 4 stages x 8 mb x4",
         "pipeline (smp, 4 virtual stages) 4 stages x 8 mb x4",
         "pipeline (smp ZBV) 4 stages x 8 mb x4",
+        "pipeline (smp DualPipeV) 4 stages x 8 mb x4",
     }
     # An odd batch per rank leaves one micro-batch per stage: ZBV needs 2 per stage to fill its V.
     _, skipped = pipeline_settings(2, 1, blocks=4)
     (line,) = [line for line in skipped if "ZBV" in line]
     assert line.startswith("pipeline (smp ZBV) 2 stages x 2 mb x2: ") and "needs at least 2 x partitions = 4" in line
+    (line,) = [line for line in skipped if "DualPipeV" in line]
+    assert line.startswith("pipeline (smp DualPipeV) 2 stages x 2 mb x2: ") and "'dualpipev' needs at least 2" in line
     # Unknown layer count (no ModuleList): only smp's own rules apply.
     settings, skipped = pipeline_settings(2, 2, blocks=None)
-    assert skipped == [] and len(settings) == 6
+    assert skipped == [] and len(settings) == 7
 
 
 def _lm() -> torch.nn.Module:

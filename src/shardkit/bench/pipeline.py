@@ -7,10 +7,10 @@ rotated each step, so background load hits them alike. They start from the same 
 batches, so their losses must agree. torch's one-stage-per-rank schedules (GPipe, 1F1B) are cut where smp's
 auto-partition cuts; its multi-stage schedules (Interleaved1F1B, LoopedBFS, InterleavedZeroBubble in loop
 placement, ZBVZeroBubble and DualPipeV in a V: :mod:`shardkit.bench.pipeline_torch`) where smp cuts its chunks
-when it runs ``--virtual-stages`` or ``zbv`` with as many chunks, else evenly by blocks; the output says which
-cut each ran. The tied embedding/output weight is kept in sync by summing the two copies' gradients, as smp does.
-``--strategies`` picks them (``torch all``: every schedule the installed torch has; the others are listed as
-skipped, with the reason).
+when it runs ``--virtual-stages``, ``zbv`` or ``dualpipev`` with as many chunks, else evenly by blocks; the output
+says which cut each ran. The tied embedding/output weight is kept in sync by summing the two copies' gradients,
+as smp does. ``--strategies`` picks them (``torch all``: every schedule the installed torch has; the others are
+listed as skipped, with the reason).
 
 The table (:mod:`shardkit.bench.pipeline_report`) gives the median and the minimum step time (slowest rank per
 step; the minimum is the least disturbed by other load on a shared machine), their ratios to torch's 1F1B and
@@ -21,11 +21,11 @@ the others per step, for smp's schedules (:mod:`shardkit.bench.pipeline_smp`) an
 (:mod:`shardkit.bench.pipeline_torch_meters`) alike; then ``our best vs torch's best``.
 ``--schedules interleaved,zero_bubble`` runs several smp schedules side by side in the same processes, each with
 its own weights, and prints each against the first. ``--virtual-stages v`` (interleaved 1F1B over ``v`` chunks
-per stage) and ``--smp-pipeline zbv`` cut the model into chunks of their own, so they run as the only smp
-schedule of their run.
+per stage) and ``--smp-pipeline zbv`` or ``dualpipev`` (two chunks per rank in a V) cut the model into chunks
+of their own, so they run as the only smp schedule of their run.
 
 Run it as ``shardkit bench pipeline`` (options ``--steps``, ``--warmup``, ``--world-size``/``--stages``,
-``--quick``, ``--layers``, ``--microbatches``, ``--smp-pipeline simple|interleaved|zero_bubble|zbv``,
+``--quick``, ``--layers``, ``--microbatches``, ``--smp-pipeline simple|interleaved|zero_bubble|zbv|dualpipev``,
 ``--schedules``, ``--virtual-stages``, ``--strategies``, ``--smp-item-outputs``, ``--json PATH``) or
 ``python -m shardkit.bench.pipeline``. ``--smp-item-outputs`` makes smp's step also return ``loss.item()``, so
 each step broadcasts one small object over the stages; the cost of sharing the outputs is printed below the table.
@@ -226,8 +226,9 @@ def run(argv: list[str]) -> None:
         )
         if settings.smp_chunked and len(settings.schedules) > 1:
             parser.error(
-                "--virtual-stages and the 'zbv' schedule cut the model into their own chunks, which the other smp "
-                "schedules cannot share: give one smp schedule per run (torch's run beside it in the same processes)"
+                "--virtual-stages and the 'zbv' and 'dualpipev' schedules cut the model into their own chunks, which "
+                "the other smp schedules cannot share: give one smp schedule per run (torch's run beside it in the "
+                "same processes)"
             )
         if args.quick:
             settings = replace(settings, lm=QUICK_LM, steps=2, warmup=1)

@@ -20,6 +20,7 @@ from shardkit.bench.pipeline_smp import bubble_floor, predicted_bubble
 from shardkit.bench.pipeline_theory import bubble_theory, torch_bubble_theory
 from shardkit.bench.pipeline_torch import TORCH_SCHEDULES, chunks_per_rank
 from shardkit.bench.pipeline_torch_meters import P2P_MISSING
+from shardkit.modelparallel.virtual_schedules import V_PIPELINES
 from shardkit.utils.report import format_table, ratio
 
 
@@ -110,7 +111,7 @@ def combine(settings: PipelineSettings, per_rank: list[dict[str, Any]]) -> list[
         if reference is not None and name != first_smp:
             diff = max(abs(a - b) for a, b in zip(losses, reference))
         if name in smp_schedules:
-            schedule, chunks = smp_schedules[name], 2 if smp_schedules[name] == "zbv" else v
+            schedule, chunks = smp_schedules[name], 2 if smp_schedules[name] in V_PIPELINES else v
             extra = _smp_fields(settings, name, schedule, per_rank)
             extra["bubble_theory"] = bubble_theory(schedule, p, m, v)
         else:

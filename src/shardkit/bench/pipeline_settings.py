@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from shardkit.modelparallel.virtual_schedules import V_PIPELINES
 from shardkit.models import LMConfig
 from shardkit.utils.checks import at_least, positive
 
@@ -52,8 +53,9 @@ class PipelineSettings:
 
     @property
     def smp_chunked(self) -> bool:
-        """smp cuts the model into more chunks than stages (virtual stages, ZBV): its cut is not torch's."""
-        return self.virtual_stages > 1 or "zbv" in self.schedules
+        """smp cuts the model into more chunks than stages (virtual stages, ZBV, DualPipeV): its cut is not
+        torch's."""
+        return self.virtual_stages > 1 or any(s in V_PIPELINES for s in self.schedules)
 
     @property
     def global_batch(self) -> int:

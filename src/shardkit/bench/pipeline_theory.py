@@ -10,19 +10,19 @@ from __future__ import annotations
 from typing import Optional
 
 from shardkit.modelparallel.pipeline_parallel import schedule_for
-from shardkit.modelparallel.virtual_schedules import bubble_fraction, schedule_grid
+from shardkit.modelparallel.virtual_schedules import V_PIPELINES, bubble_fraction, schedule_grid
 from shardkit.modelparallel.zb_schedules import simulate
 
 
 def bubble_theory(schedule: str, stages: int, microbatches: int, virtual_stages: int = 1) -> float:
     """The bubble fraction of ``schedule`` (smp's names, or torch's ``"GPipe"``/``"1F1B"``) with equal F, B
-    and W times: ZBV's from its tick grid, ``(p-1)/(vm+p-1)`` for 1F1B over ``v`` virtual stages, and the others
-    simulated from their action lists: ``(p-1)/(m+p-1)`` for GPipe and 1F1B, ``(p-1)/(3m+p-1)`` for ZB-H2 when
-    ``m >= p``, and for ZB-H1 (every stage holding up to ``max(2, p-1)`` micro-batches) the same at 2 stages and
-    ``p/(3m+p)`` from 3."""
+    and W times: ZBV's and DualPipeV's from their tick grids (DualPipeV: ``(p-1)/(6m+p-1)``),
+    ``(p-1)/(vm+p-1)`` for 1F1B over ``v`` virtual stages, and the others simulated from their action lists:
+    ``(p-1)/(m+p-1)`` for GPipe and 1F1B, ``(p-1)/(3m+p-1)`` for ZB-H2 when ``m >= p``, and for ZB-H1 (every
+    stage holding up to ``max(2, p-1)`` micro-batches) the same at 2 stages and ``p/(3m+p)`` from 3."""
     p, m = stages, microbatches
-    if schedule == "zbv":
-        return bubble_fraction(schedule_grid("zbv", p, 2, m))
+    if schedule in V_PIPELINES:
+        return bubble_fraction(schedule_grid(schedule, p, 2, m))
     if schedule == "interleaved" and virtual_stages > 1:
         return (p - 1) / (virtual_stages * m + p - 1)
     smp_name = {"GPipe": "simple", "1F1B": "interleaved"}.get(schedule, schedule)
@@ -32,14 +32,16 @@ def bubble_theory(schedule: str, stages: int, microbatches: int, virtual_stages:
 
 #: torch's multi-stage schedules whose theory is an smp schedule's: (smp schedule, uses the chunks per rank).
 #: Looped BFS runs every micro-batch through a rank's first chunk before its second: one fill and one drain
-#: over ``v * m`` micro-batch-chunks, the interleaved formula. Interleaved zero bubble and DualPipeV have no
-#: equal-cost model here (their order depends on torch's own heuristics), so they print ``-``.
+#: over ``v * m`` micro-batch-chunks, the interleaved formula. torch's DualPipeV runs smp's ``dualpipev`` lists,
+#: action for action (an overlapped pair is its forward then its whole backward, as smp runs it). Interleaved
+#: zero bubble has no equal-cost model here (its order depends on torch's own heuristics), so it prints ``-``.
 _TORCH_AS_SMP = {
     "GPipe": ("GPipe", False),
     "1F1B": ("1F1B", False),
     "Interleaved1F1B": ("interleaved", True),
     "LoopedBFS": ("interleaved", True),
     "ZBVZeroBubble": ("zbv", False),
+    "DualPipeV": ("dualpipev", False),
 }
 
 

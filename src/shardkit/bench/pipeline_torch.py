@@ -5,7 +5,7 @@ summing the two copies' gradients (an all-reduce when they sit on two ranks), as
 GPipe and 1F1B run one stage per rank. The multi-stage schedules run several chunks per rank: loop placement
 (chunk ``c`` on rank ``c % p``) for Interleaved1F1B, LoopedBFS and InterleavedZeroBubble, a V (rank ``r`` holds
 chunks ``r`` and ``2p - 1 - r``) for ZBVZeroBubble and DualPipeV, the placements smp uses for virtual stages and
-``zbv``. Under the V both ends of the model sit on rank 0, each chunk with its own copy of the tied weight
+``zbv``/``dualpipev``. Under the V both ends of the model sit on rank 0, each chunk with its own copy of the tied weight
 (torch scales every stage's gradients by itself, so one parameter shared by two stages would be scaled twice).
 """
 
@@ -141,7 +141,7 @@ def describe_cut(cut: list[range]) -> str:
 def torch_cuts(settings: Any, layouts: set[str], placement: Any) -> dict[str, tuple[list[range], str]]:
     """The blocks of every chunk per torch layout, and a line saying whose cut it is: smp's, where smp ran the
     same number of stages or chunks (GPipe/1F1B beside unchunked smp; the multi-stage schedules beside
-    ``--virtual-stages`` or ``zbv`` with as many chunks), else an even split by blocks."""
+    ``--virtual-stages``, ``zbv`` or ``dualpipev`` with as many chunks), else an even split by blocks."""
     n_layers, p = settings.lm.n_layers, settings.stages
     smp_parts = None if placement is None else placement.partitions
     cuts: dict[str, tuple[list[range], str]] = {}

@@ -7,11 +7,11 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any, Optional, Union
 
 from shardkit.modelparallel.config_sources import CONFIG_ENV_VAR, SAGEMAKER_ENV_VAR, read_config, translate
-from shardkit.modelparallel.virtual_schedules import check_virtual_config
+from shardkit.modelparallel.virtual_schedules import V_PIPELINES, check_virtual_config
 
 __all__ = ["CONFIG_ENV_VAR", "SAGEMAKER_ENV_VAR", "ModelOptions", "ModelParallelConfig", "resolve_config"]
 
-PIPELINES = ("interleaved", "simple", "zero_bubble", "zero_bubble_h2", "zbv")
+PIPELINES = ("interleaved", "simple", "zero_bubble", "zero_bubble_h2", "zbv", "dualpipev")
 OPTIMIZE = ("speed", "memory")
 PLACEMENTS = ("cluster", "spread")
 
@@ -36,7 +36,11 @@ class ModelParallelConfig:
     #: the activations (see ``pipeline_parallel``). Both train correctly with any
     #: number of micro-batches; below ``partitions`` the bubble shrinks less.
     #: ``"zbv"`` (also an addition): two chunks per rank in a V, each backward split the same way (see
-    #: ``virtual_schedules``); needs ``microbatches >= 2 * partitions``.
+    #: ``virtual_schedules``); needs ``microbatches >= 2 * partitions``. ``"dualpipev"`` (also an addition):
+    #: DeepSeek's DualPipeV on the same V and under the same conditions, forward-only warm-up, then one chunk's
+    #: forward paired with the other chunk's backward (overlapped on GPUs by DeepSeek's code, run back to back
+    #: here), then a B/W cool-down: at most ZBV's bubble for one more micro-batch of activations per rank (see
+    #: ``dualpipev``).
     pipeline: str = "interleaved"
     #: Trace the model on the first step and balance stages automatically; ``smp.partition`` contexts are ignored.
     auto_partition: bool = True
@@ -94,7 +98,7 @@ class ModelParallelConfig:
     @property
     def chunks(self) -> int:
         """The number of pieces the model is cut into: ``partitions * virtual_stages``."""
-        return self.partitions * (2 if self.pipeline == "zbv" else self.virtual_stages)
+        return self.partitions * (2 if self.pipeline in V_PIPELINES else self.virtual_stages)
 
     @property
     def effective_memory_weight(self) -> float:

@@ -22,29 +22,25 @@ chunk's forward of the same micro-batch, the next chunk's backward) ran. Every r
 so it knows which actions its neighbours run at every tick, hence which messages they produce then.
 
 ZBV (:func:`zbv_schedules`): two chunks per rank in a V (rank ``r`` holds chunks ``r`` and ``2p - 1 - r``),
-every backward split into B and W; needs ``microbatches >= 2p``.
+every backward split into B and W; needs ``microbatches >= 2p``. DualPipeV
+(:mod:`~shardkit.modelparallel.dualpipev`) runs the same V in another order, under the same checks.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Optional
 
+from shardkit.modelparallel.chunk_action import ChunkAction
+from shardkit.modelparallel.dualpipev import dualpipev_schedules
 
-class ChunkAction(NamedTuple):
-    """One unit of a rank's virtual-stage schedule: ``kind`` ``"F"`` or ``"B"`` of ``chunk`` on ``microbatch``."""
-
-    kind: str
-    chunk: int
-    microbatch: int
-
-    def __repr__(self) -> str:
-        return f"{self.kind}{self.microbatch}@{self.chunk}"
+V_PIPELINES = ("zbv", "dualpipev")
+"""The schedules with two chunks per rank in a V, every backward split into B and W."""
 
 
 def check_virtual_config(partitions: int, virtual_stages: int, microbatches: int, pipeline: str) -> None:
     """Raise ``ValueError`` when the schedule over several chunks per rank cannot run."""
-    if pipeline == "zbv":
-        _check_zbv(partitions, virtual_stages, microbatches)
+    if pipeline in V_PIPELINES:
+        _check_v(pipeline, partitions, virtual_stages, microbatches)
         return
     if virtual_stages == 1:
         return
@@ -66,25 +62,28 @@ def check_virtual_config(partitions: int, virtual_stages: int, microbatches: int
         )
 
 
-def _check_zbv(partitions: int, virtual_stages: int, microbatches: int) -> None:
+def _check_v(pipeline: str, partitions: int, virtual_stages: int, microbatches: int) -> None:
     if virtual_stages not in (1, 2):
         raise ValueError(
-            f"smp config pipeline='zbv' places exactly two chunks per rank, in a V; virtual_stages={virtual_stages} "
-            "asks for another number: leave virtual_stages out (or set it to 2)"
+            f"smp config pipeline={pipeline!r} places exactly two chunks per rank, in a V; "
+            f"virtual_stages={virtual_stages} asks for another number: leave virtual_stages out (or set it to 2)"
         )
     if partitions < 2:
-        raise ValueError("smp config pipeline='zbv' needs partitions >= 2; with one partition use 'interleaved'")
+        raise ValueError(
+            f"smp config pipeline={pipeline!r} needs partitions >= 2; with one partition use 'interleaved'"
+        )
     if microbatches < 2 * partitions:
         raise ValueError(
-            f"smp config pipeline='zbv' needs at least 2 x partitions = {2 * partitions} micro-batches to fill its "
-            f"V (got microbatches={microbatches}): raise microbatches, or use pipeline='interleaved'"
+            f"smp config pipeline={pipeline!r} needs at least 2 x partitions = {2 * partitions} micro-batches to "
+            f"fill its V (got microbatches={microbatches}): raise microbatches, or use pipeline='interleaved'"
         )
 
 
 def placement(pipeline: str, num_ranks: int, virtual_stages: int) -> tuple[int, ...]:
-    """The rank of every chunk: loop placement (chunk ``c`` on rank ``c % p``), or a V for ``"zbv"`` (rank ``r``
-    holds chunks ``r`` and ``2p - 1 - r``, so the first and the last chunk, where the loss is, share rank 0)."""
-    if pipeline == "zbv":
+    """The rank of every chunk: loop placement (chunk ``c`` on rank ``c % p``), or a V for ``"zbv"`` and
+    ``"dualpipev"`` (rank ``r`` holds chunks ``r`` and ``2p - 1 - r``, so the first and the last chunk, where the
+    loss is, share rank 0)."""
+    if pipeline in V_PIPELINES:
         return tuple(range(num_ranks)) + tuple(reversed(range(num_ranks)))
     return tuple(c % num_ranks for c in range(num_ranks * virtual_stages))
 
@@ -237,9 +236,11 @@ def _zbv_pick(
 def schedule_grid(
     pipeline: str, num_ranks: int, virtual_stages: int, microbatches: int
 ) -> list[list[Optional[ChunkAction]]]:
-    """The tick grid of ``pipeline`` over chunks: interleaved 1F1B (loop placement) or ZBV."""
+    """The tick grid of ``pipeline`` over chunks: interleaved 1F1B (loop placement), ZBV or DualPipeV."""
     if pipeline == "zbv":
         return tick_grid(zbv_schedules(num_ranks, microbatches), num_ranks, 2 * num_ranks)
+    if pipeline == "dualpipev":
+        return tick_grid(dualpipev_schedules(num_ranks, microbatches), num_ranks, 2 * num_ranks)
     return interleaved_grid(num_ranks, virtual_stages, microbatches)
 
 

@@ -1,7 +1,7 @@
 """Virtual stages at run time: ``v`` chunks per rank, each run as its own pipeline stage, on a common tick clock.
 
 The plan is made for ``p * v`` chunks (:mod:`~shardkit.modelparallel.virtual_schedules` places chunk ``c`` on
-rank ``c % p``; ``"zbv"`` places them in a V instead, see ``placement``). Two views of it are used:
+rank ``c % p``; ``"zbv"`` and ``"dualpipev"`` place them in a V instead, see ``placement``). Two views of it are used:
 
 - the *chunk plan* drives the forward dispatch. A chunk's forward of micro-batch ``k`` is one call of the
   step function in which only that chunk's units compute (:class:`ChunkedRuntime` sets the active chunk): the
@@ -13,7 +13,7 @@ rank ``c % p``; ``"zbv"`` places them in a V instead, see ``placement``). Two vi
 - the *rank plan* (:func:`fold_plan`) is what everything else sees: which parameters this rank holds, which
   ranks share a tied parameter, where the outputs are real.
 
-Under ``"zbv"`` each backward is split (:mod:`~shardkit.modelparallel.split_backward`): B sends the input
+Under the V schedules each backward is split (:mod:`~shardkit.modelparallel.split_backward`): B sends the input
 gradients, W computes the parameters' gradients later and sends nothing.
 
 Messages. A message between chunks is named by (F or B, source chunk, destination chunk, micro-batch,
@@ -48,7 +48,7 @@ from shardkit.modelparallel.pp_communications import StageLink
 from shardkit.modelparallel.runtime import MicrobatchRecord, Shapes, StageRuntime, autocast_state
 from shardkit.modelparallel.topology import Topology
 from shardkit.modelparallel.virtual_p2p import ChunkLink, Expected, Key
-from shardkit.modelparallel.virtual_schedules import ChunkAction, placement, schedule_grid
+from shardkit.modelparallel.virtual_schedules import V_PIPELINES, ChunkAction, placement, schedule_grid
 
 
 class StepDriver(Protocol):
@@ -100,8 +100,8 @@ def check_chunks(plan: PipelinePlan, partitions: int, virtual_stages: int, autom
         raise ValueError(
             f"{virtual_stages} chunks per rank with partitions={partitions} needs {plan.mp_size} chunks, but the "
             f"model has only {len(set(plan.units))} modules the partitioner can place (chunks {empty} would be "
-            "empty): lower virtual_stages (or use a pipeline other than 'zbv'), or a model with at least as many "
-            "blocks as chunks"
+            "empty): lower virtual_stages (or use a pipeline other than 'zbv' or 'dualpipev'), or a model with at "
+            "least as many blocks as chunks"
         )
     raise ValueError(
         f"with {plan.mp_size} chunks for partitions={partitions}, smp.partition(i) places modules on chunk i; no "
@@ -258,7 +258,7 @@ class VirtualStageExecution(StageExecution):
         grid = schedule_grid(self.pipeline, self.num_stages, self.virtual_stages, m)
         me = self.stage
         records = {(c, k): MicrobatchRecord(k) for c in runtime.chunks for k in range(m)}
-        split = self.pipeline == "zbv"
+        split = self.pipeline in V_PIPELINES
         grads_from = "W" if split else "B"  # the actions that produce parameter gradients
         last_grads = max(t for t, row in enumerate(grid) if (a := row[me]) is not None and a.kind == grads_from)
         out_chunk = runtime.plan.output_stage if runtime.plan.output_stage in runtime.chunks else runtime.chunks[0]
@@ -272,7 +272,7 @@ class VirtualStageExecution(StageExecution):
                     runtime.activate(action.chunk)
                     link.action = action
                     if action.kind == "F":
-                        with self.saving(split):  # ZBV's B frees what only it needed; the bench counts bytes
+                        with self.saving(split):  # a split B frees what only it needed; the bench counts bytes
                             run.forward_into(record)
                         if action.chunk != out_chunk:
                             record.outputs = None  # placeholders' results: free what they hold

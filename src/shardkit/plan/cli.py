@@ -26,7 +26,7 @@ from shardkit.plan.api import Estimate, estimate
 from shardkit.plan.cost import DeviceSpec, LinkSpec
 from shardkit.plan.losses import LOSS_HELP, import_attribute, resolve_loss
 from shardkit.plan.once import each_warning_once
-from shardkit.plan.pipeline import chunk_problem, model_blocks, pipeline_bubble
+from shardkit.plan.pipeline import V_SCHEDULES, chunk_problem, model_blocks, pipeline_bubble
 from shardkit.plan.plot import save_plot
 from shardkit.plan.report import plan_document, plot_title, position_hint, print_failures, recommend, table
 from shardkit.plan.runner import LossFn, PlanError
@@ -104,7 +104,7 @@ def pipeline_settings(
             if virtual > 1:
                 config["virtual_stages"] = virtual
             shape = f"{parts} stages x {micro} mb"
-            chunked = virtual > 1 or schedule == "zbv"
+            chunked = virtual > 1 or schedule in V_SCHEDULES
             why = chunk_problem(schedule, parts, virtual, micro, blocks) if chunked else ""
             if why:
                 skipped.append(f"pipeline ({name}) {shape} x{world_size}: {why}")
@@ -122,6 +122,7 @@ PIPELINE_SCHEDULES = (
     ("interleaved", 2, "smp, 2 virtual stages"),
     ("interleaved", 4, "smp, 4 virtual stages"),
     ("zbv", 2, "smp ZBV"),
+    ("dualpipev", 2, "smp DualPipeV"),
 )
 
 

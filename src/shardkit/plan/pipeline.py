@@ -22,6 +22,10 @@ from shardkit.plan.peerless import Mailbox
 from shardkit.plan.runner import Built, LossFn, RankRun, run_rank, warmup_steps
 from shardkit.plan.strategies import PIPELINE, OptionError
 
+#: smp's schedules with two chunks per rank in a V (``virtual_schedules.V_PIPELINES``, spelled here because a plan
+#: without the pipeline must not import smp).
+V_SCHEDULES = ("zbv", "dualpipev")
+
 
 @functools.lru_cache(maxsize=8)
 def _train_step(loss_fn: LossFn) -> Callable[..., Any]:
@@ -58,14 +62,15 @@ def pipeline_bubble(pipeline: str, partitions: int, microbatches: int, virtual_s
     the zero-bubble schedules once ``m >= p``, from their action lists run in simulation: ``"zero_bubble"`` (ZB-H1,
     every stage holding up to ``max(2, p-1)`` micro-batches) ``(p-1)/(3m+p-1)`` at 2 stages and ``p/(3m+p)`` from
     3, ``"zero_bubble_h2"`` (up to ``2p-1`` on the first stage) ``(p-1)/(3m+p-1)``. Over chunks (``virtual_stages``
-    above 1, or ``"zbv"``'s two per rank) from the schedule's tick grid, where a forward and a backward (ZBV: each
-    half of it) take one tick: ``(p-1)/(v*m+p-1)`` for interleaved 1F1B, and for ZBV only the ramp of its V,
-    which ``m >= 2p`` micro-batches fill."""
-    if pipeline == "zbv" or virtual_stages > 1:
+    above 1, or ``"zbv"``'s and ``"dualpipev"``'s two per rank) from the schedule's tick grid, where a forward and
+    a backward (ZBV, DualPipeV: each half of it) take one tick: ``(p-1)/(v*m+p-1)`` for interleaved 1F1B, for ZBV
+    only the ramp of its V, which ``m >= 2p`` micro-batches fill, and ``(p-1)/(6m+p-1)`` for DualPipeV (its
+    forward/backward pairs run back to back, not overlapped)."""
+    if pipeline in V_SCHEDULES or virtual_stages > 1:
         # start-up cost: smp imports shardkit.nn and torch._dynamo, which plans without the pipeline never need
         from shardkit.modelparallel.virtual_schedules import bubble_fraction, schedule_grid
 
-        chunks_per_rank = 2 if pipeline == "zbv" else virtual_stages
+        chunks_per_rank = 2 if pipeline in V_SCHEDULES else virtual_stages
         return bubble_fraction(schedule_grid(pipeline, partitions, chunks_per_rank, microbatches))
     # start-up cost: smp imports shardkit.nn and torch._dynamo, which plans without the pipeline never need
     from shardkit.modelparallel.pipeline_parallel import schedule_for
@@ -84,8 +89,8 @@ def model_blocks(model: nn.Module) -> Optional[int]:
 
 
 def chunk_problem(pipeline: str, partitions: int, virtual_stages: int, microbatches: int, blocks: Optional[int]) -> str:
-    """Why a schedule over chunks (``virtual_stages`` per rank, or ``"zbv"``) does not suit the model, or "":
-    smp's own refusal (ZBV's ``m >= 2p``, the interleaved rounds of ``p`` micro-batches), or ``blocks`` layers
+    """Why a schedule over chunks (``virtual_stages`` per rank, or a V) does not suit the model, or "":
+    smp's own refusal (the V's ``m >= 2p``, the interleaved rounds of ``p`` micro-batches), or ``blocks`` layers
     that do not split into equal chunks (the longest chunk would pace every tick, and the predicted bubble
     would not hold)."""
     # start-up cost: smp imports shardkit.nn and torch._dynamo, which plans without the pipeline never need
@@ -95,7 +100,7 @@ def chunk_problem(pipeline: str, partitions: int, virtual_stages: int, microbatc
         check_virtual_config(partitions, virtual_stages, microbatches, pipeline)
     except ValueError as exc:
         return str(exc)
-    chunks = partitions * (2 if pipeline == "zbv" else virtual_stages)
+    chunks = partitions * (2 if pipeline in V_SCHEDULES else virtual_stages)
     if blocks is not None and blocks % chunks:
         return (
             f"the model's {blocks} layers do not split into {chunks} equal chunks ({partitions} stages x "
@@ -186,6 +191,7 @@ def plan_stages(
 
 
 __all__ = [
+    "V_SCHEDULES",
     "builder",
     "chunk_problem",
     "model_blocks",

@@ -35,6 +35,7 @@ def _config(small: bool) -> LMConfig:
 
 def _settings() -> list[tuple[str, dict[str, Any]]]:
     """(label, smp config entries) of every schedule the installed shardkit offers."""
+    # imported in the check: on a lent machine's torch, a module that fails to import fails this check only
     from shardkit.modelparallel.config import PIPELINES
 
     settings = [(name, {"pipeline": name}) for name in PIPELINES]
@@ -93,6 +94,7 @@ def _pipeline_worker(rank: int, world_size: int, small: bool) -> dict[str, Any]:
 
 def part_pipeline(res: Results, small: bool) -> None:
     """Every smp schedule trained over two ranks on the one GPU, against one process on the whole batches."""
+    # imported in the check: on a lent machine's torch, a module that fails to import fails this check only
     from shardkit.testing import run_distributed
 
     def run() -> dict[str, Any]:
