@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import os
 from typing import Any, Callable, Optional
 
 import torch
@@ -12,6 +14,7 @@ from torch import nn
 import shardkit.modelparallel as smp
 from shardkit.testing.models import LMConfig, TransformerLM, lm_batch
 from testkit import max_state_diff, regression_batch
+from testkit.smp import microbatch_reference
 
 
 def mlp() -> nn.Module:
@@ -165,5 +168,181 @@ def smp_run(
     return losses, model.state_dict(), model
 
 
-#: The old name, still imported by test_smp_zero_bubble.py (left to the branch that is changing that file).
-max_diff = max_state_diff
+# ---- parity against one process ----
+
+#: The parity runs: their tolerance against one process, steps and batch.
+PARITY_TOL = 1e-5
+PARITY_STEPS = 3
+PARITY_BATCH = 8
+
+
+ParityCase = tuple[str, dict[str, Any], dict[str, Any]]
+
+
+def parity_results(
+    rank: int, world_size: int, cases: list[ParityCase], options: Optional[dict[str, Any]] = None
+) -> dict[str, Any]:
+    """Each case of ``cases`` (builder name, smp config, model options) trained pipelined and in one process:
+    the largest loss and parameter differences, how far training moved, parameters held here and in all."""
+    results = {}
+    options = options or {}
+    steps = PARITY_STEPS * options.get("backward_passes_per_step", 1)
+    for name, config, model_kwargs in cases:
+        replicas = world_size // config["partitions"]
+        ref_losses, ref_state = reference_run(
+            name, steps, PARITY_BATCH, replicas, options.get("backward_passes_per_step", 1)
+        )
+        losses, state, model = smp_run(name, config, steps, PARITY_BATCH, model_kwargs, **options)
+        key = f"{name}-{config}-{options}"
+        results[key] = {
+            "loss_diff": max(abs(a - b[smp.dp_rank()]) for a, b in zip(losses, ref_losses)),
+            "param_diff": max_state_diff(state, ref_state),
+            "trained": max_state_diff(ref_state, reference_run(name, 0, PARITY_BATCH)[1]),
+            "local": sum(p.numel() for p in model.local_parameters()),
+            "total": sum(v.numel() for v in ref_state.values()),
+        }
+        smp.reset()
+    return results
+
+
+def check_parity(results: list[dict[str, Any]], split: bool = True) -> None:
+    """Every case on every rank within :data:`PARITY_TOL` of one process, trained, and (``split``) split."""
+    for per_rank in results:
+        for key, r in per_rank.items():
+            assert r["loss_diff"] <= PARITY_TOL, (
+                f"{key}: losses differ from single-process training by {r['loss_diff']}"
+            )
+            assert r["param_diff"] <= PARITY_TOL, (
+                f"{key}: parameters differ from single-process training by {r['param_diff']}"
+            )
+            assert r["trained"] > 1e-3, f"{key}: training did not change the reference parameters"
+            if split:
+                assert r["local"] < r["total"], f"{key}: a stage holds every parameter, nothing was split"
+
+
+# ---- the activation-checkpointing tests' net ----
+
+#: The activation-checkpointing net's runs: micro-batches and steps.
+CKPT_MICROBATCHES = 2
+CKPT_STEPS = 3
+
+
+class CkptBlock(nn.Module):
+    """``tanh(linear(x)) + x``: a residual block worth checkpointing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x)) + x
+
+
+class CkptNet(nn.Module):
+    """``pre`` (a Sequential) and blocks 0-1 on stage 0, blocks 2-3 and the head on stage 1 when ``manual``."""
+
+    def __init__(self, manual: bool) -> None:
+        super().__init__()
+        torch.manual_seed(5)
+        with smp.partition(0) if manual else contextlib.nullcontext():
+            self.pre = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh())
+            first = [CkptBlock(), CkptBlock()]
+        with smp.partition(1) if manual else contextlib.nullcontext():
+            last = [CkptBlock(), CkptBlock()]
+            self.head = nn.Linear(16, 4)
+        self.blocks = nn.Sequential(*first, *last)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.pre(x)))
+
+
+#: Each step's batch: 8 rows of 8 features in, 4 out.
+ckpt_batch = functools.partial(regression_batch, inputs=8, outputs=4)
+
+
+def ckpt_reference() -> list[float]:
+    """Every micro-batch's loss of :class:`CkptNet` trained in one process as smp trains it."""
+    torch.manual_seed(0)
+    model = CkptNet(manual=False)
+    return microbatch_reference(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), CKPT_STEPS, ckpt_batch, CKPT_MICROBATCHES
+    )
+
+
+# ---- checkpoint round trips ----
+
+#: The checkpoint round trips' default smp config.
+CHECKPOINT_CONFIG: dict[str, Any] = {"partitions": 2, "microbatches": 2}
+
+
+@smp.step
+def predict(model: smp.DistributedModel, x: torch.Tensor) -> torch.Tensor:
+    return model(x)
+
+
+def _checkpoint_build(seed: int, config: dict[str, Any]) -> tuple[smp.DistributedModel, smp.DistributedOptimizer]:
+    smp.init(config)
+    torch.manual_seed(seed)
+    model = smp.DistributedModel(TransformerLM(LMConfig()))
+    return model, smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+
+
+def _checkpoint_train(model: smp.DistributedModel, opt: Any, steps: range) -> list[float]:
+    return train_steps(model, opt, "lm", 4, steps)
+
+
+def checkpoint_round_trips(
+    rank: int, world_size: int, directory: str, config: Optional[dict[str, Any]] = None
+) -> dict[str, Any]:
+    """Train an LM, save partial and full checkpoints, train on; then each checkpoint loaded into a fresh job
+    (and the full one into the plain model) must continue identically. Returns the differences found."""
+    config = config if config is not None else CHECKPOINT_CONFIG
+    partial_path, full_path = os.path.join(directory, "partial.pt"), os.path.join(directory, "full.pt")
+    model, opt = _checkpoint_build(2, config)
+    _checkpoint_train(model, opt, range(2))
+    if smp.dp_rank() == 0:
+        smp.save({"model": model.local_state_dict(), "opt": opt.local_state_dict()}, partial_path, partial=True)
+        smp.save({"model": model.state_dict(), "opt": opt.state_dict()}, full_path, partial=False)
+    smp.barrier()
+    continued = _checkpoint_train(model, opt, range(2, 4))
+    final = model.state_dict()
+    x, _ = batch("lm", 4, 99)
+    final_out = predict(model, x).concat()
+    x8, _ = batch("lm", 8, 98)
+    final_out8 = predict(model, x8).concat()  # new micro-batch shape: the stages discover its shapes
+    held = sum(v.numel() for k, v in model.local_state_dict().items() if k != "_smp_is_partial")
+    smp.reset()
+
+    results: dict[str, Any] = {"files": sorted(os.listdir(directory)), "held": held}
+    for kind, path, partial in (("partial", partial_path, True), ("full", full_path, False)):
+        model, opt = _checkpoint_build(7, config)  # different weights: only the checkpoint can make it match
+        checkpoint = smp.load(path, partial=partial)
+        model.load_state_dict(checkpoint["model"])  # before the partition: applied when it happens
+        opt.load_state_dict(checkpoint["opt"])
+        results[f"{kind}_loss_diff"] = max(
+            abs(a - b) for a, b in zip(_checkpoint_train(model, opt, range(2, 4)), continued)
+        )
+        results[f"{kind}_param_diff"] = max_state_diff(model.state_dict(), final)
+        results[f"{kind}_out_diff"] = (predict(model, x).concat() - final_out).abs().max().item()
+        smp.reset()
+
+    # The full checkpoint is a plain torch checkpoint: the unwrapped model and optimizer load it as is.
+    plain = tiny_lm()
+    checkpoint = torch.load(full_path)
+    plain.load_state_dict(checkpoint["model"])
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+    plain_opt.load_state_dict(checkpoint["opt"])
+    plain_losses = []
+    for s in range(2, 4):
+        xs, ys = batch("lm", 4, s)
+        plain_opt.zero_grad()
+        loss = loss_of("lm", plain(xs), ys)
+        loss.backward()
+        plain_opt.step()
+        plain_losses.append(loss.item())
+    results["plain_loss_diff"] = max(abs(a - b) for a, b in zip(plain_losses, continued))
+    results["plain_out_diff"] = max(
+        (plain(x) - final_out).abs().max().item(), (plain(x8) - final_out8).abs().max().item()
+    )
+    results["total"] = sum(v.numel() for v in plain.state_dict().values())
+    return results

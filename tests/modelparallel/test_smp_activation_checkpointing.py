@@ -3,65 +3,24 @@ marked modules' forwards really run twice (forward and recomputation) on the sta
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import warnings
 from collections import Counter
 from typing import Any, Optional
 
 import pytest
 import torch
+from smp_testlib import CKPT_MICROBATCHES as MICROBATCHES
+from smp_testlib import CKPT_STEPS as STEPS
+from smp_testlib import PARITY_TOL as TOL
+from smp_testlib import CkptBlock as Block
+from smp_testlib import CkptNet as Net
+from smp_testlib import ckpt_batch as _batch
+from smp_testlib import ckpt_reference as _reference
 from torch import nn
 
 import shardkit.modelparallel as smp
 from shardkit.testing import run_distributed
-from testkit import regression_batch
-from testkit.smp import microbatch_reference, mse_step
-
-MICROBATCHES = 2
-STEPS = 3
-TOL = 1e-5
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(16, 16)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.lin(x)) + x
-
-
-class Net(nn.Module):
-    """``pre`` (a Sequential) and blocks 0-1 on stage 0, blocks 2-3 and the head on stage 1 when ``manual``."""
-
-    def __init__(self, manual: bool) -> None:
-        super().__init__()
-        torch.manual_seed(5)
-        with smp.partition(0) if manual else contextlib.nullcontext():
-            self.pre = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh())
-            first = [Block(), Block()]
-        with smp.partition(1) if manual else contextlib.nullcontext():
-            last = [Block(), Block()]
-            self.head = nn.Linear(16, 4)
-        self.blocks = nn.Sequential(*first, *last)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.blocks(self.pre(x)))
-
-
-#: Each step's batch: 8 rows of 8 features in, 4 out.
-_batch = functools.partial(regression_batch, inputs=8, outputs=4)
-
-
-#: The step's old name here, still imported by test_smp_zero_bubble.py (left to the branch changing that file).
-_train_step = mse_step
-
-
-def _reference() -> list[float]:
-    torch.manual_seed(0)
-    model = Net(manual=False)
-    return microbatch_reference(model, torch.optim.SGD(model.parameters(), lr=0.1), STEPS, _batch, MICROBATCHES)
+from testkit.smp import mse_step
 
 
 def _mark(net: Net, scenario: str) -> None:

@@ -6,12 +6,11 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import pytest
-import test_smp_activation_checkpointing as ckpt
-import test_smp_checkpoint as checkpoint_tests
+import smp_testlib as lib
 import torch
 import torch.nn.functional as F
-from smp_testlib import BUILDERS, batch, max_diff, reference_run, smp_run, train_step
-from test_smp_pipeline_parity import _check, _parity
+from smp_testlib import BUILDERS, batch, check_parity, parity_results, reference_run, smp_run, train_step
+from smp_testlib import max_state_diff as max_diff
 from torch import nn
 
 import shardkit.modelparallel as smp
@@ -25,6 +24,7 @@ from shardkit.modelparallel.virtual_schedules import (
 )
 from shardkit.testing import run_distributed
 from shardkit.testing.models import LMConfig, TransformerLM
+from testkit.smp import mse_step
 
 V2 = {"pipeline": "interleaved", "virtual_stages": 2}
 ZBV = {"pipeline": "zbv"}
@@ -85,7 +85,7 @@ def test_two_ranks_two_chunks_match_single_process() -> None:
         ("lm", {"partitions": 2, "microbatches": 4, **V2}, {}),  # embedding tied to the head
         ("lm6", {"partitions": 2, "microbatches": 4, "pipeline": "interleaved", "virtual_stages": 3}, {}),
     ]
-    _check(run_distributed(_parity_here, 2, cases))
+    check_parity(run_distributed(_parity_here, 2, cases))
 
 
 def test_four_ranks_two_chunks_match_single_process() -> None:
@@ -95,7 +95,7 @@ def test_four_ranks_two_chunks_match_single_process() -> None:
         ("lm6", {"partitions": 4, "microbatches": 8, **ZBV}, {}),
         ("lm6", {"partitions": 4, "microbatches": 8, **DUALPIPEV}, {}),
     ]
-    _check(run_distributed(_parity_here, 4, cases))
+    check_parity(run_distributed(_parity_here, 4, cases))
 
 
 def test_data_parallel_replicas_match_single_process() -> None:
@@ -106,13 +106,13 @@ def test_data_parallel_replicas_match_single_process() -> None:
         # the overlapped all-reduce armed before DualPipeV's last W on each rank
         ("lm", {"partitions": 2, "microbatches": 4, "ddp": True, **DUALPIPEV}, {}),
     ]
-    _check(run_distributed(_parity_here, 4, cases, {"bucket_cap_mb": 0.001}))
-    _check(run_distributed(_parity_here, 4, cases[:1], {"gradient_as_bucket_view": True}))
+    check_parity(run_distributed(_parity_here, 4, cases, {"bucket_cap_mb": 0.001}))
+    check_parity(run_distributed(_parity_here, 4, cases[:1], {"gradient_as_bucket_view": True}))
 
 
 def _parity_here(rank: int, world_size: int, cases: list[Any], options: Optional[dict[str, Any]] = None) -> Any:
     """The pipeline tests' parity run, started from this module so that the workers register ``lm6``."""
-    return _parity(rank, world_size, cases, options)
+    return parity_results(rank, world_size, cases, options)
 
 
 def _eval_and_placement(rank: int, world_size: int) -> dict[str, Any]:
@@ -243,7 +243,7 @@ def test_zbv_two_ranks_match_single_process() -> None:
         ("residual", {"partitions": 2, "microbatches": 8, "auto_partition": False, **DUALPIPEV}, {"stages": 4}),
         ("lm", {"partitions": 2, "microbatches": 4, **DUALPIPEV}, {}),  # m = 2p; the tied embedding and head on rank 0
     ]
-    _check(run_distributed(_parity_here, 2, cases))
+    check_parity(run_distributed(_parity_here, 2, cases))
 
 
 def _zbv_replicas(rank: int, world_size: int) -> dict[str, Any]:
@@ -271,9 +271,9 @@ def test_zbv_data_parallel_replicas_match_single_process() -> None:
 
 
 def _checkpointed_chunks(rank: int, world_size: int, pipeline_keys: dict[str, Any]) -> dict[str, Any]:
-    mbs = ckpt.MICROBATCHES * 2
+    mbs = lib.CKPT_MICROBATCHES * 2
     smp.init({"partitions": 2, "microbatches": mbs, **pipeline_keys})
-    net = ckpt.Net(manual=False)
+    net = lib.CkptNet(manual=False)
     calls = [0] * len(net.blocks)
     for i, block in enumerate(net.blocks):
         smp.set_activation_checkpointing(block)
@@ -281,15 +281,15 @@ def _checkpointed_chunks(rank: int, world_size: int, pipeline_keys: dict[str, An
     model = smp.DistributedModel(net)
     opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     losses: list[float] = []
-    for s in range(ckpt.STEPS):
-        x, y = ckpt._batch(s)
+    for s in range(lib.CKPT_STEPS):
+        x, y = lib.ckpt_batch(s)
         opt.zero_grad()
-        losses.append(ckpt._train_step(model, x, y).reduce_mean().item())
+        losses.append(mse_step(model, x, y).reduce_mean().item())
         opt.step()
         if s == 0:  # the first step also traced: count the later ones
             calls = [0] * len(calls)
     smp.reset()
-    return {"losses": losses, "per_microbatch": [c / ((ckpt.STEPS - 1) * mbs) for c in calls]}
+    return {"losses": losses, "per_microbatch": [c / ((lib.CKPT_STEPS - 1) * mbs) for c in calls]}
 
 
 @pytest.mark.parametrize("pipeline_keys", [V2, ZBV], ids=["virtual_stages", "zbv"])
@@ -297,13 +297,13 @@ def test_activation_checkpointed_blocks_in_chunks(pipeline_keys: dict[str, Any])
     """Blocks given to smp.set_activation_checkpointing recompute inside their chunk's backward (under ZBV that
     chunk's backward runs unsplit, with the documented warning): training is unchanged."""
     torch.manual_seed(0)
-    model = ckpt.Net(manual=False)
+    model = lib.CkptNet(manual=False)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     reference = []
-    for s in range(ckpt.STEPS):
-        x, y = ckpt._batch(s)
+    for s in range(lib.CKPT_STEPS):
+        x, y = lib.ckpt_batch(s)
         opt.zero_grad()
-        mbs = ckpt.MICROBATCHES * 2
+        mbs = lib.CKPT_MICROBATCHES * 2
         loss = sum(F.mse_loss(model(a), b) for a, b in zip(x.chunk(mbs), y.chunk(mbs))) / mbs
         loss.backward()
         opt.step()
@@ -316,8 +316,7 @@ def test_activation_checkpointed_blocks_in_chunks(pipeline_keys: dict[str, Any])
 
 
 def _checkpoints_in_chunks(rank: int, world_size: int, directory: str, keys: dict[str, Any]) -> dict[str, Any]:
-    checkpoint_tests.CONFIG = {"partitions": 2, **keys}  # the checkpoint test's run, under this config
-    return checkpoint_tests._checkpoints(rank, world_size, directory)
+    return lib.checkpoint_round_trips(rank, world_size, directory, {"partitions": 2, "microbatches": 2, **keys})
 
 
 @pytest.mark.parametrize("keys", [{"microbatches": 2, **V2}, {"microbatches": 4, **ZBV}], ids=["virtual_stages", "zbv"])

@@ -12,14 +12,17 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from smp_testlib import max_diff, reference_run, smp_run
-from test_smp_activation_checkpointing import MICROBATCHES, STEPS, Net, _batch, _reference, _train_step
-from test_smp_pipeline_parity import _check, _parity
+from smp_testlib import CKPT_MICROBATCHES as MICROBATCHES
+from smp_testlib import CKPT_STEPS as STEPS
+from smp_testlib import CkptNet as Net
+from smp_testlib import check_parity, ckpt_batch, ckpt_reference, parity_results, reference_run, smp_run
+from smp_testlib import max_state_diff as max_diff
 from torch import nn
 
 import shardkit.modelparallel as smp
 from shardkit.testing import run_distributed
 from testkit.models import ScaleWithWeightGrad
+from testkit.smp import mse_step
 
 ZB = "zero_bubble"
 H2 = "zero_bubble_h2"
@@ -32,7 +35,7 @@ def test_two_stages_match_single_process(pipeline: str) -> None:
         ("residual", {"partitions": 2, "microbatches": 4, "pipeline": pipeline, **MANUAL}, {"stages": 2}),
         ("lm", {"partitions": 2, "microbatches": 4, "pipeline": pipeline}, {}),  # embedding tied to the head
     ]
-    _check(run_distributed(_parity, 2, cases))
+    check_parity(run_distributed(parity_results, 2, cases))
 
 
 @pytest.mark.parametrize("pipeline", [ZB, H2])
@@ -44,7 +47,7 @@ def test_four_stages_match_single_process(pipeline: str) -> None:
         ("residual", {"partitions": 4, "microbatches": 4, "pipeline": pipeline, **MANUAL}, {"stages": 4}),
         ("lm", {"partitions": 4, "microbatches": 8, "pipeline": pipeline}, {}),
     ]
-    _check(run_distributed(_parity, 4, cases))
+    check_parity(run_distributed(parity_results, 4, cases))
 
 
 def _hybrid(rank: int, world_size: int, pipeline: str) -> dict[str, Any]:
@@ -87,9 +90,9 @@ def _checkpointed(rank: int, world_size: int) -> dict[str, Any]:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for s in range(STEPS):
-            x, y = _batch(s)
+            x, y = ckpt_batch(s)
             opt.zero_grad()
-            losses.extend(t.item() for t in _train_step(model, x, y).outputs)
+            losses.extend(t.item() for t in mse_step(model, x, y).outputs)
             opt.step()
             if s == 0:  # the first step also traced and planned: count the later ones
                 calls.clear()
@@ -104,7 +107,7 @@ def _checkpointed(rank: int, world_size: int) -> dict[str, Any]:
 
 def test_checkpointed_stage_falls_back_to_the_unsplit_backward() -> None:
     """A checkpointed block is recomputed once per micro-batch (not again in W), with one warning per stage."""
-    reference = _reference()
+    reference = ckpt_reference()
     for r in run_distributed(_checkpointed, 2):
         assert max(abs(a - b) for a, b in zip(r["losses"], reference)) <= 1e-5
         assert r["per_microbatch"] == [2.0, 2.0], r  # forward + one recomputation
@@ -166,4 +169,4 @@ def test_custom_function_on_both_gradient_paths_runs_unsplit() -> None:
 def test_gradient_accumulation_over_steps_with_replicas() -> None:
     """backward_passes_per_step=2: W's gradients accumulate locally and are all-reduced every other step."""
     cases = [("lm", {"partitions": 2, "microbatches": 2, "ddp": True, "pipeline": ZB}, {})]
-    _check(run_distributed(_parity, 4, cases, {"backward_passes_per_step": 2, "bucket_cap_mb": 0.01}))
+    check_parity(run_distributed(parity_results, 4, cases, {"backward_passes_per_step": 2, "bucket_cap_mb": 0.01}))
