@@ -367,3 +367,31 @@ def test_grad_scaler_skips_the_step_on_every_rank(keys: dict[str, Any]) -> None:
     """An overflow in one chunk's gradients skips the step on every rank (and the scale halves once)."""
     for per_rank in run_distributed(_scaled, 2, keys):
         assert per_rank == [(128.0, False), (128.0, True)]
+
+
+def _v_peaks(rank: int, world_size: int) -> dict[str, list[int]]:
+    """Per V schedule and micro-batch count, this rank's peak bytes saved for backward over one step."""
+    peaks: dict[str, list[int]] = {}
+    for keys in (ZBV, DUALPIPEV):
+        for m in (2 * world_size, 4 * world_size):
+            smp.init({"partitions": world_size, "microbatches": m, **keys})
+            model = smp.DistributedModel(_deep_lm())
+            x, y = batch("lm", 2 * m, 0)
+            train_step(model, "lm", x, y)  # partitions the model
+            execution = model.stage_execution
+            assert execution is not None
+            execution.measure_activations = True
+            execution.activations.reset_peak()
+            train_step(model, "lm", x, y)
+            peaks.setdefault(keys["pipeline"], []).append(execution.activations.saved.peak)
+            smp.reset()
+    return peaks
+
+
+def test_v_schedules_hold_no_more_activations_with_more_microbatches() -> None:
+    """A V schedule caps the chunk-micro-batches a rank holds from F to W, whatever ``m``: twice the micro-batches
+    (each as large) must not raise a rank's peak. The rank holding the output chunk kept every micro-batch's
+    graph under the returned loss until the step's end (the peak grew with ``m``)."""
+    for rank, per_schedule in enumerate(run_distributed(_v_peaks, 2)):
+        for pipeline, (fewer, more) in per_schedule.items():
+            assert 0 < more <= fewer * 1.02, (rank, pipeline, fewer, more)

@@ -47,23 +47,16 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Optional
 
-import torch
-
 from shardkit.modelparallel.execution import StageExecution
 from shardkit.modelparallel.runtime import MicrobatchRecord
 from shardkit.modelparallel.step_outputs import OutputSharing, share_from_output_stage
 from shardkit.modelparallel.virtual_stages import ProbeFinished, VirtualStageExecution
 from shardkit.modelparallel.zb_schedules import zero_bubble_h1_hold
-from shardkit.utils._torch_private import tree_map
 
 
 def _splits(execution: StageExecution) -> bool:
     """Whether ``execution``'s schedule splits each backward into B and W."""
     return any(a.kind == "W" for a in schedule_for(execution.pipeline, execution.stage, execution.num_stages, 1))
-
-
-def _detached(value: Any) -> Any:
-    return value.detach() if isinstance(value, torch.Tensor) else value
 
 
 class Action(NamedTuple):
@@ -295,9 +288,7 @@ class StepRun:
         elif split:
             execution.backward_input(record, self.microbatches)
             if self.detach_outputs:
-                # The returned loss is the graph's root: dropping it lets autograd free the nodes above the
-                # ones W re-runs (a language model's logits) now rather than at the step's end.
-                record.outputs = tree_map(_detached, record.outputs)
+                record.detach_outputs()
         else:
             execution.backward(record, self.microbatches)
 

@@ -31,7 +31,7 @@ from shardkit.modelparallel.plan import LeafSpec, PipelinePlan, UnitCall, signat
 from shardkit.modelparallel.pp_communications import StageLink
 from shardkit.modelparallel.saved_activations import SavedActivations
 from shardkit.modelparallel.split_backward import WeightGradients, backward_input
-from shardkit.utils._torch_private import tree_flatten, tree_unflatten
+from shardkit.utils._torch_private import tree_flatten, tree_map, tree_unflatten
 
 Shapes = tuple[tuple[Optional[LeafSpec], ...], ...]
 
@@ -51,6 +51,15 @@ class MicrobatchRecord:
     outputs: Any = None
     #: A split backward's W half, left by :meth:`StageRuntime.backward_input` (None when nothing is left).
     weight_work: Optional[WeightGradients] = None
+
+    def detach_outputs(self) -> None:
+        """Detach the tensors the step function returned (after a split B, where the outputs are detached anyway).
+
+        The returned loss is its graph's root: while it holds the graph, every node above the ones W runs again
+        (a language model's logits, the last blocks' saved tensors) lives until the step's end, on every
+        micro-batch at once; detached, autograd frees them as soon as W has run.
+        """
+        self.outputs = tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, self.outputs)
 
 
 @dataclass

@@ -55,6 +55,8 @@ class StepDriver(Protocol):
     """What a chunked step needs of ``pipeline_parallel.StepRun`` (named here so this module does not import it)."""
 
     microbatches: int
+    #: Whether the step's returned tensors are detached (``@smp.step(detach_outputs=...)``).
+    detach_outputs: bool
 
     def forward_into(self, record: MicrobatchRecord) -> None:
         """Run the step function on ``record``'s micro-batch, recording into ``record``."""
@@ -285,6 +287,8 @@ class VirtualStageExecution(StageExecution):
                             self.backward_weight(record)
                         elif split:
                             self.backward_input(record, m)
+                            if run.detach_outputs:
+                                record.detach_outputs()  # else the loss holds every micro-batch's graph
                         else:
                             self.backward(record, m)
                     link.action = None
