@@ -160,8 +160,6 @@ def _sharding(
 
 
 def _prefetch(backward_prefetch: Optional[BackwardPrefetch], forward_prefetch: bool) -> PrefetchPolicy:
-    if backward_prefetch is not None and not isinstance(backward_prefetch, BackwardPrefetch):
-        raise TypeError(f"backward_prefetch must be a BackwardPrefetch or None, got {backward_prefetch!r}")
     return PrefetchPolicy(backward=backward_prefetch, forward=bool(forward_prefetch))
 
 

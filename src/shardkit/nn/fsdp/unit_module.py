@@ -5,10 +5,10 @@ and reports, for the layers that build on it without depending on the public cla
 the checkpoint adapters read) walks: its run-time state through one accessor (:attr:`UnitModule.fsdp_unit`, the
 :class:`~shardkit.nn.fsdp.runtime.Unit` with its parameter group), the settings under fairscale's attribute names,
 and names as the unwrapped model spells them (:func:`walk_modules`, the one walker that knows which wrapper levels
-add no path segment). What a unit *does* (forward, summon, state dicts, optimizer state) lives in collaborators
+add no path segment). What a unit *does* (forward, summon, state dicts, optimizer state) lives in modules
 that take a :class:`UnitModule` (:mod:`~shardkit.nn.fsdp.forward_methods`, :mod:`~shardkit.nn.fsdp.full_params`,
-:mod:`~shardkit.nn.fsdp.state_dict.facade`) and that the public class, its only subclass, holds and delegates to;
-this module imports none of them, so the layers form no cycle. torch's FSDP2 splits its ``FSDPModule`` the same way.
+:mod:`~shardkit.nn.fsdp.state_dict`) and that the public class, its only subclass, delegates to; this module
+imports none of them, so the layers form no cycle. torch's FSDP2 splits its ``FSDPModule`` the same way.
 """
 
 from __future__ import annotations
