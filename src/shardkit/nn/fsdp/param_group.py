@@ -332,13 +332,12 @@ class ParamGroup:
                 started = self._reduce(handle, None, ctx)
                 if started is not None:
                     pending.append(started)
-            if handle.full is not None:
-                handle.full.grad = None
-        self.reshard()
+        self.abandon_backward()  # what is left of this backward: its full gradients and gathered copies
         return pending
 
     def abandon_backward(self) -> None:
-        """Forget a backward pass that failed midway: full gradients and gathered copies."""
+        """Forget what a backward pass left (at its end, or when it failed midway): full gradients and gathered
+        copies."""
         for handle in self.handles:
             if handle.full is not None:
                 handle.full.grad = None

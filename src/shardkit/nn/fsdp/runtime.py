@@ -78,7 +78,7 @@ class Unit:
         #: Inside a forward that nobody undoes if it raises (see :meth:`pre_forward`).
         self._unguarded = False
         for handle in group.handles:
-            handle.on_grad_ready = self._on_grad_ready
+            handle.on_grad_ready = self.post_backward
 
     def join_tree(self, root: Unit, name: str) -> None:
         """Become a nested unit of ``root``'s tree under ``name`` (its path from the root), at the root's lazy init."""
@@ -163,11 +163,11 @@ class Unit:
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Gather this unit's parameters and expose them. ``guarded=False``: the caller cannot undo a failing
         forward (no try block under torch.compile), so the root's next forward does."""
-        if self.is_root and self._callback_queued and not _in_backward():
+        if self.is_root and self._callback_queued and not backward_running():
             self._abandon_backward()
-        if self.is_root and self._unguarded and self.state == TrainingState.FORWARD and not _in_backward():
+        if self.is_root and self._unguarded and self.state == TrainingState.FORWARD and not backward_running():
             self._abandon_forward()
-        if self.state in IN_BACKWARD and not _in_backward():
+        if self.state in IN_BACKWARD and not backward_running():
             raise RuntimeError(
                 f"FullyShardedDataParallel unit '{self.name}' is in state {self.state.name} outside backward: a "
                 "backward pass through it did not finish. Run forward through the root instance."
@@ -180,7 +180,7 @@ class Unit:
         schedule = self.tree_schedule
         with record_function(f"shardkit::fsdp:pre_forward:{self.name}"):
             # A forward run again inside backward (activation checkpointing) neither records nor prefetches.
-            first_pass = not recomputing and not _in_backward()
+            first_pass = not recomputing and not backward_running()
             if first_pass:
                 if self.is_root:
                     schedule.begin_forward()
@@ -267,9 +267,6 @@ class Unit:
             self.group.wait_unsharded()
             # Views made with grad enabled, for activation checkpointing that recomputes from the attributes.
             self.group.use_views()
-
-    def _on_grad_ready(self, handle: FlatParamHandle) -> None:
-        self.post_backward(handle)
 
     def post_backward(self, handle: FlatParamHandle) -> None:
         """One flat parameter's full gradient is complete: start its reduce-scatter and free the full copy."""
@@ -376,7 +373,3 @@ class _InputsGradReady(torch.autograd.Function):
     def backward(ctx: Any, *grads: Any) -> Any:
         ctx.unit.inputs_grad_ready()
         return (None, *grads)
-
-
-#: True while autograd's engine is running a backward pass on this thread.
-_in_backward = backward_running

@@ -38,12 +38,7 @@ from torch import nn
 from shardkit.distributed.groups import GroupLike
 from shardkit.nn.fsdp.flat_param import FlatParamMeta
 from shardkit.nn.fsdp.runtime import TrainingState
-from shardkit.nn.fsdp.unit_module import UnitModule, walk_modules
-
-
-def join_name(prefix: str, name: str) -> str:
-    """``prefix.name``, or ``name`` alone at the root."""
-    return f"{prefix}.{name}" if prefix else name
+from shardkit.nn.fsdp.unit_module import UnitModule, join_name, walk_modules
 
 
 class FlatPiece(NamedTuple):

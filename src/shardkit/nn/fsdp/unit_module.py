@@ -51,12 +51,13 @@ def walk_modules(
             if child is None:
                 continue
             transparent = (isinstance(module, UnitModule) and name == "module") or adds_no_name(module, name)
-            yield from visit(child, clean if transparent else _join(clean, name), _join(real, name))
+            yield from visit(child, clean if transparent else join_name(clean, name), join_name(real, name))
 
     yield from visit(root, prefix, prefix)
 
 
-def _join(prefix: str, name: str) -> str:
+def join_name(prefix: str, name: str) -> str:
+    """``prefix.name``, or ``name`` alone at the root."""
     return f"{prefix}.{name}" if prefix else name
 
 
@@ -68,7 +69,7 @@ def _clean_members(root: nn.Module, kind: str, prefix: str, remove_duplicate: bo
             if value is None or (remove_duplicate and id(value) in seen):
                 continue
             seen.add(id(value))
-            yield _join(path, name), value
+            yield join_name(path, name), value
 
 
 _T = TypeVar("_T")

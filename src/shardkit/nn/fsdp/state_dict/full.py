@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from shardkit.distributed.groups import is_dummy
 from shardkit.nn._torch_private import IncompatibleKeys, attach_state_dict_metadata, state_dict_metadata
@@ -129,7 +128,10 @@ def load_from_state_dict_hook(
     own = {id(flat.shard) for flat in view.units[0].flats}
     params = [e for e in view.params if id(e.flat.shard) in own]
     refile: dict[str, str] = {}  # clean key -> the key torch's recursion will look up, both relative to prefix
-    for real, clean, module in _walk_real(fsdp):
+    # Below fsdp, not descending into nested units (they re-file their own keys).
+    for clean, real, module in walk_modules(fsdp, once=False, into_units=False):
+        if module is fsdp:
+            continue
         if isinstance(module, UnitModule):
             nested = layout(module)
             for key in [e.key for e in nested.params] + [b.key for b in nested.buffers]:
@@ -157,13 +159,6 @@ def load_from_state_dict_hook(
     for clean, real in refile.items():
         if prefix + clean in state_dict:
             state_dict[prefix + real] = state_dict[prefix + clean]
-
-
-def _walk_real(fsdp: UnitModule) -> Iterator[tuple[str, str, nn.Module]]:
-    """``(real path, clean path, module)`` below ``fsdp``, not descending into nested units (they re-file their own)."""
-    for clean, real, module in walk_modules(fsdp, once=False, into_units=False):
-        if module is not fsdp:
-            yield real, clean, module
 
 
 # ---------------------------------------------------------------------------------------------- local
