@@ -253,7 +253,7 @@ class Unit:
 
     def pre_backward(self) -> None:
         """Gather the parameters again before autograd computes this unit's gradients."""
-        self._queue_finish_backward()
+        (self.root or self).queue_finish_backward()
         if self.state == TrainingState.BACKWARD_PRE and self.group.is_unsharded():
             return
         self.transition("pre_backward")
@@ -270,7 +270,7 @@ class Unit:
 
     def post_backward(self, handle: FlatParamHandle) -> None:
         """One flat parameter's full gradient is complete: start its reduce-scatter and free the full copy."""
-        self._queue_finish_backward()
+        (self.root or self).queue_finish_backward()
         self.transition("post_backward")
         with record_function(f"shardkit::fsdp:post_backward:{self.name}"):
             pending = self.group.post_backward(handle, self.sync_grads, self.ctx)
@@ -299,9 +299,6 @@ class Unit:
         # parameters; once both are out they can go, instead of waiting for the end of backward.
         if self.state in IN_BACKWARD and self._inputs_pending == 0 and self._grads_done >= self.group.trainable_count:
             self.group.reshard_frozen()
-
-    def _queue_finish_backward(self) -> None:
-        (self.root or self).queue_finish_backward()
 
     def queue_finish_backward(self) -> None:
         """Root only: have autograd's engine call :meth:`finish_backward` at the end of this backward (once)."""
