@@ -14,8 +14,9 @@ from shardkit.nn.fsdp.state_dict._io import gather_flat
 from shardkit.nn.fsdp.unit_module import UnitModule
 
 
-def _is_sharded_state(value: Any, shard: torch.Tensor) -> bool:
-    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == shard.shape
+def _shaped_like(value: Any, shape: torch.Size) -> bool:
+    """True for per-element optimizer state (a tensor of ``shape``: a shard's, or a parameter's), not a step count."""
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == shape
 
 
 def _cpu_copy(value: Any) -> Any:
@@ -111,7 +112,7 @@ def gather_full_optim_state_dict(fsdp: UnitModule, optim: Any, recipient_rank: i
             for key in sorted(state):
                 value = state[key]
                 # Sharded state is gathered on every rank; anything else (a step count) is the same for each piece.
-                if _is_sharded_state(value, flat.shard):
+                if _shaped_like(value, flat.shard.shape):
                     values = flat.meta.views(gather_flat(flat, value, "optim_state"))
                 else:
                     values = [value] * len(flat.meta.params)
@@ -222,9 +223,7 @@ def _shard_state(h: FlatLayout, states: dict[int, dict[str, Any]], names: dict[i
     for key in keys:
         values = {i: s[key] for i, s in states.items() if key in s}
         info_of = h.meta.params
-        tensor_like = [
-            isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape == info_of[i].shape for i, v in values.items()
-        ]
+        tensor_like = [_shaped_like(v, info_of[i].shape) for i, v in values.items()]
         if any(tensor_like):
             if not all(tensor_like):
                 bad = [names[i] for (i, _), ok in zip(values.items(), tensor_like) if not ok]
