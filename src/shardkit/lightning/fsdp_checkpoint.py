@@ -50,7 +50,6 @@ def _inner(optimizer: Optimizer) -> Optimizer:
 # ----------------------------------------------------------------------------- what goes into a checkpoint
 def model_state(root: FullyShardedDataParallel, state_dict_type: str) -> dict[str, Any]:
     """The model entry of a checkpoint (a collective): the full state dict, or per-parameter DTensors."""
-
     if state_dict_type == "full":
         return dict(root.state_dict())
     return dict(sharded_state_dict(root))
@@ -70,7 +69,6 @@ def optimizer_state(
 
 def load_model_state(root: FullyShardedDataParallel, checkpoint: Mapping[str, Any], strict: bool) -> None:
     """Load the model entry of a checkpoint read by :func:`load_sharded` or from a full file."""
-
     state = checkpoint["state_dict"]
     if checkpoint.get(_SHARDED_FLAG):
         load_sharded_state_dict(root, state, strict=strict)
@@ -130,7 +128,6 @@ def _as_dtensors(state: Any, mesh: Any, shard_numels: set[int]) -> Any:
 
 
 def _shard_numels(root: FullyShardedDataParallel) -> set[int]:
-
     return {flat.meta.shard_numel for flat in layout(root).flats}
 
 
@@ -157,7 +154,6 @@ def save_sharded(root: FullyShardedDataParallel, checkpoint: dict[str, Any], pat
 
 def load_sharded(root: FullyShardedDataParallel, path: Any, weights_only: Optional[bool]) -> dict[str, Any]:
     """Read a folder written by :func:`save_sharded` into a Lightning checkpoint holding this rank's shards."""
-
     path = Path(path)
     # Safe by default (as torch >= 2.6 and Lightning are): only an explicit weights_only=False unpickles objects;
     # otherwise a meta.pt carrying pickled objects raises UnsafeCheckpointError without running them.
@@ -220,7 +216,6 @@ def _template(root: FullyShardedDataParallel, path: Path, num_optimizers: int) -
 
 def _shard_device(root: FullyShardedDataParallel) -> torch.device:
     """Where the shards, and the optimizer state shaped like them, live."""
-
     return layout(root).flats[0].shard.device
 
 

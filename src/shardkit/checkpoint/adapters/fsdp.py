@@ -35,12 +35,9 @@ from torch import nn
 
 from shardkit.checkpoint._collectives import rank_and_size
 from shardkit.checkpoint.adapters.fsdp_legacy import FSDPAdapter
-from shardkit.checkpoint.adapters.registry import isinstance_of
 from shardkit.checkpoint.universal.source import Held, Span, UniversalSource
 from shardkit.distributed.groups import group_rank, group_size
 from shardkit.nn.fsdp.shard_layout import BufferLayout, ShardLayout, UnitLayout, layout, reshard
-
-_FSDP = ("shardkit.nn.fsdp.api", "FullyShardedDataParallel")
 
 
 def unit_replicas(
@@ -94,6 +91,8 @@ class FSDPSource(UniversalSource):
     """An FSDP model (root unit) and the ``torch.optim`` optimizer over its flat parameter shards."""
 
     strategy = "fsdp"
+    #: An FSDP model (the models the legacy layout's adapter takes).
+    handles = staticmethod(FSDPAdapter.handles)
 
     def __init__(self, model: nn.Module, optimizer: Optional[Any]) -> None:
         self.model = model
@@ -101,11 +100,6 @@ class FSDPSource(UniversalSource):
         #: id(buffer) -> (staging copy in the original dtype, the buffer), for buffers mixed precision cast; made
         #: once per source, so every held() hands out the same copy the engine reads or fills.
         self._staged: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    @staticmethod
-    def handles(model: nn.Module, optimizer: Optional[Any]) -> bool:
-        """An FSDP model."""
-        return isinstance_of(model, *_FSDP)
 
     def held(self) -> list[Held]:
         """Every unit's flat parameter shards with the ranges they hold, then every buffer whole."""

@@ -22,16 +22,12 @@ from shardkit.checkpoint.adapters.registry import isinstance_of
 from shardkit.checkpoint.errors import IncompatibleCheckpointError
 from shardkit.checkpoint.files import safe_load, write_torch
 from shardkit.checkpoint.metadata import CheckpointMeta
-from shardkit.nn.fsdp import state_dict
+from shardkit.nn.fsdp import state_dict as sd
+from shardkit.nn.fsdp.unit_module import UnitModule
 from shardkit.utils.tensors import to_cpu
 
 MODEL_DIR = "model"
 OPTIMIZER_FILE = "optimizer.pt"
-
-
-def _fsdp_state_dict() -> Any:
-
-    return state_dict
 
 
 class FSDPAdapter(Adapter):
@@ -41,16 +37,21 @@ class FSDPAdapter(Adapter):
     layout = "fsdp-dcp"
     resizable = True
 
+    @property
+    def fsdp(self) -> UnitModule:
+        """The model, which :meth:`handles` accepted as a FullyShardedDataParallel."""
+        assert isinstance(self.model, UnitModule)
+        return self.model
+
     @staticmethod
     def handles(model: nn.Module, optimizer: Optional[Any]) -> bool:
         """An FSDP model."""
         return isinstance_of(model, "shardkit.nn.fsdp.api", "FullyShardedDataParallel")
 
     def save(self, directory: Path, rank: int) -> None:
-        sd = _fsdp_state_dict()
-        safe_dcp.save(sd.sharded_state_dict(self.model), directory / MODEL_DIR)
+        safe_dcp.save(sd.sharded_state_dict(self.fsdp), directory / MODEL_DIR)
         if self.optimizer is not None:
-            full = sd.gather_full_optim_state_dict(self.model, self.optimizer, recipient_rank=0)
+            full = sd.gather_full_optim_state_dict(self.fsdp, self.optimizer, recipient_rank=0)
             if rank == 0:
                 write_torch(directory / OPTIMIZER_FILE, to_cpu(full))
 
@@ -60,13 +61,12 @@ class FSDPAdapter(Adapter):
         target: dict[str, Any] = {}
 
         def fetch() -> None:
-            sd = _fsdp_state_dict()
-            target.update(sd.sharded_state_dict(self.model))  # collective; a fresh copy, the model is untouched
+            target.update(sd.sharded_state_dict(self.fsdp))  # collective; a fresh copy, the model is untouched
             validate.check_model_state(validate.shapes_of(target), dict(saved_shapes), "the sharded model state")
             safe_dcp.load(target, directory / MODEL_DIR)
 
         def apply() -> None:
-            _fsdp_state_dict().load_sharded_state_dict(self.model, target)
+            sd.load_sharded_state_dict(self.fsdp, target)
             if shard is not None:
                 assert self.optimizer is not None
                 self.optimizer.load_state_dict(shard)
@@ -81,7 +81,7 @@ class FSDPAdapter(Adapter):
             )
         full = safe_load(directory / OPTIMIZER_FILE, "optimizer state")
         try:
-            shard = _fsdp_state_dict().get_shard_from_optim_state_dict(self.model, full, self.optimizer)
+            shard = sd.get_shard_from_optim_state_dict(self.fsdp, full, self.optimizer)
         except (ValueError, KeyError, TypeError) as err:
             raise IncompatibleCheckpointError(f"the optimizer state does not fit this model: {err}") from None
         validate.check_optimizer_state(shard, validate.optimizer_groups(self.optimizer), "the optimizer state")

@@ -1,9 +1,9 @@
 """ZeRO-3 fully sharded data parallel.
 
 Layers, outermost first: :mod:`~shardkit.nn.fsdp.api` (the public class, arguments → policies, delegating to the
-collaborators it holds: :mod:`~shardkit.nn.fsdp.forward_methods` runs forward, :mod:`~shardkit.nn.fsdp.full_params`
-summons full parameters, :mod:`~shardkit.nn.fsdp.state_dict` gives full, local, DCP-sharded and optimizer state
-through its facade), :mod:`~shardkit.nn.fsdp.unit_module` (what a unit is: its run-time state through
+modules that do the work: :mod:`~shardkit.nn.fsdp.forward_methods` runs forward, :mod:`~shardkit.nn.fsdp.full_params`
+summons full parameters, :mod:`~shardkit.nn.fsdp.state_dict` gives full, local, DCP-sharded and optimizer
+state), :mod:`~shardkit.nn.fsdp.unit_module` (what a unit is: its run-time state through
 ``fsdp_unit``, fairscale's settings, clean names and the one module walker),
 :mod:`~shardkit.nn.fsdp.runtime` (lifecycle hooks and the :class:`TrainingState` machine),
 :mod:`~shardkit.nn.fsdp.prefetch` (the root's schedule: recorded order, rate-limited prefetch),

@@ -3,9 +3,10 @@
 One class, built by composition as torch's FSDP2 is (module state -> parameter group -> parameter): what a unit
 *is* (its run-time state through ``fsdp_unit``, fairscale's settings, clean names) comes from
 :class:`~shardkit.nn.fsdp.unit_module.UnitModule`, the type the lower layers walk; this class adds construction,
-forward and gradients, and holds two collaborators its public methods delegate to: a
-:class:`~shardkit.nn.fsdp.full_params.FullParams` view (``summon_full_params``, ``apply``, ``reset_parameters``)
-and a :class:`~shardkit.nn.fsdp.state_dict.facade.StateDictFacade` (full, local, DCP-sharded and optimizer state).
+forward and gradients, and holds the :class:`~shardkit.nn.fsdp.forward_methods.ForwardRunner` its forwards
+delegate to. ``summon_full_params``, ``apply`` and ``reset_parameters`` hand over to
+:mod:`~shardkit.nn.fsdp.full_params`; the state-dict methods check that every rank calls them
+(:mod:`~shardkit.nn.fsdp.collective_calls`) and hand over to the functions of :mod:`shardkit.nn.fsdp.state_dict`.
 The root's first-forward set-up is :func:`~shardkit.nn.fsdp.root.init_root`.
 """
 
@@ -22,9 +23,9 @@ from shardkit.distributed.groups import GroupLike, group_rank, group_size
 from shardkit.distributed.hybrid import HybridSpec
 from shardkit.nn import optimizer_order
 from shardkit.nn._torch_private import IncompatibleKeys
-from shardkit.nn.fsdp import grad_norm, ties
+from shardkit.nn.fsdp import full_params, grad_norm, ties
+from shardkit.nn.fsdp.collective_calls import every_rank_calls
 from shardkit.nn.fsdp.forward_methods import ForwardRunner
-from shardkit.nn.fsdp.full_params import FullParams
 from shardkit.nn.fsdp.hybrid import resolve_unit
 from shardkit.nn.fsdp.input_cast import unit_input_caster
 from shardkit.nn.fsdp.param_group import ParamGroup
@@ -35,8 +36,8 @@ from shardkit.nn.fsdp.policies import (
     ShardingStrategy,
 )
 from shardkit.nn.fsdp.runtime import TrainingState, Unit
-from shardkit.nn.fsdp.state_dict import consolidate
-from shardkit.nn.fsdp.state_dict.facade import StateDictFacade
+from shardkit.nn.fsdp.state_dict import consolidate, full, sharded
+from shardkit.nn.fsdp.state_dict import optim as optim_module
 from shardkit.nn.fsdp.unit_module import UnitModule
 
 
@@ -219,10 +220,7 @@ class FullyShardedDataParallel(UnitModule):
         self._unit.cast_inputs = unit_input_caster(mp.param_dtype, mp.force_input_to_fp32, offload_device)
         #: Original dtypes of floating-point buffers cast for mixed precision (clean name -> dtype), root only.
         self.buffer_original_dtypes: dict[str, torch.dtype] = {}
-        # The collaborators the public methods below delegate to.
-        self._forward = ForwardRunner(self)
-        self._full_params = FullParams(self)
-        self._state_dicts = StateDictFacade(self)
+        self._forward = ForwardRunner(self)  # forward and the registered forward methods delegate to it
 
     # ------------------------------------------------------------------ forward (ForwardRunner)
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -238,7 +236,7 @@ class FullyShardedDataParallel(UnitModule):
                 raise
             return runner.attribute(module, name)
 
-    # ------------------------------------------------------------------ full parameters (FullParams)
+    # ------------------------------------------------------------------ full parameters (shardkit.nn.fsdp.full_params)
     def summon_full_params(
         self, recurse: bool = True, volatile: bool = False, *, writeback: Optional[bool] = None
     ) -> contextlib.AbstractContextManager[None]:
@@ -254,20 +252,20 @@ class FullyShardedDataParallel(UnitModule):
             with model.summon_full_params(volatile=True):   # read only: nothing is copied back
                 snapshot = {n: p.clone() for n, p in model.named_parameters()}
         """
-        return self._full_params.summon(recurse, volatile, writeback)
+        return full_params.summon(self, recurse, volatile, writeback)
 
     def apply(self, fn: Callable[[nn.Module], None]) -> FullyShardedDataParallel:
         """``nn.Module.apply`` with full parameters, written back to the shards (e.g. custom initialisation)."""
-        self._full_params.apply(fn)
+        full_params.apply(self, fn)
         return self
 
     def reset_parameters(self) -> None:
         """Re-initialise the wrapped module (``module.reset_parameters()`` on its full parameters, written back
         to the shards). Only with ``allow_reset_parameters=True``: re-initialising after sharding gives
         different values than before wrapping (random streams differ), so fairscale makes it opt-in too."""
-        self._full_params.reset()
+        full_params.reset(self)
 
-    # ------------------------------------------------------------------ state dicts (StateDictFacade)
+    # ------------------------------------------------------------------ state dicts (shardkit.nn.fsdp.state_dict)
     def state_dict(  # type: ignore[override]
         self,
         *args: Any,
@@ -283,14 +281,17 @@ class FullyShardedDataParallel(UnitModule):
 
             torch.save(model.state_dict(), "full.pt")
         """
-        options = {"destination": destination, "prefix": prefix, "keep_vars": keep_vars}
-        return self._state_dicts.state_dict(*args, **options, **kwargs)
+        given = {"destination": destination, "prefix": prefix, "keep_vars": keep_vars, **kwargs}
+        options = full.state_dict_arguments("state_dict", args, given, positional=False)
+        every_rank_calls(self.process_group, "state_dict()")
+        return full.state_dict(self, **options)
 
     def load_state_dict(
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
     ) -> IncompatibleKeys:
         """Load a full state dict (as returned by :meth:`state_dict` or by the unwrapped model); every rank."""
-        return self._state_dicts.load_state_dict(state_dict, strict, assign)
+        every_rank_calls(self.process_group, "load_state_dict()")
+        return full.load_state_dict(self, state_dict, strict, assign)
 
     def local_state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """This rank's shards and buffers, for saving and loading at the same world size and wrapping.
@@ -302,15 +303,15 @@ class FullyShardedDataParallel(UnitModule):
             torch.save(model.local_state_dict(), f"shard{rank}.pt")
             sub = model.local_state_dict(destination={}, prefix="model.")   # as a parent's state_dict asks
         """
-        return self._state_dicts.local_state_dict(*args, **kwargs)
+        return full.local_state_dict(self, **full.state_dict_arguments("local_state_dict", args, kwargs))
 
     def load_local_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> IncompatibleKeys:
         """Load what :meth:`local_state_dict` returned on this rank."""
-        return self._state_dicts.load_local_state_dict(state_dict, strict)
+        return full.load_local_state_dict(self, state_dict, strict)
 
     def local_metadata_dict(self) -> dict[str, Any]:
         """How this rank's :meth:`local_state_dict` maps onto the full model, for :meth:`consolidate_shard_weights`."""
-        return self._state_dicts.local_metadata_dict()
+        return consolidate.local_metadata_dict(self)
 
     @staticmethod
     def consolidate_shard_weights(
@@ -328,12 +329,14 @@ class FullyShardedDataParallel(UnitModule):
 
         torch.distributed.checkpoint.save({"model": model.sharded_state_dict()}, checkpoint_id=path)
         """
-        return self._state_dicts.sharded_state_dict()
+        every_rank_calls(self.process_group, "sharded_state_dict()")
+        return sharded.sharded_state_dict(self)
 
     def load_sharded_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> IncompatibleKeys:
         """Load what ``torch.distributed.checkpoint.load`` filled in from :meth:`sharded_state_dict`, at any
         world size."""
-        return self._state_dicts.load_sharded_state_dict(state_dict, strict)
+        every_rank_calls(self.process_group, "load_sharded_state_dict()")
+        return sharded.load_sharded_state_dict(self, state_dict, strict=strict)
 
     def gather_full_optim_state_dict(self, optim: Any, **ignored: Any) -> Optional[dict[str, Any]]:
         """The optimizer state for the full, unflattened model (see :mod:`shardkit.nn.fsdp.state_dict`).
@@ -342,17 +345,18 @@ class FullyShardedDataParallel(UnitModule):
         ``param_groups`` and ``state_dict()``. ``recipient_rank`` (default 0) is the one keyword used;
         fairscale's other keywords are ignored, as there. A wrong ``optim`` is refused on every rank.
         """
-        return self._state_dicts.gather_full_optim_state_dict(optim, ignored.get("recipient_rank", 0))
+        optim_module.every_rank_checks_optim(self.process_group, optim)
+        return optim_module.gather_full_optim_state_dict(self, optim, ignored.get("recipient_rank", 0))
 
     def get_shard_from_optim_state_dict(
         self, full_optim_state_dict: dict[str, Any], optim: Optional[torch.optim.Optimizer] = None
     ) -> dict[str, Any]:
         """This rank's part of a full optimizer state dict, ready for ``optim.load_state_dict``."""
-        return self._state_dicts.get_shard_from_optim_state_dict(full_optim_state_dict, optim)
+        return optim_module.get_shard_from_optim_state_dict(self, full_optim_state_dict, optim)
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
         # Reached only when an *unwrapped* parent's load_state_dict recurses into this unit (auto_wrap case).
-        self._state_dicts.load_from_state_dict_hook(state_dict, prefix, *args)
+        full.load_from_state_dict_hook(self, state_dict, prefix, *args)
 
     # ------------------------------------------------------------------ gradients
     @contextlib.contextmanager

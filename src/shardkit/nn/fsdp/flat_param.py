@@ -140,6 +140,11 @@ class ParamLocation(NamedTuple):
     attr: str
     module: nn.Module
 
+    @property
+    def fqn(self) -> str:
+        """The parameter's name relative to the wrapped module."""
+        return f"{self.module_path}.{self.attr}" if self.module_path else self.attr
+
 
 def build_meta(
     owners: list[tuple[ParamLocation, nn.Parameter]],
@@ -150,16 +155,10 @@ def build_meta(
     """Lay out ``owners`` (all of one dtype and requires_grad) one after another; ``aliases`` name tied copies
     by index into ``owners``."""
     params, offset = [], 0
-    for loc, param in owners:
-        fqn = f"{loc.module_path}.{loc.attr}" if loc.module_path else loc.attr
-        params.append(
-            ParamInfo(fqn, loc.module_path, loc.attr, param.shape, param.numel(), offset, param.requires_grad)
-        )
-        offset += param.numel()
-    shared = tuple(
-        SharedParamInfo(f"{loc.module_path}.{loc.attr}" if loc.module_path else loc.attr, loc.module_path, loc.attr, i)
-        for loc, i in aliases
-    )
+    for loc, p in owners:
+        params.append(ParamInfo(loc.fqn, loc.module_path, loc.attr, p.shape, p.numel(), offset, p.requires_grad))
+        offset += p.numel()
+    shared = tuple(SharedParamInfo(loc.fqn, loc.module_path, loc.attr, i) for loc, i in aliases)
     padded = -(-offset // world_size) * world_size if offset else world_size
     first = owners[0][1]
     return FlatParamMeta(tuple(params), shared, first.dtype, first.requires_grad, offset, padded, world_size, rank)

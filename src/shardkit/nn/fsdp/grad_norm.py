@@ -39,24 +39,22 @@ def clip_grad_norm_(units: Sequence[Unit], max_norm: float, norm_type: float = 2
     if norm_type <= 0:
         raise ValueError(f"norm_type must be positive (or inf), got {norm_type}")
     use_max = math.isinf(norm_type)
+
+    def combine(acc: torch.Tensor, partial: torch.Tensor) -> torch.Tensor:
+        partial = partial.to(acc.device)
+        return torch.maximum(acc, partial) if use_max else acc + partial
+
     by_group: dict[int, tuple[Unit, torch.Tensor]] = {}
     for unit in units:  # pre-order: the same order on every rank, so the reductions below line up
         grads = [h.shard.grad for h in unit.group.handles if h.shard.grad is not None]
         device = unit.group.handles[0].compute_device if unit.group.handles else torch.device("cpu")
         partial = _partial_norm(grads, norm_type, device)
-        key = id(unit.group.group)
-        if key in by_group:
-            first, acc = by_group[key]
-            by_group[key] = (
-                first,
-                torch.maximum(acc, partial.to(acc.device)) if use_max else acc + partial.to(acc.device),
-            )
-        else:
-            by_group[key] = (unit, partial)
+        first, acc = by_group.get(id(unit.group.group), (unit, None))
+        by_group[id(unit.group.group)] = (first, partial if acc is None else combine(acc, partial))
     total = torch.zeros((), dtype=torch.float32)
     for unit, partial in by_group.values():
         _collectives.all_reduce_norm(partial, unit.group.group, use_max)
-        total = torch.maximum(total, partial.cpu()) if use_max else total + partial.cpu()
+        total = combine(total, partial)
     total_norm = total if use_max else total ** (1.0 / norm_type)
     clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
     for unit in units:

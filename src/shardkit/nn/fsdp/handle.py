@@ -182,7 +182,7 @@ class FlatParamHandle:
     def drop_views(self) -> None:
         """Replace the view attributes by placeholders, so stale parameters cannot be read after the memory is
         freed while ``print(model)`` and ``module.weight.shape`` keep working."""
-        placeholders = self._current_placeholders()
+        placeholders = self.placeholders()
         for (module, attr), placeholder in zip(self.locations, placeholders):
             module.__dict__[attr] = placeholder
         for (module, attr), info in zip(self.alias_locations, self.meta.shared):
@@ -195,10 +195,7 @@ class FlatParamHandle:
 
     def placeholders(self) -> list[ShardedParamPlaceholder]:
         """One placeholder per original parameter (shape, dtype and device; no values), in ``meta.params``
-        order."""
-        return self._current_placeholders()
-
-    def _current_placeholders(self) -> list[ShardedParamPlaceholder]:
+        order; made once per ``(device, dtype)`` of the shard and reused."""
         device = self.shard.device if self.follow_shard_device else self.compute_device
         key = (device, self.shard.dtype)
         if key != self._placeholder_key:

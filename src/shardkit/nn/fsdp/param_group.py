@@ -60,10 +60,6 @@ def collect_params(module: nn.Module, is_unit: Callable[[nn.Module], bool]) -> t
     return owners, aliases
 
 
-def _fqn(loc: ParamLocation) -> str:
-    return f"{loc.module_path}.{loc.attr}" if loc.module_path else loc.attr
-
-
 def _validate(owners: Owners, policies: FSDPPolicies) -> None:
     devices = {p.device for _, p in owners}
     if len(devices) > 1:
@@ -71,12 +67,12 @@ def _validate(owners: Owners, policies: FSDPPolicies) -> None:
     for loc, param in owners:
         if not param.is_floating_point():
             raise TypeError(
-                f"parameter '{_fqn(loc)}' has dtype {param.dtype}; only floating-point parameters can be sharded. "
+                f"parameter '{loc.fqn}' has dtype {param.dtype}; only floating-point parameters can be sharded. "
                 "Register integer state as a buffer instead."
             )
         if policies.mixed_precision.enabled and param.dtype != torch.float32:
             raise TypeError(
-                f"parameter '{_fqn(loc)}' is {param.dtype}, but mixed precision keeps FP32 master shards and "
+                f"parameter '{loc.fqn}' is {param.dtype}, but mixed precision keeps FP32 master shards and "
                 f"computes in {policies.mixed_precision.param_dtype}. Call model.float() before wrapping, or "
                 "drop mixed_precision/compute_dtype to train in the parameters' own dtype."
             )
@@ -84,9 +80,7 @@ def _validate(owners: Owners, policies: FSDPPolicies) -> None:
 
 def check_same_across_ranks(owners: Owners, aliases: Aliases, group: GroupLike, rank: int) -> None:
     """Raise on every rank, naming the parameter, if ranks built different models (nothing is changed yet)."""
-    mine = [(_fqn(loc), tuple(p.shape), str(p.dtype)) for loc, p in owners] + [
-        (_fqn(loc), (), "") for loc, _ in aliases
-    ]
+    mine = [(loc.fqn, tuple(p.shape), str(p.dtype)) for loc, p in owners] + [(loc.fqn, (), "") for loc, _ in aliases]
     everyone = all_gather_objects(mine, group, "fsdp:param_check")
     for other_rank, theirs in enumerate(everyone):
         if theirs == mine:
@@ -108,7 +102,7 @@ def _check_not_sharded_by_nested(owners: Owners, nested: Sequence[ParamGroup]) -
         for group in nested:
             if group.sharded_original(param):
                 raise ValueError(
-                    f"parameter '{_fqn(loc)}' is tied to a parameter already sharded by the nested unit wrapping "
+                    f"parameter '{loc.fqn}' is tied to a parameter already sharded by the nested unit wrapping "
                     f"{type(group.owner.wrapped_module).__name__}; tied parameters must live in one unit. Wrap the "
                     "modules sharing it together (e.g. leave both the embedding and the output projection in the "
                     "outer unit). The model was left unchanged."
@@ -338,13 +332,12 @@ class ParamGroup:
                 started = self._reduce(handle, None, ctx)
                 if started is not None:
                     pending.append(started)
-            if handle.full is not None:
-                handle.full.grad = None
-        self.reshard()
+        self.abandon_backward()  # what is left of this backward: its full gradients and gathered copies
         return pending
 
     def abandon_backward(self) -> None:
-        """Forget a backward pass that failed midway: full gradients and gathered copies."""
+        """Forget what a backward pass left (at its end, or when it failed midway): full gradients and gathered
+        copies."""
         for handle in self.handles:
             if handle.full is not None:
                 handle.full.grad = None

@@ -160,8 +160,6 @@ def _sharding(
 
 
 def _prefetch(backward_prefetch: Optional[BackwardPrefetch], forward_prefetch: bool) -> PrefetchPolicy:
-    if backward_prefetch is not None and not isinstance(backward_prefetch, BackwardPrefetch):
-        raise TypeError(f"backward_prefetch must be a BackwardPrefetch or None, got {backward_prefetch!r}")
     return PrefetchPolicy(backward=backward_prefetch, forward=bool(forward_prefetch))
 
 
@@ -183,14 +181,6 @@ def _state_dict(
     )
 
 
-def _verbose(verbose: bool) -> bool:
-    return bool(verbose)
-
-
-def _allow_reset_parameters(allow_reset_parameters: bool) -> bool:
-    return bool(allow_reset_parameters)
-
-
 #: How each field of :class:`FSDPPolicies` is built, in the order arguments are checked. A builder's parameters
 #: are the constructor arguments it reads, by name: the one place besides the signature that names a flag.
 _BUILDERS: dict[str, Callable[..., Any]] = {
@@ -201,8 +191,8 @@ _BUILDERS: dict[str, Callable[..., Any]] = {
     "offload": _offload,
     "state_dict": _state_dict,
     "reduce": _reduce,
-    "verbose": _verbose,
-    "allow_reset_parameters": _allow_reset_parameters,
+    "verbose": lambda verbose: bool(verbose),
+    "allow_reset_parameters": lambda allow_reset_parameters: bool(allow_reset_parameters),
 }
 
 

@@ -12,7 +12,7 @@ turned into them by :func:`shardkit.nn.fsdp.policies.policies_from_args`; import
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
 import torch
@@ -242,17 +242,12 @@ class FSDPPolicies:
     allow_reset_parameters: bool = False
 
     def __post_init__(self) -> None:
-        kinds = {
-            "sharding": ShardingPolicy,
-            "mixed_precision": MixedPrecisionPolicy,
-            "offload": OffloadPolicy,
-            "prefetch": PrefetchPolicy,
-            "state_dict": StateDictPolicy,
-            "reduce": ReducePolicy,
-        }
-        for name, kind in kinds.items():
-            if not isinstance(getattr(self, name), kind):
-                raise TypeError(f"FSDPPolicies.{name} must be a {kind.__name__}, got {getattr(self, name)!r}")
+        for policy in fields(self):
+            kind = policy.default_factory  # each policy field defaults to a fresh instance of its class
+            if isinstance(kind, type) and not isinstance(getattr(self, policy.name), kind):
+                raise TypeError(
+                    f"FSDPPolicies.{policy.name} must be a {kind.__name__}, got {getattr(self, policy.name)!r}"
+                )
         if isinstance(self.bucket_cap_mb, bool) or not isinstance(self.bucket_cap_mb, (int, float)):
             raise TypeError(
                 f"bucket_cap_mb must be a number of megabytes (<= 0: no bucketing), got {self.bucket_cap_mb!r}"

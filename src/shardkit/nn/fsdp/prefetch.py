@@ -43,10 +43,9 @@ class Schedule(Generic[Unit]):
     def __init__(self, limit: int = 1) -> None:
         #: Units gathered ahead of use at once, at most.
         self.limit = limit
-        self._pre_order: list[Unit] = []
-        self._post_order: list[Unit] = []
-        self._seen_pre: set[int] = set()
-        self._seen_post: set[int] = set()
+        #: This forward's units (by id) in the order they started and finished, each once.
+        self._pre_order: dict[int, Unit] = {}
+        self._post_order: dict[int, Unit] = {}
         #: Previous forward's pre-forward successor of each unit (forward prefetch).
         self._forward_next: dict[int, Unit] = {}
         #: This forward's backward successor of each unit (backward prefetch), built on first use.
@@ -57,21 +56,17 @@ class Schedule(Generic[Unit]):
     def begin_forward(self) -> None:
         """The root starts a forward: the last recorded order becomes the forward-prefetch plan."""
         if self._pre_order:
-            order = self._pre_order
+            order = list(self._pre_order.values())
             self._forward_next = {id(a): b for a, b in zip(order, order[1:])}
-        self._pre_order, self._post_order = [], []
-        self._seen_pre, self._seen_post = set(), set()
+        self._pre_order, self._post_order = {}, {}
         self._backward_next = None
 
     def record_pre_forward(self, unit: Unit) -> None:
-        if id(unit) not in self._seen_pre:
-            self._seen_pre.add(id(unit))
-            self._pre_order.append(unit)
+        self._pre_order.setdefault(id(unit), unit)
 
     def record_post_forward(self, unit: Unit) -> None:
-        if id(unit) not in self._seen_post:
-            self._seen_post.add(id(unit))
-            self._post_order.append(unit)
+        if id(unit) not in self._post_order:
+            self._post_order[id(unit)] = unit
             self._backward_next = None
 
     def next_in_forward(self, unit: Unit) -> Optional[Unit]:
@@ -81,7 +76,7 @@ class Schedule(Generic[Unit]):
     def next_in_backward(self, unit: Unit) -> Optional[Unit]:
         """The unit backward visits after ``unit`` in this step."""
         if self._backward_next is None:
-            order = self._post_order[::-1]
+            order = list(self._post_order.values())[::-1]
             self._backward_next = {id(a): b for a, b in zip(order, order[1:])}
         return self._backward_next.get(id(unit))
 

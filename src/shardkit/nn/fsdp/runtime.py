@@ -78,7 +78,7 @@ class Unit:
         #: Inside a forward that nobody undoes if it raises (see :meth:`pre_forward`).
         self._unguarded = False
         for handle in group.handles:
-            handle.on_grad_ready = self._on_grad_ready
+            handle.on_grad_ready = self.post_backward
 
     def join_tree(self, root: Unit, name: str) -> None:
         """Become a nested unit of ``root``'s tree under ``name`` (its path from the root), at the root's lazy init."""
@@ -163,11 +163,11 @@ class Unit:
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Gather this unit's parameters and expose them. ``guarded=False``: the caller cannot undo a failing
         forward (no try block under torch.compile), so the root's next forward does."""
-        if self.is_root and self._callback_queued and not _in_backward():
+        if self.is_root and self._callback_queued and not backward_running():
             self._abandon_backward()
-        if self.is_root and self._unguarded and self.state == TrainingState.FORWARD and not _in_backward():
+        if self.is_root and self._unguarded and self.state == TrainingState.FORWARD and not backward_running():
             self._abandon_forward()
-        if self.state in IN_BACKWARD and not _in_backward():
+        if self.state in IN_BACKWARD and not backward_running():
             raise RuntimeError(
                 f"FullyShardedDataParallel unit '{self.name}' is in state {self.state.name} outside backward: a "
                 "backward pass through it did not finish. Run forward through the root instance."
@@ -180,7 +180,7 @@ class Unit:
         schedule = self.tree_schedule
         with record_function(f"shardkit::fsdp:pre_forward:{self.name}"):
             # A forward run again inside backward (activation checkpointing) neither records nor prefetches.
-            first_pass = not recomputing and not _in_backward()
+            first_pass = not recomputing and not backward_running()
             if first_pass:
                 if self.is_root:
                     schedule.begin_forward()
@@ -253,7 +253,7 @@ class Unit:
 
     def pre_backward(self) -> None:
         """Gather the parameters again before autograd computes this unit's gradients."""
-        self._queue_finish_backward()
+        (self.root or self).queue_finish_backward()
         if self.state == TrainingState.BACKWARD_PRE and self.group.is_unsharded():
             return
         self.transition("pre_backward")
@@ -268,12 +268,9 @@ class Unit:
             # Views made with grad enabled, for activation checkpointing that recomputes from the attributes.
             self.group.use_views()
 
-    def _on_grad_ready(self, handle: FlatParamHandle) -> None:
-        self.post_backward(handle)
-
     def post_backward(self, handle: FlatParamHandle) -> None:
         """One flat parameter's full gradient is complete: start its reduce-scatter and free the full copy."""
-        self._queue_finish_backward()
+        (self.root or self).queue_finish_backward()
         self.transition("post_backward")
         with record_function(f"shardkit::fsdp:post_backward:{self.name}"):
             pending = self.group.post_backward(handle, self.sync_grads, self.ctx)
@@ -302,9 +299,6 @@ class Unit:
         # parameters; once both are out they can go, instead of waiting for the end of backward.
         if self.state in IN_BACKWARD and self._inputs_pending == 0 and self._grads_done >= self.group.trainable_count:
             self.group.reshard_frozen()
-
-    def _queue_finish_backward(self) -> None:
-        (self.root or self).queue_finish_backward()
 
     def queue_finish_backward(self) -> None:
         """Root only: have autograd's engine call :meth:`finish_backward` at the end of this backward (once)."""
@@ -376,7 +370,3 @@ class _InputsGradReady(torch.autograd.Function):
     def backward(ctx: Any, *grads: Any) -> Any:
         ctx.unit.inputs_grad_ready()
         return (None, *grads)
-
-
-#: True while autograd's engine is running a backward pass on this thread.
-_in_backward = backward_running

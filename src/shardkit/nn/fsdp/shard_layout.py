@@ -28,7 +28,6 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
 
@@ -38,12 +37,7 @@ from torch import nn
 from shardkit.distributed.groups import GroupLike
 from shardkit.nn.fsdp.flat_param import FlatParamMeta
 from shardkit.nn.fsdp.runtime import TrainingState
-from shardkit.nn.fsdp.unit_module import UnitModule, walk_modules
-
-
-def join_name(prefix: str, name: str) -> str:
-    """``prefix.name``, or ``name`` alone at the root."""
-    return f"{prefix}.{name}" if prefix else name
+from shardkit.nn.fsdp.unit_module import UnitModule, join_name, walk_modules
 
 
 class FlatPiece(NamedTuple):
@@ -239,14 +233,15 @@ def layout(model: nn.Module) -> ShardLayout:
         raise TypeError(f"layout() reads a FullyShardedDataParallel model, got {type(model).__name__}")
     units: dict[int, UnitLayout] = {}
     located: _Located = {}
-    for path, unit in _walk(model):
+    # Like nn.Module.state_dict, a module reached along several paths appears once per path.
+    for path, _, unit in walk_modules(model, once=False):
         if isinstance(unit, UnitModule) and id(unit) not in units:
             units[id(unit)] = _unit_layout(path, unit, located)
     params: list[ParamName] = []
     buffers: list[BufferLayout] = []
     versions: list[tuple[str, int]] = []
     original = _buffer_dtypes(model)
-    for path, module in _walk(model):
+    for path, _, module in walk_modules(model, once=False):
         if isinstance(module, UnitModule):
             continue
         versions.append((path, getattr(module, "_version", 1)))
@@ -289,12 +284,6 @@ def _unit_layout(path: str, unit: UnitModule, located: _Located) -> UnitLayout:
     )
 
 
-def _walk(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    """Pre-order modules with unwrapped names; like ``nn.Module.state_dict`` a shared module appears once per path."""
-    for clean, _, m in walk_modules(model, once=False):
-        yield clean, m
-
-
 def _buffer_dtypes(model: UnitModule) -> dict[str, torch.dtype]:
     """Original dtypes of buffers that mixed precision cast (recorded by the root), keyed relative to ``model``."""
     root_unit = model.fsdp_unit.root
@@ -302,7 +291,7 @@ def _buffer_dtypes(model: UnitModule) -> dict[str, torch.dtype]:
         return dict(model.buffer_original_dtypes)
     root = root_unit.group.owner
     assert isinstance(root, UnitModule)
-    prefix = next((p for p, m in _walk(root) if m is model), "")
+    prefix = next((p for p, _, m in walk_modules(root, once=False) if m is model), "")
     cut = len(prefix) + 1 if prefix else 0
     return {k[cut:]: v for k, v in root.buffer_original_dtypes.items() if not prefix or k.startswith(prefix + ".")}
 

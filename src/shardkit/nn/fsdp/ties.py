@@ -75,13 +75,9 @@ def claim(unit: nn.Module, module: nn.Module, owners: Iterable[tuple[ParamLocati
     """Record that ``unit`` (wrapping ``module``) now shards ``owners``."""
     unit_ref = weakref.ref(unit)
     for loc, param in owners:
+        holder = loc.module
         _CLAIMS[param] = Claim(
-            unit_ref,
-            type(module).__name__,
-            _path(loc.module_path, loc.attr),
-            weakref.ref(loc.module),
-            type(loc.module).__name__,
-            loc.attr,
+            unit_ref, type(module).__name__, loc.fqn, weakref.ref(holder), type(holder).__name__, loc.attr
         )
 
 
@@ -97,17 +93,13 @@ def _split_tie_message(module: nn.Module, loc: ParamLocation, found: Claim) -> s
     other_unit = found.unit()
     where = next((f" at '{path}'" for path, sub in module.named_modules() if sub is other_unit and path), "")
     return (
-        f"FullyShardedDataParallel({type(module).__name__}): parameter '{_path(loc.module_path, loc.attr)}' is tied "
+        f"FullyShardedDataParallel({type(module).__name__}): parameter '{loc.fqn}' is tied "
         f"to parameter '{found.param_path}' of the {found.holder_class} that another FullyShardedDataParallel unit "
         f"(wrapping {found.wrapped_class}{where}) already shards; here it belongs to {here}. A tied parameter split "
         "across two units is sharded twice and the copies silently train apart. Keep every module that uses it in "
         f"one unit: do not wrap the {found.holder_class} or the {holder} on its own, wrap a module that contains "
         "both (auto_wrap does this by itself). This call changed nothing."
     )
-
-
-def _path(module_path: str, attr: str) -> str:
-    return f"{module_path}.{attr}" if module_path else attr
 
 
 __all__ = ["Claim", "check_unclaimed", "claim", "claim_of"]

@@ -5,10 +5,10 @@ and reports, for the layers that build on it without depending on the public cla
 the checkpoint adapters read) walks: its run-time state through one accessor (:attr:`UnitModule.fsdp_unit`, the
 :class:`~shardkit.nn.fsdp.runtime.Unit` with its parameter group), the settings under fairscale's attribute names,
 and names as the unwrapped model spells them (:func:`walk_modules`, the one walker that knows which wrapper levels
-add no path segment). What a unit *does* (forward, summon, state dicts, optimizer state) lives in collaborators
+add no path segment). What a unit *does* (forward, summon, state dicts, optimizer state) lives in modules
 that take a :class:`UnitModule` (:mod:`~shardkit.nn.fsdp.forward_methods`, :mod:`~shardkit.nn.fsdp.full_params`,
-:mod:`~shardkit.nn.fsdp.state_dict.facade`) and that the public class, its only subclass, holds and delegates to;
-this module imports none of them, so the layers form no cycle. torch's FSDP2 splits its ``FSDPModule`` the same way.
+:mod:`~shardkit.nn.fsdp.state_dict`) and that the public class, its only subclass, delegates to; this module
+imports none of them, so the layers form no cycle. torch's FSDP2 splits its ``FSDPModule`` the same way.
 """
 
 from __future__ import annotations
@@ -51,12 +51,13 @@ def walk_modules(
             if child is None:
                 continue
             transparent = (isinstance(module, UnitModule) and name == "module") or adds_no_name(module, name)
-            yield from visit(child, clean if transparent else _join(clean, name), _join(real, name))
+            yield from visit(child, clean if transparent else join_name(clean, name), join_name(real, name))
 
     yield from visit(root, prefix, prefix)
 
 
-def _join(prefix: str, name: str) -> str:
+def join_name(prefix: str, name: str) -> str:
+    """``prefix.name``, or ``name`` alone at the root."""
     return f"{prefix}.{name}" if prefix else name
 
 
@@ -68,7 +69,7 @@ def _clean_members(root: nn.Module, kind: str, prefix: str, remove_duplicate: bo
             if value is None or (remove_duplicate and id(value) in seen):
                 continue
             seen.add(id(value))
-            yield _join(path, name), value
+            yield join_name(path, name), value
 
 
 _T = TypeVar("_T")

@@ -3,8 +3,8 @@ one gather, and the validate-then-write helpers every loader uses."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from typing import Any, Optional
+from collections.abc import Mapping
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -23,13 +23,18 @@ def gather_flat(flat: FlatLayout, shard: torch.Tensor, label: str) -> torch.Tens
     return full
 
 
-def gathered_params(view: ShardLayout, label: str) -> Iterator[tuple[UnitLayout, FlatLayout, list[torch.Tensor]]]:
-    """Per flat parameter, unit by unit (the same order on every rank): views of the gathered full flat buffer
-    shaped like its original parameters. One all-gather per flat parameter, peak one full flat parameter."""
+def gathered_params(
+    view: ShardLayout, label: str, keep: Callable[[UnitLayout, FlatLayout, torch.Tensor], Any]
+) -> dict[str, Any]:
+    """Every parameter name of ``view`` (``state_dict()`` order) -> ``keep(unit, flat, value)``, ``value`` a view of
+    the gathered full flat buffer shaped like the parameter. Flat parameters are gathered unit by unit (the same
+    order on every rank): one all-gather each, peak one full flat parameter."""
+    kept: dict[tuple[int, int], Any] = {}
     for unit in view.units:
         for flat in unit.flats:
-            full = gather_flat(flat, flat.shard, label)
-            yield unit, flat, [full[p.offset : p.offset + p.numel].view(p.shape) for p in flat.meta.params]
+            for i, value in enumerate(flat.meta.views(gather_flat(flat, flat.shard, label))):
+                kept[(id(flat.shard), i)] = keep(unit, flat, value)
+    return {p.key: kept[(id(p.flat.shard), p.index)] for p in view.params}
 
 
 def agree(fsdp: UnitModule, view: ShardLayout, error: Optional[str]) -> None:

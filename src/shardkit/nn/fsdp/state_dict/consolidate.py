@@ -91,9 +91,12 @@ def consolidate_shard_weights(
     out: dict[str, torch.Tensor] = OrderedDict()
     for unit_meta in shard_metadata[0]["param_metadata"]:
         for key, flat in unit_meta["params"].items():
-            full = _gather_flat(key, flat, shard_weights, shard_metadata, strict)
-            if full is None:
-                continue
+            try:
+                full = _gather_flat(key, flat, shard_weights, shard_metadata)
+            except ValueError:
+                if strict:
+                    raise
+                continue  # not strict: the flat parameter's names are left out
             offset = 0
             for name, shape, numel in zip(flat["names"], flat["shapes"], flat["numels"]):
                 out[name] = full[offset : offset + numel].view(shape).clone()
@@ -117,29 +120,23 @@ def _gather_flat(
     flat: Mapping[str, Any],
     shard_weights: Sequence[Mapping[str, Any]],
     shard_metadata: Sequence[Mapping[str, Any]],
-    strict: bool,
-) -> Any:
+) -> torch.Tensor:
+    """The padded full flat parameter ``key`` from the ranks' shards; ``ValueError`` when they do not make one."""
     chunks: dict[int, torch.Tensor] = {}
     for weights, meta in zip(shard_weights, shard_metadata):
         mine = next((u["params"][key] for u in meta["param_metadata"] if key in u["params"]), None)
         if mine is None or key not in weights:
             continue
         if mine["world_size"] != flat["world_size"] or mine["numel"] != flat["numel"]:
-            if strict:
-                raise ValueError(f"consolidate_shard_weights: the ranks' metadata disagree on '{key}'")
-            return None
+            raise ValueError(f"consolidate_shard_weights: the ranks' metadata disagree on '{key}'")
         chunks.setdefault(mine["rank"], weights[key])
     missing = [r for r in range(flat["world_size"]) if r not in chunks]
     if missing:
-        if strict:
-            raise ValueError(f"consolidate_shard_weights: no shard {missing} of '{key}' among the given ranks")
-        return None
+        raise ValueError(f"consolidate_shard_weights: no shard {missing} of '{key}' among the given ranks")
     full = torch.cat([chunks[r].detach().reshape(-1) for r in range(flat["world_size"])])
     if full.numel() != flat["numel"] + flat["padding"]:
-        if strict:
-            raise ValueError(
-                f"consolidate_shard_weights: the shards of '{key}' hold {full.numel()} elements, the metadata "
-                f"says {flat['numel'] + flat['padding']}"
-            )
-        return None
+        raise ValueError(
+            f"consolidate_shard_weights: the shards of '{key}' hold {full.numel()} elements, the metadata "
+            f"says {flat['numel'] + flat['padding']}"
+        )
     return full

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from shardkit.distributed.groups import is_dummy
 from shardkit.nn._torch_private import IncompatibleKeys, attach_state_dict_metadata, state_dict_metadata
@@ -23,6 +22,24 @@ from shardkit.nn.fsdp.state_dict._io import (
 from shardkit.nn.fsdp.unit_module import UnitModule, walk_modules
 
 _LOCAL_META_KEY = "shardkit.fsdp.local"
+_STATE_DICT_ARGS = ("destination", "prefix", "keep_vars")
+
+
+def state_dict_arguments(
+    method: str, args: tuple[Any, ...], kwargs: dict[str, Any], positional: bool = True
+) -> dict[str, Any]:
+    """``nn.Module.state_dict``'s arguments as a keyword dict: by keyword, or (``positional``) also in its order."""
+    if args and not positional:
+        raise TypeError(f"{method}() takes keyword arguments only (destination=, prefix=, keep_vars=)")
+    unknown = sorted(set(kwargs) - set(_STATE_DICT_ARGS))
+    if unknown or len(args) > len(_STATE_DICT_ARGS):
+        got = f"unexpected keyword arguments {unknown}" if unknown else f"{len(args)} positional arguments"
+        raise TypeError(f"{method}() got {got}; it takes nn.Module.state_dict's destination, prefix, keep_vars")
+    given = dict(zip(_STATE_DICT_ARGS, args))
+    twice = sorted(set(given) & set(kwargs))
+    if twice:
+        raise TypeError(f"{method}() got {twice} both by position and by keyword; pass each once")
+    return {**given, **kwargs}
 
 
 def state_dict(
@@ -39,11 +56,9 @@ def state_dict(
     view = layout(fsdp).require_idle("state_dict()")
     device = fsdp.state_dict_device
     keep = not fsdp.state_dict_on_rank_0_only or _global_rank(fsdp) == 0
-    full_values: dict[tuple[int, int], torch.Tensor] = {}
-    for _, flat, pieces in gathered_params(view, "state_dict"):
-        if keep:
-            for i, piece in enumerate(pieces):
-                full_values[(id(flat.shard), i)] = piece.to(device or flat.shard.device, copy=True)
+    values = gathered_params(
+        view, "state_dict", lambda _, flat, value: value.to(device or flat.shard.device, copy=True) if keep else None
+    )
     out: dict[str, Any] = OrderedDict() if destination is None else destination
     if not keep:
         return out
@@ -53,7 +68,6 @@ def state_dict(
     if metadata is not None:
         for path, version in view.module_versions:
             metadata[join_name(prefix.rstrip("."), path) if prefix else path] = {"version": version}
-    values = {p.key: full_values[(id(p.flat.shard), p.index)] for p in view.params}
     values.update((b.key, b.value(device)) for b in view.buffers)
     for key in view.state_dict_keys():  # module order; each module's parameters before its buffers, as torch's
         out[prefix + key] = values[key]
@@ -114,7 +128,10 @@ def load_from_state_dict_hook(
     own = {id(flat.shard) for flat in view.units[0].flats}
     params = [e for e in view.params if id(e.flat.shard) in own]
     refile: dict[str, str] = {}  # clean key -> the key torch's recursion will look up, both relative to prefix
-    for real, clean, module in _walk_real(fsdp):
+    # Below fsdp, not descending into nested units (they re-file their own keys).
+    for clean, real, module in walk_modules(fsdp, once=False, into_units=False):
+        if module is fsdp:
+            continue
         if isinstance(module, UnitModule):
             nested = layout(module)
             for key in [e.key for e in nested.params] + [b.key for b in nested.buffers]:
@@ -142,13 +159,6 @@ def load_from_state_dict_hook(
     for clean, real in refile.items():
         if prefix + clean in state_dict:
             state_dict[prefix + real] = state_dict[prefix + clean]
-
-
-def _walk_real(fsdp: UnitModule) -> Iterator[tuple[str, str, nn.Module]]:
-    """``(real path, clean path, module)`` below ``fsdp``, not descending into nested units (they re-file their own)."""
-    for clean, real, module in walk_modules(fsdp, once=False, into_units=False):
-        if module is not fsdp:
-            yield real, clean, module
 
 
 # ---------------------------------------------------------------------------------------------- local

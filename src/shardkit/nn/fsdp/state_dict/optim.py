@@ -7,13 +7,21 @@ from typing import Any, Optional
 
 import torch
 
+from shardkit.distributed.groups import GroupLike
+from shardkit.nn.fsdp.collective_calls import every_rank_calls
 from shardkit.nn.fsdp.shard_layout import FlatLayout, ParamName, ShardLayout, layout
 from shardkit.nn.fsdp.state_dict._io import gather_flat
 from shardkit.nn.fsdp.unit_module import UnitModule
 
 
-def _is_sharded_state(value: Any, shard: torch.Tensor) -> bool:
-    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == shard.shape
+def _shaped_like(value: Any, shape: torch.Size) -> bool:
+    """True for per-element optimizer state (a tensor of ``shape``: a shard's, or a parameter's), not a step count."""
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == shape
+
+
+def _cpu_copy(value: Any) -> Any:
+    """A CPU copy of a tensor (every piece gets its own, so none is shared by two parameters); else ``value``."""
+    return value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else value
 
 
 def _optim_groups(view: ShardLayout, optim: Any) -> dict[int, int]:
@@ -47,6 +55,17 @@ def optim_input_error(optim: Any) -> Optional[str]:
             "pass the torch optimizer it wraps"
         )
     return None
+
+
+def every_rank_checks_optim(group: GroupLike, optim: Any) -> None:
+    """Return once every rank of ``group`` called ``gather_full_optim_state_dict()`` with an ``optim`` it can read;
+    else raise on every rank (:func:`~shardkit.nn.fsdp.collective_calls.every_rank_calls`)."""
+    local_error = optim_input_error(optim)
+    call = "gather_full_optim_state_dict()"
+    # A rank refusing its input says so in the call name, so the others raise too instead of waiting.
+    every_rank_calls(group, call if local_error is None else f"{call} refused: {local_error}")
+    if local_error is not None:
+        raise TypeError(local_error)
 
 
 def _state_by_param(optim: Any) -> dict[int, dict[str, Any]]:
@@ -92,16 +111,13 @@ def gather_full_optim_state_dict(fsdp: UnitModule, optim: Any, recipient_rank: i
             state = state_of.get(id(flat.shard), {})
             for key in sorted(state):
                 value = state[key]
-                if _is_sharded_state(value, flat.shard):
-                    full = gather_flat(flat, value, "optim_state")
-                for i, info in enumerate(flat.meta.params):
-                    if not keep:
-                        continue
-                    if _is_sharded_state(value, flat.shard):
-                        piece: Any = full[info.offset : info.offset + info.numel].view(info.shape).to("cpu", copy=True)
-                    else:
-                        piece = value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else value
-                    pieces.setdefault((id(flat.shard), i), {})[key] = piece
+                # Sharded state is gathered on every rank; anything else (a step count) is the same for each piece.
+                if _shaped_like(value, flat.shard.shape):
+                    values = flat.meta.views(gather_flat(flat, value, "optim_state"))
+                else:
+                    values = [value] * len(flat.meta.params)
+                for i, piece in enumerate(values if keep else []):
+                    pieces.setdefault((id(flat.shard), i), {})[key] = _cpu_copy(piece)
     if not keep:
         return None
     groups: list[dict[str, Any]] = [
@@ -207,9 +223,7 @@ def _shard_state(h: FlatLayout, states: dict[int, dict[str, Any]], names: dict[i
     for key in keys:
         values = {i: s[key] for i, s in states.items() if key in s}
         info_of = h.meta.params
-        tensor_like = [
-            isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape == info_of[i].shape for i, v in values.items()
-        ]
+        tensor_like = [_shaped_like(v, info_of[i].shape) for i, v in values.items()]
         if any(tensor_like):
             if not all(tensor_like):
                 bad = [names[i] for (i, _), ok in zip(values.items(), tensor_like) if not ok]

@@ -10,7 +10,7 @@ import torch
 
 from shardkit.distributed.groups import GroupLike, is_dummy, torch_group
 from shardkit.nn._torch_private import IncompatibleKeys
-from shardkit.nn.fsdp.shard_layout import ShardLayout, layout, reshard
+from shardkit.nn.fsdp.shard_layout import FlatLayout, ShardLayout, UnitLayout, layout, reshard
 from shardkit.nn.fsdp.state_dict._io import (
     agree,
     gathered_params,
@@ -61,24 +61,18 @@ def sharded_state_dict(fsdp: UnitModule) -> dict[str, Any]:
     view = layout(fsdp).require_idle("sharded_state_dict()")
     _check_one_sharding_group(fsdp, view)
     meshes: dict[int, Any] = {}
-    values: dict[tuple[int, int], Any] = {}
-    for unit, flat, pieces in gathered_params(view, "sharded_state_dict"):
-        group = unit.process_group
-        for i, piece in enumerate(pieces):
-            if is_dummy(group):
-                values[(id(flat.shard), i)] = piece.clone()
-                continue
-            placement = Shard(0) if piece.dim() > 0 else Replicate()
-            local = _row_chunk(piece, unit.rank, unit.world_size) if piece.dim() > 0 else piece
-            values[(id(flat.shard), i)] = DTensor.from_local(
-                local.clone(),
-                _mesh(group, piece.device, meshes),
-                [placement],
-                run_check=False,
-                shape=piece.shape,
-                stride=piece.stride(),
-            )
-    out: dict[str, Any] = OrderedDict((e.key, values[(id(e.flat.shard), e.index)]) for e in view.params)
+
+    def as_dtensor(unit: UnitLayout, _: FlatLayout, piece: torch.Tensor) -> Any:
+        if is_dummy(unit.process_group):
+            return piece.clone()
+        placement = Shard(0) if piece.dim() > 0 else Replicate()
+        local = _row_chunk(piece, unit.rank, unit.world_size) if piece.dim() > 0 else piece
+        mesh = _mesh(unit.process_group, piece.device, meshes)
+        return DTensor.from_local(
+            local.clone(), mesh, [placement], run_check=False, shape=piece.shape, stride=piece.stride()
+        )
+
+    out: dict[str, Any] = OrderedDict(gathered_params(view, "sharded_state_dict", as_dtensor))
     for b in view.buffers:
         out[b.key] = b.value().clone()
     return out
