@@ -346,3 +346,13 @@ def checkpoint_round_trips(
     )
     results["total"] = sum(v.numel() for v in plain.state_dict().values())
     return results
+
+
+def peak_held(actions: Any) -> int:
+    """The most micro-batches (chunk-micro-batches under virtual stages) a schedule's ``actions`` hold from F to W
+    at once: what its activation memory peaks at."""
+    held = peak = 0
+    for action in actions:
+        held += {"F": 1, "B": 0, "W": -1}[action.kind]
+        peak = max(peak, held)
+    return peak

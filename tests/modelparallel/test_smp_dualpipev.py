@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Optional
 
 import pytest
+from smp_testlib import peak_held
 from torch.distributed.pipelining import schedules as torch_schedules
 
 import shardkit.modelparallel as smp
@@ -13,15 +14,6 @@ from shardkit.modelparallel.dualpipev import dualpipev_schedule, dualpipev_sched
 from shardkit.modelparallel.virtual_schedules import ChunkAction, bubble_fraction, placement, schedule_grid, tick_grid
 
 SHAPES = [(p, m) for p in range(2, 7) for m in range(2 * p, 4 * p + 1)]
-
-
-def _held_peak(actions: list[ChunkAction]) -> int:
-    """The most chunk-micro-batches holding activations at once (from F to W) along ``actions``."""
-    held = peak = 0
-    for a in actions:
-        held += {"F": 1, "B": 0, "W": -1}[a.kind]
-        peak = max(peak, held)
-    return peak
 
 
 def _check_order(actions: list[ChunkAction], rank: int, p: int, m: int) -> None:
@@ -63,9 +55,9 @@ def test_lists_run_on_the_tick_grid_within_dualpipev_bounds(p: int, m: int) -> N
     zbv_grid = schedule_grid("zbv", p, 2, m)
     for rank, actions in enumerate(lists):
         _check_order(actions, rank, p, m)
-        assert _held_peak(actions) == 2 * p + 1
+        assert peak_held(actions) == 2 * p + 1
         zbv_actions = [row[rank] for row in zbv_grid if row[rank] is not None]
-        assert _held_peak([a for a in zbv_actions if a is not None]) <= 2 * p
+        assert peak_held([a for a in zbv_actions if a is not None]) <= 2 * p
         # the docstring's timeline: r idle ticks before the first forward, none until the last forward, and the
         # other p - 1 - r where a B of the down chunk waits for its gradient
         idle = [t for t, row in enumerate(grid) if row[rank] is None]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from smp_testlib import peak_held
 
 from shardkit.modelparallel.pipeline_parallel import (
     Action,
@@ -17,14 +18,6 @@ from shardkit.modelparallel.pipeline_parallel import (
 from shardkit.modelparallel.zb_schedules import ZB_CAPS, build_schedules, simulate
 
 SHAPES = [(p, m) for p in (1, 2, 3, 4, 6, 8) for m in (1, 2, 3, 4, 5, 8, 13, 16)]
-
-
-def _peak_in_flight(actions: list[Action]) -> int:
-    live = peak = 0
-    for action in actions:
-        live += {"F": 1, "B": 0, "W": -1}[action.kind]
-        peak = max(peak, live)
-    return peak
 
 
 @pytest.mark.parametrize("pipeline", ["zero_bubble", "zero_bubble_h2"])
@@ -39,7 +32,7 @@ def test_every_action_once_in_order_within_the_bound(pipeline: str, num_stages: 
         for k in range(microbatches):
             assert actions.index(Action("F", k)) < actions.index(Action("B", k)) < actions.index(Action("W", k))
         cap = ZB_CAPS[pipeline](stage, p)
-        assert _peak_in_flight(actions) <= min(cap, microbatches)
+        assert peak_held(actions) <= min(cap, microbatches)
         if pipeline == "zero_bubble":  # 1F1B's F/B order; W's postponed
             assert [a for a in actions if a.kind != "W"] == one_f_one_b_schedule(stage, p, microbatches)
             assert actions == zero_bubble_h1_schedule(stage, p, microbatches)
@@ -67,7 +60,7 @@ def test_written_lists_no_slower_than_the_greedy_simulation(pipeline: str) -> No
         caps = tuple(ZB_CAPS[pipeline](s, p) for s in range(p))
         for m in range(1, 3 * p + 2):
             written = [schedule_for(pipeline, s, p, m) for s in range(p)]
-            assert all(_peak_in_flight(actions) <= cap for actions, cap in zip(written, caps))
+            assert all(peak_held(actions) <= cap for actions, cap in zip(written, caps))
             greedy = build_schedules(p, m, caps)
             assert simulate(written).makespan <= simulate(greedy).makespan, (p, m)
 
@@ -115,5 +108,5 @@ def test_h1_hold_trades_memory_for_bubble(num_stages: int) -> None:
     p, m = num_stages, 2 * num_stages + 1
     for hold in range(1, p + 1):
         written = [zero_bubble_h1_schedule(s, p, m, hold) for s in range(p)]
-        assert [_peak_in_flight(actions) for actions in written] == [max(p - s, hold) for s in range(p)]
+        assert [peak_held(actions) for actions in written] == [max(p - s, hold) for s in range(p)]
         assert simulate(written).makespan == 3 * m + 2 * p - 1 - hold
