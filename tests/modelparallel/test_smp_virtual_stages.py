@@ -10,7 +10,6 @@ import smp_testlib as lib
 import torch
 import torch.nn.functional as F
 from smp_testlib import BUILDERS, batch, check_parity, parity_results, reference_run, smp_run, train_step
-from smp_testlib import max_state_diff as max_diff
 from torch import nn
 
 import shardkit.modelparallel as smp
@@ -24,6 +23,7 @@ from shardkit.modelparallel.virtual_schedules import (
 )
 from shardkit.testing import run_distributed
 from shardkit.testing.models import LMConfig, TransformerLM
+from testkit import max_state_diff as max_diff
 from testkit.smp import mse_step
 
 V2 = {"pipeline": "interleaved", "virtual_stages": 2}

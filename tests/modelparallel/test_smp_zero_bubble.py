@@ -16,11 +16,11 @@ from smp_testlib import CKPT_MICROBATCHES as MICROBATCHES
 from smp_testlib import CKPT_STEPS as STEPS
 from smp_testlib import CkptNet as Net
 from smp_testlib import check_parity, ckpt_batch, ckpt_reference, parity_results, reference_run, smp_run
-from smp_testlib import max_state_diff as max_diff
 from torch import nn
 
 import shardkit.modelparallel as smp
 from shardkit.testing import run_distributed
+from testkit import max_state_diff as max_diff
 from testkit.models import ScaleWithWeightGrad
 from testkit.smp import mse_step
 

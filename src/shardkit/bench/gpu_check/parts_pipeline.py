@@ -63,7 +63,7 @@ def _pipeline_worker(rank: int, world_size: int, small: bool) -> dict[str, Any]:
         try:
             model = smp.DistributedModel(build_lm(cfg, DEVICE))
             optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05))
-            losses, steps_ms, bubbles, above_ms = [], [], [], []
+            losses, steps_ms, bubbles, above_mib = [], [], [], []
             for tokens, targets in data:
                 if CUDA:
                     torch.cuda.synchronize()
@@ -77,13 +77,13 @@ def _pipeline_worker(rank: int, world_size: int, small: bool) -> dict[str, Any]:
                     torch.cuda.synchronize()
                 steps_ms.append(1e3 * (time.perf_counter() - start))
                 bubbles.append(model.last_step_stats.bubble_fraction)
-                above_ms.append((torch.cuda.max_memory_allocated() - resident) / 2**20 if CUDA else 0.0)
+                above_mib.append((torch.cuda.max_memory_allocated() - resident) / 2**20 if CUDA else 0.0)
                 losses.append(float(loss))
             found[label] = {
                 "losses": losses,
                 "median_step_ms": statistics.median(steps_ms[1:]),  # the first step partitions the model
                 "bubble": statistics.median(bubbles[1:]),
-                "step_peak_above_resident_mib": max(above_ms[1:]),
+                "step_peak_above_resident_mib": max(above_mib[1:]),
             }
         except Exception as err:  # a schedule failing on CUDA is the finding; the others still run
             found[label] = f"{type(err).__name__}: {str(err)[:300]}"
