@@ -11,7 +11,14 @@ from torch.distributed.pipelining import schedules as torch_schedules
 
 import shardkit.modelparallel as smp
 from shardkit.modelparallel.dualpipev import dualpipev_schedule, dualpipev_schedules
-from shardkit.modelparallel.virtual_schedules import ChunkAction, bubble_fraction, placement, schedule_grid, tick_grid
+from shardkit.modelparallel.virtual_schedules import (
+    ChunkAction,
+    bubble_fraction,
+    fused_backwards,
+    placement,
+    schedule_grid,
+    tick_grid,
+)
 
 SHAPES = [(p, m) for p in range(2, 7) for m in range(2 * p, 4 * p + 1)]
 
@@ -138,3 +145,65 @@ def test_bad_config_is_refused(extra: dict[str, int], message: str) -> None:
         smp.ModelParallelConfig.from_dict({"partitions": 2, "microbatches": 4, "pipeline": "dualpipev", **extra})
     cfg = smp.ModelParallelConfig.from_dict({"partitions": 3, "microbatches": 6, "pipeline": "dualpipev"})
     assert cfg.chunks == 6
+
+
+def _ends_with_fusion(grid: list[list[Optional[ChunkAction]]], p: int) -> dict[ChunkAction, int]:
+    """When each action ends if every rank runs its fused pairs (``fused_backwards``) as one two-tick backward at
+    B's place and skips their W: an event replay of the grid's order with its dependencies."""
+    num_chunks = 2 * p
+    fused = [fused_backwards(grid, r) for r in range(p)]
+    lists = [[row[r] for row in grid if row[r] is not None] for r in range(p)]
+    end: dict[ChunkAction, int] = {}
+    free = [0] * p
+    position = [0] * p
+    while any(position[r] < len(lists[r]) for r in range(p)):
+        progressed = False
+        for r in range(p):
+            while position[r] < len(lists[r]):
+                a = lists[r][position[r]]
+                whole = (a.chunk, a.microbatch) in fused[r]
+                if a.kind == "W" and whole:
+                    end[a] = end[ChunkAction("B", a.chunk, a.microbatch)]
+                    position[r] += 1
+                    continue
+                if a.kind == "F":
+                    need = ChunkAction("F", a.chunk - 1, a.microbatch) if a.chunk > 0 else None
+                elif a.kind == "B":
+                    need = ChunkAction("B", a.chunk + 1, a.microbatch) if a.chunk < num_chunks - 1 else None
+                else:
+                    need = ChunkAction("B", a.chunk, a.microbatch)
+                if need is not None and need not in end:
+                    break
+                start = max(free[r], end[need] if need is not None else 0)
+                end[a] = free[r] = start + (2 if a.kind == "B" and whole else 1)
+                position[r] += 1
+                progressed = True
+        assert progressed or all(position[r] == len(lists[r]) for r in range(p)), "replay stuck"
+    return end
+
+
+@pytest.mark.parametrize("pipeline", ["dualpipev", "zbv"])
+@pytest.mark.parametrize(("p", "m"), [(2, 4), (2, 8), (3, 6), (4, 8), (4, 12), (6, 12)])
+def test_running_b_and_w_whole_delays_no_action(pipeline: str, p: int, m: int) -> None:
+    grid = schedule_grid(pipeline, p, 2, m)
+    ticks = {a: t for t, row in enumerate(grid) for a in row if a is not None}
+    end = _ends_with_fusion(grid, p)
+    fused = [fused_backwards(grid, r) for r in range(p)]
+    due = dict(ticks)  # a fused B's work is done by its W's tick
+    for r in range(p):
+        for c, k in fused[r]:
+            due[ChunkAction("B", c, k)] = ticks[ChunkAction("W", c, k)]
+    late = {a: (end[a], t + 1) for a, t in due.items() if end[a] > t + 1}
+    assert not late, f"fused backwards delay {late}"
+    if pipeline == "dualpipev":  # its paired steps run W right after B: most pairs fuse
+        assert all(len(f) >= m // 2 for f in fused)
+
+
+def test_b_is_not_run_with_its_w_when_its_gradient_is_needed_at_once() -> None:
+    b, w = ChunkAction("B", 1, 0), ChunkAction("W", 1, 0)
+    upstream = ChunkAction("B", 0, 0)
+    soon = [[None, b], [upstream, w]]  # rank 0 takes the gradient in the tick rank 1 would spend on W
+    later = [[None, b], [None, w], [upstream, None]]
+    assert fused_backwards(soon, 1) == set()
+    assert fused_backwards(later, 1) == {(1, 0)}
+    assert fused_backwards([[None, b], [None, None], [None, w]], 1) == set()  # W deferred into another tick: kept

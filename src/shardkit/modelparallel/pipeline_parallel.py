@@ -50,7 +50,7 @@ from typing import Any, Callable, NamedTuple, Optional
 from shardkit.modelparallel.execution import StageExecution
 from shardkit.modelparallel.runtime import MicrobatchRecord
 from shardkit.modelparallel.step_outputs import OutputSharing, share_from_output_stage
-from shardkit.modelparallel.virtual_stages import ProbeFinished, VirtualStageExecution
+from shardkit.modelparallel.virtual_stages import ChunkedStep, ProbeFinished, VirtualStageExecution
 from shardkit.modelparallel.zb_schedules import zero_bubble_h1_hold
 
 
@@ -272,11 +272,12 @@ class StepRun:
         self.stats = StepStats(end - start, link.wait_s, link.sent_bytes, end - shared_at, compute, trace)
         return outputs
 
-    def _finish(self, execution: StageExecution, outputs: list[Any], start: float) -> list[Any]:
+    def _finish(self, execution: StageExecution, step: ChunkedStep, start: float) -> list[Any]:
         shared_at = time.perf_counter()
-        outputs = self._share_outputs(execution, outputs)
+        outputs = self._share_outputs(execution, step.outputs)
         end = time.perf_counter()
-        self.stats = StepStats(end - start, execution.link.wait_s, execution.link.sent_bytes, end - shared_at)
+        link = execution.link
+        self.stats = StepStats(end - start, link.wait_s, link.sent_bytes, end - shared_at, step.compute, step.trace)
         return outputs
 
     def _backward(self, execution: StageExecution, action: Action, split: bool) -> None:

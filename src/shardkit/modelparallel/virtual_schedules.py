@@ -158,6 +158,29 @@ def tick_grid(schedules: list[list[ChunkAction]], num_ranks: int, num_chunks: in
     return grid
 
 
+def fused_backwards(grid: list[list[Optional[ChunkAction]]], rank: int) -> set[tuple[int, int]]:
+    """The (chunk, micro-batch) pairs whose split backward ``rank`` may run whole, at B's tick.
+
+    A split pays for itself only where W fills a tick that B's input gradients are already travelling in. Where
+    ``rank`` runs W right after B (ticks ``t`` and ``t + 1``) and no rank needs those gradients before tick
+    ``t + 2`` (the previous chunk's B, of the same micro-batch, runs then or later; chunk 0 has none), running
+    both at tick ``t`` delays nothing on the grid. It saves the split's cost: the graph walk, one autograd call
+    per weight group instead of one in all, and the saved-tensor hooks on that micro-batch's forward. DualPipeV's
+    paired steps and much of ZBV are such; the other ranks' grids are unchanged (a rank's messages stay at
+    their ticks).
+    """
+    at = {(a.kind, a.chunk, a.microbatch): t for t, row in enumerate(grid) for a in row if a is not None}
+    fused = set()
+    for t, row in enumerate(grid[:-1]):
+        action, after = row[rank], grid[t + 1][rank]
+        if action is None or action.kind != "B" or after != ChunkAction("W", action.chunk, action.microbatch):
+            continue
+        consumer = at.get(("B", action.chunk - 1, action.microbatch))
+        if consumer is None or consumer >= t + 2:
+            fused.add((action.chunk, action.microbatch))
+    return fused
+
+
 def interleaved_grid(num_ranks: int, virtual_stages: int, microbatches: int) -> list[list[Optional[ChunkAction]]]:
     """The tick grid of the interleaved 1F1B schedule for every rank (see :func:`tick_grid`)."""
     schedules = [interleaved_schedule(r, num_ranks, virtual_stages, microbatches) for r in range(num_ranks)]

@@ -36,9 +36,10 @@ step, without autograd (:class:`_RankRuntime`). The probe costs the step functio
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, NamedTuple, Optional, Protocol
 
 import torch
 
@@ -48,7 +49,13 @@ from shardkit.modelparallel.pp_communications import StageLink
 from shardkit.modelparallel.runtime import MicrobatchRecord, Shapes, StageRuntime, autocast_state
 from shardkit.modelparallel.topology import Topology
 from shardkit.modelparallel.virtual_p2p import ChunkLink, Expected, Key
-from shardkit.modelparallel.virtual_schedules import V_PIPELINES, ChunkAction, placement, schedule_grid
+from shardkit.modelparallel.virtual_schedules import (
+    V_PIPELINES,
+    ChunkAction,
+    fused_backwards,
+    placement,
+    schedule_grid,
+)
 
 
 class StepDriver(Protocol):
@@ -225,6 +232,17 @@ def chunked_runtime(
     return ChunkedRuntime(plan, topology, ChunkLink(p2p_group, topology, mp_group, chunk_ranks), rank_runtime)
 
 
+class ChunkedStep(NamedTuple):
+    """What one chunked step leaves: results, and the times :class:`~.pipeline_parallel.StepStats` reports."""
+
+    #: The step function's results per micro-batch (this rank's; the caller shares the output rank's).
+    outputs: list[Any]
+    #: Seconds computing each action kind, receive waits excluded.
+    compute: dict[str, float]
+    #: Every action: (``"F3@1"``, start, end, seconds of it blocked on receives).
+    trace: list[tuple[str, float, float, float]]
+
+
 class VirtualStageExecution(StageExecution):
     """A rank with several chunks: runs a whole step on the interleaved tick grid (:meth:`run_step`)."""
 
@@ -250,9 +268,8 @@ class VirtualStageExecution(StageExecution):
         """The plan as this rank's holdings see it (see :func:`fold_plan`)."""
         return self.runtime.rank_runtime.plan
 
-    def run_step(self, run: StepDriver) -> list[Any]:
-        """Every chunk's forwards and backwards of ``run`` in tick order; the step function's results per
-        micro-batch (this rank's; the caller shares the output rank's). Follows the probe's forward."""
+    def run_step(self, run: StepDriver) -> ChunkedStep:
+        """Every chunk's forwards and backwards of ``run`` in tick order (follows the probe's forward)."""
         runtime, link = self.runtime, self.runtime.chunk_link
         if runtime.step_key is None:
             raise RuntimeError("the @smp.step function did not call the DistributedModel in this step")
@@ -261,39 +278,63 @@ class VirtualStageExecution(StageExecution):
         me = self.stage
         records = {(c, k): MicrobatchRecord(k) for c in runtime.chunks for k in range(m)}
         split = self.pipeline in V_PIPELINES
-        grads_from = "W" if split else "B"  # the actions that produce parameter gradients
-        last_grads = max(t for t, row in enumerate(grid) if (a := row[me]) is not None and a.kind == grads_from)
+        whole = fused_backwards(grid, me) if split else set()  # B and W run as one backward, at B's tick
+        kinds = [_kind(row[me], split, whole) for row in grid]
+        last_grads = max(t for t, kind in enumerate(kinds) if kind in ("W", "B+W", "BW"))
         out_chunk = runtime.plan.output_stage if runtime.plan.output_stage in runtime.chunks else runtime.chunks[0]
         link.begin()
         runtime.mode = "run"
+        compute = dict.fromkeys("FBW", 0.0)
+        trace: list[tuple[str, float, float, float]] = []
         try:
             for t, row in enumerate(grid):
-                action = row[me]
-                if action is not None:
+                action, kind = row[me], kinds[t]
+                if action is not None and kind is not None:
+                    began, waited = time.perf_counter(), link.wait_s
                     record = records[(action.chunk, action.microbatch)]
                     runtime.activate(action.chunk)
                     link.action = action
-                    if action.kind == "F":
-                        with self.saving(split):  # a split B frees what only it needed; the bench counts bytes
+                    if t == last_grads:
+                        self.before_last_backward()
+                    if kind == "F":
+                        # a split B frees what only it needed; the bench counts bytes
+                        with self.saving(split and (action.chunk, action.microbatch) not in whole):
                             run.forward_into(record)
                         if action.chunk != out_chunk:
                             record.outputs = None  # placeholders' results: free what they hold
-                    else:
-                        if t == last_grads:
-                            self.before_last_backward()
-                        if not record.backward_requested:
-                            pass
-                        elif action.kind == "W":
-                            self.backward_weight(record)
-                        elif split:
-                            self.backward_input(record, m)
-                            if run.detach_outputs:
-                                record.detach_outputs()  # else the loss holds every micro-batch's graph
-                        else:
-                            self.backward(record, m)
+                    elif record.backward_requested:
+                        self._backward(kind, record, run)
                     link.action = None
+                    ended, blocked = time.perf_counter(), link.wait_s - waited
+                    counted = "B" if kind == "BW" else kind  # "B+W" apart: its own cost, not B's nor W's
+                    compute[counted] = compute.get(counted, 0.0) + ended - began - blocked
+                    trace.append((repr(action) + ("+W" if kind == "B+W" else ""), began, ended, blocked))
                 link.exchange(runtime.expected_messages(row, records), self.device)
         finally:
             runtime.mode, runtime.step_key, link.action = "probe", None, None
         self.finish_step(any(r.backward_requested for r in records.values()))
-        return [records[(out_chunk, k)].outputs for k in range(m)]
+        return ChunkedStep([records[(out_chunk, k)].outputs for k in range(m)], compute, trace)
+
+    def _backward(self, kind: str, record: MicrobatchRecord, run: StepDriver) -> None:
+        """One backward action of kind ``"B"``, ``"W"``, ``"B+W"`` (a split one run whole) or ``"BW"`` (unsplit)."""
+        if kind == "W":
+            self.backward_weight(record)
+            return
+        if kind == "B":
+            self.backward_input(record, run.microbatches)
+        else:
+            self.backward(record, run.microbatches)
+        if run.detach_outputs:
+            record.detach_outputs()  # else the loss holds every micro-batch's graph (a split's until its W)
+
+
+def _kind(action: Optional[ChunkAction], split: bool, whole: set[tuple[int, int]]) -> Optional[str]:
+    """What runs for ``action`` on this rank: ``"F"``, ``"B"``, ``"W"``; ``"B+W"`` for a B run with its W, and None
+    for that W (and for an idle tick); ``"BW"`` for an unsplit backward."""
+    if action is None or action.kind == "F":
+        return None if action is None else "F"
+    if not split:
+        return "BW"
+    if (action.chunk, action.microbatch) in whole:
+        return "B+W" if action.kind == "B" else None
+    return action.kind
