@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from shardkit.bench import pipeline, pipeline_torch
-from shardkit.bench.pipeline_report import Row, best_line, print_report
+from shardkit.bench.pipeline_report import Row, best_line, paired_ratio, print_report
 from shardkit.bench.pipeline_smp import bubble_floor, predicted_bubble
 from shardkit.bench.pipeline_theory import bubble_theory, torch_bubble_theory
 from shardkit.bench.pipeline_torch import chunk_ranks, chunks_per_rank, even_cut, smp_cut
@@ -81,6 +81,12 @@ def test_ratios_to_torch_best_and_our_best(capsys: pytest.CaptureFixture[str]) -
         "min step: 0.70x, smp interleaved vs torch Interleaved1F1B)"
     )
     assert best_line(rows[2:]) is None  # smp did not run
+    # with per-step times, the same steps' ratios too: drift between steps cancels (median of 0.8, 1.0, 0.9)
+    rows[0].step_times_s, rows[3].step_times_s = [0.08, 0.30, 0.09], [0.10, 0.30, 0.10]
+    line = best_line(rows)
+    assert line is not None and line.endswith("; step by step, median of the same steps' ratios: 0.90x)")
+    assert paired_ratio(rows[0], rows[3]) == pytest.approx(0.9) and paired_ratio(rows[1], rows[3]) is None
+    rows[0].step_times_s = rows[3].step_times_s = None
     settings = pipeline.PipelineSettings(lm=pipeline.QUICK_LM, smp_schedules=("zero_bubble", "interleaved"))
     skipped = {"torch DualPipeV": "torch 2.8.0 has no ScheduleDualPipeV"}
     print_report(settings, rows, None, {"v": "4 stages (V placement): ..."}, skipped)

@@ -23,9 +23,10 @@ SCHEDULES: dict[str, dict[str, Any]] = {
     "zero_bubble_h2": {"pipeline": "zero_bubble_h2"},
     "virtual_stages": {"pipeline": "interleaved", "virtual_stages": 2},
     "zbv": {"pipeline": "zbv"},
+    "dualpipev": {"pipeline": "dualpipev"},  # most backwards run whole there (fused_backwards), some split
 }
 #: Schedules whose backward is split into B and W (where a compiled or custom node forces it unsplit).
-SPLIT = {"zero_bubble", "zero_bubble_h2", "zbv"}
+SPLIT = {"zero_bubble", "zero_bubble_h2", "zbv", "dualpipev"}
 STEPS = 2
 TOL = 1e-5
 

@@ -57,6 +57,9 @@ class Row:
     #: Per stage, the bytes of activations and gradients it sent to other ranks in one step (median over steps;
     #: smp: its stage link's count; torch: its schedules' ``isend`` tensors). ``None``: torch not measurable.
     sent_bytes: Optional[list[int]] = None
+    #: Every timed step's time (the slowest rank's), in step order: the strategies ran interleaved, so step ``i``
+    #: of two rows saw the same load, and their ratio step by step cancels what drifts between steps.
+    step_times_s: Optional[list[float]] = None
 
 
 def _smp_fields(settings: PipelineSettings, name: str, schedule: str, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
@@ -120,6 +123,7 @@ def combine(settings: PipelineSettings, per_rank: list[dict[str, Any]]) -> list[
             extra = _torch_fields(name, per_rank)
             extra["bubble_theory"] = torch_bubble_theory(schedule, p, m, chunks)
         median, fastest = statistics.median(step_times), min(step_times)
+        extra["step_times_s"] = step_times
         rows.append(Row(name, schedule, median, fastest, losses[-1], diff, **extra, chunks_per_rank=chunks))
     return rows
 
@@ -181,11 +185,21 @@ def best_line(rows: list[Row]) -> Optional[str]:
     if not ours or best is None or best_min is None:
         return None
     mine, mine_min = min(ours, key=lambda r: r.median_step_s), min(ours, key=lambda r: r.min_step_s)
+    paired = paired_ratio(mine, best)
     return (
         f"our best vs torch's best: {ratio(mine.median_step_s, best.median_step_s)} (median step: {mine.name} "
         f"{mine.median_step_s * 1e3:.0f} ms vs {best.name} {best.median_step_s * 1e3:.0f} ms; min step: "
-        f"{ratio(mine_min.min_step_s, best_min.min_step_s)}, {mine_min.name} vs {best_min.name})"
+        f"{ratio(mine_min.min_step_s, best_min.min_step_s)}, {mine_min.name} vs {best_min.name}"
+        + ("" if paired is None else f"; step by step, median of the same steps' ratios: {paired:.2f}x")
+        + ")"
     )
+
+
+def paired_ratio(row: Row, baseline: Row) -> Optional[float]:
+    """Median over steps of ``row``'s step over ``baseline``'s same step (None without per-step times)."""
+    if not row.step_times_s or not baseline.step_times_s:
+        return None
+    return statistics.median(a / b for a, b in zip(row.step_times_s, baseline.step_times_s))
 
 
 def _print_smp_bubbles(smp_rows: list[Row]) -> None:
