@@ -133,8 +133,10 @@ class SmpSchedules:
 
 
 def action_costs(per_step: Sequence[dict[str, float]], microbatches: int) -> dict[str, float]:
-    """Median seconds of one F, B and W action over ``per_step`` (each step's sums; unsplit: W is 0)."""
-    return {kind: statistics.median(step.get(kind, 0.0) for step in per_step) / microbatches for kind in "FBW"}
+    """Median seconds of one F, B and W action over ``per_step`` (each step's sums; unsplit: W is 0), per
+    micro-batch of the step; and ``"B+W"``, the backwards a V schedule ran whole, where it ran any."""
+    kinds = ["F", "B", "W"] + (["B+W"] if any("B+W" in step for step in per_step) else [])
+    return {kind: statistics.median(step.get(kind, 0.0) for step in per_step) / microbatches for kind in kinds}
 
 
 def bubble_floor(costs: Sequence[dict[str, float]], microbatches: int) -> float:

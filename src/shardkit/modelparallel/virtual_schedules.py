@@ -22,7 +22,8 @@ chunk's forward of the same micro-batch, the next chunk's backward) ran. Every r
 so it knows which actions its neighbours run at every tick, hence which messages they produce then.
 
 ZBV (:func:`zbv_schedules`): two chunks per rank in a V (rank ``r`` holds chunks ``r`` and ``2p - 1 - r``),
-every backward split into B and W; needs ``microbatches >= 2p``. DualPipeV
+every backward split into B and W (run whole where nothing waits for the split: :func:`fused_backwards`);
+needs ``microbatches >= 2p``. DualPipeV
 (:mod:`~shardkit.modelparallel.dualpipev`) runs the same V in another order, under the same checks.
 """
 
@@ -34,7 +35,7 @@ from shardkit.modelparallel.chunk_action import ChunkAction
 from shardkit.modelparallel.dualpipev import dualpipev_schedules
 
 V_PIPELINES = ("zbv", "dualpipev")
-"""The schedules with two chunks per rank in a V, every backward split into B and W."""
+"""The schedules with two chunks per rank in a V, every backward split into B and W (see :func:`fused_backwards`)."""
 
 
 def check_virtual_config(partitions: int, virtual_stages: int, microbatches: int, pipeline: str) -> None:
