@@ -292,10 +292,11 @@ def _checkpointed_chunks(rank: int, world_size: int, pipeline_keys: dict[str, An
     return {"losses": losses, "per_microbatch": [c / ((lib.CKPT_STEPS - 1) * mbs) for c in calls]}
 
 
-@pytest.mark.parametrize("pipeline_keys", [V2, ZBV], ids=["virtual_stages", "zbv"])
+@pytest.mark.parametrize("pipeline_keys", [V2, ZBV, DUALPIPEV], ids=["virtual_stages", "zbv", "dualpipev"])
 def test_activation_checkpointed_blocks_in_chunks(pipeline_keys: dict[str, Any]) -> None:
-    """Blocks given to smp.set_activation_checkpointing recompute inside their chunk's backward (under ZBV that
-    chunk's backward runs unsplit, with the documented warning): training is unchanged."""
+    """Blocks given to smp.set_activation_checkpointing recompute inside their chunk's backward (under ZBV and
+    DualPipeV that chunk's backward runs unsplit, with the documented warning, where it is not run whole anyway):
+    training is unchanged."""
     torch.manual_seed(0)
     model = lib.CkptNet(manual=False)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -319,7 +320,11 @@ def _checkpoints_in_chunks(rank: int, world_size: int, directory: str, keys: dic
     return lib.checkpoint_round_trips(rank, world_size, directory, {"partitions": 2, "microbatches": 2, **keys})
 
 
-@pytest.mark.parametrize("keys", [{"microbatches": 2, **V2}, {"microbatches": 4, **ZBV}], ids=["virtual_stages", "zbv"])
+@pytest.mark.parametrize(
+    "keys",
+    [{"microbatches": 2, **V2}, {"microbatches": 4, **ZBV}, {"microbatches": 4, **DUALPIPEV}],
+    ids=["virtual_stages", "zbv", "dualpipev"],
+)
 def test_partial_and_full_checkpoints_with_chunks(tmp_path: Any, keys: dict[str, Any]) -> None:
     """Save partial (per rank, both chunks) and full checkpoints, load them into a fresh model: training goes on
     identically; the full one is a plain torch checkpoint."""
@@ -362,7 +367,7 @@ def _scaled(rank: int, world_size: int, keys: dict[str, Any]) -> list[tuple[floa
     return out
 
 
-@pytest.mark.parametrize("keys", [V2, ZBV], ids=["virtual_stages", "zbv"])
+@pytest.mark.parametrize("keys", [V2, ZBV, DUALPIPEV], ids=["virtual_stages", "zbv", "dualpipev"])
 def test_grad_scaler_skips_the_step_on_every_rank(keys: dict[str, Any]) -> None:
     """An overflow in one chunk's gradients skips the step on every rank (and the scale halves once)."""
     for per_rank in run_distributed(_scaled, 2, keys):
