@@ -253,11 +253,11 @@ def _single_process(kind: str, name: str, steps: int) -> tuple[dict[str, torch.T
 
 
 def _pipelined(
-    rank: int, world_size: int, kind: str, name: str, steps: int, pipeline: str = "interleaved"
+    rank: int, world_size: int, kind: str, name: str, steps: int, pipeline: str = "interleaved", microbatches: int = 2
 ) -> dict[str, Any]:
     from smp_testlib import BUILDERS, batch, train_step
 
-    smp.init({"partitions": 2, "microbatches": 2, "pipeline": pipeline})
+    smp.init({"partitions": 2, "microbatches": microbatches, "pipeline": pipeline})
     model = smp.DistributedModel(BUILDERS[name]())
     opt = smp.DistributedOptimizer(_make(kind, model.parameters()))
     norms = []
@@ -293,3 +293,16 @@ def test_pipelined_training_matches_single_process(kind: str, pipeline: str) -> 
                 torch.testing.assert_close(out["optimizer"]["state"][index][field], value, atol=2e-5, rtol=1e-4)
     if kind == "lamb":
         assert all(norm > 0.05 for norm in ref_norms)  # clipping was active at every step
+
+
+@pytest.mark.parametrize("pipeline", ["zbv", "dualpipev"])
+def test_v_schedules_clip_by_the_global_norm_after_every_w(pipeline: str) -> None:
+    """Two chunks per rank in a V (backwards split into B and W, some run whole): FusedLamb's clipped steps and its
+    global gradient norm over both ranks' chunks equal one process's, so no W was left out of the norm."""
+    steps = 3
+    ref_state, ref_norms, _ = _single_process("lamb", "mlp", steps)
+    assert all(norm > 0.05 for norm in ref_norms)  # clipping was active at every step
+    for out in run_distributed(_pipelined, 2, "lamb", "mlp", steps, pipeline, 4):
+        for key, value in ref_state.items():
+            torch.testing.assert_close(out["state"][key], value, atol=2e-5, rtol=1e-4)
+        assert out["norms"] == pytest.approx(ref_norms, rel=1e-5)
