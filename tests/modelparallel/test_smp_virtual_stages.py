@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from smp_testlib import BUILDERS, batch, check_parity, parity_results, reference_run, smp_run, train_step
 from torch import nn
+from torch.distributed.pipelining import schedules as torch_schedules
 
 import shardkit.modelparallel as smp
 from shardkit.modelparallel.virtual_schedules import (
@@ -21,6 +22,7 @@ from shardkit.modelparallel.virtual_schedules import (
     placement,
     schedule_grid,
 )
+from shardkit.modelparallel.zbv import zbv_schedule
 from shardkit.testing import run_distributed
 from shardkit.testing.models import LMConfig, TransformerLM
 from testkit import max_state_diff as max_diff
@@ -232,6 +234,28 @@ def test_zbv_schedule_places_chunks_in_a_v_and_splits_every_backward() -> None:
             assert peak <= 2 * p  # 1F1B's activation memory: p micro-batches of two chunks
     # Smaller than interleaved 1F1B's bubble over the same chunks (ticks: F, B and W one each).
     assert bubble_fraction(schedule_grid("zbv", 2, 2, 8)) < 0.5 * bubble_fraction(interleaved_grid(2, 2, 8))
+
+
+@pytest.mark.parametrize(("p", "m"), [(2, 4), (2, 8), (3, 6), (4, 9), (6, 20)])
+def test_zbv_is_torchs_zbv_order(p: int, m: int) -> None:
+    """torch's ScheduleZBVZeroBubble lists (input- and weight-gradient actions as B and W) are ours, and their
+    grid idles as DualPipeV's: (p - 1) / (6m + p - 1)."""
+    cls = getattr(torch_schedules, "ScheduleZBVZeroBubble", None)
+    if cls is None:
+        pytest.skip("this torch has no ScheduleZBVZeroBubble")
+    kinds = torch_schedules._ComputationType
+    names = {kinds.FORWARD: "F", kinds.BACKWARD_INPUT: "B", kinds.BACKWARD_WEIGHT: "W"}
+
+    class _Shape:  # what the list builder reads of a schedule object
+        pp_group_size = p
+        num_stages = 2 * p
+        _n_microbatches = m
+
+    for rank in range(p):
+        ops = cls._calculate_single_rank_operations(_Shape(), rank)
+        theirs = [ChunkAction(names[a.computation_type], a.stage_index, a.microbatch_index) for a in ops if a]
+        assert theirs == zbv_schedule(rank, p, m), rank
+    assert bubble_fraction(schedule_grid("zbv", p, 2, m)) == pytest.approx((p - 1) / (6 * m + p - 1))
 
 
 def test_zbv_two_ranks_match_single_process() -> None:

@@ -35,11 +35,11 @@ class ModelParallelConfig:
     #: first holds ``partitions`` under 1F1B); ``"zero_bubble_h2"``: ZB-H2, a smaller bubble for up to twice
     #: the activations (see ``pipeline_parallel``). Both train correctly with any
     #: number of micro-batches; below ``partitions`` the bubble shrinks less.
-    #: ``"zbv"`` (also an addition): two chunks per rank in a V, each backward split the same way (see
-    #: ``virtual_schedules``); needs ``microbatches >= 2 * partitions``. ``"dualpipev"`` (also an addition):
+    #: ``"zbv"`` (also an addition): two chunks per rank in a V, each backward split the same way where that
+    #: saves time (see ``zbv``); needs ``microbatches >= 2 * partitions``. ``"dualpipev"`` (also an addition):
     #: DeepSeek's DualPipeV on the same V and under the same conditions, forward-only warm-up, then one chunk's
     #: forward paired with the other chunk's backward (overlapped on GPUs by DeepSeek's code, run back to back
-    #: here), then a B/W cool-down: at most ZBV's bubble for one more micro-batch of activations per rank (see
+    #: here), then a B/W cool-down: ZBV's bubble for one more micro-batch of activations per rank (see
     #: ``dualpipev``).
     pipeline: str = "interleaved"
     #: Trace the model on the first step and balance stages automatically; ``smp.partition`` contexts are ignored.

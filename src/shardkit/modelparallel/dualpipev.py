@@ -37,8 +37,8 @@ neighbouring rank at least a tick earlier; its only other idle ticks are in the 
 down chunk waits for the same micro-batch's B from rank ``r + 1``. The tick grid finds that timeline for
 every ``p`` in 2..6 and ``m`` in ``2p..4p``, where the tests check all of the above, and up to 10 ranks and
 ``6p + 3`` micro-batches, where they check the grid and its idle count: every rank idles exactly ``p - 1``
-ticks, so the bubble is ``(p-1) / (6m + p - 1)``, never above ZBV's on the same grid (equal at ``p = 2`` and for
-some larger shapes, a few ticks below it for others), against 1F1B's ``(p-1) / (m + p - 1)`` over ``p`` stages.
+ticks, so the bubble is ``(p-1) / (6m + p - 1)``, ZBV's on the same grid (:mod:`~shardkit.modelparallel.zbv`),
+against 1F1B's ``(p-1) / (m + p - 1)`` over ``p`` stages.
 No algebra here covers every ``p`` and ``m``; a shape whose lists did wait in a cycle would fail on every rank
 alike with ``tick_grid``'s error before the step's first action (every rank computes the grid before it runs
 one), not hang.
@@ -50,44 +50,7 @@ forwards (1F1B's first stage holds ``p`` micro-batches of two chunks' worth), on
 
 from __future__ import annotations
 
-from shardkit.modelparallel.chunk_action import ChunkAction
-
-
-class _RankList:
-    """One rank's list as the phases write it: the next micro-batch of every (kind, chunk), and the W's that
-    split backwards left for later (oldest first)."""
-
-    def __init__(self) -> None:
-        self.actions: list[ChunkAction] = []
-        self._next: dict[tuple[str, int], int] = {}
-        self._deferred: list[ChunkAction] = []
-
-    def _take(self, kind: str, chunk: int) -> ChunkAction:
-        k = self._next.get((kind, chunk), 0)
-        self._next[(kind, chunk)] = k + 1
-        return ChunkAction(kind, chunk, k)
-
-    def forward(self, chunk: int) -> None:
-        self.actions.append(self._take("F", chunk))
-
-    def backward(self, chunk: int, defer_weight: bool = False) -> None:
-        """B of ``chunk``'s next micro-batch; its W right after (a whole backward) unless ``defer_weight``."""
-        b = self._take("B", chunk)
-        self.actions.append(b)
-        weight = ChunkAction("W", chunk, b.microbatch)
-        if defer_weight:
-            self._deferred.append(weight)
-        else:
-            self.actions.append(weight)
-
-    def pair(self, forward: int, backward: int) -> None:
-        """One micro-batch's forward on one chunk with another's whole backward on the other: what DualPipeV
-        overlaps (computation of one with communication of the other); here they run back to back."""
-        self.forward(forward)
-        self.backward(backward)
-
-    def deferred_weight(self) -> None:
-        self.actions.append(self._deferred.pop(0))
+from shardkit.modelparallel.chunk_action import ChunkAction, RankList
 
 
 def dualpipev_schedule(rank: int, num_ranks: int, microbatches: int) -> list[ChunkAction]:
@@ -101,7 +64,7 @@ def dualpipev_schedule(rank: int, num_ranks: int, microbatches: int) -> list[Chu
     """
     p, m, r = num_ranks, microbatches, rank
     down, up = r, 2 * p - 1 - r  # this rank's chunk on the way down the V, and on the way back up
-    rank_list = _RankList()
+    rank_list = RankList()
     # Warm-up: forwards only on the way down, then both chunks' forwards in turn until the first gradient of the
     # up chunk can be back, then whole backwards of the up chunk, each followed by its next forward.
     for _ in range(2 * (p - 1 - r)):

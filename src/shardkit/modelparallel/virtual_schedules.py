@@ -21,10 +21,10 @@ rank runs at most one action, and an action runs at the first tick after every a
 chunk's forward of the same micro-batch, the next chunk's backward) ran. Every rank computes the same grid,
 so it knows which actions its neighbours run at every tick, hence which messages they produce then.
 
-ZBV (:func:`zbv_schedules`): two chunks per rank in a V (rank ``r`` holds chunks ``r`` and ``2p - 1 - r``),
-every backward split into B and W (run whole where nothing waits for the split: :func:`fused_backwards`);
-needs ``microbatches >= 2p``. DualPipeV
-(:mod:`~shardkit.modelparallel.dualpipev`) runs the same V in another order, under the same checks.
+ZBV (:mod:`~shardkit.modelparallel.zbv`): two chunks per rank in a V (rank ``r`` holds chunks ``r`` and
+``2p - 1 - r``), every backward split into B and W (run whole where nothing waits for the split:
+:func:`fused_backwards`); needs ``microbatches >= 2p``. DualPipeV (:mod:`~shardkit.modelparallel.dualpipev`)
+runs the same V in another order, under the same checks.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from typing import Optional
 
 from shardkit.modelparallel.chunk_action import ChunkAction
 from shardkit.modelparallel.dualpipev import dualpipev_schedules
+from shardkit.modelparallel.zbv import zbv_schedules
 
 V_PIPELINES = ("zbv", "dualpipev")
 """The schedules with two chunks per rank in a V, every backward split into B and W (see :func:`fused_backwards`)."""
@@ -186,75 +187,6 @@ def interleaved_grid(num_ranks: int, virtual_stages: int, microbatches: int) -> 
     """The tick grid of the interleaved 1F1B schedule for every rank (see :func:`tick_grid`)."""
     schedules = [interleaved_schedule(r, num_ranks, virtual_stages, microbatches) for r in range(num_ranks)]
     return tick_grid(schedules, num_ranks, num_ranks * virtual_stages)
-
-
-def zbv_schedules(num_ranks: int, microbatches: int) -> list[list[ChunkAction]]:
-    """ZBV (Qi et al. 2024, arXiv 2401.10241, section 6): two chunks per rank in a V, each backward split into B
-    (input gradients) and W (weight gradients), as per-rank action lists.
-
-    Built by running the ranks side by side on unit ticks, every rank taking at each tick the first of:
-    a B whose gradients have arrived (the later chunk first), a forward whose input has arrived (the later chunk
-    first: it reaches the loss sooner), a W of a micro-batch whose B ran. A forward waits while ``2 * p``
-    chunk-micro-batches hold activations on the rank (from F to W): 1F1B's peak on its first stage, which
-    holds ``p`` micro-batches of a whole stage, two chunks each. W's fill the ticks where nothing else can run,
-    which is where the bubble of 1F1B would be.
-    """
-    p, m = num_ranks, microbatches
-    chunks = placement("zbv", p, 2)
-    mine = [[c for c in range(2 * p) if chunks[c] == r] for r in range(p)]
-    done: dict[tuple[str, int, int], int] = {}
-    next_f = {c: 0 for c in range(2 * p)}
-    next_b = {c: 0 for c in range(2 * p)}
-    owed_w: list[list[tuple[int, int]]] = [[] for _ in range(p)]
-    schedules: list[list[ChunkAction]] = [[] for _ in range(p)]
-    total = 3 * 2 * p * m
-    tick = 0
-    while sum(len(s) for s in schedules) < total:
-        ran = []
-        for r in range(p):
-            action = _zbv_pick(r, mine[r], tick, done, next_f, next_b, owed_w[r], m, 2 * p)
-            if action is not None:
-                ran.append(action)
-                schedules[r].append(action)
-        if not ran:
-            raise RuntimeError("ZBV schedule generation made no progress (a schedule bug)")
-        for action in ran:
-            done[(action.kind, action.chunk, action.microbatch)] = tick
-        tick += 1
-    return schedules
-
-
-def _zbv_pick(
-    rank: int,
-    chunks: list[int],
-    tick: int,
-    done: dict[tuple[str, int, int], int],
-    next_f: dict[int, int],
-    next_b: dict[int, int],
-    owed_w: list[tuple[int, int]],
-    m: int,
-    num_chunks: int,
-) -> Optional[ChunkAction]:
-    def before(key: tuple[str, int, int]) -> bool:
-        return done.get(key, tick) < tick
-
-    for c in sorted(chunks, reverse=True):  # B: the later chunk first
-        k = next_b[c]
-        if k < m and before(("F", c, k)) and (c == num_chunks - 1 or before(("B", c + 1, k))):
-            next_b[c] += 1
-            owed_w.append((c, k))
-            return ChunkAction("B", c, k)
-    in_flight = sum(next_f[c] for c in chunks) - sum(next_b[c] for c in chunks) + len(owed_w)
-    if in_flight < num_chunks:
-        for c in sorted(chunks, reverse=True):
-            k = next_f[c]
-            if k < m and (c == 0 or before(("F", c - 1, k))):
-                next_f[c] += 1
-                return ChunkAction("F", c, k)
-    if owed_w:
-        c, k = owed_w.pop(0)
-        return ChunkAction("W", c, k)
-    return None
 
 
 def schedule_grid(

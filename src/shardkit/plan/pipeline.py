@@ -63,9 +63,9 @@ def pipeline_bubble(pipeline: str, partitions: int, microbatches: int, virtual_s
     every stage holding up to ``max(2, p-1)`` micro-batches) ``(p-1)/(3m+p-1)`` at 2 stages and ``p/(3m+p)`` from
     3, ``"zero_bubble_h2"`` (up to ``2p-1`` on the first stage) ``(p-1)/(3m+p-1)``. Over chunks (``virtual_stages``
     above 1, or ``"zbv"``'s and ``"dualpipev"``'s two per rank) from the schedule's tick grid, where a forward and
-    a backward (ZBV, DualPipeV: each half of it) take one tick: ``(p-1)/(v*m+p-1)`` for interleaved 1F1B, for ZBV
-    only the ramp of its V, which ``m >= 2p`` micro-batches fill, and ``(p-1)/(6m+p-1)`` for DualPipeV (its
-    forward/backward pairs run back to back, not overlapped)."""
+    a backward (ZBV, DualPipeV: each half of it) take one tick: ``(p-1)/(v*m+p-1)`` for interleaved 1F1B and
+    ``(p-1)/(6m+p-1)`` for ZBV and DualPipeV (DualPipeV's forward/backward pairs run back to back, not
+    overlapped)."""
     if pipeline in V_SCHEDULES or virtual_stages > 1:
         # start-up cost: smp imports shardkit.nn and torch._dynamo, which plans without the pipeline never need
         from shardkit.modelparallel.virtual_schedules import bubble_fraction, schedule_grid
