@@ -19,6 +19,7 @@ from shardkit.modelparallel.virtual_schedules import (
     schedule_grid,
     tick_grid,
 )
+from shardkit.modelparallel.zbv import zbv_schedule
 
 SHAPES = [(p, m) for p in range(2, 7) for m in range(2 * p, 4 * p + 1)]
 
@@ -63,6 +64,7 @@ def test_lists_run_on_the_tick_grid_within_dualpipev_bounds(p: int, m: int) -> N
     for rank, actions in enumerate(lists):
         _check_order(actions, rank, p, m)
         assert peak_held(actions) == 2 * p + 1
+        _check_order(zbv_schedule(rank, p, m), rank, p, m)  # ZBV's lists, on the same V
         zbv_actions = [row[rank] for row in zbv_grid if row[rank] is not None]
         assert peak_held([a for a in zbv_actions if a is not None]) <= 2 * p
         # the docstring's timeline: r idle ticks before the first forward, none until the last forward, and the
@@ -81,12 +83,13 @@ def test_lists_run_on_the_tick_grid_within_dualpipev_bounds(p: int, m: int) -> N
 
 def test_wider_sweep_runs_with_the_same_bubble() -> None:
     """Beyond the shapes checked in full: up to 10 ranks and 6p + 3 micro-batches, the grid exists (no cycle) and
-    every rank idles exactly p - 1 ticks."""
+    every rank idles exactly p - 1 ticks, under DualPipeV and under ZBV."""
     for p in range(2, 11):
         for m in range(2 * p, 6 * p + 4):
-            grid = schedule_grid("dualpipev", p, 2, m)
-            assert len(grid) == 6 * m + p - 1, (p, m)
-            assert all(sum(row[r] is None for row in grid) == p - 1 for r in range(p)), (p, m)
+            for pipeline in ("dualpipev", "zbv"):
+                grid = schedule_grid(pipeline, p, 2, m)
+                assert len(grid) == 6 * m + p - 1, (pipeline, p, m)
+                assert all(sum(row[r] is None for row in grid) == p - 1 for r in range(p)), (pipeline, p, m)
 
 
 def test_phases_of_one_rank() -> None:
