@@ -141,6 +141,19 @@ class StageExecution:
         """W of a split backward: the parameter gradients B left for later (their ``.grad`` hooks fire here)."""
         self.runtime.backward_weight(record)
 
+    def run_backward(self, kind: str, record: MicrobatchRecord, microbatches: int, detach_outputs: bool) -> None:
+        """One backward action of a schedule: ``"W"`` (:meth:`backward_weight`), ``"B"`` (:meth:`backward_input`,
+        then the step's returned tensors detached where ``detach_outputs``: the returned loss would otherwise
+        hold every micro-batch's graph until the step's end), or any other kind: the whole backward."""
+        if kind == "W":
+            self.backward_weight(record)
+        elif kind == "B":
+            self.backward_input(record, microbatches)
+            if detach_outputs:
+                record.detach_outputs()
+        else:
+            self.backward(record, microbatches)
+
     def finish_step(self, had_backward: bool) -> None:
         """After the last backward: wait for sends, then complete the gradient reduction."""
         self.link.wait_sends()

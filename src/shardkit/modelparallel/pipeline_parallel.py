@@ -282,16 +282,9 @@ class StepRun:
 
     def _backward(self, execution: StageExecution, action: Action, split: bool) -> None:
         record = self.records[action.microbatch]
-        if not record.backward_requested:
-            return
-        if action.kind == "W":
-            execution.backward_weight(record)
-        elif split:
-            execution.backward_input(record, self.microbatches)
-            if self.detach_outputs:
-                record.detach_outputs()
-        else:
-            execution.backward(record, self.microbatches)
+        if record.backward_requested:
+            kind = action.kind if split else "BW"
+            execution.run_backward(kind, record, self.microbatches, self.detach_outputs)
 
     def _forward(self, microbatch: int) -> None:
         self.forward_into(self.records[microbatch])

@@ -39,6 +39,7 @@ step, without autograd (:class:`_RankRuntime`). The probe costs the step functio
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -277,13 +278,10 @@ class VirtualStageExecution(StageExecution):
         if runtime.step_key is None:
             raise RuntimeError("the @smp.step function did not call the DistributedModel in this step")
         m = run.microbatches
-        grid = schedule_grid(self.pipeline, self.num_stages, self.virtual_stages, m)
         me = self.stage
+        grid, kinds, whole, last_grads = _rank_steps(self.pipeline, self.num_stages, self.virtual_stages, m, me)
         records = {(c, k): MicrobatchRecord(k) for c in runtime.chunks for k in range(m)}
         split = self.pipeline in V_PIPELINES
-        whole = fused_backwards(grid, me) if split else set()  # B and W run as one backward, at B's tick
-        kinds = [_kind(row[me], split, whole) for row in grid]
-        last_grads = max(t for t, kind in enumerate(kinds) if kind in ("W", "B+W", "BW"))
         out_chunk = runtime.plan.output_stage if runtime.plan.output_stage in runtime.chunks else runtime.chunks[0]
         link.begin()
         runtime.mode = "run"
@@ -306,7 +304,7 @@ class VirtualStageExecution(StageExecution):
                         if action.chunk != out_chunk:
                             record.outputs = None  # placeholders' results: free what they hold
                     elif record.backward_requested:
-                        self._backward(kind, record, run)
+                        self.run_backward(kind, record, m, run.detach_outputs)
                     link.action = None
                     ended, blocked = time.perf_counter(), link.wait_s - waited
                     counted = "B" if kind == "BW" else kind  # "B+W" apart: its own cost, not B's nor W's
@@ -318,20 +316,31 @@ class VirtualStageExecution(StageExecution):
         self.finish_step(any(r.backward_requested for r in records.values()))
         return ChunkedStep([records[(out_chunk, k)].outputs for k in range(m)], compute, trace)
 
-    def _backward(self, kind: str, record: MicrobatchRecord, run: StepDriver) -> None:
-        """One backward action of kind ``"B"``, ``"W"``, ``"B+W"`` (a split one run whole) or ``"BW"`` (unsplit)."""
-        if kind == "W":
-            self.backward_weight(record)
-            return
-        if kind == "B":
-            self.backward_input(record, run.microbatches)
-        else:
-            self.backward(record, run.microbatches)
-        if run.detach_outputs:
-            record.detach_outputs()  # else the loss holds every micro-batch's graph (a split's until its W)
+
+class _RankSteps(NamedTuple):
+    """One rank's part of a schedule's tick grid, as :meth:`VirtualStageExecution.run_step` runs it."""
+
+    grid: tuple[tuple[Optional[ChunkAction], ...], ...]
+    #: Per tick, what this rank runs (:func:`_kind`).
+    kinds: tuple[Optional[str], ...]
+    #: The (chunk, micro-batch) pairs whose B and W run as one backward, at B's tick (:func:`fused_backwards`).
+    whole: frozenset[tuple[int, int]]
+    #: The tick of the last action that makes parameter gradients (the gradient reduction is armed before it).
+    last_grads: int
 
 
-def _kind(action: Optional[ChunkAction], split: bool, whole: set[tuple[int, int]]) -> Optional[str]:
+@functools.lru_cache(maxsize=64)
+def _rank_steps(pipeline: str, num_ranks: int, virtual_stages: int, microbatches: int, rank: int) -> _RankSteps:
+    """What ``rank`` runs at every tick: the same for every step of a shape, so made once (a few ms at 8 ranks)."""
+    grid = schedule_grid(pipeline, num_ranks, virtual_stages, microbatches)
+    split = pipeline in V_PIPELINES
+    whole = frozenset(fused_backwards(grid, rank)) if split else frozenset()
+    kinds = tuple(_kind(row[rank], split, whole) for row in grid)
+    last_grads = max(t for t, kind in enumerate(kinds) if kind in ("W", "B+W", "BW"))
+    return _RankSteps(tuple(tuple(row) for row in grid), kinds, whole, last_grads)
+
+
+def _kind(action: Optional[ChunkAction], split: bool, whole: frozenset[tuple[int, int]]) -> Optional[str]:
     """What runs for ``action`` on this rank: ``"F"``, ``"B"``, ``"W"``; ``"B+W"`` for a B run with its W, and None
     for that W (and for an idle tick); ``"BW"`` for an unsplit backward."""
     if action is None or action.kind == "F":
