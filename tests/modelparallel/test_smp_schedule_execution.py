@@ -44,6 +44,10 @@ class _FakeExecution:
     def backward(self, record: MicrobatchRecord, microbatches: int) -> None:
         self.calls.append(f"B{record.index}/{microbatches}")
 
+    def run_backward(self, kind: str, record: MicrobatchRecord, microbatches: int, detach_outputs: bool) -> None:
+        assert kind not in ("B", "W"), kind  # these schedules never split a backward
+        self.backward(record, microbatches)
+
     def finish_step(self, had_backward: bool) -> None:
         self.calls.append(f"finish:{had_backward}")
 
