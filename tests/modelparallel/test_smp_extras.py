@@ -32,8 +32,8 @@ def _reference() -> list[dict[str, torch.Tensor]]:
     return states
 
 
-def _join_and_hooks(rank: int, world_size: int) -> dict[str, Any]:
-    smp.init({"partitions": 2, "microbatches": 2, "ddp": True})
+def _join_and_hooks(rank: int, world_size: int, keys: dict[str, Any]) -> dict[str, Any]:
+    smp.init({"partitions": 2, "microbatches": 2, "ddp": True, **keys})
     model = smp.DistributedModel(mlp())
     opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
     calls = []
@@ -59,8 +59,14 @@ def _join_and_hooks(rank: int, world_size: int) -> dict[str, Any]:
     return result
 
 
-def test_join_with_uneven_inputs_hooks_and_cpu() -> None:
-    for r in run_distributed(_join_and_hooks, 4):
+@pytest.mark.parametrize(
+    "keys",
+    [{}, {"pipeline": "zero_bubble"}, {"pipeline": "zbv", "microbatches": 4}],
+    ids=["1f1b", "zero_bubble", "zbv"],
+)
+def test_join_with_uneven_inputs_hooks_and_cpu(keys: dict[str, Any]) -> None:
+    """The replica that runs out of data joins the others' all-reduces, under the split and the V schedules too."""
+    for r in run_distributed(_join_and_hooks, 4, keys):
         assert r["diff"] <= 1e-5, r
         assert r["hook_calls"] == [(True, True, True)]
         assert r["cpu_diff"] == 0.0 and r["local_before"] < r["total"]

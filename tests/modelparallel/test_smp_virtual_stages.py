@@ -112,6 +112,13 @@ def test_data_parallel_replicas_match_single_process() -> None:
     check_parity(run_distributed(_parity_here, 4, cases[:1], {"gradient_as_bucket_view": True}))
 
 
+def test_gradient_accumulation_over_steps_with_replicas() -> None:
+    """backward_passes_per_step=2 under each chunked schedule (DualPipeV's and ZBV's fused B+W included): the
+    gradients of two steps accumulate locally and are all-reduced once, after the second step's last backward."""
+    cases = [("lm", {"partitions": 2, "microbatches": 4, "ddp": True, **keys}, {}) for keys in (V2, ZBV, DUALPIPEV)]
+    check_parity(run_distributed(_parity_here, 4, cases, {"backward_passes_per_step": 2, "bucket_cap_mb": 0.01}))
+
+
 def _parity_here(rank: int, world_size: int, cases: list[Any], options: Optional[dict[str, Any]] = None) -> Any:
     """The pipeline tests' parity run, started from this module so that the workers register ``lm6``."""
     return parity_results(rank, world_size, cases, options)
