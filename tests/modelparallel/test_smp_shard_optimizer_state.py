@@ -82,6 +82,8 @@ def _same_optimizer_state(a: dict[str, Any], b: dict[str, Any]) -> float:
     [
         pytest.param(2, {"partitions": 1, "ddp": True, "microbatches": 2}, id="ws2-ddp"),
         pytest.param(4, {"partitions": 2, "ddp": True, "microbatches": 2}, id="ws4-2x2"),
+        # two chunks per rank, most backwards run whole (B+W fused), the rest split
+        pytest.param(4, {"partitions": 2, "ddp": True, "microbatches": 4, "pipeline": "zbv"}, id="ws4-2x2-zbv"),
     ],
 )
 def test_sharded_state_trains_like_unsharded_and_resumes(world_size: int, config: dict[str, Any]) -> None:
