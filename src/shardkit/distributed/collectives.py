@@ -30,7 +30,7 @@ from shardkit.distributed.groups import (
     torch_group,
 )
 from shardkit.distributed.health import explain_failure
-from shardkit.distributed.instrumentation import CommMeter
+from shardkit.distributed.instrumentation import INSTRUMENTATION, CommMeter
 from shardkit.distributed.labelled import Handle, Works, comm_delay, count_comm_bytes, custom_collective, tensor_nbytes
 
 # The labelling machinery lives in shardkit.distributed.labelled; its names stay importable from here.
@@ -292,7 +292,7 @@ def recv(tensor: torch.Tensor, src: int, group: Optional[GroupLike] = None, labe
     check_p2p_tensors([tensor], peers, f"recv '{label}'")
     return custom_collective(
         "recv", label, tensor, peers, 0, True,
-        lambda: dist.irecv(tensor, src=src, group=peers, tag=tag),
+        lambda: dist.irecv(tensor, src=src, group=peers, tag=tag), peer=src,
     )  # fmt: skip
 
 
@@ -326,7 +326,7 @@ def barrier(group: Optional[GroupLike] = None, label: str = "", device: Optional
     if peers is None:
         return
     name = f"shardkit::barrier:{label}" if label else "shardkit::barrier"
-    with record_function(name):
+    with record_function(name), INSTRUMENTATION.waits.watching(name):
         try:
             index = device.index if device is not None and device.type == "cuda" else None
             if index is not None and dist.get_backend(peers) == "nccl":

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Generic, Optional, TypeVar
 
+from shardkit.distributed.long_waits import WaitWatch
 from shardkit.distributed.node_layout import NodeLayout
 
 T = TypeVar("T")
@@ -217,6 +218,8 @@ class Instrumentation:
         timeout_s = float(os.environ.get("SHARDKIT_CHECK_TIMEOUT", "60"))
         #: The process-wide checks ``SHARDKIT_CHECK_COLLECTIVES=1`` asks for, else None.
         self.env_checks = CheckState(timeout_s) if _env_flag("SHARDKIT_CHECK_COLLECTIVES") else None
+        #: The blocking waits in progress, and the thread that reports the long ones.
+        self.waits = WaitWatch()
 
     def active_checks(self) -> Optional[CheckState]:
         """The innermost open check scope, else the process-wide one the environment asks for, else None."""

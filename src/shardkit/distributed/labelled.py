@@ -79,7 +79,8 @@ class Handle:
     def wait(self) -> None:
         if self._work is not None:
             try:
-                self._work.wait()
+                with INSTRUMENTATION.waits.watching(self._what or "a collective"):
+                    self._work.wait()
             except Exception as err:
                 raise explain_failure(err, self._what) from err
             self._work = None
@@ -161,7 +162,7 @@ def custom_collective(
             work = run()
         except Exception as err:
             raise explain_failure(err, name) from err
-    handle = Handle(work, ready_at, name)
+    handle = Handle(work, ready_at, name if peer is None else f"{name} with rank {peer}")
     if not async_op:
         handle.wait()
     return handle

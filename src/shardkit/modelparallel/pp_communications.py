@@ -75,7 +75,8 @@ class TorchP2P:
         ops += [dist.P2POp(dist.isend, m.tensor, m.peer, self.group) for m in sends]
         labels = ",".join(sorted({m.label for m in (*sends, *recvs)}))
         with record_function(f"shardkit::batch_send_recv:{labels}"):
-            return [C.Handle(work, what="pipeline send/recv") for work in dist.batch_isend_irecv(ops)]
+            what = f"pipeline send/recv ({labels}) with ranks {sorted({m.peer for m in (*sends, *recvs)})}"
+            return [C.Handle(work, what=what) for work in dist.batch_isend_irecv(ops)]
 
     def _send(self, message: Message) -> C.Handle:
         tensor = message.tensor

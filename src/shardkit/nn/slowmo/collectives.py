@@ -112,4 +112,4 @@ def batched_exchange(
     if not ops:
         return []
     with record_function("shardkit::batch_send_recv:slowmo.gossip"):
-        return [C.Handle(work) for work in dist.batch_isend_irecv(ops)]
+        return [C.Handle(work, what="SlowMo gossip send/recv") for work in dist.batch_isend_irecv(ops)]

@@ -1,0 +1,115 @@
+"""A word for every long wait: a rank blocked in one of shardkit's collectives or point-to-point transfers says so.
+
+gloo's and NCCL's ``wait()`` return when the other ranks have made the matching call, or when the process group
+times out (30 minutes by default, 10 for NCCL). A rank whose peer is slower (data loading, a first compile), stuck,
+or dead therefore sits silent for half an hour. Here every blocking wait registers what it waits for and since
+when in a table that one daemon thread per process reads a few times a minute; a wait older than
+:data:`ENV_WARN_AFTER` seconds (45 by default, so the first word comes within a minute; ``0`` turns the watch off)
+is logged as a warning on the ``shardkit`` logger, naming the rank, the operation and its peer where there is one,
+and again every minute while it lasts. The wait itself is not touched (no polling, no timeout of its own), so it
+costs the waiting thread a clock read and two dictionary updates; it works the same for waits issued from
+autograd's device threads (backward hooks on CUDA).
+
+What it cannot see: under NCCL, ``wait()`` on a CUDA collective only makes the current stream wait and returns, so
+a stuck peer blocks the host later, at the next synchronisation (``loss.item()``, a copy to the CPU), outside any
+shardkit call. NCCL's own watchdog reports those at its timeout. The object collectives, the barrier, gloo's
+collectives and waits on CPU tensors are all covered.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Optional
+
+import torch.distributed as dist
+
+#: Seconds a wait lasts before its first warning (default 45; ``0`` or less: no warnings).
+ENV_WARN_AFTER = "SHARDKIT_WAIT_WARN_AFTER"
+DEFAULT_WARN_AFTER_S = 45.0
+#: Seconds between the warnings of one wait that goes on.
+REPEAT_S = 60.0
+
+logger = logging.getLogger("shardkit")
+
+
+@dataclass
+class _Wait:
+    what: str
+    since: float
+    next_warning: float
+
+
+class WaitWatch:
+    """The process's open waits and the daemon thread that reports the long ones (started at the first wait)."""
+
+    def __init__(self, warn_after_s: Optional[float] = None) -> None:
+        self.warn_after_s = _env_seconds() if warn_after_s is None else warn_after_s
+        self._lock = threading.Lock()
+        self._waits: dict[int, _Wait] = {}
+        self._thread: Optional[threading.Thread] = None
+        self._thread_pid = 0  # a forked child inherits the object but not the thread: it starts its own
+        self._wake = threading.Event()
+
+    def set_warn_after(self, seconds: float) -> None:
+        """Warn about waits older than ``seconds`` from now on (``0`` or less: no warnings)."""
+        self.warn_after_s = seconds
+        self._wake.set()  # a watch thread sleeping on the old threshold's interval re-reads it now
+
+    @contextlib.contextmanager
+    def watching(self, what: str) -> Iterator[None]:
+        """Register a blocking wait for ``what`` while the block runs (from any thread)."""
+        if self.warn_after_s <= 0:
+            yield
+            return
+        now = time.monotonic()
+        entry = _Wait(what, now, now + self.warn_after_s)
+        with self._lock:
+            self._waits[id(entry)] = entry
+            if self._thread is None or self._thread_pid != os.getpid():
+                self._thread = threading.Thread(target=self._run, name="shardkit-wait-watch", daemon=True)
+                self._thread_pid = os.getpid()
+                self._thread.start()
+        try:
+            yield
+        finally:
+            with self._lock:
+                del self._waits[id(entry)]
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait(min(5.0, max(self.warn_after_s, 0.04) / 4))
+            self._wake.clear()
+            now = time.monotonic()
+            with self._lock:
+                due = [w for w in self._waits.values() if now >= w.next_warning]
+                for wait in due:
+                    wait.next_warning = now + REPEAT_S
+            for wait in due:
+                logger.warning(
+                    "%s has waited %.0f s so far in %s: the other ranks have not made the matching call yet. "
+                    "One may be slower (loading data, compiling), stuck, or have failed; the process group's "
+                    "timeout ends the wait with an error if nothing arrives.",
+                    _rank_name(),
+                    now - wait.since,
+                    wait.what,
+                )
+
+
+def _rank_name() -> str:
+    if dist.is_available() and dist.is_initialized():
+        return f"rank {dist.get_rank()}"
+    return "this process"
+
+
+def _env_seconds() -> float:
+    raw = os.environ.get(ENV_WARN_AFTER, "")
+    try:
+        return float(raw) if raw else DEFAULT_WARN_AFTER_S
+    except ValueError:
+        raise ValueError(f"{ENV_WARN_AFTER} must be a number of seconds, got {raw!r}") from None

@@ -1,0 +1,91 @@
+"""A rank blocked on a slower peer says what it waits for (collectives, object collectives, pipeline receives)
+instead of sitting silent until the process group's timeout."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+import shardkit.modelparallel as smp
+from shardkit.distributed import all_gather_objects
+from shardkit.distributed import collectives as C
+from shardkit.distributed.instrumentation import INSTRUMENTATION
+from shardkit.testing import run_distributed
+
+SLOW_S = 2.0  # how long the slow rank keeps the others waiting
+WARN_AFTER_S = 0.3  # the watch's threshold in these tests (45 s by default)
+
+
+class _Recorder(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _recording(body: Any) -> list[str]:
+    """Run ``body()`` with the watch's threshold lowered; the warnings the ``shardkit`` logger got meanwhile."""
+    recorder = _Recorder()
+    log = logging.getLogger("shardkit")
+    log.addHandler(recorder)
+    INSTRUMENTATION.waits.set_warn_after(WARN_AFTER_S)
+    try:
+        body()
+    finally:
+        log.removeHandler(recorder)
+    return recorder.messages
+
+
+def _collectives_after_a_slow_rank(rank: int, world_size: int) -> dict[str, list[str]]:
+    def tensor() -> None:
+        if rank == 1:
+            time.sleep(SLOW_S)
+        C.all_reduce(torch.ones(4), label="after_the_slow_rank")
+
+    def objects() -> None:
+        if rank == 0:
+            time.sleep(SLOW_S)
+        all_gather_objects(rank, None, "slow_objects")
+
+    return {"tensor": _recording(tensor), "objects": _recording(objects)}
+
+
+def test_a_rank_waiting_on_a_slower_one_says_what_it_waits_for() -> None:
+    fast, slow = run_distributed(_collectives_after_a_slow_rank, 2, timeout_s=60)
+    assert any("rank 0 has waited" in m and "shardkit::all_reduce:after_the_slow_rank" in m for m in fast["tensor"])
+    assert any("rank 1 has waited" in m and "shardkit::all_gather_object:slow_objects" in m for m in slow["objects"])
+    assert slow["tensor"] == [] and fast["objects"] == []  # the rank that came last waited for nobody
+
+
+def _pipeline_with_a_slow_last_stage(rank: int, world_size: int) -> list[str]:
+    smp.init({"partitions": 2, "microbatches": 2})
+    model = smp.DistributedModel(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1)))
+
+    slow = [False]
+
+    @smp.step
+    def step(model: Any, x: torch.Tensor) -> torch.Tensor:
+        loss = model(x).sum()
+        if slow[0] and smp.mp_rank() == 1:  # the last stage's loss code is slow once: stage 0 waits for it
+            slow[0] = False
+            time.sleep(SLOW_S)
+        model.backward(loss)
+        return loss
+
+    step(model, torch.ones(4, 4))  # the first step partitions the model
+    slow[0] = True
+    try:
+        return _recording(lambda: step(model, torch.ones(4, 4)))
+    finally:
+        smp.reset()
+
+
+def test_a_pipeline_stage_waiting_on_the_next_one_says_so() -> None:
+    first, last = run_distributed(_pipeline_with_a_slow_last_stage, 2, timeout_s=60)
+    assert any("rank 0 has waited" in m and "with rank 1" in m for m in first), first
+    assert last == [], last
