@@ -15,7 +15,7 @@ from shardkit.distributed import collectives as C
 from shardkit.distributed.instrumentation import INSTRUMENTATION
 from shardkit.testing import run_distributed
 
-SLOW_S = 2.0  # how long the slow rank keeps the others waiting
+SLOW_S = 1.0  # how long the slow rank keeps the others waiting
 WARN_AFTER_S = 0.3  # the watch's threshold in these tests (45 s by default)
 
 

@@ -46,7 +46,7 @@ def _uninterrupted(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str,
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("strategy,kills", [("oss_sdp", 3), ("fsdp", 3)])
+@pytest.mark.parametrize("strategy,kills", [("oss_sdp", 2), ("fsdp", 3)])  # fsdp also dies at publish
 def test_sigkilled_run_resumes_through_the_elastic_agent_to_identical_parameters(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, strategy: str, kills: int
 ) -> None:
