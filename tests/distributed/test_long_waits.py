@@ -4,9 +4,11 @@ instead of sitting silent until the process group's timeout."""
 from __future__ import annotations
 
 import logging
+import multiprocessing as mp
 import time
 from typing import Any
 
+import pytest
 import torch
 
 import shardkit.modelparallel as smp
@@ -89,3 +91,22 @@ def test_a_pipeline_stage_waiting_on_the_next_one_says_so() -> None:
     first, last = run_distributed(_pipeline_with_a_slow_last_stage, 2, timeout_s=60)
     assert any("rank 0 has waited" in m and "with rank 1" in m for m in first), first
     assert last == [], last
+
+
+@pytest.mark.single  # one forked child
+def test_a_forked_child_watches_its_own_waits() -> None:
+    """The child gets a fresh lock, table and thread (the parent's thread, and a lock it held, do not survive)."""
+    watch = INSTRUMENTATION.waits
+    with watch.watching("the parent's wait"):  # the parent's thread runs, and this wait is open at the fork
+        assert watch.reporting
+        child = mp.get_context("fork").Process(target=_child_watches)
+        child.start()
+        child.join(timeout=60)
+    assert child.exitcode == 0
+
+
+def _child_watches() -> None:
+    watch = INSTRUMENTATION.waits
+    assert watch.open_waits() == [] and not watch.reporting  # the parent's wait and thread stayed behind
+    with watch.watching("the child's wait"):
+        assert watch.open_waits() == ["the child's wait"] and watch.reporting

@@ -53,13 +53,30 @@ class WaitWatch:
         self._lock = threading.Lock()
         self._waits: dict[int, _Wait] = {}
         self._thread: Optional[threading.Thread] = None
-        self._thread_pid = 0  # a forked child inherits the object but not the thread: it starts its own
+        self._wake = threading.Event()
+        # A forked child inherits this object but not the thread, and maybe the lock held by it: start afresh.
+        os.register_at_fork(after_in_child=self._forget)
+
+    def _forget(self) -> None:
+        self._lock = threading.Lock()
+        self._waits = {}
+        self._thread = None
         self._wake = threading.Event()
 
     def set_warn_after(self, seconds: float) -> None:
         """Warn about waits older than ``seconds`` from now on (``0`` or less: no warnings)."""
         self.warn_after_s = seconds
         self._wake.set()  # a watch thread sleeping on the old threshold's interval re-reads it now
+
+    def open_waits(self) -> list[str]:
+        """What each wait in progress in this process waits for."""
+        with self._lock:
+            return [wait.what for wait in self._waits.values()]
+
+    @property
+    def reporting(self) -> bool:
+        """Whether this process's watch thread is running (it starts with the first wait)."""
+        return self._thread is not None and self._thread.is_alive()
 
     @contextlib.contextmanager
     def watching(self, what: str) -> Iterator[None]:
@@ -71,9 +88,8 @@ class WaitWatch:
         entry = _Wait(what, now, now + self.warn_after_s)
         with self._lock:
             self._waits[id(entry)] = entry
-            if self._thread is None or self._thread_pid != os.getpid():
+            if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="shardkit-wait-watch", daemon=True)
-                self._thread_pid = os.getpid()
                 self._thread.start()
         try:
             yield
