@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import shardkit.modelparallel as smp
+from shardkit.checkpoint.universal.background import BackgroundSaves
 from shardkit.distributed import all_gather_objects
 from shardkit.distributed import collectives as C
 from shardkit.distributed.instrumentation import INSTRUMENTATION
@@ -35,10 +36,12 @@ def _recording(body: Any) -> list[str]:
     recorder = _Recorder()
     log = logging.getLogger("shardkit")
     log.addHandler(recorder)
+    before = INSTRUMENTATION.waits.warn_after_s
     INSTRUMENTATION.waits.set_warn_after(WARN_AFTER_S)
     try:
         body()
     finally:
+        INSTRUMENTATION.waits.set_warn_after(before)
         log.removeHandler(recorder)
     return recorder.messages
 
@@ -110,3 +113,13 @@ def _child_watches() -> None:
     assert watch.open_waits() == [] and not watch.reporting  # the parent's wait and thread stayed behind
     with watch.watching("the child's wait"):
         assert watch.open_waits() == ["the child's wait"] and watch.reporting
+
+
+def test_waiting_for_a_slow_asynchronous_save_says_so() -> None:
+    """A checkpoint still being written when the next checkpoint call (or exit) waits for it: a word, not silence."""
+    saves = BackgroundSaves()
+    saves.start(lambda group: time.sleep(SLOW_S), "checkpoint 'step-7'")
+    messages = _recording(saves.wait)
+    assert any(
+        "waited" in m and "asynchronous save of checkpoint 'step-7'" in m and "still writing" in m for m in messages
+    )

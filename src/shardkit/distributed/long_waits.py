@@ -38,9 +38,17 @@ REPEAT_S = 60.0
 logger = logging.getLogger("shardkit")
 
 
+#: What a wait in a collective usually means, said with its warning.
+PEER_HINT = (
+    "the other ranks have not made the matching call yet. One may be slower (loading data, compiling), stuck, or "
+    "have failed; the process group's timeout ends the wait with an error if nothing arrives."
+)
+
+
 @dataclass
 class _Wait:
     what: str
+    hint: str
     since: float
     next_warning: float
 
@@ -79,13 +87,14 @@ class WaitWatch:
         return self._thread is not None and self._thread.is_alive()
 
     @contextlib.contextmanager
-    def watching(self, what: str) -> Iterator[None]:
-        """Register a blocking wait for ``what`` while the block runs (from any thread)."""
+    def watching(self, what: str, hint: str = PEER_HINT) -> Iterator[None]:
+        """Register a blocking wait in ``what`` while the block runs (from any thread); a warning about it says
+        ``hint`` (what such a wait usually means: by default, a peer that has not made the matching call)."""
         if self.warn_after_s <= 0:
             yield
             return
         now = time.monotonic()
-        entry = _Wait(what, now, now + self.warn_after_s)
+        entry = _Wait(what, hint, now, now + self.warn_after_s)
         with self._lock:
             self._waits[id(entry)] = entry
             if self._thread is None:
@@ -108,12 +117,7 @@ class WaitWatch:
                     wait.next_warning = now + REPEAT_S
             for wait in due:
                 logger.warning(
-                    "%s has waited %.0f s so far in %s: the other ranks have not made the matching call yet. "
-                    "One may be slower (loading data, compiling), stuck, or have failed; the process group's "
-                    "timeout ends the wait with an error if nothing arrives.",
-                    _rank_name(),
-                    now - wait.since,
-                    wait.what,
+                    "%s has waited %.0f s so far in %s: %s", _rank_name(), now - wait.since, wait.what, wait.hint
                 )
 
 

@@ -19,6 +19,9 @@ from typing import Optional
 import torch.distributed as dist
 
 from shardkit.checkpoint.errors import CheckpointError
+from shardkit.distributed.instrumentation import INSTRUMENTATION
+
+_WRITING = "it is still writing (a large model or a slow file system); this call goes on once the files are complete."
 
 Job = Callable[[Optional[dist.ProcessGroup]], None]
 
@@ -68,7 +71,8 @@ class BackgroundSaves:
         with self._lock:
             thread = self._thread
         if thread is not None:
-            thread.join()
+            with INSTRUMENTATION.waits.watching(f"the asynchronous save of {self._what}", _WRITING):
+                thread.join()
         with self._lock:
             self._thread = None
             error, self._error = self._error, None
