@@ -25,8 +25,11 @@ lint: install
 typecheck: install
 	$(VENV)/bin/mypy
 
+# Two pytest workers (pytest-xdist), a test file per worker at a time: most tests wait on the processes they
+# start, so two files at once keep the 2-core machine busy (885 s -> 643 s measured). TEST_WORKERS=0 runs serially.
+TEST_WORKERS ?= 2
 test: lint typecheck
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 # The fast tests only: no processes, no process group (markers set by tests/testkit/speeds.py).
 unit: install
