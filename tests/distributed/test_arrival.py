@@ -3,7 +3,6 @@ then an error on every rank that made it, and at once on a rank that makes it la
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Optional
 
@@ -13,25 +12,15 @@ import torch.distributed as dist
 from shardkit.distributed.arrival import ENV_TIMEOUT, ENV_WARN_AFTER, MissedCallError, arrival_policy, every_rank_calls
 from shardkit.distributed.health import failed_ranks
 from shardkit.testing import run_distributed
+from testkit.logs import WarningRecorder
 
 #: A short deadline and an early warning, so each test takes seconds; the group's own timeout is much longer.
 FAST = {ENV_TIMEOUT: "2", ENV_WARN_AFTER: "0.3"}
 GROUP_TIMEOUT_S = 60.0
 
 
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
-def _capture() -> _Records:
-    records = _Records()
-    logging.getLogger("shardkit").addHandler(records)
-    return records
+def _capture() -> WarningRecorder:
+    return WarningRecorder().attach()
 
 
 def _wait_for_failure_of(rank: int) -> None:

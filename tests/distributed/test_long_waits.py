@@ -3,7 +3,6 @@ instead of sitting silent until the process group's timeout."""
 
 from __future__ import annotations
 
-import logging
 import multiprocessing as mp
 import time
 from typing import Any
@@ -17,32 +16,22 @@ from shardkit.distributed import all_gather_objects
 from shardkit.distributed import collectives as C
 from shardkit.distributed.instrumentation import INSTRUMENTATION
 from shardkit.testing import run_distributed
+from testkit.logs import WarningRecorder
 
 SLOW_S = 1.0  # how long the slow rank keeps the others waiting
 WARN_AFTER_S = 0.3  # the watch's threshold in these tests (45 s by default)
 
 
-class _Recorder(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 def _recording(body: Any) -> list[str]:
     """Run ``body()`` with the watch's threshold lowered; the warnings the ``shardkit`` logger got meanwhile."""
-    recorder = _Recorder()
-    log = logging.getLogger("shardkit")
-    log.addHandler(recorder)
+    recorder = WarningRecorder().attach()
     before = INSTRUMENTATION.waits.warn_after_s
     INSTRUMENTATION.waits.set_warn_after(WARN_AFTER_S)
     try:
         body()
     finally:
         INSTRUMENTATION.waits.set_warn_after(before)
-        log.removeHandler(recorder)
+        recorder.detach()
     return recorder.messages
 
 
