@@ -17,7 +17,6 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-from torch.profiler import record_function
 
 from shardkit.distributed.dummy import DummyProcessGroup
 from shardkit.distributed.groups import (
@@ -30,7 +29,7 @@ from shardkit.distributed.groups import (
     torch_group,
 )
 from shardkit.distributed.health import explain_failure
-from shardkit.distributed.instrumentation import INSTRUMENTATION, CommMeter
+from shardkit.distributed.instrumentation import CommMeter, blocking_call
 from shardkit.distributed.labelled import Handle, Works, comm_delay, count_comm_bytes, custom_collective, tensor_nbytes
 
 # The labelling machinery lives in shardkit.distributed.labelled; its names stay importable from here.
@@ -326,7 +325,7 @@ def barrier(group: Optional[GroupLike] = None, label: str = "", device: Optional
     if peers is None:
         return
     name = f"shardkit::barrier:{label}" if label else "shardkit::barrier"
-    with record_function(name), INSTRUMENTATION.waits.watching(name):
+    with blocking_call(name):
         try:
             index = device.index if device is not None and device.type == "cuda" else None
             if index is not None and dist.get_backend(peers) == "nccl":

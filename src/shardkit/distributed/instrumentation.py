@@ -22,6 +22,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Generic, Optional, TypeVar
 
+from torch.profiler import record_function
+
 from shardkit.distributed.long_waits import WaitWatch
 from shardkit.distributed.node_layout import NodeLayout
 
@@ -230,4 +232,13 @@ class Instrumentation:
 #: The process's one :class:`Instrumentation`.
 INSTRUMENTATION = Instrumentation()
 
-__all__ = ["INSTRUMENTATION", "CheckState", "CommMeter", "Instrumentation", "LinkModel", "ScopeStack"]
+
+@contextlib.contextmanager
+def blocking_call(name: str) -> Iterator[None]:
+    """A torch call that blocks until every rank makes it (object collectives, the barrier): labelled ``name`` in
+    profiles, and watched, so a rank blocked in it long says so (:mod:`.long_waits`)."""
+    with record_function(name), INSTRUMENTATION.waits.watching(name):
+        yield
+
+
+__all__ = ["INSTRUMENTATION", "CheckState", "CommMeter", "Instrumentation", "LinkModel", "ScopeStack", "blocking_call"]

@@ -108,7 +108,8 @@ class WaitWatch:
 
     def _run(self) -> None:
         while True:
-            self._wake.wait(min(5.0, max(self.warn_after_s, 0.04) / 4))
+            # A quarter of the threshold (at most 5 s); switched off, only a new threshold wakes it sooner.
+            self._wake.wait(5.0 if self.warn_after_s <= 0 else min(5.0, self.warn_after_s / 4))
             self._wake.clear()
             now = time.monotonic()
             with self._lock:

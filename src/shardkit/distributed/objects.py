@@ -13,23 +13,13 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any, Optional
 
 import torch.distributed as dist
-from torch.profiler import record_function
 
 from shardkit.distributed.device import select_device
 from shardkit.distributed.groups import GroupLike, global_rank, group_rank, group_size, is_dummy, resolve_group
-from shardkit.distributed.instrumentation import INSTRUMENTATION
-
-
-@contextlib.contextmanager
-def _blocking(name: str) -> Iterator[None]:
-    """Labelled for profiles, and watched: a rank blocked here long says so (:mod:`.long_waits`)."""
-    with record_function(name), INSTRUMENTATION.waits.watching(name):
-        yield
+from shardkit.distributed.instrumentation import blocking_call
 
 
 def _on_rank_device(group: dist.ProcessGroup) -> None:
@@ -48,7 +38,7 @@ def all_gather_objects(obj: Any, group: Optional[GroupLike], label: str) -> list
     assert isinstance(group, dist.ProcessGroup)
     _on_rank_device(group)
     gathered: list[Any] = [None] * size
-    with _blocking(f"shardkit::all_gather_object:{label}"):
+    with blocking_call(f"shardkit::all_gather_object:{label}"):
         dist.all_gather_object(gathered, obj, group=group)
     return gathered
 
@@ -63,7 +53,7 @@ def gather_objects(obj: Any, dst_in_group: int, group: Optional[GroupLike], labe
     _on_rank_device(group)
     receiving = group_rank(group) == dst_in_group
     gathered: Optional[list[Any]] = [None] * size if receiving else None
-    with _blocking(f"shardkit::gather_object:{label}"):
+    with blocking_call(f"shardkit::gather_object:{label}"):
         dist.gather_object(obj, gathered, dst=global_rank(group, dst_in_group), group=group)
     return gathered
 
@@ -76,7 +66,7 @@ def broadcast_object(obj: Any, src_in_group: int = 0, group: Optional[GroupLike]
     assert isinstance(group, dist.ProcessGroup)
     _on_rank_device(group)
     holder = [obj]
-    with _blocking(f"shardkit::broadcast_object:{label or 'object'}"):
+    with blocking_call(f"shardkit::broadcast_object:{label or 'object'}"):
         dist.broadcast_object_list(holder, src=global_rank(group, src_in_group), group=group)
     return holder[0]
 
