@@ -127,7 +127,11 @@ def load_shard_file(
         if shape_errors:
             error = f"{chosen.name} does not fit this rank's model: " + "; ".join(shape_errors[:3])
     errors = all_gather_objects(error, None, "load_shard_file")
-    failed = [f"rank {rank}: {message}" for rank, message in enumerate(errors) if message]
-    if failed:
+    by_message: dict[str, list[int]] = {}
+    for rank, message in enumerate(errors):
+        if message:
+            by_message.setdefault(message, []).append(rank)
+    if by_message:
+        failed = [f"rank{'s' * (len(r) > 1)} {', '.join(map(str, r))}: {m}" for m, r in by_message.items()]
         raise ValueError("load_shard_file: nothing was loaded. " + " | ".join(failed))
     model.load_state_dict(loaded, strict=strict)
