@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import shardkit.nn.model_parallel as mp
 from shardkit import tensor_parallel as tp
+from shardkit.nn import FullyShardedDataParallel as FSDP
 from shardkit.testing import run_distributed
 
 STEPS = 3
@@ -142,4 +143,33 @@ def _mp2_dp2_equals_mp1(rank: int, world_size: int, directory: str) -> dict[str,
 
 def test_llama_at_model_parallel_2_times_data_parallel_2_equals_one_process(tmp_path: Path) -> None:
     for errors in run_distributed(_mp2_dp2_equals_mp1, 4, str(tmp_path)):
+        assert max(errors.values()) < TOL, errors
+
+
+def _mp2_fsdp2_equals_mp1(rank: int, world_size: int, directory: str) -> dict[str, float]:
+    args = ModelArgs(parallel_output=True)
+    batch = _tokens(4, 9, seed=7, vocab=args.vocab_size)
+    full, want = _reference(args, batch)
+    _write_shards(full, want["specs"], directory, degree=2)
+
+    mp.initialize_model_parallel(2)
+    model = Transformer(args)
+    tp.load_shard_file(model, directory)
+    dp_group = mp.get_data_parallel_group()
+    for i, block in enumerate(model.layers):
+        model.layers[i] = FSDP(block, process_group=dp_group)
+    sharded = FSDP(model, process_group=dp_group)
+    dp_rank = mp.get_data_parallel_rank()
+    losses = torch.tensor(_train(sharded, batch[dp_rank * 2 : dp_rank * 2 + 2], _parallel_loss))
+    dist.all_reduce(losses, group=dp_group)
+    state = sharded.state_dict()
+    trained = tp.split_state_dict(want["trained"], want["specs"], 2)[mp.get_model_parallel_rank()]
+    return {
+        "losses": _max_diff(losses / 2, torch.tensor(want["losses"])),
+        "trained weights": max(_max_diff(state[key], value) for key, value in trained.items()),
+    }
+
+
+def test_llama_at_model_parallel_2_with_fsdp_over_data_parallel_2_equals_one_process(tmp_path: Path) -> None:
+    for errors in run_distributed(_mp2_fsdp2_equals_mp1, 4, str(tmp_path)):
         assert max(errors.values()) < TOL, errors
