@@ -11,6 +11,8 @@ fastest, so a tensor-parallel group is consecutive ranks on one node). It gives 
 * the region mappings (:func:`copy_to_tp`, :func:`reduce_from_tp`, :func:`scatter_to_tp`, :func:`gather_from_tp`,
   :func:`gather_from_sequence`, :func:`reduce_scatter_to_sequence`), labelled and metered like every collective;
 * :func:`vocab_parallel_cross_entropy`, which never gathers the logits;
+* :func:`clip_grad_norm_` by the global norm, each split parameter counted once (:func:`split_group` tells other
+  packages, such as FSDP's clipping, which parameters are split);
 * the model-parallel random state (:func:`model_parallel_manual_seed`, :func:`get_rng_tracker`) and a
   :func:`checkpoint` that recomputes with it;
 * per-rank shard files (:func:`split_state_dict`, :func:`save_shard_files`, :func:`load_shard_file`).
@@ -38,6 +40,7 @@ Example::
 from shardkit.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from shardkit.tensor_parallel.dtensor import tp_state_dict
 from shardkit.tensor_parallel.embedding import ParallelEmbedding, VocabParallelEmbedding
+from shardkit.tensor_parallel.grad_norm import clip_grad_norm_, power_sum, split_group
 from shardkit.tensor_parallel.layout import DIMS, ParallelCoords, ParallelLayout, divisors
 from shardkit.tensor_parallel.linear import ColumnParallelLinear, RowParallelLinear
 from shardkit.tensor_parallel.mappings import (
@@ -91,6 +94,7 @@ __all__ = [
     "VocabParallelEmbedding",
     "build_parallel_state",
     "checkpoint",
+    "clip_grad_norm_",
     "copy_to_tp",
     "current_state",
     "divisors",
@@ -103,6 +107,7 @@ __all__ = [
     "merge_state_dicts",
     "model_parallel_manual_seed",
     "model_parallel_seeds",
+    "power_sum",
     "reduce_from_tp",
     "reduce_scatter_to_sequence",
     "replay_rng_tracker",
@@ -110,6 +115,7 @@ __all__ = [
     "scatter_to_tp",
     "set_current_state",
     "shard_file_name",
+    "split_group",
     "split_size",
     "split_state_dict",
     "tp_group",

@@ -20,6 +20,7 @@ from shardkit.testing import run_distributed
 
 STEPS = 3
 LR = 0.1
+MAX_NORM = 0.5  # below every step's gradient norm: each step clips
 TOL = 1e-5
 
 
@@ -49,16 +50,30 @@ def _parallel_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return mp.vocab_parallel_cross_entropy(logits, targets).mean()
 
 
-def _train(model: Any, batch: torch.Tensor, loss_fn: LossFn) -> list[float]:
+def _train(model: Any, batch: torch.Tensor, loss_fn: LossFn, clip: Callable[[Any], torch.Tensor]) -> list[float]:
+    """Losses, then the gradient norms before clipping, of ``STEPS`` SGD steps clipped to ``MAX_NORM``."""
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
+    losses, norms = [], []
     for _ in range(STEPS):
         opt.zero_grad()
         loss = loss_fn(model(batch[:, :-1], use_cache=False), batch[:, 1:])
         loss.backward()
+        norms.append(clip(model).item())
         opt.step()
         losses.append(loss.item())
-    return losses
+    return losses + norms
+
+
+def _clip_unsplit(model: Any) -> torch.Tensor:
+    return torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+
+
+def _clip_split(model: Any) -> torch.Tensor:
+    return tp.clip_grad_norm_(model, MAX_NORM)
+
+
+def _clip_fsdp(model: Any) -> torch.Tensor:
+    return model.clip_grad_norm_(MAX_NORM)
 
 
 def _reference(args: ModelArgs, batch: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -69,7 +84,8 @@ def _reference(args: ModelArgs, batch: torch.Tensor) -> tuple[dict[str, torch.Te
     model.load_state_dict(full)
     tokens, logits = _decode(model, batch[:2, :5], new_tokens=4)
     results = {"logits": model(batch, use_cache=False).detach(), "tokens": tokens, "step_logits": logits}
-    results["losses"] = _train(model, batch, _full_loss)
+    results["losses"] = _train(model, batch, _full_loss, _clip_unsplit)
+    assert min(results["losses"][STEPS:]) > MAX_NORM
     results["trained"] = model.state_dict()
     results["specs"] = tp.tp_sharding(model)
     mp.destroy_model_parallel()
@@ -101,7 +117,7 @@ def _mp2_equals_mp1(rank: int, world_size: int, directory: str) -> dict[str, flo
     assert model.tok_embeddings.weight.shape == (64, 16)  # ParallelEmbedding: half the columns
     tokens, step_logits = _decode(model, batch[:2, :5], new_tokens=4)
     got = {"logits": model(batch, use_cache=False).detach(), "tokens": tokens, "step_logits": step_logits}
-    got["losses"] = _train(model, batch, _full_loss)
+    got["losses"] = _train(model, batch, _full_loss, _clip_split)
     trained = tp.split_state_dict(want["trained"], tp.tp_sharding(model), 2)[mp.get_model_parallel_rank()]
     return {
         "logits": _max_diff(got["logits"], want["logits"]),
@@ -131,7 +147,7 @@ def _mp2_dp2_equals_mp1(rank: int, world_size: int, directory: str) -> dict[str,
     tp.load_shard_file(model, directory)
     ddp = DDP(model, process_group=mp.get_data_parallel_group())
     dp_rank = mp.get_data_parallel_rank()
-    losses = _train(ddp, batch[dp_rank * 2 : dp_rank * 2 + 2], _parallel_loss)
+    losses = _train(ddp, batch[dp_rank * 2 : dp_rank * 2 + 2], _parallel_loss, _clip_split)
     mean_losses = torch.tensor(losses)
     dist.all_reduce(mean_losses, group=mp.get_data_parallel_group())
     trained = tp.split_state_dict(want["trained"], tp.tp_sharding(model), 2)[mp.get_model_parallel_rank()]
@@ -160,7 +176,7 @@ def _mp2_fsdp2_equals_mp1(rank: int, world_size: int, directory: str) -> dict[st
         model.layers[i] = FSDP(block, process_group=dp_group)
     sharded = FSDP(model, process_group=dp_group)
     dp_rank = mp.get_data_parallel_rank()
-    losses = torch.tensor(_train(sharded, batch[dp_rank * 2 : dp_rank * 2 + 2], _parallel_loss))
+    losses = torch.tensor(_train(sharded, batch[dp_rank * 2 : dp_rank * 2 + 2], _parallel_loss, _clip_fsdp))
     dist.all_reduce(losses, group=dp_group)
     state = sharded.state_dict()
     trained = tp.split_state_dict(want["trained"], want["specs"], 2)[mp.get_model_parallel_rank()]
