@@ -5,7 +5,8 @@ File ``consolidated.{r:02d}.pth`` holds tensor-parallel rank ``r``'s state dict:
 and ``ParallelEmbedding`` on dimension 1), every other tensor whole. :func:`split_state_dict` and
 :func:`merge_state_dicts` convert between one full state dict and the per-rank ones; :func:`load_shard_file` loads
 this rank's file into a model after checking it fits: the number of files is the tensor-parallel degree, the file's
-index is this rank, and every tensor has this rank's shape. A file that does not fit raises the same ``ValueError``
+index is this rank, every tensor has this rank's shape, and the replicated tensors agree across the
+tensor-parallel ranks. A file that does not fit raises the same ``ValueError``
 on every rank, before any weight is changed.
 
 Example::
@@ -17,6 +18,7 @@ Example::
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -24,6 +26,7 @@ from pathlib import Path
 from typing import Optional, Union
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from shardkit.distributed.objects import all_gather_objects
@@ -64,11 +67,40 @@ def save_shard_files(directory: Union[str, os.PathLike[str]], shards: Sequence[S
     return paths
 
 
-def _tp_place(model: nn.Module) -> tuple[int, int]:
+def _tp_place(model: nn.Module) -> tuple[int, int, tuple[int, ...]]:
+    """This rank's tensor-parallel rank, the degree, and the global ranks of its group."""
     for module in model.modules():
         if isinstance(module, TensorParallelModule):
-            return module.tp.rank, module.tp.size
-    return 0, 1
+            ranks = dist.get_process_group_ranks(module.tp.group) if module.tp.size > 1 else [dist.get_rank()]
+            return module.tp.rank, module.tp.size, tuple(ranks)
+    return 0, 1, (dist.get_rank(),)
+
+
+def _digests(loaded: StateDict, specs: Mapping[str, ShardSpec]) -> dict[str, str]:
+    """A short digest of every replicated tensor: the tensor-parallel ranks must load the same values."""
+    return {
+        key: hashlib.sha1(_bytes(value)).hexdigest()[:16]
+        for key, value in loaded.items()
+        if key not in specs and isinstance(value, torch.Tensor)
+    }
+
+
+def _bytes(tensor: torch.Tensor) -> bytes:
+    return tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _replica_errors(reports: list[tuple[Optional[str], tuple[int, ...], dict[str, str]]]) -> list[str]:
+    """Ranks of one tensor-parallel group whose files disagree on a replicated tensor (files of two checkpoints)."""
+    errors = []
+    for rank, (_, group, digests) in enumerate(reports):
+        first = reports[group[0]][2]
+        differing = [key for key, digest in digests.items() if key in first and first[key] != digest]
+        if rank != group[0] and differing:
+            errors.append(
+                f"rank {rank}'s file and rank {group[0]}'s hold different values of the replicated "
+                f"{differing[:3]} (every model-parallel rank's file must come from the same checkpoint)"
+            )
+    return errors
 
 
 def _choose_file(path: Path, tp_rank: int, tp_size: int) -> tuple[Optional[Path], Optional[str]]:
@@ -115,23 +147,26 @@ def load_shard_file(
 
     ``path`` is a directory of ``consolidated.NN.pth`` files (this rank's is chosen) or one file. Checked on every
     rank before anything is loaded: the number of files equals the model's tensor-parallel degree, a file's index
-    equals this rank, every tensor has this rank's shape. Any failure raises the same ``ValueError`` on every rank,
-    naming the ranks and what is wrong. Loads with ``weights_only=True``.
+    equals this rank, every tensor has this rank's shape, and the ranks of a tensor-parallel group load the same
+    values for every replicated tensor (a digest each: files of two checkpoints mixed are refused). Any failure
+    raises the same ``ValueError`` on every rank, naming the ranks and what is wrong. Loads with ``weights_only=True``.
     """
-    tp_rank, tp_size = _tp_place(model)
+    tp_rank, tp_size, tp_ranks = _tp_place(model)
+    specs = tp_sharding(model)
     chosen, error = _choose_file(Path(path), tp_rank, tp_size)
     loaded: dict[str, torch.Tensor] = {}
     if chosen is not None:
         loaded = torch.load(chosen, map_location=map_location, weights_only=True)
-        shape_errors = _shape_errors(model, loaded, tp_sharding(model), tp_size)
+        shape_errors = _shape_errors(model, loaded, specs, tp_size)
         if shape_errors:
             error = f"{chosen.name} does not fit this rank's model: " + "; ".join(shape_errors[:3])
-    errors = all_gather_objects(error, None, "load_shard_file")
+    reports = all_gather_objects((error, tp_ranks, _digests(loaded, specs)), None, "load_shard_file")
     by_message: dict[str, list[int]] = {}
-    for rank, message in enumerate(errors):
+    for rank, (message, _, _) in enumerate(reports):
         if message:
             by_message.setdefault(message, []).append(rank)
-    if by_message:
-        failed = [f"rank{'s' * (len(r) > 1)} {', '.join(map(str, r))}: {m}" for m, r in by_message.items()]
+    failed = [f"rank{'s' * (len(r) > 1)} {', '.join(map(str, r))}: {m}" for m, r in by_message.items()]
+    failed = failed or _replica_errors(reports)
+    if failed:
         raise ValueError("load_shard_file: nothing was loaded. " + " | ".join(failed))
     model.load_state_dict(loaded, strict=strict)

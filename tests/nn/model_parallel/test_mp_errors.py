@@ -86,10 +86,13 @@ def _errors_on_every_rank(rank: int, world_size: int, directory: str) -> dict[st
         tp.save_shard_files(f"{directory}/two", two)
         tp.save_shard_files(f"{directory}/three", [two[0]] * 3)
         tp.save_shard_files(f"{directory}/four", tp.split_state_dict(full, specs, 4))
+        other = tp.split_state_dict({k: v + 1 for k, v in full.items()}, specs, 2)
+        tp.save_shard_files(f"{directory}/mixed", [two[0], other[1]])  # rank 1's file from another checkpoint
     dist.barrier()
     expect("degree", lambda: tp.load_shard_file(model, f"{directory}/three"))
     expect("rank", lambda: tp.load_shard_file(model, f"{directory}/two/consolidated.01.pth"))
     expect("cut for 4", lambda: tp.load_shard_file(model, f"{directory}/four/consolidated.0{rank}.pth"))
+    expect("mixed", lambda: tp.load_shard_file(model, f"{directory}/mixed"))
     messages["unchanged"] = str(all(torch.equal(v, model.state_dict()[k]) for k, v in before.items()))
     return messages
 
@@ -114,4 +117,6 @@ def test_bad_sizes_layouts_and_shard_files_raise_on_every_rank_naming_what_fits(
         # only rank 0 was given another rank's file, and both ranks refuse
         assert "rank 0: consolidated.01.pth is the shard of model-parallel rank 1" in messages["rank"], rank
         assert "cut for model-parallel size 4" in messages["cut for 4"], messages["cut for 4"]
+        assert "rank 1's file and rank 0's hold different values of the replicated" in messages["mixed"]
+        assert "layers.0.attention_norm.weight" in messages["mixed"], messages["mixed"]
         assert messages["unchanged"] == "True"
