@@ -91,9 +91,42 @@ def _dropout_across_ranks(rank: int, world_size: int) -> dict[str, bool]:
     torch.manual_seed(1234 + 2718 + mp.get_model_parallel_rank())
     expected = F.dropout(ones, 0.5).ne(0)
     return {
+        **_checkpointed_tp_block(),
         "model-parallel stream differs across ranks": not torch.equal(masks[0, :64], masks[0, 64:]),
         "default stream equal across ranks": torch.equal(masks[1, :64], masks[1, 64:]),
         "stream seeded per rank": torch.equal(split_mask, expected),
+    }
+
+
+class _TPBlock(nn.Module):
+    """A tensor-parallel MLP: dropout on the split hidden activations (tracker), then on the replicated output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = mp.ColumnParallelLinear(8, 16, gather_output=False)
+        self.down = mp.RowParallelLinear(16, 8, input_is_parallel=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with mp.get_cuda_rng_tracker().fork():
+            h = F.dropout(F.gelu(self.up(x)), 0.5)
+        return F.dropout(self.down(h), 0.3)
+
+
+def _checkpointed_tp_block() -> dict[str, bool]:
+    torch.manual_seed(0)
+    block = _TPBlock()
+    wrapped = checkpoint_wrapper(block)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    grads = []
+    for run in (block, wrapped, lambda t: mp.checkpoint(block, t)):
+        mp.model_parallel_cuda_manual_seed(99)
+        block.zero_grad()
+        run(x).pow(2).sum().backward()
+        grads.append([p.grad.clone() for p in block.parameters() if p.grad is not None])
+    return {
+        "checkpoint_wrapper recomputes the TP block's masks": all(map(torch.equal, grads[0], grads[1])),
+        "checkpoint recomputes the TP block's masks": all(map(torch.equal, grads[0], grads[2])),
+        "every parameter has a gradient": len(grads[0]) == 4,
     }
 
 
