@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from shardkit.tensor_parallel.checks import once_check_same_input
 from shardkit.tensor_parallel.mappings import gather_from_tp, reduce_from_tp
 from shardkit.tensor_parallel.sharding import ShardSpec, TensorParallelModule, TPGroup, init_shard_, split_size
 
@@ -48,6 +49,9 @@ class _Embedding(TensorParallelModule):
         return F.embedding(
             ids, self.weight, padding_idx, self.max_norm, self.norm_type, self.scale_grad_by_freq, self.sparse
         )
+
+    def extra_repr(self) -> str:
+        return f"num_embeddings={self.num_embeddings}, embedding_dim={self.embedding_dim}, split {self.tp.size} ways"
 
     def get_master_weight(self) -> torch.Tensor:
         """The full ``(num_embeddings, embedding_dim)`` weight, gathered from every rank (a collective)."""
@@ -91,6 +95,7 @@ class VocabParallelEmbedding(_Embedding):
         init_shard_(self.weight, (num_embeddings, embedding_dim), self.tp_specs["weight"], init_method, self.tp)
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
+        once_check_same_input(self, input_)
         if self.tp.size == 1:
             return self._lookup(input_, self.padding_idx)
         outside = (input_ < self.vocab_start_index) | (input_ >= self.vocab_end_index)
@@ -140,5 +145,6 @@ class ParallelEmbedding(_Embedding):
         )
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
+        once_check_same_input(self, input_)
         found = self._lookup(input_, self.padding_idx)
         return gather_from_tp(found, self.tp.group)

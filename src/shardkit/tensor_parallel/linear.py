@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from shardkit.tensor_parallel.checks import once_check_same_input
 from shardkit.tensor_parallel.mappings import (
     copy_to_tp,
     gather_from_sequence,
@@ -92,6 +93,7 @@ class ColumnParallelLinear(TensorParallelModule):
         if self.sequence_parallel:
             x = gather_from_sequence(input_, self.tp.group, self.sequence_dim)
         else:
+            once_check_same_input(self, input_)
             x = copy_to_tp(input_, self.tp.group)
         out = F.linear(x, self.weight, self.bias)
         return gather_from_tp(out, self.tp.group) if self.gather_output else out
@@ -155,6 +157,8 @@ class RowParallelLinear(TensorParallelModule):
         return self.tp_specs["weight"].unshard(shards.chunk(self.tp.size, 1))
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            once_check_same_input(self, input_)
         x = input_ if self.input_is_parallel else scatter_to_tp(input_, self.tp.group)
         partial = F.linear(x, self.weight)
         if not self.sequence_parallel:

@@ -108,6 +108,8 @@ class TensorParallelModule(nn.Module):
 
     tp: TPGroup
     tp_specs: dict[str, ShardSpec]
+    #: Whether the first forward's input was compared across the tensor-parallel ranks (see ``checks``).
+    input_checked: bool = False
 
 
 def tp_sharding(model: nn.Module) -> dict[str, ShardSpec]:

@@ -93,6 +93,8 @@ def _errors_on_every_rank(rank: int, world_size: int, directory: str) -> dict[st
     expect("rank", lambda: tp.load_shard_file(model, f"{directory}/two/consolidated.01.pth"))
     expect("cut for 4", lambda: tp.load_shard_file(model, f"{directory}/four/consolidated.0{rank}.pth"))
     expect("mixed", lambda: tp.load_shard_file(model, f"{directory}/mixed"))
+    tokens = torch.arange(6).view(1, 6) + rank  # a loader sharded by the global rank: the TP ranks differ
+    expect("inputs", lambda: model(tokens))
     messages["unchanged"] = str(all(torch.equal(v, model.state_dict()[k]) for k, v in before.items()))
     return messages
 
@@ -119,4 +121,7 @@ def test_bad_sizes_layouts_and_shard_files_raise_on_every_rank_naming_what_fits(
         assert "cut for model-parallel size 4" in messages["cut for 4"], messages["cut for 4"]
         assert "rank 1's file and rank 0's hold different values of the replicated" in messages["mixed"]
         assert "layers.0.attention_norm.weight" in messages["mixed"], messages["mixed"]
+        assert messages["inputs"].startswith("ParallelEmbedding(num_embeddings=64, embedding_dim=32"), messages
+        assert "ranks 0 and 1 of this group got different inputs" in messages["inputs"]
+        assert "get_data_parallel_rank()" in messages["inputs"]
         assert messages["unchanged"] == "True"
