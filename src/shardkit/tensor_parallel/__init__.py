@@ -15,7 +15,10 @@ fastest, so a tensor-parallel group is consecutive ranks on one node). It gives 
   packages, such as FSDP's clipping, which parameters are split);
 * the model-parallel random state (:func:`model_parallel_manual_seed`, :func:`get_rng_tracker`) and a
   :func:`checkpoint` that recomputes with it;
-* per-rank shard files (:func:`split_state_dict`, :func:`save_shard_files`, :func:`load_shard_file`).
+* per-rank shard files (:func:`split_state_dict`, :func:`save_shard_files`, :func:`load_shard_file`);
+* checks that refuse, on every rank, what would train silently wrong: sizes that do not split (naming the degrees
+  that would), a layout that does not cover the world, shard files of another rank, degree or checkpoint, and
+  tensor-parallel ranks given different inputs (each layer's first forward; :func:`check_same_input`).
 
 fairscale's ``shardkit.nn.model_parallel`` is a thin face over this package; other faces, the planner and the
 strategies use these public names only.
@@ -34,9 +37,11 @@ Example::
     head = tp.ColumnParallelLinear(64, 1000, bias=False, gather_output=False)
     h = down(F.silu(up(x)))                          # one all-reduce over state.tp_group
     loss = tp.vocab_parallel_cross_entropy(head(h), targets).mean()
-    dist.all_reduce(grad, group=state.group("data")) # data parallelism over the other mesh dimension
+    # data parallelism over the mesh's other dimension: DDP(model, process_group=state.group("data")), or
+    # shardkit's FullyShardedDataParallel(block, process_group=state.group("data")) per block
 """
 
+from shardkit.tensor_parallel.checks import check_same_input
 from shardkit.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from shardkit.tensor_parallel.dtensor import tp_state_dict
 from shardkit.tensor_parallel.embedding import ParallelEmbedding, VocabParallelEmbedding
@@ -93,6 +98,7 @@ __all__ = [
     "TensorParallelModule",
     "VocabParallelEmbedding",
     "build_parallel_state",
+    "check_same_input",
     "checkpoint",
     "clip_grad_norm_",
     "copy_to_tp",

@@ -8,7 +8,10 @@ feed-forward's up then down projection) communicates once per direction: an all-
 forward, one before the column layer in backward.
 
 With ``sequence_parallel=True`` the activations outside the pair stay split along the sequence dimension: the column
-layer all-gathers them first, and the row layer reduce-scatters its output instead of all-reducing it.
+layer all-gathers them first, and the row layer reduce-scatters its output instead of all-reducing it. A replicated
+parameter applied to the split activations (a norm's weight between the pairs) then gets only this rank's tokens'
+gradient: use it as ``copy_to_tp(norm.weight)`` so the gradient is summed over the ranks (the row layer does that
+for its own bias).
 """
 
 from __future__ import annotations
