@@ -48,7 +48,8 @@ def _generators() -> dict[str, torch.Generator]:
     """The generators dropout draws from: the CPU's, and the current CUDA device's where CUDA is available."""
     generators = {"cpu": torch.default_generator}
     if torch.cuda.is_available():
-        generators["cuda"] = torch.cuda.default_generators[torch.cuda.current_device()]
+        index = torch.cuda.current_device()  # initialises CUDA first, which fills torch.cuda.default_generators
+        generators["cuda"] = torch.cuda.default_generators[index]
     return generators
 
 
