@@ -98,7 +98,7 @@ def build_parallel_state(
     if unknown:
         raise ValueError(f"backends: unknown dimensions {sorted(unknown)}; use {list(DIMS)}")
     if device_type is None:
-        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        device_type = "cuda" if "nccl" in str(dist.get_backend()) else "cpu"
     rank = dist.get_rank()
     groups = [_my_group(layout, dim, rank, (backends or {}).get(dim), timeout) for dim in DIMS]
     mesh = DeviceMesh.from_group(groups, device_type, mesh=layout.grid(), mesh_dim_names=DIMS)
