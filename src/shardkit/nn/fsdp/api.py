@@ -13,6 +13,7 @@ The root's first-forward set-up is :func:`~shardkit.nn.fsdp.root.init_root`.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Optional, Union
 
@@ -39,6 +40,7 @@ from shardkit.nn.fsdp.runtime import TrainingState, Unit
 from shardkit.nn.fsdp.state_dict import consolidate, full, sharded
 from shardkit.nn.fsdp.state_dict import optim as optim_module
 from shardkit.nn.fsdp.unit_module import UnitModule
+from shardkit.nn.optimizer_order import refuse_ddp_around
 
 
 class FullyShardedDataParallel(UnitModule):
@@ -358,6 +360,13 @@ class FullyShardedDataParallel(UnitModule):
         # Reached only when an *unwrapped* parent's load_state_dict recurses into this unit (auto_wrap case).
         full.load_from_state_dict_hook(self, state_dict, prefix, *args)
 
+    @property
+    def _ddp_params_and_buffers_to_ignore(self) -> list[str]:
+        # torch's DistributedDataParallel reads this of the module it wraps, at construction, before it broadcasts
+        # anything: the one point where DDP(FSDP(model)) can be refused. Anyone else finds no such attribute.
+        refuse_ddp_around(inspect.currentframe())
+        raise AttributeError("_ddp_params_and_buffers_to_ignore")
+
     # ------------------------------------------------------------------ gradients
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -371,7 +380,8 @@ class FullyShardedDataParallel(UnitModule):
         for u in units:
             u.sync_grads = False
         try:
-            yield
+            with optimizer_order.refuse_steps_inside(self.parameters(), "FullyShardedDataParallel"):
+                yield
         finally:
             for u, before in zip(units, previous):
                 u.sync_grads = before
