@@ -6,6 +6,7 @@ All cases run in one two-rank job (a module fixture); each test reads its case's
 
 from __future__ import annotations
 
+import ast
 import warnings
 from pathlib import Path
 from typing import Any, Callable
@@ -16,7 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from shardkit.checkpoint import IncompatibleCheckpointError, load_checkpoint, save_checkpoint
+from shardkit.checkpoint import load_checkpoint, save_checkpoint
 from shardkit.nn import FullyShardedDataParallel as FSDP
 from shardkit.nn import ShardedDataParallel
 from shardkit.optim import OSS
@@ -82,6 +83,15 @@ def _ddp_around_fsdp(rank: int, tmp: Path) -> Any:
         nn.parallel.DistributedDataParallel(model)
     finally:
         assert torch.equal(_flat(model.parameters()), shard)  # rank 0's shard was not broadcast over rank 1's
+
+
+def _ddp_around_nested_fsdp(rank: int, tmp: Path) -> Any:
+    """DDP over a plain module holding an FSDP unit: DDP cannot see it at construction; the unit's first forward
+    refuses, before any step."""
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(nn.Sequential(FSDP(nn.Linear(6, 8)), nn.Tanh(), nn.Linear(8, 3)))
+    x, _ = _batch(rank, 0)
+    model(x)
 
 
 def _step_in_no_sync(wrapper: str) -> Callable[[int, Path], Any]:
@@ -211,6 +221,7 @@ CASES: dict[str, Callable[[int, Path], Any]] = {
     "oss_under_fsdp": _oss_under_fsdp,
     "fsdp_inside_sdp": _fsdp_inside_sdp,
     "ddp_around_fsdp": _ddp_around_fsdp,
+    "ddp_around_nested_fsdp": _ddp_around_nested_fsdp,
     "step_in_fsdp_no_sync": _step_in_no_sync("fsdp"),
     "step_in_sdp_no_sync": _step_in_no_sync("sdp"),
     "step_after_no_sync": _step_after_no_sync,
@@ -248,9 +259,11 @@ def test_oss_over_fsdp_shards_is_refused(outcomes: Any, name: str) -> None:
         assert "Use one strategy" in message
 
 
-def test_ddp_around_fsdp_is_refused_before_it_broadcasts(outcomes: Any) -> None:
-    for kind, message in _both(outcomes, "ddp_around_fsdp"):
-        assert kind == "ValueError" and "DistributedDataParallel was given a FullyShardedDataParallel" in message
+@pytest.mark.parametrize("name", ["ddp_around_fsdp", "ddp_around_nested_fsdp"])
+def test_ddp_around_fsdp_is_refused_before_training(outcomes: Any, name: str) -> None:
+    for kind, message in _both(outcomes, name):
+        assert kind == "ValueError", message
+        assert "DistributedDataParallel was given a model with FullyShardedDataParallel in it" in message
 
 
 @pytest.mark.parametrize(("name", "wrapper"), [("step_in_fsdp_no_sync", "FullyShardedDataParallel"),
@@ -270,7 +283,7 @@ def test_resuming_with_a_new_learning_rate_says_the_saved_one_is_kept(outcomes: 
 def test_fsdp_clips_by_the_global_norm_where_torch_clips_a_shard(outcomes: Any) -> None:
     for kind, message in _both(outcomes, "fsdp_clip"):
         assert kind == "ok"
-        errors = eval(message)  # {"torch": max diff, "fsdp": max diff} against the one-process reference
+        errors = ast.literal_eval(message)  # {"torch": max diff, "fsdp": max diff} against the reference
         assert errors["fsdp"] < 1e-6 < errors["torch"]
 
 
@@ -280,7 +293,6 @@ def test_a_changed_model_or_optimizer_is_refused_at_load(outcomes: Any) -> None:
         assert "Nothing was loaded" in message
     for kind, message in _both(outcomes, "changed_optimizer"):
         assert kind == "IncompatibleCheckpointError" and "load it into the optimizer class that saved it" in message
-    assert issubclass(IncompatibleCheckpointError, Exception)
 
 
 def test_a_config_written_for_another_world_size_is_refused(outcomes: Any) -> None:

@@ -24,8 +24,7 @@ import contextlib
 import functools
 import weakref
 from collections.abc import Iterable, Iterator
-from types import FrameType
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -34,25 +33,6 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 #: Attribute FSDP sets on each parameter it replaced by a flat shard: where that parameter was.
 REPLACED_ATTR = "_shardkit_replaced_by_fsdp"
-#: Why ``DistributedDataParallel(FullyShardedDataParallel(model))`` is refused (raised when DDP is built).
-DDP_AROUND_FSDP = (
-    "DistributedDataParallel was given a FullyShardedDataParallel model: FSDP already averages gradients across "
-    "ranks, and each rank holds a different shard of every parameter, so DDP would broadcast rank 0's shards over "
-    "the other ranks' and average gradients of different shards, training a wrong model. Use FSDP alone (its "
-    "ShardingStrategy.NO_SHARD or hybrid options replicate if that is what you want), or DDP alone."
-)
-#: The module whose ``DistributedDataParallel`` reads the attribute FSDP answers with :func:`refuse_ddp_around`.
-_DDP_MODULE = "torch.nn.parallel.distributed"
-
-
-def refuse_ddp_around(reader: Optional[FrameType]) -> None:
-    """Raise :data:`DDP_AROUND_FSDP` if the caller of ``reader`` (the frame answering FSDP's DDP-ignore list) is
-    torch's DDP."""
-    caller = reader.f_back if reader is not None else None
-    if caller is not None and caller.f_globals.get("__name__") == _DDP_MODULE:
-        raise ValueError(DDP_AROUND_FSDP)
-
-
 #: Attribute set on a wrapper's parameters while its ``no_sync()`` block is open: the block's name.
 NO_SYNC_ATTR = "_shardkit_in_no_sync"
 

@@ -24,6 +24,7 @@ from shardkit.distributed.groups import GroupLike, group_rank, group_size
 from shardkit.distributed.hybrid import HybridSpec
 from shardkit.nn import optimizer_order
 from shardkit.nn._torch_private import IncompatibleKeys
+from shardkit.nn.combinations import refuse_ddp_around
 from shardkit.nn.fsdp import full_params, grad_norm, ties
 from shardkit.nn.fsdp.collective_calls import every_rank_calls
 from shardkit.nn.fsdp.forward_methods import ForwardRunner
@@ -40,7 +41,6 @@ from shardkit.nn.fsdp.runtime import TrainingState, Unit
 from shardkit.nn.fsdp.state_dict import consolidate, full, sharded
 from shardkit.nn.fsdp.state_dict import optim as optim_module
 from shardkit.nn.fsdp.unit_module import UnitModule
-from shardkit.nn.optimizer_order import refuse_ddp_around
 
 
 class FullyShardedDataParallel(UnitModule):
