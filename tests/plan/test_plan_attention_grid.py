@@ -23,7 +23,7 @@ from shardkit.plan.accountant import Accountant
 from shardkit.plan.attention import DeviceAttention, SdpaCall, accelerator_backend
 from shardkit.plan.workloads import Workload
 
-#: The planner's stated tolerance on a peak (tests/plan/test_plan_attention.py, BENCHMARKS.md).
+#: The tolerance the attention tests state for a planned peak (tests/plan/test_plan_attention.py: within 5%).
 TOLERANCE = 0.05
 MASKS = ("none", "padding", "causal_flag", "causal_mask", "float_padding")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -154,8 +154,8 @@ def efficient_takes(call: SdpaCall) -> bool:
     """Whether CUDA's memory-efficient attention takes ``call``: float32 or half precision, masks and dropout allowed,
     query and key of one head size, head sizes a multiple of the kernel's alignment (8 elements in half precision,
     4 in float32 on sm80 and newer) and storage offsets too, unit last strides (the mask's included), the same number
-    of heads (grouped-query attention is planned on the math path: releases before torch 2.14 do not take it here,
-    and the math path is the larger plan)."""
+    of heads (grouped-query attention is planned on the math path: not every torch release's kernel takes it, and
+    the math path is the larger plan)."""
     query, key, value, mask = call.query, call.key, call.value, call.attn_mask
     align = 8 if query.dtype in _HALF else 4
     sizes = query.shape[-1] == key.shape[-1] and query.shape[-1] % align == 0 and value.shape[-1] % align == 0
