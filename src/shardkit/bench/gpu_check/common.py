@@ -126,7 +126,8 @@ def train(
         optimizer.zero_grad(set_to_none=True)
         ctx = torch.autocast(x.device.type, dtype=autocast) if autocast is not None else contextlib.nullcontext()
         with ctx:
-            loss = TransformerLM.loss_fn(model(x).float(), y)
+            logits = model(x).float()
+            loss = TransformerLM.loss_fn(logits, y.to(logits.device))  # offload moves host inputs only
         loss.backward()
         optimizer.step()
         after_step()
