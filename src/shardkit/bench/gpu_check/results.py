@@ -106,6 +106,13 @@ class Results:
         self.record(name, entry)
         return outcome
 
+    def reload(self) -> None:
+        """Take in the checks another process (rank 0 of this part's ranks) added to the file."""
+        doc = read_json(self.path)
+        if doc is not None:
+            self.checks = dict(doc.get("checks", {}))
+        self.flush()
+
     def not_run(self, name: str, why: str) -> None:
         """Record a check that this machine does not run, and why."""
         self.record(name, {"verdict": NOT_RUN, "why": why, "value": None, "threshold": None, "secs": 0.0})
