@@ -38,7 +38,7 @@ STRATEGIES = ("ddp", "oss_sdp", "fsdp", "torch_fsdp2")
 TWO_RANK_TOLERANCE = 1e-4
 
 
-def _agreed(res: Any, name: str, run: Callable[[], Any], judge: Callable[[list[Any]], Outcome]) -> None:
+def agreed_check(res: Any, name: str, run: Callable[[], Any], judge: Callable[[list[Any]], Outcome]) -> None:
     """Run ``run`` on every rank, gather what each found (or its error), and let rank 0 record the verdict."""
     # imported in the check: on a lent machine's torch, a module that fails to import fails this check only
     from shardkit.distributed.objects import all_gather_objects
@@ -90,7 +90,7 @@ def ranks_worker(rank: int, world_size: int, small: bool, record: str, multi_gpu
         want = ["cuda:0", "cuda:1"] if multi_gpu and where.type == "cuda" else [str(where)] * 2
         return Outcome(per_rank == want, per_rank, want, "" if per_rank == want else "ranks computed elsewhere")
 
-    _agreed(res, "ranks2:device_choice", lambda: str(device()), placement)
+    agreed_check(res, "ranks2:device_choice", lambda: str(device()), placement)
     reference = _one_process_on_both(small)
 
     def parity(per_rank: list[Any]) -> Outcome:
@@ -98,43 +98,50 @@ def ranks_worker(rank: int, world_size: int, small: bool, record: str, multi_gpu
         return at_most(gap, TWO_RANK_TOLERANCE, "largest parameter gap to one process on both ranks' batches")
 
     for name in STRATEGIES:
-        _agreed(res, f"ranks2:{name}", lambda n=name: _strategy_params(n, small, rank), parity)  # type: ignore[misc]
+        agreed_check(res, f"ranks2:{name}", lambda n=name: _strategy_params(n, small, rank), parity)  # type: ignore[misc]
     for name, run in parts_amp.scaler_cases(small, poison_rank=1, smp_partitions=2):
-        _agreed(res, f"ranks2:{name}", run, parts_amp.judge)
+        agreed_check(res, f"ranks2:{name}", run, parts_amp.judge)
     root = Path(tempfile.mkdtemp(prefix="gpu_check_ckpt2_")) if rank == 0 else None
     from shardkit.distributed.objects import broadcast_object
 
     shared = Path(broadcast_object(str(root), 0, None, "gpu_check checkpoint folder"))
     try:
         run = lambda: parts_checkpoint.async_checkpoint_case(small, shared / "ws2", 0.5 if small else 3.0)  # noqa: E731
-        _agreed(res, "ranks2:checkpoint:async_fsdp_adamw_changed_after_return", run, parts_checkpoint.judge)
+        agreed_check(res, "ranks2:checkpoint:async_fsdp_adamw_changed_after_return", run, parts_checkpoint.judge)
     finally:
         if root is not None:
             shutil.rmtree(root, ignore_errors=True)
 
 
-def part_ranks2(res: Results, ctx: PartContext) -> None:
-    """The two-rank checks in this machine's form; what the form leaves out, said as not run."""
+def run_ranks(res: Results, ctx: PartContext, worker: Callable[..., None], args: tuple[Any, ...],
+              expected: list[str]) -> None:  # fmt: skip
+    """Run ``worker(rank, 2, *args)`` on two ranks in this machine's form (rank 0 adds its records to this part's
+    file); then record whether the ranks finished, and fail each ``expected`` check they never reached."""
     # imported in the check: on a lent machine's torch, a module that fails to import fails this check only
     from shardkit.testing import run_distributed
 
     form = ctx.form()
-    res.check("ranks2:form", lambda: Outcome(True, {"backend": form.backend, "label": form.label}, "recorded"))
-    if not form.multi_gpu:
-        res.not_run("ranks2:nccl_two_gpus", f"{form.label}: NCCL between ranks needs two GPUs")
-
+    res.check(f"{res.part}:form", lambda: Outcome(True, {"backend": form.backend, "label": form.label}, "recorded"))
     error = ""
     try:  # rank 0 adds its records to this part's file meanwhile: nothing is written here until it is done
-        run_distributed(ranks_worker, 2, ctx.small, str(res.path), form.multi_gpu,
-                        timeout_s=ctx.rank_timeout(), backend=form.backend)  # fmt: skip
+        run_distributed(worker, 2, *args, timeout_s=ctx.rank_timeout(), backend=form.backend)
     except Exception as err:  # a rank's error or hang (with its stack), recorded below
         error = f"{type(err).__name__}: {err}"[:20000]
     res.reload()
-    res.check("ranks2:ranks_finished", lambda: Outcome(not error, form.backend, "both ranks finish every check", error))
-    expected = ["ranks2:device_choice"] + [f"ranks2:{n}" for n in STRATEGIES] + [
-        f"ranks2:{n}" for n in ("fp16_inf:fsdp_sharded_scaler", "fp16_inf:oss_sdp_sharded_scaler",
-                                "fp16_inf:smp_amp_scaler", "checkpoint:async_fsdp_adamw_changed_after_return")]  # fmt: skip
+    res.check(f"{res.part}:ranks_finished",
+              lambda: Outcome(not error, form.backend, "both ranks finish every check", error))  # fmt: skip
     for name in expected:
         if name not in res.checks:
             res.record(name, {"verdict": "fail", "why": "not reached: the ranks stopped before it",
                               "value": None, "threshold": None, "secs": 0.0})  # fmt: skip
+
+
+def part_ranks2(res: Results, ctx: PartContext) -> None:
+    """The two-rank checks in this machine's form; what the form leaves out, said as not run."""
+    form = ctx.form()
+    if not form.multi_gpu:
+        res.not_run("ranks2:nccl_two_gpus", f"{form.label}: NCCL between ranks needs two GPUs")
+    scalers = ("fp16_inf:fsdp_sharded_scaler", "fp16_inf:oss_sdp_sharded_scaler", "fp16_inf:smp_amp_scaler")
+    expected = ["ranks2:device_choice"] + [f"ranks2:{n}" for n in STRATEGIES + scalers] + [
+        "ranks2:checkpoint:async_fsdp_adamw_changed_after_return"]  # fmt: skip
+    run_ranks(res, ctx, ranks_worker, (ctx.small, str(res.path), form.multi_gpu), expected)
