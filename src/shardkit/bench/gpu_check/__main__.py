@@ -13,6 +13,7 @@ shows no CUDA (``--expect-gpu`` is on unless ``--small`` or ``--dry-run``, and w
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import shutil
 import signal
@@ -38,18 +39,26 @@ from shardkit.bench.gpu_check.settings import (
 
 
 def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python3 -m shardkit.bench.gpu_check", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="python3 -m shardkit.bench.gpu_check",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--out", default=os.environ.get("OUT") or "gpu_check_out")
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--small", action="store_true", help="every part at toy sizes on any device")
     size.add_argument("--dry-run", action="store_true", help="the plumbing only: the env part at toy size")
     parser.add_argument("--parts", default="", help="comma-separated: " + ", ".join(p.name for p in PARTS))
-    parser.add_argument("--expect-gpu", action=argparse.BooleanOptionalAction, default=None,
-                        help="fail without CUDA (default: on unless --small/--dry-run, or a GPU is visible)")  # fmt: skip
+    expect_help = "fail without CUDA (default: on unless --small/--dry-run, or when a GPU is visible)"
+    parser.add_argument("--expect-gpu", action=argparse.BooleanOptionalAction, default=None, help=expect_help)
     parser.add_argument("--budget", type=float, default=BUDGET_S, help="wall seconds for all parts together")
-    parser.add_argument("--limit", action="append", default=[], metavar="PART=SECONDS",
-                        help="override one part's time limit (repeatable)")  # fmt: skip
+    parser.add_argument(
+        "--limit",
+        action="append",
+        default=[],
+        metavar="PART=SECONDS",
+        help="override one part's time limit (repeatable)",
+    )
     return parser.parse_args(argv)
 
 
@@ -69,12 +78,13 @@ def _on_signal(summary: Summary) -> Any:
 
 
 def _run_parts(parts: list[Part], args: argparse.Namespace, summary: Summary, log: IO[str], gate: str) -> None:
-    """Run the chosen parts in order under the budget; ``gate`` (non-empty) keeps all but ``env`` from running."""
+    """Run the chosen parts in order under the budget; ``gate`` (non-empty, the reason) keeps every part but
+    ``env`` and the plumbing's self-tests from running."""
     start = time.perf_counter()
     work = Path(tempfile.mkdtemp(prefix="gpu_check_parts_"))
     try:
         for part in parts:
-            if gate and part.name != "env":
+            if gate and part.name != "env" and not part.name.startswith("selftest"):
                 summary.not_run(part, gate, incomplete=False)
                 continue
             left = args.budget - (time.perf_counter() - start)
@@ -85,7 +95,8 @@ def _run_parts(parts: list[Part], args: argparse.Namespace, summary: Summary, lo
             record, stack = work / f"{part.name}.json", work / f"{part.name}.stack"
             small = args.small or bool(gate)
             command = part_command(part.name, record, stack, limit, small)
-            run = run_part(part.name, limit, command, record, stack, log, lambda r, p=part: summary.progress(p, r))
+            progress = functools.partial(summary.progress, part)
+            run = run_part(part.name, limit, command, record, stack, log, progress)
             summary.part_done(part, run)
             print(f"gpu-check: {part.name}: {summary.parts[part.name]['verdict']} in {run.secs}s", flush=True)
     finally:
@@ -107,13 +118,22 @@ def main(argv: Optional[list[str]] = None) -> int:
         cuda = torch.cuda.is_available()
         count = torch.cuda.device_count() if cuda else 0
         form = rank_form(cuda, count)
-        line = f"gpu-check: torch {torch.__version__}, CUDA available: {cuda}, GPUs: {count}; two-rank form: {form.label}"
+        line = f"gpu-check: torch {torch.__version__}, CUDA: {cuda}, GPUs: {count}; two-rank form: {form.label}"
         print(line, file=log, flush=True)
         print(head + "\n" + line, flush=True)
-        info = {"expect_gpu": expected, "expect_gpu_why": because, "cuda": cuda, "gpus": count,
-                "rank_form": form.label, "small": args.small, "dry_run": args.dry_run, "torch": torch.__version__,
-                "budget_s": args.budget, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-                "command": " ".join(sys.argv)}  # fmt: skip
+        info = {
+            "expect_gpu": expected,
+            "expect_gpu_why": because,
+            "cuda": cuda,
+            "gpus": count,
+            "rank_form": form.label,
+            "small": args.small,
+            "dry_run": args.dry_run,
+            "torch": torch.__version__,
+            "budget_s": args.budget,
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "command": " ".join(sys.argv),
+        }
         summary = Summary(out / "gpu_check.json", info)
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(signum, _on_signal(summary))
@@ -124,8 +144,11 @@ def main(argv: Optional[list[str]] = None) -> int:
             summary.add_check("runner", "cuda_visible", entry)
             gate = "not run: no CUDA on a machine expected to have a GPU (only env ran, at toy size)"
         elif expected:
-            summary.add_check("runner", "cuda_visible", {"verdict": PASS, "why": "", "value": {"gpus": count},
-                                                         "threshold": "CUDA available"})  # fmt: skip
+            summary.add_check(
+                "runner",
+                "cuda_visible",
+                {"verdict": PASS, "why": "", "value": {"gpus": count}, "threshold": "CUDA available"},
+            )
         if args.dry_run:
             gate = gate or "not run: --dry-run (the plumbing only)"
         _run_parts(parts, args, summary, log, gate)

@@ -14,6 +14,7 @@ import faulthandler
 import importlib
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -39,8 +40,10 @@ PART_FUNCTIONS = {
 
 
 def _hang_until_killed(res: Results) -> None:
-    """The plumbing's self-test: one finished check, then a hang the runner must kill (and the watchdog name)."""
-    res.check("before_the_hang", lambda: Outcome(True, {"pid": os.getpid()}, "always passes"))
+    """The plumbing's self-test: a child of its own (as ranks are), one finished check, then a hang that the
+    runner must kill, with the child, and that the watchdog must name."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    res.check("before_the_hang", lambda: Outcome(True, {"pid": os.getpid(), "child_pid": child.pid}, "always"))
     threading.Event().wait()
 
 

@@ -118,7 +118,9 @@ def part_checkpoint(res: Results, ctx: PartContext) -> None:
     root = Path(tempfile.mkdtemp(prefix="gpu_check_ckpt_"))
     spin_s = 0.5 if ctx.small else 3.0
     try:
-        res.check("checkpoint:async_fsdp_adamw_changed_after_return",
-                  lambda: judge([async_checkpoint_case(ctx.small, root / "ws1", spin_s)]))  # fmt: skip
+        res.check(
+            "checkpoint:async_fsdp_adamw_changed_after_return",
+            lambda: judge([async_checkpoint_case(ctx.small, root / "ws1", spin_s)]),
+        )
     finally:
         shutil.rmtree(root, ignore_errors=True)

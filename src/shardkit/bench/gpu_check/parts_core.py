@@ -37,13 +37,17 @@ def part_env(res: Results, ctx: PartContext) -> None:
 
     def versions() -> Outcome:
         facts = {
-            "python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
-            "cuda_available": CUDA, "gpu": torch.cuda.get_device_name(0) if CUDA else None,
+            "python": sys.version.split()[0],
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "cuda_available": CUDA,
+            "gpu": torch.cuda.get_device_name(0) if CUDA else None,
             "gpu_count": torch.cuda.device_count() if CUDA else 0,
             "nccl": ".".join(map(str, torch.cuda.nccl.version())) if CUDA else None,
-            "nccl_available": dist.is_nccl_available(), "gloo_available": dist.is_gloo_available(),
+            "nccl_available": dist.is_nccl_available(),
+            "gloo_available": dist.is_gloo_available(),
             "device_chosen": str(device()),
-        }  # fmt: skip
+        }
         return Outcome(bool(facts["gloo_available"]), facts, "gloo available (NCCL too, on CUDA)")
 
     res.check("versions", versions)
@@ -79,8 +83,14 @@ def part_env(res: Results, ctx: PartContext) -> None:
     res.check("private_torch_apis", private_apis)
 
 
-def _parity(name: str, losses: list[float], ref_losses: list[float], model: nn.Module, ref: nn.Module,
-            nondeterministic: list[str]) -> Outcome:  # fmt: skip
+def _parity(
+    name: str,
+    losses: list[float],
+    ref_losses: list[float],
+    model: nn.Module,
+    ref: nn.Module,
+    nondeterministic: list[str],
+) -> Outcome:
     gap = max(loss_gap(losses, ref_losses), max_diff(host_params(model), host_params(ref)))
     outcome = at_most(gap, WS1_TOLERANCE, f"{name}: largest loss/parameter gap to the plain model")
     value = {"gap": gap, "losses": losses, "nondeterministic_ops": nondeterministic}
@@ -173,10 +183,19 @@ def _slowmo_run(small: bool) -> Outcome:
         plain = build_lm(cfg, device())
         train(plain, torch.optim.SGD(plain.parameters(), lr=lr), data)
         ref = build_lm(cfg, device())
-        ref_losses = train(ref, torch.optim.SGD(ref.parameters(), lr=lr), data,
-                           after_step=slow_momentum_reference(ref, lr, frequency, beta))  # fmt: skip
-        model = SlowMoDistributedDataParallel(build_lm(cfg, device()), nprocs_per_node=1, slowmo_frequency=frequency,
-                                              slowmo_momentum=beta, localsgd_frequency=1)  # fmt: skip
+        ref_losses = train(
+            ref,
+            torch.optim.SGD(ref.parameters(), lr=lr),
+            data,
+            after_step=slow_momentum_reference(ref, lr, frequency, beta),
+        )
+        model = SlowMoDistributedDataParallel(
+            build_lm(cfg, device()),
+            nprocs_per_node=1,
+            slowmo_frequency=frequency,
+            slowmo_momentum=beta,
+            localsgd_frequency=1,
+        )
         optimizer = torch.optim.SGD(model.parameters(), lr=lr)
         losses = train(model, optimizer, data, after_step=lambda: model.perform_slowmo(optimizer))
     parity = _parity("slowmo", losses, ref_losses, model, ref, nondeterministic)

@@ -86,7 +86,10 @@ def _fsdp_case(small: bool, kwargs: dict[str, Any], host_batches: bool = False) 
     cfg = small_lm(small)
     data = batches(cfg, 3, 8, seed=5, on=torch.device("cpu") if host_batches else None)
     modes: dict[str, Callable[[], contextlib.AbstractContextManager[Any]]] = {
-        "streams": contextlib.nullcontext, "serial": serial_streams, "lagging": lagging_side_streams}  # fmt: skip
+        "streams": contextlib.nullcontext,
+        "serial": serial_streams,
+        "lagging": lagging_side_streams,
+    }
 
     def run(mode: str) -> tuple[list[float], dict[str, torch.Tensor], nn.Module]:
         model = wrap_blocks(build_lm(cfg, None if host_batches else device()), **kwargs)

@@ -11,6 +11,7 @@ it over gloo, so the times and bubbles mean nothing and are only recorded (the N
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from pathlib import Path
@@ -90,6 +91,20 @@ def _schedule_run(cfg: LMConfig, entries: dict[str, Any], world_size: int) -> di
         smp.reset()
 
 
+def judge_schedule(want: list[float], theory: float, timed: bool, per_rank: list[dict[str, Any]]) -> Outcome:
+    """Losses as one process on every rank; with ``timed`` (two GPUs) the measured bubble near the theory."""
+    gap = max(loss_gap(r["losses"], want) for r in per_rank)
+    bubble = max(r["bubble"] for r in per_rank)
+    facts: dict[str, Any] = {f"loss_gap<={LOSS_TOLERANCE}": gap <= LOSS_TOLERANCE}
+    if timed:  # two GPUs: the measured bubble means something
+        facts[f"bubble<={BUBBLE_SLACK}*theory+{BUBBLE_PLUS}"] = bubble <= BUBBLE_SLACK * theory + BUBBLE_PLUS
+    outcome = all_true(facts, "losses as one process; on two GPUs the bubble near the schedule's theory")
+    figures = [{k: v for k, v in r.items() if k != "losses"} for r in per_rank]
+    value = {**facts, "loss_gap": gap, "bubble_theory": round(theory, 4), "bubble_measured": bubble}
+    value.update(bubble_judged=timed, per_rank=figures)
+    return Outcome(outcome.ok, value, outcome.threshold, outcome.why)
+
+
 def pipeline_worker(rank: int, world_size: int, small: bool, record: str, timed: bool) -> None:
     """Every schedule over the ranks against one process on the whole batches; rank 0 records each."""
     from shardkit.bench.gpu_check.parts_ranks import agreed_check
@@ -101,20 +116,8 @@ def pipeline_worker(rank: int, world_size: int, small: bool, record: str, timed:
     want = train(ref, torch.optim.SGD(ref.parameters(), lr=0.05), batches(cfg, STEPS + 1, BATCH, seed=300))
     for label, entries in _settings():
         theory = bubble_theory(entries["pipeline"], world_size, MICROBATCHES, entries.get("virtual_stages", 1))
-
-        def judge(per_rank: list[Any], theory: float = theory) -> Outcome:
-            gap = max(loss_gap(r["losses"], want) for r in per_rank)
-            bubble = max(r["bubble"] for r in per_rank)
-            facts: dict[str, Any] = {f"loss_gap<={LOSS_TOLERANCE}": gap <= LOSS_TOLERANCE}
-            if timed:  # two GPUs: the measured bubble means something
-                facts[f"bubble<={BUBBLE_SLACK}*theory+{BUBBLE_PLUS}"] = bubble <= BUBBLE_SLACK * theory + BUBBLE_PLUS
-            outcome = all_true(facts, "losses as one process; on two GPUs the bubble near the schedule's theory")
-            value = {**facts, "loss_gap": gap, "bubble_theory": round(theory, 4), "bubble_measured": bubble,
-                     "bubble_judged": timed, "per_rank": [{k: v for k, v in r.items() if k != "losses"}
-                                                          for r in per_rank]}  # fmt: skip
-            return Outcome(outcome.ok, value, outcome.threshold, outcome.why)
-
-        agreed_check(res, f"pipeline:{label}", lambda e=entries: _schedule_run(cfg, e, world_size), judge)
+        run = functools.partial(_schedule_run, cfg, entries, world_size)
+        agreed_check(res, f"pipeline:{label}", run, functools.partial(judge_schedule, want, theory, timed))
 
 
 def part_pipeline(res: Results, ctx: PartContext) -> None:

@@ -31,7 +31,7 @@ from shardkit.bench.gpu_check.common import (
     small_lm,
     train,
 )
-from shardkit.bench.gpu_check.results import Outcome, Results, all_true, at_most
+from shardkit.bench.gpu_check.results import Outcome, Results, at_most
 
 STRATEGIES = ("ddp", "oss_sdp", "fsdp", "torch_fsdp2")
 #: Largest parameter difference of two ranks' training to one process on both ranks' batches (fp32).
@@ -113,8 +113,9 @@ def ranks_worker(rank: int, world_size: int, small: bool, record: str, multi_gpu
             shutil.rmtree(root, ignore_errors=True)
 
 
-def run_ranks(res: Results, ctx: PartContext, worker: Callable[..., None], args: tuple[Any, ...],
-              expected: list[str]) -> None:  # fmt: skip
+def run_ranks(
+    res: Results, ctx: PartContext, worker: Callable[..., None], args: tuple[Any, ...], expected: list[str]
+) -> None:
     """Run ``worker(rank, 2, *args)`` on two ranks in this machine's form (rank 0 adds its records to this part's
     file); then record whether the ranks finished, and fail each ``expected`` check they never reached."""
     # imported in the check: on a lent machine's torch, a module that fails to import fails this check only
@@ -128,12 +129,21 @@ def run_ranks(res: Results, ctx: PartContext, worker: Callable[..., None], args:
     except Exception as err:  # a rank's error or hang (with its stack), recorded below
         error = f"{type(err).__name__}: {err}"[:20000]
     res.reload()
-    res.check(f"{res.part}:ranks_finished",
-              lambda: Outcome(not error, form.backend, "both ranks finish every check", error))  # fmt: skip
+    res.check(
+        f"{res.part}:ranks_finished", lambda: Outcome(not error, form.backend, "both ranks finish every check", error)
+    )
     for name in expected:
         if name not in res.checks:
-            res.record(name, {"verdict": "fail", "why": "not reached: the ranks stopped before it",
-                              "value": None, "threshold": None, "secs": 0.0})  # fmt: skip
+            res.record(
+                name,
+                {
+                    "verdict": "fail",
+                    "why": "not reached: the ranks stopped before it",
+                    "value": None,
+                    "threshold": None,
+                    "secs": 0.0,
+                },
+            )
 
 
 def part_ranks2(res: Results, ctx: PartContext) -> None:
@@ -142,6 +152,9 @@ def part_ranks2(res: Results, ctx: PartContext) -> None:
     if not form.multi_gpu:
         res.not_run("ranks2:nccl_two_gpus", f"{form.label}: NCCL between ranks needs two GPUs")
     scalers = ("fp16_inf:fsdp_sharded_scaler", "fp16_inf:oss_sdp_sharded_scaler", "fp16_inf:smp_amp_scaler")
-    expected = ["ranks2:device_choice"] + [f"ranks2:{n}" for n in STRATEGIES + scalers] + [
-        "ranks2:checkpoint:async_fsdp_adamw_changed_after_return"]  # fmt: skip
+    expected = (
+        ["ranks2:device_choice"]
+        + [f"ranks2:{n}" for n in STRATEGIES + scalers]
+        + ["ranks2:checkpoint:async_fsdp_adamw_changed_after_return"]
+    )
     run_ranks(res, ctx, ranks_worker, (ctx.small, str(res.path), form.multi_gpu), expected)

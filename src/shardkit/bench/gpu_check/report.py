@@ -37,16 +37,16 @@ class Summary:
     def progress(self, part: Part, record: dict[str, Any]) -> None:
         """A running part's records so far."""
         checks = record.get("checks", {})
-        self.parts[part.name] = {"verdict": "running", "why": f"running check {record.get('running')!r}",
-                                 "what": part.what, "limit_s": part.limit_s, "checks": checks}  # fmt: skip
+        why = f"running check {record.get('running')!r}"
+        self.parts[part.name] = {"verdict": "running", "why": why, "what": part.what, "checks": checks}
         self.write()
 
     def part_done(self, part: Part, run: PartRun) -> None:
         """A part's process ended (or was killed): its verdict, records and any stack dump."""
         checks = run.record.get("checks", {})
         verdict, why = _part_verdict(run, checks)
-        entry: dict[str, Any] = {"verdict": verdict, "why": why, "what": part.what, "limit_s": round(run.limit_s),
-                                 "secs": run.secs, "rc": run.rc, "timed_out": run.timed_out, "checks": checks}  # fmt: skip
+        entry: dict[str, Any] = {"verdict": verdict, "why": why, "what": part.what, "limit_s": round(run.limit_s)}
+        entry.update(secs=run.secs, rc=run.rc, timed_out=run.timed_out, checks=checks)
         if run.stack_dump:
             entry["stack_dump"] = run.stack_dump[-20000:]
         self.parts[part.name] = entry

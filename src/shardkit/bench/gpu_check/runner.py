@@ -79,7 +79,10 @@ def run_part(
     log.write(f"=== {name} (limit {limit_s:.0f}s) {time.strftime('%H:%M:%S')}\n")
     log.flush()
     start = time.perf_counter()
-    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_child_setup)
+    # The part imports this very shardkit, wherever the runner was started from (``cd src``, or PYTHONPATH).
+    package_root = str(Path(__file__).resolve().parents[3])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_child_setup, env=env)
     PartProcess.current = proc
     seen: Optional[dict[str, Any]] = None
     timed_out = False
