@@ -62,10 +62,17 @@ def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _chosen(args: argparse.Namespace) -> list[Part]:
+#: ``--small`` without CUDA gets this many times each part's limit and the budget: the limits are the H200's, and
+#: the CPU run (toy sizes, a busy shared machine) checks the script, not the budget.
+CPU_SMALL_SCALE = 2.0
+
+
+def _chosen(args: argparse.Namespace, scale: float) -> list[Part]:
+    """The parts asked for, in the run's order, with their limits (``--limit`` overrides are taken as given)."""
     names = [n.strip() for n in args.parts.split(",") if n.strip()] or [p.name for p in PARTS]
     limits = dict(item.split("=", 1) for item in args.limit)
-    return [Part(p.name, int(float(limits.get(p.name, p.limit_s))), p.what) for p in map(part_named, names)]
+    chosen = [part_named(name) for name in names]
+    return [Part(p.name, int(float(limits[p.name]) if p.name in limits else p.limit_s * scale), p.what) for p in chosen]
 
 
 def _on_signal(summary: Summary) -> Any:
@@ -103,55 +110,50 @@ def _run_parts(parts: list[Part], args: argparse.Namespace, summary: Summary, lo
         shutil.rmtree(work, ignore_errors=True)
 
 
+def _machine(args: argparse.Namespace, log: IO[str]) -> dict[str, Any]:
+    """What this machine is, said in the log's first lines (before anything can fail) and kept for the JSON."""
+    expected, because = expect_gpu(args.expect_gpu, args.small, args.dry_run)
+    head = f"gpu-check: expecting a GPU: {'yes' if expected else 'no'} ({because}); evidence: {gpu_evidence()}"
+    print(head, file=log, flush=True)
+    import torch  # after the first log line: a torch that fails to import still leaves the reason above
+
+    cuda = torch.cuda.is_available()
+    count = torch.cuda.device_count() if cuda else 0
+    form = rank_form(cuda, count)
+    line = f"gpu-check: torch {torch.__version__}, CUDA: {cuda}, GPUs: {count}; two-rank form: {form.label}"
+    print(line, file=log, flush=True)
+    print(head + "\n" + line, flush=True)
+    return {"expect_gpu": expected, "expect_gpu_why": because, "cuda": cuda, "gpus": count, "rank_form": form.label,
+            "small": args.small, "dry_run": args.dry_run, "torch": torch.__version__,
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv)}  # fmt: skip
+
+
+def _gate(args: argparse.Namespace, info: dict[str, Any], summary: Summary) -> str:
+    """The runner's own check (CUDA where a GPU is expected); why the GPU parts do not run, or '' when they do."""
+    if info["expect_gpu"]:
+        ok = info["cuda"]
+        why = "" if ok else f"no CUDA, but this run expects a GPU ({info['expect_gpu_why']})"
+        entry = {"verdict": PASS if ok else FAIL, "why": why, "value": {"gpus": info["gpus"]}, "threshold": "CUDA"}
+        summary.add_check("runner", "cuda_visible", entry)
+        if not ok:
+            return "not run: no CUDA on a machine expected to have a GPU (only env ran, at toy size)"
+    return "not run: --dry-run (the plumbing only)" if args.dry_run else ""
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     """Entry point; returns the exit status."""
     args = _parse(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    parts = _chosen(args)
-    expected, because = expect_gpu(args.expect_gpu, args.small, args.dry_run)
     with (out / "gpu_check.log").open("w") as log:
-        head = f"gpu-check: expecting a GPU: {'yes' if expected else 'no'} ({because}); evidence: {gpu_evidence()}"
-        print(head, file=log, flush=True)
-        import torch  # after the first log line: a torch that fails to import still leaves the reason above
-
-        cuda = torch.cuda.is_available()
-        count = torch.cuda.device_count() if cuda else 0
-        form = rank_form(cuda, count)
-        line = f"gpu-check: torch {torch.__version__}, CUDA: {cuda}, GPUs: {count}; two-rank form: {form.label}"
-        print(line, file=log, flush=True)
-        print(head + "\n" + line, flush=True)
-        info = {
-            "expect_gpu": expected,
-            "expect_gpu_why": because,
-            "cuda": cuda,
-            "gpus": count,
-            "rank_form": form.label,
-            "small": args.small,
-            "dry_run": args.dry_run,
-            "torch": torch.__version__,
-            "budget_s": args.budget,
-            "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "command": " ".join(sys.argv),
-        }
-        summary = Summary(out / "gpu_check.json", info)
+        info = _machine(args, log)
+        scale = CPU_SMALL_SCALE if args.small and not info["cuda"] else 1.0
+        args.budget *= scale
+        parts = _chosen(args, scale)
+        summary = Summary(out / "gpu_check.json", {**info, "budget_s": args.budget, "limit_scale": scale})
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(signum, _on_signal(summary))
-        gate = ""
-        if expected and not cuda:
-            why = f"no CUDA, but this run expects a GPU ({because})"
-            entry = {"verdict": FAIL, "why": why, "value": {"cuda": cuda}, "threshold": "CUDA available"}
-            summary.add_check("runner", "cuda_visible", entry)
-            gate = "not run: no CUDA on a machine expected to have a GPU (only env ran, at toy size)"
-        elif expected:
-            summary.add_check(
-                "runner",
-                "cuda_visible",
-                {"verdict": PASS, "why": "", "value": {"gpus": count}, "threshold": "CUDA available"},
-            )
-        if args.dry_run:
-            gate = gate or "not run: --dry-run (the plumbing only)"
-        _run_parts(parts, args, summary, log, gate)
+        _run_parts(parts, args, summary, log, _gate(args, info, summary))
         summary.finished = True
         summary.write()
     lists = summary.lists()

@@ -71,9 +71,9 @@ class Summary:
         """Failed checks (and parts that failed as a whole), checks not run (with why), incomplete parts."""
         failed, not_run = [], []
         for name, part in self.parts.items():
-            checks = part.get("checks", {})
-            failed += [f"{name}:{c}" for c, e in checks.items() if e.get("verdict") == FAIL]
-            not_run += [f"{name}:{c}: {e.get('why')}" for c, e in checks.items() if e.get("verdict") == NOT_RUN]
+            checks = {c if c.startswith(f"{name}:") else f"{name}:{c}": e for c, e in part.get("checks", {}).items()}
+            failed += [c for c, e in checks.items() if e.get("verdict") == FAIL]
+            not_run += [f"{c}: {e.get('why')}" for c, e in checks.items() if e.get("verdict") == NOT_RUN]
             if part.get("verdict") == FAIL and not any(e.get("verdict") == FAIL for e in checks.values()):
                 failed.append(f"{name}: {part.get('why')}")
             if part.get("verdict") == NOT_RUN:
