@@ -78,7 +78,7 @@ def _chosen(args: argparse.Namespace, scale: float) -> list[Part]:
 def _on_signal(summary: Summary) -> Any:
     def handler(signum: int, frame: Any) -> NoReturn:
         PartProcess.kill()
-        summary.write()
+        summary.stopped(f"the run was stopped by signal {signum}")
         sys.exit(128 + signum)
 
     return handler

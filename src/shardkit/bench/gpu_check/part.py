@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 from typing import Any, Optional
 
@@ -76,14 +77,20 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     ctx = PartContext(small=args.small, deadline=started + inner_timeout_s(args.limit))
     module_name, function = PART_FUNCTIONS[args.name].split(":")
+    status = 0
     try:
         module = importlib.import_module(f"shardkit.bench.gpu_check.{module_name}")
         getattr(module, function)(res, ctx)
+    except Exception as err:  # outside any check (an import, a setup step): recorded, the part fails
+        trace = traceback.format_exc()[-4000:]
+        res.record("part_error", {"verdict": "fail", "why": f"{type(err).__name__}: {err}"[:2000], "value": None,
+                                  "threshold": None, "trace": trace, "secs": 0.0})  # fmt: skip
+        status = 1
     finally:
         res.flush()
         close_world()
     faulthandler.cancel_dump_traceback_later()
-    return 0
+    return status
 
 
 if __name__ == "__main__":

@@ -37,7 +37,8 @@ class Summary:
     def progress(self, part: Part, record: dict[str, Any]) -> None:
         """A running part's records so far."""
         checks = record.get("checks", {})
-        why = f"running check {record.get('running')!r}"
+        running = record.get("running")
+        why = f"running check {running!r}" if running else "running, between checks"
         self.parts[part.name] = {"verdict": "running", "why": why, "what": part.what, "checks": checks}
         self.write()
 
@@ -57,6 +58,13 @@ class Summary:
         self.parts[part.name] = {"verdict": NOT_RUN, "why": why, "what": part.what, "checks": {}}
         if incomplete:
             self.incomplete.append(part.name)
+        self.write()
+
+    def stopped(self, why: str) -> None:
+        """The runner was stopped: the part running then fails with ``why``; the run stays unfinished."""
+        for part in self.parts.values():
+            if part.get("verdict") == "running":
+                part["verdict"], part["why"] = FAIL, f"{why} ({part['why']})"
         self.write()
 
     def add_check(self, part: str, name: str, entry: dict[str, Any]) -> None:
