@@ -59,7 +59,16 @@ def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
         metavar="PART=SECONDS",
         help="override one part's time limit (repeatable)",
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    try:  # a wrong name or limit is refused before anything is written
+        for name in [n.strip() for n in args.parts.split(",") if n.strip()]:
+            part_named(name)
+        for item in args.limit:
+            part_named(item.split("=", 1)[0])
+            float(item.split("=", 1)[1])
+    except (ValueError, IndexError) as err:
+        parser.error(f"{err} (--parts takes names, --limit PART=SECONDS)")
+    return args
 
 
 #: ``--small`` without CUDA gets this many times each part's limit and the budget: the limits are the H200's, and
