@@ -61,13 +61,17 @@ def sync() -> None:
 
 @contextlib.contextmanager
 def deterministic() -> Iterator[list[str]]:
-    """Deterministic kernels for exact comparisons (``CUBLAS_WORKSPACE_CONFIG`` is set by the part at start).
-    Ops without a deterministic kernel warn instead of failing; the list yielded collects those warnings."""
+    """Deterministic kernels for exact comparisons (``CUBLAS_WORKSPACE_CONFIG`` is set by the part at start), and
+    attention on its math kernel (the fused ones' backward on CUDA accumulate with atomics: two equal runs could
+    differ in the last bit). Ops without a deterministic kernel warn instead of failing; the list yielded collects
+    those warnings."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     seen: list[str] = []
     previous = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
-        with warnings.catch_warnings(record=True) as caught:
+        with warnings.catch_warnings(record=True) as caught, sdpa_kernel([SDPBackend.MATH]):
             warnings.simplefilter("always")
             yield seen
         seen += sorted({str(w.message)[:200] for w in caught if "deterministic" in str(w.message)})
@@ -101,7 +105,8 @@ def billion_lm(small: bool) -> LMConfig:
 
 def build_lm(cfg: LMConfig, on: Optional[torch.device] = None, seed: int = 0) -> TransformerLM:
     """The LM, seeded, created directly on ``on`` (its weights initialised there: nothing is copied from the
-    host); default: host memory."""
+    host); default: host memory. The same seed draws different weights on a GPU than on the host: a reference
+    for a model built on the host is built on the host too, then moved."""
     torch.manual_seed(seed)
     with torch.device(on or "cpu"):
         return TransformerLM(cfg)

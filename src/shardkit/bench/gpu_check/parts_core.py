@@ -132,7 +132,7 @@ def _smp_run(small: bool) -> Outcome:
     cfg = small_lm(small)
     data = batches(cfg, 3, 4, seed=10)
     with deterministic() as nondeterministic:
-        ref = build_lm(cfg, device())
+        ref = build_lm(cfg).to(device())  # drawn on the host as smp's model is (a GPU draws other numbers)
         ref_losses = train(ref, torch.optim.SGD(ref.parameters(), lr=0.05), data)
         smp.init({"partitions": 1, "microbatches": 2})
         try:

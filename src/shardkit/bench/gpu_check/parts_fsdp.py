@@ -102,7 +102,8 @@ def _fsdp_case(small: bool, kwargs: dict[str, Any], host_batches: bool = False) 
     def check() -> Outcome:
         autocast = kwargs.get("compute_dtype") if kwargs.get("mixed_precision") else None
         with deterministic() as nondeterministic:
-            ref = build_lm(cfg, device())
+            # drawn where the tested model is drawn (a GPU's generator gives other numbers than the host's)
+            ref = build_lm(cfg).to(device()) if host_batches else build_lm(cfg, device())
             on_device = [(x.to(device()), y.to(device())) for x, y in data]
             ref_losses = train(ref, torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9), on_device, autocast)
             losses, params, model = run("streams")

@@ -112,7 +112,7 @@ def pipeline_worker(rank: int, world_size: int, small: bool, record: str, timed:
 
     res = Results("pipeline", Path(record), resume=True) if rank == 0 else None
     cfg = _config(small)
-    ref = build_lm(cfg, device())
+    ref = build_lm(cfg).to(device())  # drawn on the host as smp's model is (a GPU draws other numbers)
     want = train(ref, torch.optim.SGD(ref.parameters(), lr=0.05), batches(cfg, STEPS + 1, BATCH, seed=300))
     for label, entries in _settings():
         theory = bubble_theory(entries["pipeline"], world_size, MICROBATCHES, entries.get("virtual_stages", 1))
