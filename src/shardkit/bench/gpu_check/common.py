@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardkit.bench.gpu_check.results import Outcome
 from shardkit.bench.gpu_check.settings import RankForm, rank_form
 from shardkit.models import LMConfig, TransformerLM, lm_batch
 
@@ -87,6 +88,13 @@ def init_world_of_one() -> str:
         extra: dict[str, Any] = {"device_id": device()} if CUDA else {}
         dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1, **extra)
     return str(dist.get_backend())
+
+
+def world_of_one() -> Outcome:
+    """The check that starts the part's world of one: NCCL on CUDA, gloo on CPU, or a failure naming what came."""
+    want = "nccl" if CUDA else "gloo"
+    backend = init_world_of_one()
+    return Outcome(backend == want, backend, want, "" if backend == want else f"the world of one runs {backend}")
 
 
 def small_lm(small: bool) -> LMConfig:

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardkit.bench.gpu_check.common import PartContext, batches, build_lm, device, init_world_of_one, small_lm
+from shardkit.bench.gpu_check.common import PartContext, batches, build_lm, device, small_lm, world_of_one
 from shardkit.bench.gpu_check.results import Outcome, Results, all_true
 from shardkit.models import LMConfig, TransformerLM
 
@@ -135,6 +135,6 @@ def judge(per_rank: list[dict[str, Any]]) -> Outcome:
 
 def part_amp(res: Results, ctx: PartContext) -> None:
     """The scaler cases at world size 1 (NCCL on CUDA)."""
-    res.check("backend", lambda: Outcome(True, init_world_of_one(), "nccl on CUDA, gloo on CPU"))
+    res.check("backend", world_of_one)
     for name, run in scaler_cases(ctx.small, poison_rank=0, smp_partitions=1):
         res.check(name, lambda run=run: judge([run()]))  # type: ignore[misc]

@@ -27,9 +27,9 @@ from shardkit.bench.gpu_check.common import (
     billion_lm,
     build_lm,
     device,
-    init_world_of_one,
     sync,
     train,
+    world_of_one,
 )
 from shardkit.bench.gpu_check.results import NotRun, Outcome, Results, at_least
 from shardkit.models import LMConfig, TransformerLM, lm_flops_per_token, param_count
@@ -53,7 +53,7 @@ def _free() -> None:
 
 
 def matmul_rate(small: bool) -> float:
-    """This card's dense matmul rate in FLOP/s (bf16 on CUDA, fp32 on CPU), measured over 20 back-to-back runs."""
+    """This card's dense matmul rate in FLOP/s (bf16 on CUDA, fp32 on CPU), measured over 50 back-to-back runs."""
     n = 512 if small or not CUDA else 8192
     dtype = torch.bfloat16 if CUDA else torch.float32
     a, b = (torch.randn(n, n, device=device(), dtype=dtype) for _ in range(2))
@@ -61,10 +61,10 @@ def matmul_rate(small: bool) -> float:
         a @ b
     sync()
     start = time.perf_counter()
-    for _ in range(20):
+    for _ in range(50):
         a @ b
     sync()
-    return 20 * 2 * n**3 / (time.perf_counter() - start)
+    return 50 * 2 * n**3 / (time.perf_counter() - start)
 
 
 def _build(name: str, cfg: LMConfig) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -123,7 +123,7 @@ def interleaved_throughput(small: bool) -> dict[str, Any]:
 
 def part_throughput(res: Results, ctx: PartContext) -> None:
     """shardkit FSDP vs torch FSDP2 (and plain) on the ~1B model, interleaved; the ratio and MFU judged."""
-    res.check("backend", lambda: Outcome(True, init_world_of_one(), "nccl on CUDA, gloo on CPU"))
+    res.check("backend", world_of_one)
     found: dict[str, Any] = {}
 
     def rate() -> Outcome:
@@ -212,7 +212,7 @@ def part_plan(res: Results, ctx: PartContext) -> None:
             return Outcome(planned[strategy] > 0, planned[strategy], "a positive number of bytes")
 
         res.check(f"plan:{strategy}", plan)
-    res.check("backend", lambda: Outcome(True, init_world_of_one(), "nccl on CUDA, gloo on CPU"))
+    res.check("backend", world_of_one)
     for strategy in ("ddp", "fsdp"):
         if strategy in planned:
             res.check(f"plan_vs_real:{strategy}", _plan_case(strategy, cfg, planned))

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardkit.bench.gpu_check.common import CUDA, PartContext, batches, build_lm, device, init_world_of_one, train
+from shardkit.bench.gpu_check.common import CUDA, PartContext, batches, build_lm, device, train, world_of_one
 from shardkit.bench.gpu_check.results import Outcome, Results, all_true
 from shardkit.models import LMConfig
 
@@ -114,7 +114,7 @@ def judge(per_rank: list[dict[str, Any]]) -> Outcome:
 
 def part_checkpoint(res: Results, ctx: PartContext) -> None:
     """The asynchronous sharded checkpoint at world size 1 (NCCL on CUDA)."""
-    res.check("backend", lambda: Outcome(True, init_world_of_one(), "nccl on CUDA, gloo on CPU"))
+    res.check("backend", world_of_one)
     root = Path(tempfile.mkdtemp(prefix="gpu_check_ckpt_"))
     spin_s = 0.5 if ctx.small else 3.0
     try:

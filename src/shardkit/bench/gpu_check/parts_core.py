@@ -20,11 +20,11 @@ from shardkit.bench.gpu_check.common import (
     deterministic,
     device,
     host_params,
-    init_world_of_one,
     loss_gap,
     max_diff,
     small_lm,
     train,
+    world_of_one,
 )
 from shardkit.bench.gpu_check.results import NotRun, Outcome, Results, all_true, at_most
 
@@ -218,7 +218,7 @@ def part_strategies(res: Results, ctx: PartContext) -> None:
     # imported in the check: on a lent machine's torch, a module that fails to import fails this check only
     from shardkit.strategies.registry import all_strategies
 
-    res.check("backend", lambda: Outcome(True, init_world_of_one(), "nccl on CUDA, gloo on CPU"))
+    res.check("backend", world_of_one)
     for strategy in all_strategies():
         if strategy.name == "slowmo":
             continue  # its own check below calls its slow step against a written-out reference

@@ -20,12 +20,12 @@ from shardkit.bench.gpu_check.common import (
     deterministic,
     device,
     host_params,
-    init_world_of_one,
     loss_gap,
     max_diff,
     small_lm,
     sync,
     train,
+    world_of_one,
 )
 from shardkit.bench.gpu_check.results import Outcome, Results, all_true, at_most
 
@@ -183,7 +183,7 @@ def part_fsdp(res: Results, ctx: PartContext) -> None:
     # imported in the check: on a lent machine's torch, a module that fails to import fails this check only
     from shardkit.nn import BackwardPrefetch
 
-    res.check("backend", lambda: Outcome(True, init_world_of_one(), "nccl on CUDA, gloo on CPU"))
+    res.check("backend", world_of_one)
     prefetch = {"forward_prefetch": True, "backward_prefetch": BackwardPrefetch.BACKWARD_PRE}
     res.check("fsdp:fp32_prefetch", _fsdp_case(ctx.small, dict(prefetch)))
     bf16 = {"mixed_precision": True, "compute_dtype": torch.bfloat16, **prefetch}
@@ -197,7 +197,7 @@ def part_compile(res: Results, ctx: PartContext) -> None:
     failure says whether compiling, the first compiled step or the agreement with eager broke."""
     # A private kernel cache: a cache shared with other processes on the machine can be half-written.
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="gpu_check_inductor_"))
-    res.check("backend", lambda: Outcome(True, init_world_of_one(), "nccl on CUDA, gloo on CPU"))
+    res.check("backend", world_of_one)
     cfg = small_lm(ctx.small)
     data = batches(cfg, 3, 8, seed=11)
     found: dict[str, Any] = {}
