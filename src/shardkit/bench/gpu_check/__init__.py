@@ -13,7 +13,7 @@ streams bitwise, lagging streams, offload with host batches, bf16, activation of
 sharded, AdamW state changed in place after the save returns); ``ranks2`` and ``pipeline`` (two ranks: NCCL on
 two GPUs with shardkit's own device choice, else gloo sharing one); ``throughput`` (~1B model built on the GPU,
 shardkit FSDP vs torch FSDP2 interleaved, MFU against the card's measured matmul rate); ``plan`` (planned vs
-real peak within 10%); ``compile``.
+real peak within 10%); ``compile``; ``cuda_tests`` (the suite's CUDA-only tests, when pytest is there).
 
 Example::
 

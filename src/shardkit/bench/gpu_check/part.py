@@ -37,6 +37,7 @@ PART_FUNCTIONS = {
     "throughput": "parts_big:part_throughput",
     "plan": "parts_big:part_plan",
     "compile": "parts_fsdp:part_compile",
+    "cuda_tests": "parts_core:part_cuda_tests",
 }
 
 

@@ -1,11 +1,15 @@
-"""gpu-check parts ``env`` (versions, every module imported, private torch APIs) and ``strategies`` (every
-registered strategy, smp and SlowMo at world size 1 against the plain model, deterministic kernels on)."""
+"""gpu-check parts ``env`` (versions, every module imported, private torch APIs), ``strategies`` (every registered
+strategy, smp and SlowMo at world size 1 against the plain model, deterministic kernels on) and ``cuda_tests``
+(the suite's CUDA-only tests, when pytest is there)."""
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import pkgutil
+import subprocess
 import sys
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -225,3 +229,33 @@ def part_strategies(res: Results, ctx: PartContext) -> None:
         res.check(f"ws1:{strategy.name}", lambda n=strategy.name: _strategy_run(n, ctx.small))  # type: ignore[misc]
     res.check("ws1:smp", lambda: _smp_run(ctx.small))
     res.check("ws1:slowmo_step", lambda: _slowmo_run(ctx.small))
+
+
+#: The tests the suite skips without CUDA (the rest of the suite runs on CPU everywhere already).
+CUDA_ONLY_TESTS = (
+    "tests/nn/wrap/test_wrap_fairscale_compat.py::test_move_module_cuda_half_moves_before_wrapping",
+    "tests/nn/checkpoint/test_ckpt_wrapper.py::test_offload_to_cpu_keeps_saved_inputs_on_host",
+    "tests/modelparallel/test_smp_trace_options.py::test_trace_device_moves_the_trace_and_leaves_the_model",
+)
+
+
+def part_cuda_tests(res: Results, ctx: PartContext) -> None:
+    """The suite's CUDA-only tests under pytest, when this machine has pytest and the checkout's tests."""
+    repo = Path(__file__).resolve().parents[4]
+
+    def run() -> Outcome:
+        if not CUDA:
+            raise NotRun("they are skipped without CUDA")
+        if importlib.util.find_spec("pytest") is None:
+            raise NotRun("pytest is not installed here (no package index on the lent machine)")
+        tests = [t for t in CUDA_ONLY_TESTS if (repo / t.split("::")[0]).exists()]
+        if not tests:
+            raise NotRun(f"no tests folder beside {repo / 'src'}")
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "-rs", *tests]
+        proc = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=max(5.0, ctx.left() - 2))
+        tail = (proc.stdout + proc.stderr)[-3000:]
+        skipped = "skipped" in proc.stdout.splitlines()[-1] if proc.stdout.strip() else False
+        ok = proc.returncode == 0 and not skipped
+        return Outcome(ok, {"rc": proc.returncode, "tests": tests, "tail": tail}, "all pass, none skipped")
+
+    res.check("pytest_cuda_only_tests", run)

@@ -23,7 +23,7 @@ class Part:
 
 
 #: Run in this order, most valuable first. The limits come from the CPU ``--small`` run's part times (BENCHMARKS.md's
-#: gpu-check note) plus the GPU work each part adds at full size; they add up to 440 s, more than
+#: gpu-check note) plus the GPU work each part adds at full size; they add up to 470 s, more than
 #: :data:`BUDGET_S`, so a slow run squeezes the last parts (each gets what is left), never the first.
 PARTS: tuple[Part, ...] = (
     Part("env", 25, "versions, the GPU, its measured bf16 matmul rate, every module imported, private torch APIs"),
@@ -36,6 +36,7 @@ PARTS: tuple[Part, ...] = (
     Part("throughput", 70, "~1B model built on the GPU: shardkit FSDP vs torch FSDP2 interleaved, MFU"),
     Part("plan", 45, "shardkit plan's device peak against the allocator's, ~1B model, DDP and FSDP"),
     Part("compile", 50, "torch.compile (inductor) of shardkit FSDP against eager"),
+    Part("cuda_tests", 30, "the suite's three CUDA-only tests under pytest (not run when pytest is missing)"),
 )
 #: Hidden parts, run only when named in ``--parts``: the plumbing's own test (a part that hangs).
 SELFTEST_PARTS: tuple[Part, ...] = (Part("selftest_hang", 8, "records one check, then hangs until killed"),)
