@@ -3,8 +3,10 @@ device, a train loop, deterministic settings and state comparisons."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
+import shutil
 import tempfile
 import time
 import warnings
@@ -83,7 +85,9 @@ def deterministic() -> Iterator[list[str]]:
 def init_world_of_one() -> str:
     """A process group of this process alone: NCCL on CUDA (the backend users run), else gloo."""
     if not dist.is_initialized():
-        store = os.path.join(tempfile.mkdtemp(prefix="gpu_check_"), "store")
+        folder = tempfile.mkdtemp(prefix="gpu_check_store_")
+        atexit.register(shutil.rmtree, folder, True)
+        store = os.path.join(folder, "store")
         backend = "nccl" if CUDA else "gloo"
         extra: dict[str, Any] = {"device_id": device()} if CUDA else {}
         dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1, **extra)

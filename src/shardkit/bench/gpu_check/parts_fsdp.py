@@ -3,8 +3,10 @@ in host memory, bf16, activation offload) and ``compile`` (inductor against eage
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from typing import Any, Callable
@@ -196,7 +198,9 @@ def part_compile(res: Results, ctx: PartContext) -> None:
     """``torch.compile`` (inductor) of shardkit FSDP in bf16 against the same model run eagerly, in stages: a
     failure says whether compiling, the first compiled step or the agreement with eager broke."""
     # A private kernel cache: a cache shared with other processes on the machine can be half-written.
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="gpu_check_inductor_"))
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="gpu_check_inductor_")
+        atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], True)
     res.check("backend", world_of_one)
     cfg = small_lm(ctx.small)
     data = batches(cfg, 3, 8, seed=11)
