@@ -6,7 +6,8 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-from transformers import GPT2Config, GPT2LMHeadModel
+from smp_testlib import tiny_gpt2_config
+from transformers import GPT2LMHeadModel
 
 from shardkit.modelparallel.nn.huggingface.gpt2 import (
     translate_hf_state_dict_to_smdistributed,
@@ -19,10 +20,7 @@ EMBED = 32
 
 def _gpt2(seed: int) -> GPT2LMHeadModel:
     torch.manual_seed(seed)
-    config = GPT2Config(
-        n_layer=2, n_embd=EMBED, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0
-    )
-    return GPT2LMHeadModel(config).eval()
+    return GPT2LMHeadModel(tiny_gpt2_config()).eval()
 
 
 def test_the_import_path_of_smp_scripts_resolves() -> None:

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from smp_testlib import AWS_GPT2_CONFIG
 from torch import nn
 
 import shardkit.modelparallel as smp
@@ -18,27 +19,10 @@ from shardkit.modelparallel.partition import manual_assignment
 from shardkit.modelparallel.tensor_parallel import TensorParallelismNotSupported
 from shardkit.modelparallel.user_content import decode, encode
 
-#: The config AWS's GPT-2 script passes (train_gpt_simple.py / train.py), at the values of a run without TP.
+#: The config AWS's GPT-2 script passes, with the keys train.py adds.
 SCRIPT_CONFIG: dict[str, Any] = {
-    "ddp": True,
-    "tensor_parallel_degree": 1,
-    "pipeline_parallel_degree": 1,
-    "microbatches": 2,
-    "shard_optimizer_state": False,
-    "prescaled_batch": False,
-    "fp16": False,
-    "bf16": False,
-    "offload_activations": False,
-    "delayed_parameter_initialization": True,
-    "optimize": "speed",
-    "placement_strategy": "cluster",
-    "activation_loading_horizon": 4,
-    "skip_tracing": False,
+    **AWS_GPT2_CONFIG,
     "auto_partition": False,
-    "default_partition": 0,
-    "static_mode": False,
-    "fast_mode": False,
-    "sharded_data_parallel_degree": 1,
     "ddp_dist_backend": "auto",
     "sdp_hierarchical_allgather": False,
     "sdp_gradient_clipping": 1.0,

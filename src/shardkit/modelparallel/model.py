@@ -213,6 +213,7 @@ class DistributedModel(nn.Module):
         plan, placement = decide_plan(self.module, args, kwargs, state, self.options)
         self._execution = build_stage(self._holding, plan, state, self.options, self._joining)
         self._placement = placement
+        self._holding.load_pending()
         if state.optimizer is not None:
             state.optimizer.load_pending_state()
         for hook in list(self._hooks.values()):

@@ -6,12 +6,14 @@ group, so it also previews a partition in a plain Python session.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Optional, Union
 
 import torch
 from torch import nn
 
 from shardkit.modelparallel.auto_partition import Placement, auto_assignment, describe
+from shardkit.modelparallel.meta_values import MetaValues, to_meta_with_values
 from shardkit.modelparallel.partition import manual_assignment
 from shardkit.modelparallel.plan import PipelinePlan, build_plan, derive_units
 from shardkit.modelparallel.trace import to_device, trace_costs, traced_on
@@ -63,8 +65,13 @@ def plan_partition(
         device = first.device if first is not None else torch.device("cpu")
     else:
         device = torch.device(trace_device)
-    args, kwargs = to_device((args, kwargs), device)
-    with traced_on(module, device):
+    values: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+    if device.type == "meta":  # a delayed model: the inputs' values stay known beside their meta copies
+        args, kwargs = to_meta_with_values((args, kwargs))
+        values = MetaValues()
+    else:
+        args, kwargs = to_device((args, kwargs), device)
+    with traced_on(module, device), values:
         return _plan(
             module,
             args,
