@@ -17,6 +17,7 @@ from shardkit.modelparallel.meta_values import MetaValues, to_meta_with_values
 from shardkit.modelparallel.partition import manual_assignment
 from shardkit.modelparallel.plan import PipelinePlan, build_plan, derive_units
 from shardkit.modelparallel.trace import to_device, trace_costs, traced_on
+from shardkit.utils._torch_private import tree_leaves
 
 
 def _auto_stage_of(root: nn.Module, atoms: dict[str, int], default_partition: int) -> dict[str, int]:
@@ -66,7 +67,8 @@ def plan_partition(
     else:
         device = torch.device(trace_device)
     values: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
-    if device.type == "meta":  # a delayed model: the inputs' values stay known beside their meta copies
+    real_inputs = any(isinstance(t, torch.Tensor) and not t.is_meta for t in tree_leaves((args, kwargs)))
+    if device.type == "meta" and real_inputs:  # a delayed model: the inputs' values stay known beside meta copies
         args, kwargs = to_meta_with_values((args, kwargs))
         values = MetaValues()
     else:
