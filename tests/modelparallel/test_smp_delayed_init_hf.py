@@ -68,11 +68,23 @@ class _Gate(nn.Module):
         return h * self.scale
 
 
+class _Index(nn.Module):
+    """An integer buffer its ``__init__`` computes and nothing recreates."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("order", torch.arange(4))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h
+
+
 def test_a_tensor_nothing_initialises_is_refused(single: None) -> None:
     torch.manual_seed(SEED)
     with smp.delay_param_initialization():
         net = transformers.GPT2LMHeadModel(_config())
         net.transformer.gate = _Gate()
+        net.transformer.index = _Index()
     model = smp.DistributedModel(net)
-    with pytest.raises(ValueError, match=r"nothing initialised .*transformer\.gate \(_Gate\)"):
+    with pytest.raises(ValueError, match=r"nothing initialised .*transformer\.gate \(_Gate\), transformer\.index"):
         _forward(model, torch.zeros(2, 8, dtype=torch.long))

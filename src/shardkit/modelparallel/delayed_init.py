@@ -10,8 +10,9 @@ does it, by the model's ``_init_weights``: after its own ``reset_parameters()`` 
 ``__init__`` would have run it), ``_init_weights`` is applied to the module and then to each of its ancestors up to
 that model, nearest first (GPT-2's attention block rescales its child ``c_proj`` there), with every other tensor
 already created marked ``_is_hf_initialized`` so that HF's init functions leave it alone. So HF's ``Conv1D``, which
-has no ``reset_parameters()``, is created too. Floating-point tensors start as NaN: one still NaN afterwards was
-not initialised by anything, and the partition fails on every rank naming its module.
+has no ``reset_parameters()``, is created too. Floating-point tensors start as NaN and integer ones at their
+lowest value: one still holding that afterwards was not initialised by anything (boolean tensors cannot be
+checked), and the partition fails on every rank naming its module.
 
 Values: module ``name`` is reset under ``torch.manual_seed(initialization_seed(base, name))``, modules in
 ``named_modules()`` order, where ``base`` is rank 0's ``torch.initial_seed()`` at the partition. The values
@@ -145,18 +146,37 @@ def materialize(module: nn.Module, holds: Callable[[str], bool], device: torch.d
                 continue
             for t in direct:
                 if t.is_meta:
-                    fresh = torch.empty(t.shape, dtype=t.dtype, device=device)
-                    _replace(t, fresh.fill_(float("nan")) if t.dtype.is_floating_point else fresh)
+                    _replace(t, _unset(torch.empty(t.shape, dtype=t.dtype, device=device)))
             # The user's random streams continue as if nothing was drawn (the CUDA one too when initialising there).
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                 torch.manual_seed(initialization_seed(base_seed, name))
                 _initialise(module, modules, name, sub)
-            if any(t.dtype.is_floating_point and bool(torch.isnan(t).any()) for t in direct):
+            if any(_still_unset(t) for t in direct):
                 uninitialised.append(f"{name or '<root>'} ({type(sub).__name__})")
             for t in direct:
                 if not holds(canonical[id(t)]) and not t.is_meta:
                     _replace(t, torch.empty(t.shape, dtype=t.dtype, device="meta"))
     return uninitialised
+
+
+def _unset(t: torch.Tensor) -> torch.Tensor:
+    """``t`` filled with what no initialisation leaves: NaN, or an integer tensor's lowest value."""
+    if t.dtype.is_floating_point or t.dtype.is_complex:
+        return t.fill_(float("nan"))
+    if t.dtype != torch.bool:
+        return t.fill_(torch.iinfo(t.dtype).min)
+    return t
+
+
+def _still_unset(t: torch.Tensor) -> bool:
+    """Some of ``t`` is NaN (floating point), or all of it still holds the integer fill (see :func:`_unset`)."""
+    if t.is_meta or t.numel() == 0:
+        return False
+    if t.dtype.is_floating_point or t.dtype.is_complex:
+        return bool(torch.isnan(t).any())
+    if t.dtype != torch.bool:
+        return bool((t == torch.iinfo(t.dtype).min).all())
+    return False
 
 
 def _initialise(root: nn.Module, modules: dict[str, nn.Module], name: str, sub: nn.Module) -> None:
