@@ -18,6 +18,7 @@ import shardkit.modelparallel as smp
 from shardkit.modelparallel.partition import manual_assignment
 from shardkit.modelparallel.tensor_parallel import TensorParallelismNotSupported
 from shardkit.modelparallel.user_content import decode, encode
+from shardkit.testing import run_distributed
 
 #: The config AWS's GPT-2 script passes, with the keys train.py adds.
 SCRIPT_CONFIG: dict[str, Any] = {
@@ -161,3 +162,19 @@ def test_user_content_with_a_config_and_numpy_values_round_trips(single: None, t
     assert decode(encoded)["model_config"].n_embd == 32
     with pytest.raises(TypeError, match="user_content must hold only"):
         smp.save_checkpoint(str(tmp_path), tag="bad", partial=False, model=model, user_content={"f": object()})
+
+
+def _init_with_degree(rank: int, world_size: int, key: str) -> str:
+    try:
+        smp.init({**SCRIPT_CONFIG, "pipeline_parallel_degree": 1, key: world_size})
+    except ValueError as exc:
+        return str(exc)
+    finally:
+        smp.reset()
+    return "accepted"
+
+
+@pytest.mark.parametrize("key", ["tensor_parallel_degree", "sharded_data_parallel_degree"])
+def test_degrees_above_one_are_refused_on_every_rank(key: str) -> None:
+    for message in run_distributed(_init_with_degree, 2, key):
+        assert f"{key}=2: " in message and "not built in shardkit yet" in message, message
