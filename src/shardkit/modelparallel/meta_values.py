@@ -16,9 +16,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from shardkit.utils._torch_private import tree_flatten, tree_map
+from shardkit.utils._torch_private import TorchDispatchMode, tree_flatten, tree_map
 
 #: The attribute of a meta tensor holding its real value.
 VALUE = "_shardkit_meta_value"
