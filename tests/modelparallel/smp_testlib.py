@@ -356,3 +356,47 @@ def peak_held(actions: Any) -> int:
         held += {"F": 1, "B": 0, "W": -1}[action.kind]
         peak = max(peak, held)
     return peak
+
+
+#: The smp config AWS's GPT-2 example scripts pass (train_gpt_simple.py / train.py), at a run without tensor
+#: parallelism or sharded data parallelism.
+AWS_GPT2_CONFIG: dict[str, Any] = {
+    "ddp": True,
+    "tensor_parallel_degree": 1,
+    "pipeline_parallel_degree": 1,
+    "microbatches": 2,
+    "shard_optimizer_state": False,
+    "prescaled_batch": False,
+    "fp16": False,
+    "bf16": False,
+    "offload_activations": False,
+    "delayed_parameter_initialization": True,
+    "optimize": "speed",
+    "placement_strategy": "cluster",
+    "activation_loading_horizon": 4,
+    "skip_tracing": False,
+    "auto_partition": True,
+    "default_partition": 0,
+    "static_mode": False,
+    "fast_mode": False,
+    "sharded_data_parallel_degree": 1,
+}
+
+
+def tiny_gpt2_config(positions: int = 16) -> Any:
+    """A Hugging Face ``GPT2Config`` of 2 layers, width 32, 64 tokens and no dropout (needs transformers)."""
+    import transformers
+
+    return transformers.GPT2Config(
+        n_layer=2,
+        n_embd=32,
+        n_head=2,
+        vocab_size=64,
+        n_positions=positions,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        use_cache=False,
+        bos_token_id=0,
+        eos_token_id=0,
+    )

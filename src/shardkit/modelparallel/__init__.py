@@ -46,6 +46,11 @@ rank),
 :mod:`~.activation_checkpointing` (``set_activation_checkpointing``, applied below the routing at the partition) and
 :mod:`~.delayed_init` (``delay_param_initialization``: build on meta, each stage creates its share).
 
+smp v1.6+ names of AWS's large-model scripts, without tensor parallelism: :mod:`~.model_creation`
+(``model_creation``: dtype and delayed initialisation in one context), :mod:`~.step_inputs` (empty placeholder
+arguments on the stages after the first take the first stage's), :mod:`~.user_content` (configs and NumPy values in
+checkpoints), ``set_partition``, ``get_tp_group``, ``smp.nn.huggingface.gpt2`` (state-dict translation).
+
 Layering, bottom up: config/topology -> state -> plan/runtime/pp_communications/step_outputs -> execution ->
 pipeline_parallel -> activation_checkpointing/delayed_init -> holding/build -> model -> step; checkpoint_files
 under checkpoint and checkpoint_folders; no module imports one above it.
@@ -92,8 +97,11 @@ from shardkit.modelparallel.groups import (
     WORLD,
     CommGroup,
     RankType,
+    get_pp_group,
     get_pp_process_group,
+    get_rdp_group,
     get_rdp_process_group,
+    get_tp_group,
     get_tp_process_group,
     rdp_rank,
     rdp_size,
@@ -113,6 +121,11 @@ from shardkit.modelparallel.trace import is_tracing
 from shardkit.modelparallel.activation_checkpointing import set_activation_checkpointing
 from shardkit.modelparallel.checkpoint_folders import resume_from_checkpoint, save_checkpoint
 from shardkit.modelparallel.delayed_init import delay_param_initialization, delayed_parameter_initialization
+
+# isort: split
+# ---- smp v1.6+ names AWS's large-model scripts use without tensor parallelism (issue 34) ----------------------
+from shardkit.modelparallel.model_creation import model_creation
+from shardkit.modelparallel.partition import set_partition
 
 #: The smp release whose API this module follows (scripts compare it to pick code paths); shardkit's own version
 #: is ``shardkit.__version__``.
@@ -188,3 +201,5 @@ __all__ += [
     "save_checkpoint",
     "set_activation_checkpointing",
 ]
+# smp v1.6+ names of AWS's large-model scripts (issue 34)
+__all__ += ["get_pp_group", "get_rdp_group", "get_tp_group", "model_creation", "set_partition"]

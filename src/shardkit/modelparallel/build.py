@@ -112,6 +112,19 @@ def _check_same_delay(delayed: bool, state: SMPState) -> None:
         )
 
 
+def _agree_initialised(left: list[str], state: SMPState) -> None:
+    """Raise on every rank when any rank's delayed initialisation left tensors uninitialised (NaN)."""
+    every = all_gather_objects(left, state.world_group, "smp_delayed_init_check")
+    found = sorted({name for names in every for name in names})
+    if found:
+        raise ValueError(
+            "smp.delay_param_initialization: nothing initialised the parameters of these modules (neither their "
+            f"reset_parameters() nor the Hugging Face model's _init_weights): {', '.join(found[:5])}"
+            f"{'...' if len(found) > 5 else ''}; give them a reset_parameters() method, or build the model outside "
+            "the context"
+        )
+
+
 def _delay_error(module: nn.Module) -> Optional[Exception]:
     try:
         check_delayable(module)
@@ -141,7 +154,8 @@ def build_stage(
     runtime.install(holding.module, below=checkpointing)
     if is_delayed(holding.module):
         seed = all_gather_objects(torch.initial_seed(), state.world_group, "smp_delayed_init_seed")[0]
-        materialize(holding.module, lambda name: stage in plan.holders.get(name, ()), device, seed)
+        left = materialize(holding.module, lambda name: stage in plan.holders.get(name, ()), device, seed)
+        _agree_initialised(left, state)
     named = holding.take(plan, stage, device)
     params = {n: t for n, t in named.items() if isinstance(t, nn.Parameter)}
     local_params = [p for n, p in params.items() if holding.holds(n)]

@@ -18,6 +18,7 @@ import torch
 from shardkit.distributed import all_gather_objects
 from shardkit.distributed.arrival import every_rank_calls
 from shardkit.modelparallel import state as smp_state
+from shardkit.modelparallel.user_content import decode
 
 MISSING = "no file"
 """Words every missing-file problem contains (they make :func:`agree_on_problems` raise FileNotFoundError)."""
@@ -139,7 +140,7 @@ def read_checkpoint(
         if files["optimizer"] is not None and not os.path.isfile(optimizer_file):
             files["optimizer"] = None  # a full checkpoint saved without an optimizer (resume warns)
     loaded = {name: load_weights(f, map_location) if f else None for name, f in files.items()}
-    return {**loaded, "user_content": load_weights(user_content, map_location)}
+    return {**loaded, "user_content": decode(load_weights(user_content, map_location))}
 
 
 def _partial_problem(folder: str, optimizer: bool, what: str) -> Optional[str]:

@@ -31,20 +31,23 @@ import torch
 
 from shardkit.modelparallel import state as smp_state
 from shardkit.modelparallel.checkpoint_files import NEWEST, USER_CONTENT, newest_tag, read_checkpoint, stage_name
+from shardkit.modelparallel.user_content import encode
 from shardkit.utils.tensors import to_cpu
 
 
 def _check_user_content(user_content: Any) -> None:
-    """Refuse, at save time, content that weights-only loading would refuse at resume time."""
+    """Refuse, at save time, content that weights-only loading would refuse at resume time (``user_content`` is
+    already encoded: see :mod:`~.user_content`)."""
     buffer = io.BytesIO()
-    torch.save(to_cpu(user_content), buffer)
+    torch.save(user_content, buffer)
     buffer.seek(0)
     try:
         torch.load(buffer, weights_only=True)
     except Exception as exc:  # torch raises UnpicklingError or RuntimeError depending on the object
         raise TypeError(
-            "smp.save_checkpoint: user_content must hold only tensors, dicts, lists, tuples, numbers, strings and "
-            f"None (checkpoints are loaded weights-only, so no pickled code runs); got: {str(exc).splitlines()[0]}"
+            "smp.save_checkpoint: user_content must hold only tensors, dicts, lists, tuples, numbers, strings, None, "
+            "NumPy scalars and arrays and transformers configs (checkpoints are loaded weights-only, so no pickled "
+            f"code runs); got: {str(exc).splitlines()[0]}"
         ) from None
 
 
@@ -74,6 +77,7 @@ def save_checkpoint(
         raise ValueError(f"smp.save_checkpoint: tag must be a non-empty file name, got {tag!r}")
     if num_kept_partial_checkpoints is not None and num_kept_partial_checkpoints < 1:
         raise ValueError(f"num_kept_partial_checkpoints must be at least 1, got {num_kept_partial_checkpoints}")
+    user_content = to_cpu(encode(user_content))
     _check_user_content(user_content)
     first_replica = smp_state.dp_rank() == 0
     if partial:
@@ -85,7 +89,7 @@ def save_checkpoint(
             if optimizer is not None:
                 torch.save(to_cpu(optimizer.local_state_dict()), os.path.join(folder, stage_name("optimizer")))
             if smp_state.rank() == 0:
-                torch.save(to_cpu(user_content), os.path.join(folder, USER_CONTENT))
+                torch.save(user_content, os.path.join(folder, USER_CONTENT))
     else:
         full = model.state_dict() if model is not None else None  # collective over the replica's stages
         full_optimizer = optimizer.state_dict() if optimizer is not None else None  # likewise
@@ -95,7 +99,7 @@ def save_checkpoint(
                 torch.save(to_cpu(full), os.path.join(path, tag))
             if full_optimizer is not None:
                 torch.save(to_cpu(full_optimizer), os.path.join(path, f"optimizer_{tag}"))
-            torch.save(to_cpu(user_content), os.path.join(path, f"user_content_{tag}"))
+            torch.save(user_content, os.path.join(path, f"user_content_{tag}"))
     smp_state.barrier()
     if smp_state.rank() == 0:
         _write_newest(path, tag)

@@ -68,6 +68,9 @@ class ModelParallelConfig:
     #: divides the bubble by ``virtual_stages`` (see ``virtual_schedules``). Needs ``pipeline="interleaved"`` and
     #: ``microbatches`` a multiple of ``partitions``.
     virtual_stages: int = 1
+    #: smp v1.6+: ``smp.model_creation()`` builds the model inside ``smp.delay_param_initialization()`` (meta
+    #: tensors; each stage creates its share after the partition). Only ``model_creation`` reads it, as in smp.
+    delayed_parameter_initialization: bool = False
     #: smp v1 keys given that have no effect here, as (key, value) pairs (see ``config_sources.NO_EFFECT``).
     accepted: tuple[tuple[str, Any], ...] = ()
 
@@ -79,7 +82,14 @@ class ModelParallelConfig:
         _check_choice("pipeline", self.pipeline, PIPELINES)
         _check_choice("optimize", self.optimize, OPTIMIZE)
         _check_choice("placement_strategy", self.placement_strategy, PLACEMENTS)
-        for name in ("auto_partition", "ddp", "fp16", "bf16", "shard_optimizer_state"):
+        for name in (
+            "auto_partition",
+            "ddp",
+            "fp16",
+            "bf16",
+            "shard_optimizer_state",
+            "delayed_parameter_initialization",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"smp config {name!r} must be True or False, got {getattr(self, name)!r}")
         if self.default_partition >= self.chunks:

@@ -43,6 +43,7 @@ CORE_KINDS: dict[str, type] = {
     "bf16": bool,
     "shard_optimizer_state": bool,
     "virtual_stages": int,  # a shardkit addition (see ModelParallelConfig)
+    "delayed_parameter_initialization": bool,
 }
 
 #: smp v1 keys accepted with no effect: their type, and why nothing changes here.
@@ -68,11 +69,15 @@ NO_EFFECT: dict[str, tuple[type, str]] = {
 
 #: smp v1 keys whose feature shardkit lacks: the neutral value (accepted), and what to do instead.
 UNSUPPORTED: dict[str, tuple[Any, str]] = {
-    "tensor_parallel_degree": (1, "tensor parallelism is not supported yet; use pipeline and data parallelism"),
+    "tensor_parallel_degree": (
+        1,
+        "tensor parallelism is not supported yet (not built in shardkit yet: issue 34); 1 is accepted, train with "
+        "pipeline and data parallelism",
+    ),
     "sharded_data_parallel_degree": (
         1,
-        "smp's sharded data parallelism is not supported yet; set shard_optimizer_state, or train with "
-        "shardkit.nn.FullyShardedDataParallel",
+        "smp's sharded data parallelism is not supported yet (not built in shardkit yet: issue 34); 1 is accepted, "
+        "set shard_optimizer_state, or train with shardkit.nn.FullyShardedDataParallel",
     ),
     "horovod": (False, "Horovod data parallelism (TensorFlow) is not supported; use 'ddp': true"),
     "load_partition": (False, "loading a saved partition decision is not supported; the partition is recomputed"),

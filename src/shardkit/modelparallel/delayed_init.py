@@ -5,6 +5,15 @@ At the first step rank 0 plans the partition on those shapes, and each rank then
 buffers its stage holds, on its device, by calling ``reset_parameters()`` of each module that owns them. So no
 process ever holds the whole model.
 
+Hugging Face models: a module inside a ``transformers`` ``PreTrainedModel`` is initialised as HF's ``post_init``
+does it, by the model's ``_init_weights``: after its own ``reset_parameters()`` (when it has one, as its
+``__init__`` would have run it), ``_init_weights`` is applied to the module and then to each of its ancestors up to
+that model, nearest first (GPT-2's attention block rescales its child ``c_proj`` there), with every other tensor
+already created marked ``_is_hf_initialized`` so that HF's init functions leave it alone. So HF's ``Conv1D``, which
+has no ``reset_parameters()``, is created too. Floating-point tensors start as NaN and integer ones at their
+lowest value: one still holding that afterwards was not initialised by anything (boolean tensors cannot be
+checked), and the partition fails on every rank naming its module.
+
 Values: module ``name`` is reset under ``torch.manual_seed(initialization_seed(base, name))``, modules in
 ``named_modules()`` order, where ``base`` is rank 0's ``torch.initial_seed()`` at the partition. The values
 equal those of the whole model built normally and reset module by module that way, whatever the partition:
@@ -91,15 +100,19 @@ def check_delayable(module: nn.Module) -> None:
             "part of the model was built inside smp.delay_param_initialization and part outside it: build the "
             "whole model inside the context, or none of it"
         )
+    modules = dict(module.named_modules())
     missing = [
         f"{name or '<root>'} ({type(sub).__name__})"
-        for name, sub in module.named_modules()
-        if _direct_tensors(sub) and not callable(getattr(sub, "reset_parameters", None))
+        for name, sub in modules.items()
+        if _direct_tensors(sub)
+        and not callable(getattr(sub, "reset_parameters", None))
+        and not _hf_init_chain(modules, name)
     ]
     if missing:
         raise ValueError(
             "smp.delay_param_initialization creates parameters and buffers after the partition by calling each "
-            f"module's reset_parameters(), but these modules own tensors and have none: {', '.join(missing[:5])}"
+            "module's reset_parameters() (or, inside a Hugging Face PreTrainedModel, its _init_weights), but these "
+            f"modules own tensors and have neither: {', '.join(missing[:5])}"
             f"{'...' if len(missing) > 5 else ''}; give them a reset_parameters() method, or build the model "
             "outside the context"
         )
@@ -114,30 +127,106 @@ def _direct_tensors(module: nn.Module) -> list[torch.Tensor]:
     return [t for _, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]]
 
 
-def materialize(module: nn.Module, holds: Callable[[str], bool], device: torch.device, base_seed: int) -> None:
+def materialize(module: nn.Module, holds: Callable[[str], bool], device: torch.device, base_seed: int) -> list[str]:
     """Create on ``device`` the tensors this stage holds (``holds(canonical_name)``) and initialise them.
 
     Runs before the stage releases what it does not hold. Every module owning a held tensor is reset (seeded per
     :func:`initialization_seed`); its tensors this stage does not hold exist only during that call, so a tied
     tensor gets the value the last module resetting it gives it, on every stage that holds it, as in the
-    unpartitioned model.
+    unpartitioned model. Returns the modules whose held floating-point tensors nothing initialised (empty when
+    all is well; the caller raises on every rank).
     """
     canonical = {id(t): name for name, t in canonical_tensors(module).items()}
+    modules = dict(module.named_modules())
+    uninitialised: list[str] = []
     with torch.no_grad():
-        for name, sub in module.named_modules():
+        for name, sub in modules.items():
             direct = _direct_tensors(sub)
             if not any(holds(canonical[id(t)]) for t in direct):
                 continue
             for t in direct:
                 if t.is_meta:
-                    _replace(t, torch.empty(t.shape, dtype=t.dtype, device=device))
+                    _replace(t, _unset(torch.empty(t.shape, dtype=t.dtype, device=device)))
             # The user's random streams continue as if nothing was drawn (the CUDA one too when initialising there).
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                 torch.manual_seed(initialization_seed(base_seed, name))
-                sub.reset_parameters()  # checked by check_delayable
+                _initialise(module, modules, name, sub)
+            if any(_still_unset(t) for t in direct):
+                uninitialised.append(f"{name or '<root>'} ({type(sub).__name__})")
             for t in direct:
                 if not holds(canonical[id(t)]) and not t.is_meta:
                     _replace(t, torch.empty(t.shape, dtype=t.dtype, device="meta"))
+    return uninitialised
+
+
+def _unset(t: torch.Tensor) -> torch.Tensor:
+    """``t`` filled with what no initialisation leaves: NaN, or an integer tensor's lowest value."""
+    if t.dtype.is_floating_point or t.dtype.is_complex:
+        return t.fill_(float("nan"))
+    if t.dtype != torch.bool:
+        return t.fill_(torch.iinfo(t.dtype).min)
+    return t
+
+
+def _still_unset(t: torch.Tensor) -> bool:
+    """Some of ``t`` is NaN (floating point), or all of it still holds the integer fill (see :func:`_unset`)."""
+    if t.is_meta or t.numel() == 0:
+        return False
+    if t.dtype.is_floating_point or t.dtype.is_complex:
+        return bool(torch.isnan(t).any())
+    if t.dtype != torch.bool:
+        return bool((t == torch.iinfo(t.dtype).min).all())
+    return False
+
+
+def _initialise(root: nn.Module, modules: dict[str, nn.Module], name: str, sub: nn.Module) -> None:
+    """``sub.reset_parameters()`` if it has one, then HF's ``_init_weights`` on it and its ancestors (see the
+    module docstring), other created tensors shielded by ``_is_hf_initialized``."""
+    reset = getattr(sub, "reset_parameters", None)
+    if callable(reset):
+        reset()
+    chain = _hf_init_chain(modules, name)
+    if not chain:
+        return
+    own = {id(t) for t in _direct_tensors(sub)}
+    shielded = [
+        t
+        for t in canonical_tensors(root).values()
+        if id(t) not in own and not t.is_meta and not getattr(t, _HF_DONE, False)
+    ]
+    for t in shielded:
+        setattr(t, _HF_DONE, True)
+    try:
+        for owner, target in chain:
+            init_weights: Callable[[nn.Module], None] = getattr(owner, "_init_weights")  # noqa: B009
+            init_weights(target)
+    finally:
+        for t in shielded:
+            delattr(t, _HF_DONE)
+
+
+#: The flag transformers' init functions check to leave a tensor alone.
+_HF_DONE = "_is_hf_initialized"
+
+
+def _hf_init_chain(modules: dict[str, nn.Module], name: str) -> list[tuple[nn.Module, nn.Module]]:
+    """(model, module) pairs for HF's ``_init_weights``: the module named ``name`` then each ancestor, nearest
+    first, each with the nearest Hugging Face ``PreTrainedModel`` at or above it; empty outside such a model."""
+    names = [name]
+    while names[-1]:
+        names.append(names[-1].rpartition(".")[0])
+    chain = []
+    for i, target in enumerate(names):
+        owner = next((modules[n] for n in names[i:] if n in modules and _is_hf_model(modules[n])), None)
+        if owner is not None and target in modules:
+            chain.append((owner, modules[target]))
+    return chain
+
+
+def _is_hf_model(module: nn.Module) -> bool:
+    return callable(getattr(module, "_init_weights", None)) and any(
+        cls.__name__ == "PreTrainedModel" and cls.__module__.startswith("transformers.") for cls in type(module).__mro__
+    )
 
 
 def _replace(tensor: torch.Tensor, data: torch.Tensor) -> None:

@@ -110,6 +110,22 @@ def rdp_size() -> int:
     return dp_size()
 
 
+def get_tp_group() -> list[int]:
+    """Global ranks of this process's tensor-parallel group (as ``smp.get_mp_group`` lists its own): ``[rank()]``
+    without tensor parallelism (used by scripts as ``0 in smp.get_tp_group()``)."""
+    return group_ranks(CommGroup.TP_GROUP)
+
+
+def get_pp_group() -> list[int]:
+    """Global ranks of this process's pipeline group, in stage order (= ``smp.get_mp_group()`` here)."""
+    return group_ranks(CommGroup.PP_GROUP)
+
+
+def get_rdp_group() -> list[int]:
+    """Global ranks of this process's reduced-data-parallel group (= ``smp.get_dp_group()`` here)."""
+    return group_ranks(CommGroup.RDP_GROUP)
+
+
 def get_pp_process_group() -> GroupLike:
     """The pipeline-parallel process group: the model-parallel one without tensor parallelism."""
     return current().mp_group

@@ -16,6 +16,7 @@ from torch import nn
 
 from shardkit.distributed import GroupLike
 from shardkit.modelparallel import checkpoint as ckpt
+from shardkit.modelparallel.delayed_init import is_delayed
 from shardkit.modelparallel.plan import PipelinePlan
 from shardkit.modelparallel.startup import canonical_tensors
 
@@ -33,6 +34,9 @@ class StageHolding:
         """Where this stage computes and keeps what it holds."""
         self._held: set[str] = set()
         self._key_map: dict[str, str] = {}
+        # A state dict loaded before the partition into a model built inside smp.delay_param_initialization: its
+        # tensors do not exist yet, so it waits (with its ``strict``) for :meth:`load_pending`.
+        self._pending: Optional[tuple[dict[str, Any], bool]] = None
 
     @property
     def partitioned(self) -> bool:
@@ -125,6 +129,10 @@ class StageHolding:
             full: dict[str, Any] = dict(ckpt.merge_model_partials(partials, list(dict.fromkeys(keys))))
         else:
             full = dict(state_dict)
+        if self.plan is None and is_delayed(self.module):
+            self._check_keys(full, strict)  # wrong keys fail now, not at the first step
+            self._pending = (full, strict)
+            return None
         if self.plan is None:
             return self.module.load_state_dict(full, strict=strict)
         current = self.module.state_dict(keep_vars=True)
@@ -140,6 +148,20 @@ class StageHolding:
         if strict and missing:
             raise KeyError(f"load_state_dict: the state dict lacks {missing[:5]}{'...' if len(missing) > 5 else ''}")
         return None
+
+    def load_pending(self) -> None:
+        """Right after the partition: load the state dict that waited for a delayed model's tensors."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            self.load_state_dict(*pending)
+
+    def _check_keys(self, full: Mapping[str, Any], strict: bool) -> None:
+        expected = set(self.module.state_dict(keep_vars=True))
+        missing, unexpected = sorted(expected - set(full)), sorted(set(full) - expected)
+        if strict and (missing or unexpected):
+            raise KeyError(
+                f"load_state_dict: missing keys {missing[:5]}, unexpected keys {unexpected[:5]} (strict=True)"
+            )
 
     def gather_to_cpu(self) -> None:
         """Collect every stage's tensors so this rank holds the whole model, on the CPU (collective)."""

@@ -53,8 +53,9 @@ class DistributedModel(nn.Module):
 
     Every rank must build the same model (checked at the first step: a ``ValueError`` names the first
     differing parameter on every rank before anything is broadcast). Every rank of a replica must pass the
-    same inputs to the step function, and the forward's control flow must not depend on tensor values: the
-    module call order of the first step is the plan for every later one (a different order raises).
+    same inputs to the step function (or, on the stages after the first, empty placeholder tensors, which take
+    the first stage's: see :mod:`~.step_inputs`), and the forward's control flow must not depend on tensor
+    values: the module call order of the first step is the plan for every later one (a different order raises).
 
     Example::
 
@@ -213,6 +214,7 @@ class DistributedModel(nn.Module):
         plan, placement = decide_plan(self.module, args, kwargs, state, self.options)
         self._execution = build_stage(self._holding, plan, state, self.options, self._joining)
         self._placement = placement
+        self._holding.load_pending()
         if state.optimizer is not None:
             state.optimizer.load_pending_state()
         for hook in list(self._hooks.values()):

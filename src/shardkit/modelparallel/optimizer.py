@@ -117,6 +117,43 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def optimizer(self, value: Any) -> None:
         self.__dict__["optimizer"] = value
 
+    # ---- smp's FP16-optimizer names, at their meaning without FP16 master weights ---------------------------
+
+    @property
+    def fp16_groups(self) -> list[list[torch.Tensor]]:
+        """smp's FP16 optimizer lists the model parameters of each parameter group here; shardkit keeps no
+        separate master copies, so these are the parameters the optimizer updates, group by group."""
+        return [list(group["params"]) for group in self.param_groups]
+
+    @property
+    def overflow(self) -> bool:
+        """smp: True when the last ``step()`` was skipped for an FP16 gradient overflow. shardkit's optimizer does
+        no loss scaling (``smp.amp.GradScaler`` skips steps itself), so this is always False."""
+        return False
+
+    def clip_master_grads(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale the gradients so that their norm over the whole model (every stage, each parameter once) is at
+        most ``max_norm``, as ``torch.nn.utils.clip_grad_norm_`` over the unpartitioned model; returns that norm.
+
+        smp clips its FP32 master gradients; here the parameters are the masters. Collective over the replica's
+        stages: call it on every rank.
+        """
+        if norm_type != 2.0:
+            raise ValueError(f"clip_master_grads supports the 2-norm only, got norm_type={norm_type}")
+        params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+        device = params[0].grad.device if params else self._device_for_norm()
+        norms = [torch.linalg.vector_norm(p.grad.detach(), 2.0).to(device) for p in params]
+        squares = torch.stack(norms) ** 2 if norms else torch.zeros(0, device=device)
+        total = self._sum_over_stages(params, squares).sqrt()
+        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for p in params:
+            p.grad.detach().mul_(coefficient.to(p.grad.device))
+        return total
+
+    def _device_for_norm(self) -> torch.device:
+        model = self._smp_state.model
+        return model.execution_device if model is not None and model.partitioned else torch.device("cpu")
+
     def _sum_over_stages(self, params: Sequence[torch.Tensor], squares: torch.Tensor) -> torch.Tensor:
         """Sum of per-parameter squares over the replica's stages, each parameter counted once (collective)."""
         smp = self._smp_state

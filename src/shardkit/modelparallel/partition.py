@@ -1,4 +1,5 @@
-"""Manual partitioning: ``with smp.partition(i):`` marks the modules created inside it for pipeline stage ``i``.
+"""Manual partitioning: ``with smp.partition(i):`` marks the modules created inside it for pipeline stage ``i``;
+``smp.set_partition(module, i)`` marks a module already built, and its descendants that have no mark of their own.
 
 A module counts as created inside a context when it is registered as a submodule there, or registers its own
 parameters or buffers there (so layers built inside a context and collected into an ``nn.ModuleList`` outside
@@ -20,6 +21,8 @@ from shardkit.modelparallel import state as smp_state
 
 #: Attribute holding a module's manual partition index.
 PARTITION_ATTR = "_smp_partition"
+#: Set beside it by ``smp.set_partition``: the index then also holds for the module's unmarked descendants.
+INHERITED_ATTR = "_smp_partition_inherited"
 
 _STACK: ContextVar[tuple[int, ...]] = ContextVar("shardkit_smp_partition_stack", default=())
 
@@ -86,6 +89,32 @@ def partition(index: int) -> Iterator[None]:
         _STACK.reset(token)
 
 
+def set_partition(module: nn.Module, index: int) -> None:
+    """Place ``module`` on pipeline stage ``index`` (smp v1.6+), and with it every descendant that no
+    ``smp.partition`` context or ``set_partition`` call placed itself. The last call on a module wins.
+
+    Call it before the first step (the partition is decided there); ignored when ``auto_partition`` is on.
+
+    Example::
+
+        model = smp.DistributedModel(model)
+        for i, block in enumerate(model.get_module().transformer.h):
+            smp.set_partition(block, i * smp.pp_size() // len(model.get_module().transformer.h))
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"smp.set_partition(module, index) takes a torch.nn.Module, got {type(module).__name__}")
+    _check_index(index)
+    if smp_state.is_initialized():
+        model = smp_state.current().model
+        if model is not None and model.partitioned:
+            raise RuntimeError(
+                "smp.set_partition was called after the first step partitioned the model: call it before the first "
+                "step (right after smp.DistributedModel(...))"
+            )
+    module.__dict__[PARTITION_ATTR] = index
+    module.__dict__[INHERITED_ATTR] = True
+
+
 def manual_index(module: nn.Module) -> Optional[int]:
     """The partition index a ``smp.partition`` context gave ``module``, or None."""
     value = module.__dict__.get(PARTITION_ATTR)
@@ -97,9 +126,15 @@ def manual_assignment(root: nn.Module, partitions: int, default_partition: int) 
 
     Raises when a mark is not below ``partitions`` (a context entered before ``smp.init`` is checked here).
     """
-    assignment = {}
+    assignment: dict[str, int] = {}
+    inherited: dict[str, int] = {}  # set_partition marks, by module name, for the descendants without one
     for name, module in root.named_modules():
         index = manual_index(module)
+        parent = name.rpartition(".")[0] if name else None
+        if index is None and parent is not None and parent in inherited:
+            index = inherited[parent]
+        if index is not None and (module.__dict__.get(INHERITED_ATTR) or (parent is not None and parent in inherited)):
+            inherited[name] = index
         if index is not None and index >= partitions:
             raise ValueError(
                 f"module {name or '<root>'!r} was created inside smp.partition({index}), but the config has "

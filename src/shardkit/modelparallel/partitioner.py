@@ -6,15 +6,18 @@ group, so it also previews a partition in a plain Python session.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Optional, Union
 
 import torch
 from torch import nn
 
 from shardkit.modelparallel.auto_partition import Placement, auto_assignment, describe
+from shardkit.modelparallel.meta_values import MetaValues, to_meta_with_values
 from shardkit.modelparallel.partition import manual_assignment
 from shardkit.modelparallel.plan import PipelinePlan, build_plan, derive_units
 from shardkit.modelparallel.trace import to_device, trace_costs, traced_on
+from shardkit.utils._torch_private import tree_leaves
 
 
 def _auto_stage_of(root: nn.Module, atoms: dict[str, int], default_partition: int) -> dict[str, int]:
@@ -63,8 +66,14 @@ def plan_partition(
         device = first.device if first is not None else torch.device("cpu")
     else:
         device = torch.device(trace_device)
-    args, kwargs = to_device((args, kwargs), device)
-    with traced_on(module, device):
+    values: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+    real_inputs = any(isinstance(t, torch.Tensor) and not t.is_meta for t in tree_leaves((args, kwargs)))
+    if device.type == "meta" and real_inputs:  # a delayed model: the inputs' values stay known beside meta copies
+        args, kwargs = to_meta_with_values((args, kwargs))
+        values = MetaValues()
+    else:
+        args, kwargs = to_device((args, kwargs), device)
+    with traced_on(module, device), values:
         return _plan(
             module,
             args,

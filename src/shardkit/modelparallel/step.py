@@ -19,6 +19,7 @@ import torch
 
 from shardkit.modelparallel import state as smp_state
 from shardkit.modelparallel.pipeline_parallel import StepRun
+from shardkit.modelparallel.step_inputs import StageInputs
 from shardkit.modelparallel.step_outputs import OutputSharing, StepOutput, gather_microbatch_outputs
 
 __all__ = ["StepOutput", "gather_microbatch_outputs", "split_microbatch", "step"]
@@ -101,6 +102,8 @@ def step(
         # object itself (weakly): an ``id`` can be reused by a later model on one rank and not another, which
         # would have that rank skip a check the others make.
         sharings: weakref.WeakKeyDictionary[Any, OutputSharing] = weakref.WeakKeyDictionary()
+        # Likewise its arguments: equal on every stage, or empty placeholders after the first (see step_inputs).
+        inputs: weakref.WeakKeyDictionary[Any, StageInputs] = weakref.WeakKeyDictionary()
 
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -113,6 +116,8 @@ def step(
             if model.running_step is not None:
                 raise RuntimeError(f"@smp.step function {fn.__name__!r} was called inside another @smp.step call")
             bound = signature.bind(*args, **kwargs)
+            aligned = inputs.setdefault(model, StageInputs()).align(bound.arguments, state, f"{fn.__name__!r}")
+            bound = inspect.BoundArguments(signature, aligned)
             num_mb = state.config.microbatches
             per_mb = [_split_arguments(bound, num_mb, mb, unsplit, axes) for mb in range(num_mb)]
 

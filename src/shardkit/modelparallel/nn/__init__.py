@@ -2,6 +2,7 @@
 
 The tensor-parallel ``smp.nn.Distributed*`` modules exist so scripts import, and refuse construction with a clear
 error (shardkit has no tensor parallelism yet; see :mod:`shardkit.modelparallel.tensor_parallel`).
+``smp.nn.huggingface.gpt2`` translates GPT-2 state dicts between Hugging Face's layout and smp's.
 
 Example::
 
@@ -10,6 +11,7 @@ Example::
     norm = smp.nn.FusedLayerNorm(1024)
 """
 
+from shardkit.modelparallel.nn import huggingface
 from shardkit.modelparallel.nn.fused_layer_norm import FusedLayerNorm
 from shardkit.modelparallel.tensor_parallel import DISTRIBUTED_MODULES
 
@@ -30,4 +32,5 @@ __all__ = [
     "DistributedTransformerLayer",
     "DistributedTransformerOutputLayer",
     "FusedLayerNorm",
+    "huggingface",
 ]
