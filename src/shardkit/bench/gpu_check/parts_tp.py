@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from shardkit.bench.gpu_check.common import PartContext, deterministic, device
+from shardkit.bench.gpu_check.common import PartContext, deterministic, device, loss_gap, max_diff
 from shardkit.bench.gpu_check.results import Outcome, Results, all_true, at_most
 from shardkit.bench.gpu_check.tp_llama import LlamaConfig, TinyLlama, expected_comm_per_step, llama_config
 
@@ -86,12 +86,6 @@ def _run(model: TinyLlama, tokens: torch.Tensor) -> dict[str, Any]:
     return {"logits": logits, "losses": losses, "comm": comm, "state": _host_state(model)}
 
 
-def _max_gap(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    if set(a) != set(b):
-        raise AssertionError(f"state names differ: {sorted(set(a) ^ set(b))[:6]}")
-    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
-
-
 def tp2_against_tp1(cfg: LlamaConfig) -> dict[str, Any]:
     """This rank's gaps between the model at size 2 and the unsplit one built here from the merged weights."""
     import shardkit.nn.model_parallel as mp
@@ -115,8 +109,8 @@ def tp2_against_tp1(cfg: LlamaConfig) -> dict[str, Any]:
     return {
         "logits_gap": float((got["logits"] - want["logits"]).abs().max()),
         "logits_scale": float(want["logits"].abs().max()),
-        "loss_gap": max(abs(x - y) for x, y in zip(got["losses"], want["losses"])),
-        "weight_gap": _max_gap(got["state"], want_half),
+        "loss_gap": loss_gap(got["losses"], want["losses"]),
+        "weight_gap": max_diff(got["state"], want_half),
         "losses": got["losses"],
         "comm": got["comm"],
         "unsplit_comm": want["comm"],
@@ -158,11 +152,11 @@ def _judge_logits(per_rank: list[dict[str, Any]]) -> Outcome:
 
 
 def _judge_training(per_rank: list[dict[str, Any]]) -> Outcome:
-    loss_gap, weight_gap = max(r["loss_gap"] for r in per_rank), max(r["weight_gap"] for r in per_rank)
-    facts = {f"loss_gap<={TRAIN_TOLERANCE}": loss_gap <= TRAIN_TOLERANCE}
-    facts[f"weight_gap<={TRAIN_TOLERANCE}"] = weight_gap <= TRAIN_TOLERANCE
+    losses_gap, weights_gap = max(r["loss_gap"] for r in per_rank), max(r["weight_gap"] for r in per_rank)
+    facts = {f"loss_gap<={TRAIN_TOLERANCE}": losses_gap <= TRAIN_TOLERANCE}
+    facts[f"weight_gap<={TRAIN_TOLERANCE}"] = weights_gap <= TRAIN_TOLERANCE
     outcome = all_true(facts, f"{STEPS} SGD steps at model-parallel 2 as at 1: losses and every weight")
-    value = {**facts, "loss_gap": loss_gap, "weight_gap": weight_gap, "losses": per_rank[0]["losses"]}
+    value = {**facts, "loss_gap": losses_gap, "weight_gap": weights_gap, "losses": per_rank[0]["losses"]}
     return dataclasses.replace(outcome, value=value)
 
 
