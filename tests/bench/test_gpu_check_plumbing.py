@@ -135,3 +135,15 @@ def test_two_faked_gpus_run_the_multi_gpu_form(tmp_path: Path, monkeypatch: pyte
     failed = checks["fake:rank1_fails"]
     assert failed["verdict"] == FAIL and "rank 1: ZeroDivisionError" in failed["why"]
     assert checks["fake:never"]["verdict"] == FAIL and "not reached" in checks["fake:never"]["why"]
+
+
+@pytest.mark.multi
+def test_the_tp_part_passes_at_toy_size_on_two_ranks(tmp_path: Path) -> None:
+    from shardkit.bench.gpu_check.common import PartContext
+    from shardkit.bench.gpu_check.parts_tp import CHECKS, part_tp
+
+    res = Results("tp", tmp_path / "tp.json")
+    part_tp(res, PartContext(small=True, deadline=time.monotonic() + 120))
+    checks = json.loads(res.path.read_text())["checks"]
+    assert all(checks[name]["verdict"] == PASS for name in [*CHECKS, "tp:ranks_finished"]), checks
+    assert checks["tp:comm_bytes_per_step"]["value"]["expected"][0]["all_reduce"]["calls"] == 15  # 7 x 2 blocks + 1

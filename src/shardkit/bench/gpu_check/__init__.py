@@ -10,8 +10,9 @@ run, with why), its value and the threshold it was judged against (:mod:`.result
 Parts, most valuable first: ``env``; ``strategies`` (every strategy, smp and SlowMo's slow step at world size 1
 against the plain model, deterministic kernels); ``amp`` (fp16 scalers with an injected inf); ``fsdp`` (side
 streams bitwise, lagging streams, offload with host batches, bf16, activation offload); ``checkpoint`` (async,
-sharded, AdamW state changed in place after the save returns); ``ranks2`` and ``pipeline`` (two ranks: NCCL on
-two GPUs with shardkit's own device choice, else gloo sharing one); ``throughput`` (~1B model built on the GPU,
+sharded, AdamW state changed in place after the save returns); ``ranks2``, ``pipeline`` and ``tp`` (two ranks: NCCL
+on two GPUs with shardkit's own device choice, else gloo sharing one; ``tp``: a Llama-style model at model-parallel
+size 2 against size 1, its comm bytes, dropout on the RNG tracker); ``throughput`` (~1B model built on the GPU,
 shardkit FSDP vs torch FSDP2 interleaved, MFU against the card's measured matmul rate); ``plan`` (planned vs
 real peak within 10%); ``compile``; ``cuda_tests`` (the suite's CUDA-only tests, when pytest is there).
 

@@ -34,6 +34,7 @@ PART_FUNCTIONS = {
     "checkpoint": "parts_checkpoint:part_checkpoint",
     "ranks2": "parts_ranks:part_ranks2",
     "pipeline": "parts_pipeline:part_pipeline",
+    "tp": "parts_tp:part_tp",
     "throughput": "parts_big:part_throughput",
     "plan": "parts_big:part_plan",
     "compile": "parts_fsdp:part_compile",
