@@ -21,3 +21,20 @@ def isinstance_of(obj: Any, module: str, name: str) -> bool:
     """``isinstance(obj, module.name)`` without importing ``module``."""
     cls = loaded_class(module, name)
     return cls is not None and isinstance(obj, cls)
+
+
+#: Where ``torch.compile(module)``'s wrapper keeps the module it compiled, and the prefix that puts before every
+#: state-dict key.
+COMPILE_WRAPPER = ("torch._dynamo.eval_frame", "OptimizedModule")
+COMPILED_PREFIX = "_orig_mod."
+
+
+def without_compile_wrapper(model: Any) -> Any:
+    """The module ``torch.compile`` wrapped (through any number of wrappers), or ``model`` itself.
+
+    A checkpoint is keyed by the model's own names, so ``torch.compile(model)`` and ``model`` save and load the
+    same checkpoint; the wrapper holds no state of its own (its parameters are the module's).
+    """
+    while isinstance_of(model, *COMPILE_WRAPPER):
+        model = model._orig_mod
+    return model
