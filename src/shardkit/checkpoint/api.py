@@ -155,13 +155,15 @@ def _save(
     async_save: bool,
     capture_rng: bool = True,
 ) -> Path:
+    comm.refuse_launch_without_group("save_checkpoint")
     every_rank_calls("save_checkpoint()", None, _EVERY_RANK_ADVICE)
     rank, world_size = comm.rank_and_size()
     # Before any work, so resuming continues the exact random streams. A tool's save (an import) has no training
     # streams to continue: storing its own would override the seed of whoever loads it.
     rng_state = rng.capture() if capture_rng else None
-    made = comm.agreed(lambda: _make_temporary(final) if rank == 0 else None, "save_checkpoint: prepare")
-    tmp = Path(comm.broadcast_from_zero(made, "save_checkpoint: directory"))
+    comm.check_same_target("save_checkpoint", final, step)
+    made = comm.agreed_from_zero(lambda: _make_temporary(final) if rank == 0 else None, "save_checkpoint: prepare")
+    tmp = Path(made)
     fields: dict[str, Any] = {
         "step": step,
         "world_size": world_size,

@@ -15,8 +15,10 @@ Example::
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from typing import NamedTuple, Optional
 
+import torch
 from torch import nn
 
 from shardkit.distributed.groups import GroupLike
@@ -149,6 +151,51 @@ def check_same_signatures(
             raise ValueError(
                 f"{who}: the ranks hold different {what}: {problem}. {advice} Nothing was broadcast or changed."
             )
+
+
+#: Same-size integer dtype a floating-point tensor's bits are read as.
+_BITS_AS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def value_checksums(tensors: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
+    """Two sums of each tensor's raw bits (all elements, odd positions): equal on ranks holding equal values.
+
+    Another initialisation or checkpoint changes them; values that differ by a permutation of equal-sized
+    blocks need not (this is evidence for a refusal or a broadcast, not a cryptographic hash). Computed where
+    each tensor lives, without copies; one host synchronisation per device. Meta and empty tensors sum to 0.
+
+    Example::
+
+        mine = value_checksums(list(module.parameters()))   # compare across ranks with all_gather_objects
+    """
+    sums: dict[torch.device, list[torch.Tensor]] = {}
+    where: list[tuple[torch.device, int]] = []
+    for tensor in tensors:
+        bits = _bits(tensor.detach())
+        device = bits.device if bits is not None else torch.device("cpu")
+        pair = (
+            torch.stack([bits.sum(dtype=torch.int64), bits[1::2].sum(dtype=torch.int64)])
+            if bits is not None
+            else torch.zeros(2, dtype=torch.int64)
+        )
+        where.append((device, len(sums.setdefault(device, []))))
+        sums[device].append(pair)
+    values = {device: torch.stack(pairs).tolist() for device, pairs in sums.items()}
+    return [(values[device][i][0], values[device][i][1]) for device, i in where]
+
+
+def _bits(tensor: torch.Tensor) -> Optional[torch.Tensor]:
+    """``tensor``'s elements as integers of the same width, flattened (None for meta, empty or quantized)."""
+    if tensor.is_meta or tensor.numel() == 0 or tensor.is_quantized:
+        return None
+    flat = tensor.reshape(-1)
+    if flat.is_complex():
+        flat = torch.view_as_real(flat).reshape(-1)
+    if flat.dtype == torch.bool:
+        return flat.view(torch.uint8)
+    if flat.is_floating_point():
+        return flat.view(_BITS_AS[flat.element_size()])
+    return flat
 
 
 def _digest(signature: list[TensorSignature]) -> str:
