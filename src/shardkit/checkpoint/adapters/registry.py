@@ -23,10 +23,8 @@ def isinstance_of(obj: Any, module: str, name: str) -> bool:
     return cls is not None and isinstance(obj, cls)
 
 
-#: Where ``torch.compile(module)``'s wrapper keeps the module it compiled, and the prefix that puts before every
-#: state-dict key.
+#: The class of ``torch.compile(module)``'s wrapper (it keeps the module as ``_orig_mod``).
 COMPILE_WRAPPER = ("torch._dynamo.eval_frame", "OptimizedModule")
-COMPILED_PREFIX = "_orig_mod."
 
 
 def without_compile_wrapper(model: Any) -> Any:

@@ -27,11 +27,10 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from shardkit.checkpoint import safe_dcp, validate
-from shardkit.checkpoint.adapters.registry import COMPILED_PREFIX
 from shardkit.checkpoint.errors import IncompatibleCheckpointError
 from shardkit.checkpoint.metadata import IMPORTED_STRATEGY, CheckpointMeta
 from shardkit.checkpoint.pending import PendingLoad
-from shardkit.checkpoint.universal.layout import DCP_DIR
+from shardkit.checkpoint.universal.layout import COMPILED_PREFIX, DCP_DIR
 from shardkit.checkpoint.universal.optim_state import OptimizerLoadPlan, plan_optimizer_load
 from shardkit.checkpoint.universal.placement import MODEL_PREFIX, Placement, model_key
 from shardkit.checkpoint.universal.plans import UniversalLoadPlanner, check_pieces, pieces_for
