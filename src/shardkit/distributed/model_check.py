@@ -7,6 +7,9 @@ cause. :func:`check_same_model` compares the ranks' parameter and buffer signatu
 digest, a second of the signatures only when they differ) and raises the same ``ValueError`` on every rank, naming
 the first difference and the ranks.
 
+:func:`value_checksums` is the cheap evidence that ranks hold the same *values* (FSDP compares it at wrap time and
+copies rank 0's tensors where it differs).
+
 Example::
 
     check_same_model(module, group, who="SlowMoDistributedDataParallel")  # before the initial broadcast
@@ -157,14 +160,14 @@ def check_same_signatures(
 _BITS_AS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def value_checksums(tensors: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
-    """Sums of the raw bits of each tensor's two halves: equal on ranks holding equal values.
+def value_checksums(tensors: Sequence[torch.Tensor]) -> list[int]:
+    """The sum of each tensor's raw bits: equal on ranks holding equal values.
 
-    Another initialisation or checkpoint changes them; values that differ only by a reordering inside a half
-    need not (this is evidence for a refusal or a broadcast, not a cryptographic hash). The bits are read as
-    64-bit integers where the tensor's size allows (else as integers of the element's width) and summed with
-    wrap-around in that width: one pass over the memory where each tensor lives, no copies, one host
-    synchronisation per device. Meta and empty tensors sum to 0.
+    Another initialisation or checkpoint changes it; values that differ only by their order need not (this is
+    evidence for a refusal or a broadcast, not a cryptographic hash). The bits are read as 64-bit integers where
+    the tensor's size allows (else as integers of the element's width) and summed with wrap-around: one pass over
+    the memory where each tensor lives, no copies, one host synchronisation per device. Meta and empty tensors
+    sum to 0.
 
     Example::
 
@@ -175,21 +178,20 @@ def value_checksums(tensors: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
     for tensor in tensors:
         words = _words(tensor.detach())
         if words is None:
-            device, pair = torch.device("cpu"), torch.zeros(2, dtype=torch.int64)
+            device, total = torch.device("cpu"), torch.zeros((), dtype=torch.int64)
         else:
-            half = words.numel() // 2
-            halves = (words[:half].sum(dtype=words.dtype), words[half:].sum(dtype=words.dtype))
-            device, pair = words.device, torch.stack(halves).to(torch.int64)
+            device, total = words.device, words.sum(dtype=torch.int64)
         where.append((device, len(sums.setdefault(device, []))))
-        sums[device].append(pair)
-    values = {device: torch.stack(pairs).tolist() for device, pairs in sums.items()}
-    return [(values[device][i][0], values[device][i][1]) for device, i in where]
+        sums[device].append(total)
+    values = {device: torch.stack(totals).tolist() for device, totals in sums.items()}
+    return [values[device][i] for device, i in where]
 
 
 def _words(tensor: torch.Tensor) -> Optional[torch.Tensor]:
     """``tensor``'s bytes as a flat integer tensor, 64-bit where they fit (None for meta, empty or quantized).
 
-    Same-width integer sums run at memory speed; widening ones (int32 summed into int64) are ~20x slower on CPU.
+    64-bit sums run at memory speed; widening ones (int32 summed into int64) are ~20x slower on CPU, so only
+    tensors whose size is not a multiple of 8 bytes (small ones, in practice) take that path.
     """
     if tensor.is_meta or tensor.numel() == 0 or tensor.is_quantized:
         return None
@@ -203,8 +205,8 @@ def _words(tensor: torch.Tensor) -> Optional[torch.Tensor]:
     if flat.element_size() < 8 and (flat.numel() * flat.element_size()) % 8 == 0:
         try:
             return flat.view(torch.int64)
-        except RuntimeError:  # storage offset not 8-byte aligned: sum in the element's width
-            return flat
+        except RuntimeError:  # storage offset not 8-byte aligned: an aligned copy, so the sum stays the same
+            return flat.clone().view(torch.int64)
     return flat
 
 
