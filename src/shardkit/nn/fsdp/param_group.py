@@ -204,7 +204,7 @@ class ParamGroup:
         compute_device = _compute_device(owners, policies)
         buffers = collect_buffers(module, is_unit)
         replica = policies.reduce.replica_group
-        agree_at_wrap(owners, aliases, buffers, group, replica, rank, compute_device)  # refuses, or rank 0's values
+        agree_at_wrap(owners, aliases, buffers, group, replica, rank, compute_device, label)  # refuses, or rank 0's
         handles = []
         with torch.no_grad():
             for i, (g_owners, g_aliases) in enumerate(

@@ -36,10 +36,11 @@ def agree_at_wrap(
     replica: Optional[GroupLike],
     rank: int,
     stage_on: torch.device,
+    label: str = "",
 ) -> None:
     """Refuse (on every rank, nothing changed) ranks whose parameters differ in name, shape or dtype; give every
     rank rank 0's values of the tensors whose values differ. ``stage_on``: where a broadcast runs (the unit's
-    compute device: NCCL cannot broadcast CPU tensors)."""
+    compute device: NCCL cannot broadcast CPU tensors); ``label`` names the wrapped module in the log line."""
     signature = [(loc.fqn, tuple(p.shape), str(p.dtype)) for loc, p in owners]
     signature += [(loc.fqn, (), "") for loc, _ in aliases]
     named = [(loc.fqn, p) for loc, p in owners] + buffers
@@ -57,8 +58,9 @@ def agree_at_wrap(
     if differ or replica_differ:
         names = sorted({named[i][0] for i in differ + replica_differ})
         _LOG.info(
-            "FullyShardedDataParallel: the ranks held different values of %d tensor(s) (%s%s); every rank now holds "
-            "rank 0's, as DDP does at construction",
+            "FullyShardedDataParallel (unit wrapping %s): the ranks held different values of %d tensor(s) (%s%s); "
+            "every rank now holds rank 0's, as DDP does at construction",
+            label or "a module",
             len(names),
             ", ".join(names[:3]),
             ", ..." if len(names) > 3 else "",
