@@ -90,3 +90,18 @@ def test_a_cast_before_wrapping_still_trains() -> None:
     out = model(torch.randn(3, 4, dtype=torch.bfloat16))
     out.sum().backward()
     assert out.dtype == torch.bfloat16 and next(model.parameters()).grad is not None
+
+
+def _buffer_shaped_by_rank(rank: int, world_size: int) -> str:
+    net = _net(seed=0)
+    net.register_buffer("stats", torch.zeros(2 + rank))  # what could not be copied from rank 0
+    try:
+        FSDP(net)
+    except ValueError as err:
+        return str(err)
+    return "wrapped"
+
+
+def test_buffers_of_other_shapes_are_refused_on_every_rank_before_any_copy() -> None:
+    for message in run_distributed(_buffer_shaped_by_rank, 2, timeout_s=60):
+        assert "ranks hold different parameters" in message and "'stats (buffer)' (2,)" in message

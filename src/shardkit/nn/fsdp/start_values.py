@@ -19,10 +19,10 @@ from typing import Any, Optional
 
 import torch
 
-from shardkit.distributed import collectives
 from shardkit.distributed.groups import GroupLike, group_size
 from shardkit.distributed.model_check import value_checksums
 from shardkit.distributed.objects import all_gather_objects
+from shardkit.nn.fsdp._collectives import broadcast_start_values
 from shardkit.nn.fsdp.flat_param import Aliases, Owners
 
 _LOG = logging.getLogger("shardkit.nn.fsdp")
@@ -43,6 +43,7 @@ def agree_at_wrap(
     compute device: NCCL cannot broadcast CPU tensors); ``label`` names the wrapped module in the log line."""
     signature = [(loc.fqn, tuple(p.shape), str(p.dtype)) for loc, p in owners]
     signature += [(loc.fqn, (), "") for loc, _ in aliases]
+    signature += [(f"{name} (buffer)", tuple(b.shape), str(b.dtype)) for name, b in buffers]
     named = [(loc.fqn, p) for loc, p in owners] + buffers
     compare = group_size(group) > 1 or replica is not None
     sums = value_checksums([t for _, t in named]) if compare else []
@@ -53,8 +54,8 @@ def agree_at_wrap(
     replica_differ: list[int] = []
     if replica is not None:  # after the broadcast below, every rank of the group holds ``reference``
         replica_differ = _differing(reference, all_gather_objects(reference, replica, "fsdp:replica_value_check"))
-    _broadcast([named[i][1] for i in differ], group, stage_on)
-    _broadcast([named[i][1] for i in replica_differ], replica, stage_on)
+    _broadcast([named[i][1] for i in differ], group, stage_on, label)
+    _broadcast([named[i][1] for i in replica_differ], replica, stage_on, f"{label}:replicas")
     if differ or replica_differ:
         names = sorted({named[i][0] for i in differ + replica_differ})
         _LOG.info(
@@ -76,10 +77,11 @@ def _refuse_other_shapes(mine: list[Any], everyone: list[list[Any]], rank: int) 
                 detail = f"'{a[0]}' {a[1]} {a[2]} on rank {rank} but '{b[0]}' {b[1]} {b[2]} on rank {other_rank}"
                 break
         else:
-            detail = f"{len(mine)} parameters on rank {rank} but {len(theirs)} on rank {other_rank}"
+            detail = f"{len(mine)} parameters and buffers on rank {rank} but {len(theirs)} on rank {other_rank}"
         raise ValueError(
             f"FullyShardedDataParallel: ranks hold different parameters: {detail}. Every rank must build the same "
-            "model (same shapes and dtypes) before wrapping; the model was left unchanged."
+            "model (same parameter and buffer names, shapes and dtypes) before wrapping; the model was left "
+            "unchanged."
         )
 
 
@@ -89,7 +91,7 @@ def _differing(reference: Sequence[Any], everyone: Sequence[Sequence[Any]]) -> l
 
 
 @torch.no_grad()
-def _broadcast(tensors: list[torch.Tensor], group: Optional[GroupLike], stage_on: torch.device) -> None:
+def _broadcast(tensors: list[torch.Tensor], group: Optional[GroupLike], stage_on: torch.device, label: str) -> None:
     """Overwrite ``tensors`` in place with member 0's values (all issued, then all waited on)."""
     if not tensors or group is None:
         return
@@ -98,7 +100,7 @@ def _broadcast(tensors: list[torch.Tensor], group: Optional[GroupLike], stage_on
         wire = tensor.detach()
         if wire.device != stage_on or not wire.is_contiguous():
             wire = wire.to(stage_on, copy=True).contiguous()
-        handle = collectives.broadcast(wire, 0, group, async_op=True, label="fsdp:sync_module_states")
+        handle = broadcast_start_values(wire, group, label)
         pending.append((handle, tensor, wire))
     for handle, tensor, wire in pending:
         handle.wait()
