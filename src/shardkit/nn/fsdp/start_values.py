@@ -18,7 +18,9 @@ from collections.abc import Sequence
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 
+from shardkit.distributed.device import current_cuda_device
 from shardkit.distributed.groups import GroupLike, group_size
 from shardkit.distributed.model_check import value_checksums
 from shardkit.distributed.objects import all_gather_objects
@@ -95,6 +97,8 @@ def _broadcast(tensors: list[torch.Tensor], group: Optional[GroupLike], stage_on
     """Overwrite ``tensors`` in place with member 0's values (all issued, then all waited on)."""
     if not tensors or group is None:
         return
+    if stage_on.type == "cpu" and isinstance(group, dist.ProcessGroup) and dist.get_backend(group) == "nccl":
+        stage_on = current_cuda_device()  # a CPU model wrapped for a later .cuda(): NCCL moves CUDA tensors only
     pending = []
     for tensor in tensors:
         wire = tensor.detach()
