@@ -20,6 +20,7 @@ from shardkit.checkpoint import CheckpointError, load_checkpoint, save_checkpoin
 from shardkit.checkpoint.api import save_source
 from shardkit.checkpoint.tools.write import StaticSource
 from shardkit.checkpoint.universal.source import Held, Span
+from shardkit.launch import launch_local
 from shardkit.testing import run_distributed
 
 
@@ -34,6 +35,21 @@ def test_a_multi_process_launch_without_a_process_group_is_refused(
     with pytest.raises(CheckpointError, match=r"WORLD_SIZE=2.*no process group.*init_process_group"):
         save_checkpoint(tmp_path / "ckpt", step=1, model=model)
     assert not any(tmp_path.iterdir())  # nothing written, not even the temporary directory
+
+
+def _save_without_a_process_group(root: str) -> str:
+    try:
+        save_checkpoint(Path(root) / "ckpt", step=1, model=tiny_net(0))
+    except CheckpointError as err:
+        return str(err)
+    return "saved"
+
+
+def test_a_torchrun_launch_without_init_process_group_is_refused_in_every_process(tmp_path: Path) -> None:
+    messages = launch_local(_save_without_a_process_group, 2, str(tmp_path))  # torchrun's own launcher
+    for rank, message in enumerate(messages):
+        assert f"launched as rank {rank} of WORLD_SIZE=2 processes" in message
+    assert not any(tmp_path.iterdir())
 
 
 def test_a_single_process_launch_still_saves(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
