@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 from typing import Any, Optional
 
+from shardkit.checkpoint._torch_private import compiled_module
+
 
 def loaded_class(module: str, name: str) -> Optional[type]:
     """``module.name`` if ``module`` is already imported, else ``None``.
@@ -34,5 +36,5 @@ def without_compile_wrapper(model: Any) -> Any:
     same checkpoint; the wrapper holds no state of its own (its parameters are the module's).
     """
     while isinstance_of(model, *COMPILE_WRAPPER):
-        model = model._orig_mod
+        model = compiled_module(model)
     return model
