@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardkit.checkpoint import _collectives as checkpoint_comm
+from shardkit.distributed.objects import broadcast_object
 from shardkit.nn.fsdp import FullyShardedDataParallel as FSDP
 from shardkit.nn.fsdp import start_values
 from shardkit.testing import run_distributed
@@ -66,7 +67,7 @@ def _job(rank: int, world_size: int, layers: int, width: int, trials: int) -> di
         save["directory check (new)"].append(time.perf_counter() - start)
         dist.barrier()
         start = time.perf_counter()
-        checkpoint_comm.broadcast_from_zero("/tmp/.step_00000001.tmp-0123456789ab", "save_checkpoint: directory")
+        broadcast_object("/tmp/.step_00000001.tmp-0123456789ab", 0, None, "checkpoint.save_checkpoint: directory")
         save["name broadcast (removed)"].append(time.perf_counter() - start)
     return {
         "wrap": {k: statistics.median(v) for k, v in times.items()},

@@ -3,7 +3,7 @@
 3. A torchrun launch (``WORLD_SIZE=2``) without ``init_process_group``: every process would write a world-size-1
    checkpoint into the same directory. Refused, naming the launch and what to call.
 4. Ranks passing different directories: one directory existed, and rank 1 was told it saved one that does not.
-   Refused on every rank before anything is written.
+   Refused on every rank before anything is written; on load (where every rank silently loaded rank 0's) too.
 13. A ``torch.compile``d model's checkpoint was keyed ``_orig_mod.*``. The compile wrapper is looked through on
    save and load, and a checkpoint keyed that way by an earlier version still loads.
 """
@@ -76,6 +76,28 @@ def test_ranks_passing_different_directories_are_refused_on_every_rank(tmp_path:
         assert "rank 0: " in message and "step_00000010" in message
         assert "rank 1: " in message and "step_00000011" in message
     assert not any(tmp_path.iterdir())  # nothing written on any rank
+
+
+def _load_with_own_directory(rank: int, world_size: int, root: str) -> tuple[str, bool]:
+    run = build("ddp", seed=0)
+    for step in (1, 2):
+        save_checkpoint(step_directory(root, step), step=step, model=run.model)
+    before = {k: v.clone() for k, v in run.model.state_dict().items()}
+    try:
+        load_checkpoint(step_directory(root, 1 + rank), model=run.model)  # rank 0 step 1, rank 1 step 2
+        message = "loaded"
+    except CheckpointError as err:
+        message = str(err)
+    finally:
+        release(run)
+    return message, all(torch.equal(v, before[k]) for k, v in run.model.state_dict().items())
+
+
+def test_ranks_loading_different_directories_are_refused_on_every_rank(tmp_path: Path) -> None:
+    for message, unchanged in run_distributed(_load_with_own_directory, 2, str(tmp_path), timeout_s=60):
+        assert "load_checkpoint: the ranks passed different directories" in message
+        assert "step_00000001" in message and "step_00000002" in message and "Nothing was loaded" in message
+        assert unchanged
 
 
 # ------------------------------------------------------------------ item 13: torch.compile'd models

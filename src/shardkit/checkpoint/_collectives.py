@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from shardkit.checkpoint import errors
 from shardkit.distributed import collectives
-from shardkit.distributed.objects import all_gather_objects, broadcast_object
+from shardkit.distributed.objects import all_gather_objects
 
 T = TypeVar("T")
 
@@ -46,13 +46,6 @@ def barrier(label: str, group: Optional[dist.ProcessGroup] = None) -> None:
     """Wait for every rank (of ``group``, default the world)."""
     if _active(group):
         collectives.barrier(group, label=f"checkpoint.{label}")
-
-
-def broadcast_from_zero(obj: Any, label: str, group: Optional[dist.ProcessGroup] = None) -> Any:
-    """Rank 0's ``obj`` on every rank."""
-    if not _active(group):
-        return obj
-    return broadcast_object(obj, 0, group, label=f"checkpoint.{label}")
 
 
 def all_gather(obj: Any, label: str, group: Optional[dist.ProcessGroup] = None) -> list[Any]:
@@ -117,20 +110,24 @@ def refuse_launch_without_group(what: str) -> None:
     )
 
 
-def check_same_target(what: str, directory: Path, step: int) -> None:
-    """Raise on every rank unless all ranks passed the same directory and step (one small all-gather).
+def check_same_target(what: str, directory: Path, step: Optional[int] = None) -> None:
+    """Raise on every rank unless all ranks passed the same directory (and ``step``; one small all-gather).
 
     Ranks that each computed their own step number would otherwise save into different directories: rank 0's
-    would be written (by every rank), and the others told they saved one that does not exist.
+    would be written (by every rank), and the others told they saved one that does not exist; on load, every rank
+    would silently load rank 0's.
     """
     mine = (os.path.abspath(directory), step)
     everyone = all_gather(mine, f"{what}: directory")
     if all(entry == everyone[0] for entry in everyone):
         return
     differs = "directories" if any(d != everyone[0][0] for d, _ in everyone) else "steps"
-    listed = "; ".join(f"rank {rank}: {d} (step {s})" for rank, (d, s) in enumerate(everyone))
+    listed = "; ".join(f"rank {r}: {d}" + ("" if s is None else f" (step {s})") for r, (d, s) in enumerate(everyone))
+    same = "directory" if step is None else "directory and step"
+    derive = "it" if step is None else "them"
+    done = "loaded" if step is None else "written"
     raise errors.CheckpointError(
-        f"{what}: the ranks passed different {differs} ({listed}). Every rank must pass the same directory and "
-        "step: derive them from a value all ranks share (the loop counter), or choose them on rank 0 and "
-        "broadcast them (torch.distributed.broadcast_object_list). Nothing was written."
+        f"{what}: the ranks passed different {differs} ({listed}). Every rank must pass the same {same}: derive "
+        f"{derive} from a value all ranks share (the loop counter), or choose {derive} on rank 0 and broadcast "
+        f"{derive} (torch.distributed.broadcast_object_list). Nothing was {done}."
     )
