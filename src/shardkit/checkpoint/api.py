@@ -1,6 +1,7 @@
 """``save_checkpoint`` and ``load_checkpoint``: the orchestration every strategy shares.
 
-Saving: rank 0 creates a hidden sibling directory ``.<name>.tmp-<id>``; every rank writes its part there (its
+Saving: the ranks check that they name the same directory and step (one small all-gather); rank 0 creates a hidden
+sibling directory ``.<name>.tmp-<id>``; every rank writes its part there (its
 share of the universal layout, or a legacy strategy's files; its RNG states and data position; rank 0 also the
 scaler and ``extra``), fsyncing each file;
 the ranks hash the files between them; rank 0 writes ``meta.json`` last, fsyncs the directories and renames the
@@ -87,7 +88,10 @@ def save_checkpoint(
     ``GradScaler``/``ShardedGradScaler`` state, ``step``, every rank's RNG states (torch CPU and CUDA, Python,
     NumPy) and ``data_position``, and ``extra`` (rank 0's). ``data_position`` and ``extra`` must be tensors and
     plain data (they are read back with ``torch.load(weights_only=True)``). An existing checkpoint in
-    ``directory`` is replaced only once the new one is complete. Returns the directory.
+    ``directory`` is replaced only once the new one is complete. Returns the directory. Every rank must pass the
+    same ``directory`` and ``step`` (else all raise, before anything is written); a process launched as one of
+    several (``WORLD_SIZE`` > 1) must have initialised its process group. A ``torch.compile``d model is saved
+    under its own names (without ``_orig_mod.``).
 
     With ``async_save=True`` it returns once this rank's share is copied to host memory; writing, hashing and
     publishing go on in a background thread (over a gloo group of its own), atomic as ever. The next
@@ -155,13 +159,15 @@ def _save(
     async_save: bool,
     capture_rng: bool = True,
 ) -> Path:
+    comm.refuse_launch_without_group("save_checkpoint")
     every_rank_calls("save_checkpoint()", None, _EVERY_RANK_ADVICE)
     rank, world_size = comm.rank_and_size()
     # Before any work, so resuming continues the exact random streams. A tool's save (an import) has no training
     # streams to continue: storing its own would override the seed of whoever loads it.
     rng_state = rng.capture() if capture_rng else None
-    made = comm.agreed(lambda: _make_temporary(final) if rank == 0 else None, "save_checkpoint: prepare")
-    tmp = Path(comm.broadcast_from_zero(made, "save_checkpoint: directory"))
+    comm.check_same_target("save_checkpoint", final, step)
+    made = comm.agreed_from_zero(lambda: _make_temporary(final) if rank == 0 else None, "save_checkpoint: prepare")
+    tmp = Path(made)
     fields: dict[str, Any] = {
         "step": step,
         "world_size": world_size,

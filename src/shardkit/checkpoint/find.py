@@ -19,15 +19,18 @@ PathLike = Union[str, Path]
 def find_verified(
     directory_or_root: PathLike, check: Callable[[Path], CheckpointMeta], verify: bool, fall_back: bool
 ) -> tuple[Path, CheckpointMeta]:
-    """The checkpoint to load and its index (``check`` reads and checks it), agreed by every rank:
+    """The checkpoint to load and its index (``check`` reads and checks it), agreed by every rank (which must all
+    name the same ``directory_or_root``):
     ``directory_or_root`` itself, or under a root the newest checkpoint that passes verification; with
     ``fall_back`` each one that fails is skipped with a warning on every rank."""
     rank, world_size = comm.rank_and_size()
+    comm.check_same_target("load_checkpoint", Path(directory_or_root))
     candidates = _Candidates(Path(directory_or_root)) if rank == 0 else None
     while True:
-        found = comm.agreed(lambda: candidates.next() if candidates is not None else None, "load_checkpoint: find")
-        path, is_root = comm.broadcast_from_zero(found, "load_checkpoint: directory")
-        path = Path(path)
+        found = comm.agreed_from_zero(
+            lambda: candidates.next() if candidates is not None else None, "load_checkpoint: find"
+        )
+        path, is_root = Path(found[0]), found[1]
         meta = comm.agreed(functools.partial(check, path), "load_checkpoint: metadata")
         if not verify:
             return path, meta

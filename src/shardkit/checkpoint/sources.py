@@ -18,6 +18,7 @@ from typing import Any, Optional
 from torch import nn
 
 from shardkit.checkpoint.adapters import adapter_for
+from shardkit.checkpoint.adapters.registry import without_compile_wrapper
 from shardkit.checkpoint.universal.source import UniversalSource
 
 #: Legacy adapter class name -> (module, class name) of the strategy's universal source.
@@ -36,7 +37,9 @@ def source_for(model: nn.Module, optimizer: Optional[Any]) -> Optional[Universal
     Example::
 
         source = source_for(ddp_model, optimizer)   # a PlainSource
+        source_for(torch.compile(model), optimizer)  # the source of model itself: the same names
     """
+    model = without_compile_wrapper(model)
     entry = STRATEGY_SOURCES.get(type(adapter_for(model, optimizer)).__name__)
     if entry is None:
         return None

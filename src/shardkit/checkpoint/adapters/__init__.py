@@ -25,6 +25,7 @@ from shardkit.checkpoint.adapters.base import Adapter, PendingLoad
 from shardkit.checkpoint.adapters.fsdp import FSDPAdapter
 from shardkit.checkpoint.adapters.oss import OSSAdapter
 from shardkit.checkpoint.adapters.plain import PlainAdapter
+from shardkit.checkpoint.adapters.registry import without_compile_wrapper
 from shardkit.checkpoint.adapters.slowmo import SlowMoAdapter
 from shardkit.checkpoint.adapters.smp import SMPAdapter
 
@@ -32,7 +33,8 @@ ADAPTERS = (FSDPAdapter, SMPAdapter, SlowMoAdapter, OSSAdapter, PlainAdapter)
 
 
 def adapter_for(model: nn.Module, optimizer: Optional[Any]) -> Adapter:
-    """The adapter that saves and loads ``model`` and ``optimizer``."""
+    """The adapter that saves and loads ``model`` and ``optimizer`` (a ``torch.compile`` wrapper is looked through)."""
+    model = without_compile_wrapper(model)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module (the wrapped model you train), got {type(model).__name__}")
     for cls in ADAPTERS:

@@ -21,6 +21,9 @@ LAYOUT = "universal"
 DCP_DIR = "dcp"
 #: Sub-folder holding the per-rank optimizer side files (JSON, no pickle).
 SIDE_DIR = "optim_side"
+#: What ``torch.compile``'s wrapper puts before every name; names are stored without it (earlier versions stored
+#: a compiled model's names with it, which loading still accepts).
+COMPILED_PREFIX = "_orig_mod."
 
 
 def side_file(directory: Path, rank: int) -> Path:

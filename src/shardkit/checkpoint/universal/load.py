@@ -30,7 +30,7 @@ from shardkit.checkpoint import safe_dcp, validate
 from shardkit.checkpoint.errors import IncompatibleCheckpointError
 from shardkit.checkpoint.metadata import IMPORTED_STRATEGY, CheckpointMeta
 from shardkit.checkpoint.pending import PendingLoad
-from shardkit.checkpoint.universal.layout import DCP_DIR
+from shardkit.checkpoint.universal.layout import COMPILED_PREFIX, DCP_DIR
 from shardkit.checkpoint.universal.optim_state import OptimizerLoadPlan, plan_optimizer_load
 from shardkit.checkpoint.universal.placement import MODEL_PREFIX, Placement, model_key
 from shardkit.checkpoint.universal.plans import UniversalLoadPlanner, check_pieces, pieces_for
@@ -54,7 +54,8 @@ def stored_names(metadata: Metadata) -> set[str]:
 
 def name_resolver(aliases: dict[str, str], stored: set[str]) -> Callable[[str], str]:
     """Maps a name of this model to the name the checkpoint stores it under (a tie may be stored by either of its
-    names); a name the checkpoint lacks maps to itself."""
+    names; earlier shardkit versions stored a compiled model's names behind ``_orig_mod.``); a name the
+    checkpoint lacks maps to itself."""
     tied: dict[str, set[str]] = {}
     for alias, target in aliases.items():
         group = tied.get(alias, {alias}) | tied.get(target, {target})
@@ -64,6 +65,8 @@ def name_resolver(aliases: dict[str, str], stored: set[str]) -> Callable[[str], 
     def resolve(name: str) -> str:
         if name in stored:
             return name
+        if COMPILED_PREFIX + name in stored:
+            return COMPILED_PREFIX + name
         return next((other for other in sorted(tied.get(name, ())) if other in stored), name)
 
     return resolve

@@ -60,6 +60,11 @@ def reduce_scatter_grads(grad_shard: torch.Tensor, full_grad: torch.Tensor, grou
     )
 
 
+def broadcast_start_values(tensor: torch.Tensor, group: GroupLike, label: str) -> c.Handle:
+    """Start overwriting ``tensor`` with member 0's values (at wrap, where the ranks held different values)."""
+    return c.broadcast(tensor, 0, group=group, async_op=True, label=f"fsdp:sync_module_states:{label}")
+
+
 def all_reduce_norm(partial: torch.Tensor, group: GroupLike, use_max: bool) -> None:
     """Combine per-rank partial gradient norms (sums of powers, or maxima) in place."""
     op = dist.ReduceOp.MAX if use_max else dist.ReduceOp.SUM

@@ -124,6 +124,11 @@ class FullyShardedDataParallel(UnitModule):
             node's (state dicts gather inside the node); :attr:`replica_group` holds the other nodes' ranks.
 
     Notes:
+        - Every rank starts from rank 0's values, as under DDP: where the ranks built the same model with different
+          values (weights loaded on rank 0 only, ``torch.manual_seed(rank)`` before building), the tensors that
+          differ (parameters and buffers, found by checksums) are copied from rank 0 at wrap time
+          (:mod:`~shardkit.nn.fsdp.start_values`). A model cast after wrapping (``model.to(torch.bfloat16)``) is
+          refused at its next forward: cast before wrapping, or use ``mixed_precision``/``compute_dtype``.
         - Original parameters hold values only during forward/backward and inside :meth:`summon_full_params`;
           between steps ``model.module.fc.weight`` is a placeholder with the right shape, dtype and device and
           no memory (``print(model)`` works; arithmetic on it raises, pointing to ``summon_full_params``).

@@ -146,6 +146,11 @@ class ParamLocation(NamedTuple):
         return f"{self.module_path}.{self.attr}" if self.module_path else self.attr
 
 
+#: A unit's parameters, first occurrence first, and the later names of tied ones (index into the owners).
+Owners = list[tuple[ParamLocation, nn.Parameter]]
+Aliases = list[tuple[ParamLocation, int]]
+
+
 def build_meta(
     owners: list[tuple[ParamLocation, nn.Parameter]],
     aliases: list[tuple[ParamLocation, int]],

@@ -18,17 +18,14 @@ from torch import nn
 
 from shardkit.distributed.device import current_cuda_device
 from shardkit.distributed.groups import GroupLike, group_size
-from shardkit.distributed.objects import all_gather_objects
 from shardkit.memory.offload import to_host
 from shardkit.nn.fsdp import _collectives
 from shardkit.nn.fsdp.comm_context import CommContext
-from shardkit.nn.fsdp.flat_param import ParamLocation, build_meta
+from shardkit.nn.fsdp.flat_param import Aliases, Owners, ParamLocation, build_meta
 from shardkit.nn.fsdp.handle import FlatParamHandle
 from shardkit.nn.fsdp.policies import FSDPPolicies
 from shardkit.nn.fsdp.reduce import PendingReduce
-
-Owners = list[tuple[ParamLocation, nn.Parameter]]
-Aliases = list[tuple[ParamLocation, int]]
+from shardkit.nn.fsdp.start_values import agree_at_wrap
 
 
 def _walk(module: nn.Module, is_unit: Callable[[nn.Module], bool], prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
@@ -60,6 +57,18 @@ def collect_params(module: nn.Module, is_unit: Callable[[nn.Module], bool]) -> t
     return owners, aliases
 
 
+def collect_buffers(module: nn.Module, is_unit: Callable[[nn.Module], bool]) -> list[tuple[str, torch.Tensor]]:
+    """Every buffer the unit's own submodules hold (not those under nested units), first occurrence only."""
+    seen: set[int] = set()
+    found = []
+    for path, sub in _walk(module, is_unit):
+        for attr, buffer in sub._buffers.items():
+            if buffer is not None and id(buffer) not in seen:
+                seen.add(id(buffer))
+                found.append((f"{path}.{attr}" if path else attr, buffer))
+    return found
+
+
 def _validate(owners: Owners, policies: FSDPPolicies) -> None:
     devices = {p.device for _, p in owners}
     if len(devices) > 1:
@@ -76,25 +85,6 @@ def _validate(owners: Owners, policies: FSDPPolicies) -> None:
                 f"computes in {policies.mixed_precision.param_dtype}. Call model.float() before wrapping, or "
                 "drop mixed_precision/compute_dtype to train in the parameters' own dtype."
             )
-
-
-def check_same_across_ranks(owners: Owners, aliases: Aliases, group: GroupLike, rank: int) -> None:
-    """Raise on every rank, naming the parameter, if ranks built different models (nothing is changed yet)."""
-    mine = [(loc.fqn, tuple(p.shape), str(p.dtype)) for loc, p in owners] + [(loc.fqn, (), "") for loc, _ in aliases]
-    everyone = all_gather_objects(mine, group, "fsdp:param_check")
-    for other_rank, theirs in enumerate(everyone):
-        if theirs == mine:
-            continue
-        for a, b in zip(mine, theirs):
-            if a != b:
-                detail = f"'{a[0]}' {a[1]} {a[2]} on rank {rank} but '{b[0]}' {b[1]} {b[2]} on rank {other_rank}"
-                break
-        else:
-            detail = f"{len(mine)} parameters on rank {rank} but {len(theirs)} on rank {other_rank}"
-        raise ValueError(
-            f"FullyShardedDataParallel: ranks hold different parameters: {detail}. Every rank must build the same "
-            "model (same shapes and dtypes) before wrapping; the model was left unchanged."
-        )
 
 
 def _check_not_sharded_by_nested(owners: Owners, nested: Sequence[ParamGroup]) -> None:
@@ -135,6 +125,20 @@ def _compute_device(owners: Owners, policies: FSDPPolicies) -> torch.device:
     if policies.offload.offload_params and device.type == "cpu" and torch.cuda.is_available():
         return current_cuda_device()  # cuda:LOCAL_RANK, selected now if the script did not
     return device
+
+
+def _cast_after_wrapping(unit_name: str, handle: FlatParamHandle, policies: FSDPPolicies) -> str:
+    """What to say when a shard's dtype changed since wrapping (``model.to(torch.bfloat16)``, ``.half()``)."""
+    now, then = handle.shard.dtype, handle.meta.dtype
+    computes_in = policies.mixed_precision.param_dtype or then
+    return (
+        f"FullyShardedDataParallel unit '{unit_name}': the model was cast to {now} after it was wrapped (its shard "
+        f"'{handle.name}' was {then} at wrap time; e.g. model.to({now}), .half(), .bfloat16()). A cast after "
+        f"wrapping changes only the stored shards, not the dtype the unit gathers and computes in ({computes_in}): "
+        "training would go on in a dtype other than the one the parameters, gradients and state dict show, or fail "
+        f"on mismatched dtypes. Cast the model before wrapping (FSDP(model.to({now}))), or keep float32 parameters "
+        f"and compute in {now} with mixed_precision=True, compute_dtype={now}."
+    )
 
 
 def _shard_tensor(local: torch.Tensor, policies: FSDPPolicies, compute_device: torch.device) -> torch.Tensor:
@@ -191,13 +195,16 @@ class ParamGroup:
         """Shard ``module``'s parameters and register the shards on ``owner`` as ``flat_param_<i>``.
 
         Everything that can fail (dtypes, devices, shapes differing across ranks) is checked before the first
-        change, so a failed wrap leaves the model as it was.
+        change, so a failed wrap leaves the model as it was. Values differing across ranks are replaced by rank 0's
+        (:mod:`~shardkit.nn.fsdp.start_values`).
         """
         owners, aliases = collect_params(module, is_unit)
         _validate(owners, policies)
         _check_not_sharded_by_nested(owners, nested)
-        check_same_across_ranks(owners, aliases, group, rank)
         compute_device = _compute_device(owners, policies)
+        buffers = collect_buffers(module, is_unit)
+        replica = policies.reduce.replica_group
+        agree_at_wrap(owners, aliases, buffers, group, replica, rank, compute_device, label)  # refuses, or rank 0's
         handles = []
         with torch.no_grad():
             for i, (g_owners, g_aliases) in enumerate(
@@ -278,6 +285,8 @@ class ParamGroup:
             registered = self.owner._parameters.get(handle.name)
             if registered is not None and registered is not handle.shard:
                 handle.shard = registered
+            if handle.shard.dtype != handle.meta.dtype:
+                raise RuntimeError(_cast_after_wrapping(unit_name, handle, self.policies))
         if not self.policies.offload.offload_params:
             return
         for handle in self.handles:
