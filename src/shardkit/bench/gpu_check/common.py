@@ -50,7 +50,7 @@ class PartContext:
 
 def device() -> torch.device:
     """This process's device, as shardkit chooses it (``cuda:LOCAL_RANK``, or ``cuda:0`` for a single process)."""
-    # imported here: on a lent machine's torch, a module that fails to import fails the check that needs it only
+    # imported in the check: on a lent machine's torch, a module that fails to import fails the check that needs it only
     from shardkit.distributed.device import select_device
 
     return select_device()

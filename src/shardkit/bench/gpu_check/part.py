@@ -75,6 +75,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.name == "selftest_hang":
         _hang_until_killed(res)
         return 0
+    # imported in the check: on a lent machine's torch a module that fails to import fails only this check
     from shardkit.bench.gpu_check.common import PartContext, close_world
 
     ctx = PartContext(small=args.small, deadline=started + inner_timeout_s(args.limit))

@@ -107,6 +107,7 @@ def judge_schedule(want: list[float], theory: float, timed: bool, per_rank: list
 
 def pipeline_worker(rank: int, world_size: int, small: bool, record: str, timed: bool) -> None:
     """Every schedule over the ranks against one process on the whole batches; rank 0 records each."""
+    # imported in the check: on a lent machine's torch a module that fails to import fails only this check
     from shardkit.bench.gpu_check.parts_ranks import agreed_check
     from shardkit.bench.pipeline_theory import bubble_theory
 

@@ -104,6 +104,7 @@ def ranks_worker(rank: int, world_size: int, small: bool, record: str, multi_gpu
     for name, run in parts_amp.scaler_cases(small, poison_rank=1, smp_partitions=2):
         agreed_check(res, f"ranks2:{name}", run, parts_amp.judge)
     root = Path(tempfile.mkdtemp(prefix="gpu_check_ckpt2_")) if rank == 0 else None
+    # imported in the check: on a lent machine's torch a module that fails to import fails only this check
     from shardkit.distributed.objects import broadcast_object
 
     shared = Path(broadcast_object(str(root), 0, None, "gpu_check checkpoint folder"))

@@ -47,6 +47,7 @@ CHECKS = ("tp:logits_tp2_equal_tp1", "tp:three_steps_tp2_equal_tp1", "tp:comm_by
 @contextmanager
 def _model_parallel(size: int) -> Iterator[None]:
     """The model-parallel groups at ``size`` for the block (torn down even when the block fails)."""
+    # imported in the check: on a lent machine's torch a module that fails to import fails only this check
     import shardkit.nn.model_parallel as mp
 
     mp.initialize_model_parallel(size)
@@ -68,6 +69,7 @@ def _host_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def _run(model: TinyLlama, tokens: torch.Tensor) -> dict[str, Any]:
     """Logits before training, then ``STEPS`` SGD steps: losses, the comm meter's count per step, final weights."""
+    # imported in the check: on a lent machine's torch a module that fails to import fails only this check
     from shardkit.distributed import CommMeter, count_comm_bytes
 
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
@@ -88,6 +90,7 @@ def _run(model: TinyLlama, tokens: torch.Tensor) -> dict[str, Any]:
 
 def tp2_against_tp1(cfg: LlamaConfig) -> dict[str, Any]:
     """This rank's gaps between the model at size 2 and the unsplit one built here from the merged weights."""
+    # imported in the check: on a lent machine's torch a module that fails to import fails only this check
     import shardkit.nn.model_parallel as mp
     from shardkit import tensor_parallel as tp
     from shardkit.distributed.objects import all_gather_objects
@@ -121,6 +124,7 @@ def tp2_against_tp1(cfg: LlamaConfig) -> dict[str, Any]:
 def dropout_case(cfg: LlamaConfig) -> dict[str, Any]:
     """Masks drawn on the tracker's model-parallel stream and on the default one, and a training-mode forward
     with dropout (its logits, and whether dropout changed them), on this rank."""
+    # imported in the check: on a lent machine's torch a module that fails to import fails only this check
     import shardkit.nn.model_parallel as mp
 
     tokens = _tokens(cfg)[:, :-1]
@@ -185,6 +189,7 @@ def _judge_dropout(per_rank: list[dict[str, Any]]) -> Outcome:
 
 def tp_worker(rank: int, world_size: int, small: bool, record: str) -> None:
     """Every tensor-parallel check, in the same order on both ranks; rank 0 writes the records."""
+    # imported in the check: on a lent machine's torch a module that fails to import fails only this check
     from shardkit.bench.gpu_check.parts_ranks import agreed_check
 
     res = Results("tp", Path(record), resume=True) if rank == 0 else None
