@@ -19,8 +19,8 @@ demo: install
 	$(VENV)/bin/shardkit demo
 
 lint: install
-	$(VENV)/bin/ruff check src tests examples docs
-	$(VENV)/bin/ruff format --check src tests examples docs
+	$(VENV)/bin/ruff check src tests examples docs/conf.py docs/_ext
+	$(VENV)/bin/ruff format --check src tests examples docs/conf.py docs/_ext
 
 typecheck: install
 	$(VENV)/bin/mypy

@@ -28,7 +28,7 @@ extensions = [
     "bench_plot",
 ]
 source_suffix = {".rst": "restructuredtext", ".md": "markdown"}
-exclude_patterns = ["_build", "**/_toc.inc"]
+exclude_patterns = ["_build", "**/_toc.inc", "benchmarks/generated"]
 root_doc = "index"
 
 myst_enable_extensions = ["colon_fence", "deflist"]
@@ -48,7 +48,7 @@ napoleon_numpy_docstring = False
 nitpicky = True
 nitpick_ignore_regex = [
     (r"py:.*", r"(nn|torch|lightning|transformers|safetensors|numpy|typing_extensions|collections|contextlib)(\..*)?"),
-    (r"py:.*", r"(typing|enum|abc|pathlib|os|concurrent|types|dataclasses|threading|datetime|logging)\..*"),
+    (r"py:.*", r"(_thread|typing|enum|abc|pathlib|os|concurrent|types|dataclasses|threading|datetime|logging)\..*"),
     (r"py:.*", r"(Any|Optional|Union|Callable|Iterator|Iterable|Sequence|Mapping|Tuple|List|Dict|Set|Type)"),
     (r"py:.*", r"(Path|Tensor|Module|Parameter|ProcessGroup|ReduceOp|Work|DeviceMesh|Optimizer|Enum|NamedTuple)"),
     (r"py:.*", r"(int|float|str|bool|bytes|dict|list|tuple|set|object|type|None|Ellipsis|callable|optional)"),

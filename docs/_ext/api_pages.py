@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -179,9 +180,23 @@ def _resolve(
         found = env.get_domain("py").resolve_any_xref(env, node["refdoc"], app.builder, target, node, contnode)
         if found:
             return found[0][1]
-    if value is not None:
+    if value is not None or _internal_name(node):
         return contnode  # shardkit's own internals (an internal module, a private base class): named, not linked
     return None
+
+
+def _internal_name(node: pending_xref) -> bool:
+    """A short name that some shardkit module defines (a type alias, a helper), or an instance attribute of a
+    shardkit class: shardkit's own vocabulary, which the reference does not describe."""
+    name = node.get("reftarget", "")
+    if node.get("reftype") == "attr" and str(node.get("py:module") or "").startswith("shardkit"):
+        return bool(node.get("py:class"))
+    if "." in name:
+        return False
+    return any(
+        module_name.startswith("shardkit") and module is not None and name in vars(module)
+        for module_name, module in list(sys.modules.items())
+    )
 
 
 def _lookup(name: str, module: Optional[str], cls: Optional[str]) -> Optional[Any]:
