@@ -59,5 +59,6 @@ nitpick_ignore_regex = [
 
 html_theme = "furo"
 html_title = f"shardkit {release}"
-html_static_path: list[str] = []
+html_static_path = ["_static"]
+html_css_files = ["custom.css"]
 html_theme_options = {"source_repository": "", "navigation_with_keys": True}
