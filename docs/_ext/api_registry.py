@@ -214,7 +214,11 @@ def source_packages() -> Iterator[str]:
 
 
 def _is_internal(module: str) -> bool:
-    return any(module == name or module.startswith(name + ".") for name in INTERNAL if _covers_subpackages(name))
+    """Under an INTERNAL entry that covers its subtree, or a subpackage of a package still being built (pending:
+    register its public subpackages once it lands)."""
+    covering = [name for name in INTERNAL if _covers_subpackages(name)]
+    covering += [package.module for package in PACKAGES if package.pending]
+    return any(module.startswith(name + ".") or module == name for name in covering)
 
 
 def _covers_subpackages(name: str) -> bool:
