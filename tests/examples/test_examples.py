@@ -18,6 +18,8 @@ import pytest
 
 from shardkit.launch import free_port
 
+pytestmark = pytest.mark.multi  # every test but the listing launches torchrun with 2 processes
+
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
