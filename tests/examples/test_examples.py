@@ -60,6 +60,12 @@ def test_every_example_runs() -> None:
     assert scripts == set(RUNS) | set(ELSEWHERE), "give each example in examples/ a test in this file"
 
 
+def test_every_example_is_shown_in_a_guide() -> None:
+    pages = "\n".join(p.read_text() for p in (ROOT / "docs").rglob("*.md") if "_build" not in p.parts)
+    unshown = [name for name in [*RUNS, *ELSEWHERE] if f"{{literalinclude}} ../../examples/{name}" not in pages]
+    assert not unshown, f"examples no guide shows (literalinclude): {unshown}"
+
+
 @pytest.mark.timeout(300)
 def test_zero2(tmp_path: Path) -> None:
     first, last = _losses(_torchrun("zero2_training.py", "--steps", "8", cwd=tmp_path), "zero2: world 2")
