@@ -133,6 +133,19 @@ def _page(ref: Reference, package: registry.ApiPackage) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _index(shown: List[registry.ApiPackage]) -> str:
+    """The reference's index (included by docs/api/index.md): the packages with their summaries, then
+    fairscale's paths, and a hidden toctree that puts every page in the sidebar."""
+    lines = ["| package | what it holds |", "|---|---|"]
+    lines += [f"| {{doc}}`{p.module} <generated/{p.module}>` | {p.summary} |" for p in shown if not p.face]
+    lines += ["", "fairscale's import paths, each a table of links to the objects above:", ""]
+    lines += ["| shardkit path | fairscale's |", "|---|---|"]
+    lines += [f"| {{doc}}`{p.module} <generated/{p.module}>` | `{p.summary}` |" for p in shown if p.face]
+    lines += ["", "```{toctree}", ":hidden:", ""]
+    lines += [f"generated/{p.module}" for p in shown if not p.face] + [f"generated/{p.module}" for p in shown if p.face]
+    return "\n".join([*lines, "```", ""])
+
+
 def _write_pages(app: Sphinx) -> None:
     for problem in registry.check():
         LOGGER.warning("API reference: %s", problem, type="shardkit", subtype="api")
@@ -140,16 +153,10 @@ def _write_pages(app: Sphinx) -> None:
     _STATE["reference"] = ref
     GENERATED.mkdir(parents=True, exist_ok=True)
     wanted = {}
-    toc = ["```{toctree}", ":maxdepth: 1", ""]
-    for section, face in (("core", False), ("fairscale", True)):
-        toc_section = [p for p in registry.PACKAGES if p.face == face and p.module in ref.modules]
-        toc += [f"generated/{p.module}" for p in toc_section] if section == "core" else []
-        for package in toc_section:
-            wanted[f"{package.module}.rst"] = _page(ref, package)
-    toc += ["```", "", "fairscale's import paths (each a table of links):", "", "```{toctree}", ":maxdepth: 1", ""]
-    toc += [f"generated/{p.module}" for p in registry.PACKAGES if p.face and p.module in ref.modules]
-    toc += ["```", ""]
-    wanted["_toc.inc"] = "\n".join(toc)
+    shown = [p for p in registry.PACKAGES if p.module in ref.modules]
+    for package in shown:
+        wanted[f"{package.module}.rst"] = _page(ref, package)
+    wanted["_toc.inc"] = _index(shown)
     for old in GENERATED.iterdir():
         if old.name not in wanted:
             old.unlink()
