@@ -50,8 +50,12 @@ PACKAGES: Tuple[ApiPackage, ...] = (
     ApiPackage("shardkit.modelparallel", "The smp API: import shardkit.modelparallel as smp."),
     ApiPackage("shardkit.modelparallel.nn", "smp.nn: the Apex layer replacements and smp's layer names."),
     ApiPackage("shardkit.modelparallel.optimizers", "smp.optimizers: FusedNovoGrad and FusedLamb."),
-    ApiPackage("shardkit.tensor_parallel", "Tensor parallelism (being built).", pending=True),
-    ApiPackage("shardkit.nn.model_parallel", "Tensor-parallel layers (being built).", pending=True),
+    ApiPackage(
+        "shardkit.modelparallel.nn.huggingface",
+        "smp.nn.huggingface: Hugging Face state dicts to and from smp's.",
+        pending=True,
+    ),
+    ApiPackage("shardkit.tensor_parallel", "Tensor parallelism: one layer split across processes.", pending=True),
     ApiPackage("shardkit.lightning", "Lightning strategies."),
     ApiPackage("shardkit.checkpoint", "Training checkpoints any strategy loads at any world size."),
     ApiPackage("shardkit.distributed", "Process groups, topology, labelled collectives and the rank checks."),
@@ -83,6 +87,7 @@ PACKAGES: Tuple[ApiPackage, ...] = (
         "shardkit.experimental.nn.data_parallel.gossip", "fairscale.experimental.nn.data_parallel.gossip", face=True
     ),
     ApiPackage("shardkit.utils.testing", "fairscale.utils.testing", face=True),
+    ApiPackage("shardkit.nn.model_parallel", "fairscale.nn.model_parallel", face=True, pending=True),
 )
 
 #: Packages (and everything under them) that users do not import, with why.
