@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.shardkit-installed
 
-.PHONY: install demo test lint typecheck unit bench docs docs-strict clean gpu-check gpu-check-wheels
+.PHONY: install demo test lint typecheck unit bench clean gpu-check gpu-check-wheels
 
 # torch is installed first and pinned: a looser requirement with no torch present pulls CUDA wheels.
 $(STAMP): pyproject.toml
@@ -29,6 +29,7 @@ typecheck: install
 # rebuilds from scratch (-E: every page re-read, so no warning hides in a cached page) with warnings as errors,
 # every reference checked (-n) and the API reference's check of undocumented public names (docs/_ext).
 SPHINX := $(PY) -m sphinx -b html -q
+.PHONY: docs docs-strict
 docs: install
 	$(SPHINX) docs docs/_build/html
 	@echo "open docs/_build/html/index.html"
