@@ -46,7 +46,11 @@ def plot(entries: Dict[str, Dict[str, Any]], path: Path) -> None:
     names = list(entries)
     heights = [0.9 + 0.32 * len(entries[name]["rows"]) for name in names]
     figure, axes = plt.subplots(
-        len(names), 1, figsize=(8, sum(heights) + 0.6 * len(names)), squeeze=False, height_ratios=heights
+        len(names),
+        1,
+        figsize=(8, sum(heights) + 0.6 * len(names)),
+        squeeze=False,
+        gridspec_kw={"height_ratios": heights},
     )
     for ax, name in zip(axes.flat, names):
         entry = entries[name]
