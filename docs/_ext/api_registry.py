@@ -55,7 +55,7 @@ PACKAGES: Tuple[ApiPackage, ...] = (
         "smp.nn.huggingface: Hugging Face state dicts to and from smp's.",
         pending=True,
     ),
-    ApiPackage("shardkit.tensor_parallel", "Tensor parallelism: one layer split across processes.", pending=True),
+    ApiPackage("shardkit.tensor_parallel", "Tensor parallelism: one layer split across processes."),
     ApiPackage("shardkit.lightning", "Lightning strategies."),
     ApiPackage("shardkit.checkpoint", "Training checkpoints any strategy loads at any world size."),
     ApiPackage("shardkit.distributed", "Process groups, topology, labelled collectives and the rank checks."),
@@ -87,7 +87,7 @@ PACKAGES: Tuple[ApiPackage, ...] = (
         "shardkit.experimental.nn.data_parallel.gossip", "fairscale.experimental.nn.data_parallel.gossip", face=True
     ),
     ApiPackage("shardkit.utils.testing", "fairscale.utils.testing", face=True),
-    ApiPackage("shardkit.nn.model_parallel", "fairscale.nn.model_parallel", face=True, pending=True),
+    ApiPackage("shardkit.nn.model_parallel", "fairscale.nn.model_parallel", face=True),
 )
 
 #: Packages (and everything under them) that users do not import, with why.
@@ -173,6 +173,27 @@ FAIRSCALE_NAMES: Dict[str, Tuple[str, Tuple[str, ...]]] = {
         ("SlowMoBaseAlgorithm", "SlowMoDistributedDataParallel"),
     ),
     "fairscale.utils.testing": ("shardkit.utils.testing", ("DummyProcessGroup",)),
+    "fairscale.nn.model_parallel": (
+        "shardkit.nn.model_parallel",
+        (
+            "vocab_parallel_cross_entropy",
+            "get_data_parallel_group",
+            "get_data_parallel_rank",
+            "get_data_parallel_world_size",
+            "get_model_parallel_group",
+            "get_model_parallel_rank",
+            "get_model_parallel_src_rank",
+            "get_model_parallel_world_size",
+            "initialize_model_parallel",
+            "ColumnParallelLinear",
+            "RowParallelLinear",
+            "VocabParallelEmbedding",
+            "copy_to_model_parallel_region",
+            "gather_from_model_parallel_region",
+            "get_cuda_rng_tracker",
+            "model_parallel_cuda_manual_seed",
+        ),
+    ),
 }
 
 #: fairscale modules whose every public name shardkit's face exports (the face's ``__all__`` is fairscale's).

@@ -52,6 +52,7 @@ RUNS = {
     "checkpoint_across_strategies.py": "test_checkpoint_across_strategies",
     "plan_then_run.py": "test_plan_then_run",
     "multinode_two_nodes.sh": "test_multinode_two_nodes",
+    "tensor_parallel_mlp.py": "test_tensor_parallel_mlp",
 }
 
 
@@ -119,4 +120,10 @@ def test_plan_then_run(tmp_path: Path) -> None:
 def test_multinode_two_nodes(tmp_path: Path) -> None:
     out = _run(["bash", str(EXAMPLES / "multinode_two_nodes.sh"), str(free_port()), "6"], tmp_path)
     first, last = _losses(out, "zero2: world 2")
+    assert last < first
+
+
+@pytest.mark.timeout(300)
+def test_tensor_parallel_mlp(tmp_path: Path) -> None:
+    first, last = _losses(_torchrun("tensor_parallel_mlp.py", "--steps", "6", cwd=tmp_path), "tp: degree 2")
     assert last < first
