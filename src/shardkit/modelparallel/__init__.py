@@ -30,8 +30,9 @@ plan, build the stage), :mod:`~.step` (``step``, ``StepOutput``), :mod:`~.partit
 :mod:`~.runtime` (how a partitioned forward runs on every stage), :mod:`~.execution` (the stage-execution
 object the schedule drives), :mod:`~.pipeline_parallel` (schedules; it imports no model class) beside
 :mod:`~.pp_communications` (send/recv), :mod:`~.grad_sync` and :mod:`~.stage_groups` (gradient reduction),
-:mod:`~.startup`, :mod:`~.optimizer`, :mod:`~.checkpoint`, :mod:`~.amp`; ``smp.nn`` (``FusedLayerNorm``) and
-``smp.optimizers`` (``FusedNovoGrad``, ``FusedLamb``), the Apex replacements smp ships, in plain torch.
+:mod:`~.startup`, :mod:`~.optimizer`, :mod:`~shardkit.modelparallel.checkpoint`, :mod:`~.amp`; ``smp.nn``
+(``FusedLayerNorm``) and ``smp.optimizers`` (``FusedNovoGrad``, ``FusedLamb``), the Apex replacements smp ships,
+in plain torch.
 
 smp's common API beyond the seed: :mod:`~.config_sources` (where ``smp.init()`` finds its config, smp v1's keys),
 :mod:`~.groups` (``CommGroup``, ``RankType``, the tp/rdp/pp helpers), :mod:`~.comm` (``allgather``,

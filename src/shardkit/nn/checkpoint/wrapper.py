@@ -156,25 +156,25 @@ def adds_no_name(parent: nn.Module, child_name: str) -> bool:
 def checkpoint_wrapper(module: nn.Module, offload_to_cpu: bool = False) -> CheckpointWrapper:
     """Wrap ``module`` so its activations are recomputed in backward instead of kept from forward.
 
-        Only the module's inputs are kept between forward and backward; everything computed inside is recomputed
-        when backward reaches it, trading one extra forward for the activation memory. Dropout masks are the same
-        in the recomputation, BatchNorm statistics are updated once, and eval / ``no_grad`` forwards (and those inside
+    Only the module's inputs are kept between forward and backward; everything computed inside is recomputed
+    when backward reaches it, trading one extra forward for the activation memory. Dropout masks are the same
+    in the recomputation, BatchNorm statistics are updated once, and eval / ``no_grad`` forwards (and those inside
     :func:`~shardkit.nn.checkpoint.flags.disable_checkpointing`) run plainly.
 
-        Args:
-            module: the module to checkpoint, typically one transformer block.
-            offload_to_cpu: keep the saved inputs in host memory (pinned when they come from CUDA) and copy them
-                back for the recomputation. Inputs that already live on the CPU are left alone.
+    Args:
+        module: the module to checkpoint, typically one transformer block.
+        offload_to_cpu: keep the saved inputs in host memory (pinned when they come from CUDA) and copy them
+            back for the recomputation. Inputs that already live on the CPU are left alone.
 
-        Returns:
-            A :class:`CheckpointWrapper`; its ``state_dict`` keys equal the unwrapped module's. It composes with
-            sharding: ``FullyShardedDataParallel(checkpoint_wrapper(block))``.
+    Returns:
+        A :class:`CheckpointWrapper`; its ``state_dict`` keys equal the unwrapped module's. It composes with
+        sharding: ``FullyShardedDataParallel(checkpoint_wrapper(block))``.
 
-        Example::
+    Example::
 
-            block = checkpoint_wrapper(TransformerBlock(cfg))
-            loss = block(x, attention_mask=mask).sum()
-            loss.backward()  # block's forward runs a second time here
+        block = checkpoint_wrapper(TransformerBlock(cfg))
+        loss = block(x, attention_mask=mask).sum()
+        loss.backward()  # block's forward runs a second time here
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"checkpoint_wrapper expects an nn.Module, got {type(module).__name__}")

@@ -332,9 +332,11 @@ class FullyShardedDataParallel(UnitModule):
         return consolidate.consolidate_shard_weights(shard_weights, shard_metadata, with_module_buffers, strict)
 
     def sharded_state_dict(self) -> dict[str, Any]:
-        """Per original parameter a row-sharded DTensor, for ``torch.distributed.checkpoint.save``. Example::
+        """Per original parameter a row-sharded DTensor, for ``torch.distributed.checkpoint.save``.
 
-        torch.distributed.checkpoint.save({"model": model.sharded_state_dict()}, checkpoint_id=path)
+        Example::
+
+            torch.distributed.checkpoint.save({"model": model.sharded_state_dict()}, checkpoint_id=path)
         """
         every_rank_calls(self.process_group, "sharded_state_dict()")
         return sharded.sharded_state_dict(self)

@@ -7,13 +7,13 @@ function                     what it holds                                      
 ===========================  ======================================================  ==============================
 :func:`state_dict`           every parameter in full, FP32, plus buffers              one all-gather per flat param;
                                                                                       the full model on every rank
-:func:`local_state_dict`     this rank's flat shards (``<unit>.flat_param_<i>``)       no communication
+:func:`local_state_dict`     this rank's flat shards (``<unit>.flat_param_<i>``)      no communication
 :func:`sharded_state_dict`   per parameter a row-sharded ``DTensor`` for              one all-gather per flat param
                              :mod:`torch.distributed.checkpoint` (any world size)     to save; one per parameter to
                                                                                       load; peak one flat param
 optimizer functions          optimizer state unflattened per original parameter       one all-gather per state tensor
-:func:`local_metadata_dict`  how the local shards map onto the full model; with        no communication
-                             :func:`consolidate_shard_weights`, offline consolidation
+:func:`local_metadata_dict`  how the local shards map onto the full model; with       no communication
+                             :func:`consolidate_shard_weights` (offline)
 ===========================  ======================================================  ==============================
 
 Every function reads the model through the read model :func:`shardkit.nn.fsdp.layout` (names, flat ranges,
