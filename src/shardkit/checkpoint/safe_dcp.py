@@ -19,12 +19,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.futures import Future
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.futures import Future
 
 from shardkit.checkpoint._torch_private import DCP_INDEX_PRIVATE_GLOBALS
 from shardkit.checkpoint.errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
