@@ -24,6 +24,7 @@ from typing import Any, Generic, Optional, TypeVar
 
 from torch.profiler import record_function
 
+from shardkit.distributed.departures import DEPARTURES
 from shardkit.distributed.long_waits import WaitWatch
 from shardkit.distributed.node_layout import NodeLayout
 
@@ -237,6 +238,7 @@ INSTRUMENTATION = Instrumentation()
 def blocking_call(name: str) -> Iterator[None]:
     """A torch call that blocks until every rank makes it (object collectives, the barrier): labelled ``name`` in
     profiles, and watched, so a rank blocked in it long says so (:mod:`.long_waits`)."""
+    DEPARTURES.watch()
     with record_function(name), INSTRUMENTATION.waits.watching(name):
         yield
 

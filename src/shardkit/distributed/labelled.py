@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
+from shardkit.distributed.departures import DEPARTURES
 from shardkit.distributed.groups import GroupLike
 from shardkit.distributed.health import explain_failure, verify_matching
 from shardkit.distributed.instrumentation import INSTRUMENTATION, CommMeter, LinkModel
@@ -144,6 +145,7 @@ def custom_collective(
     ``root_in_group`` for ``"rooted"`` and the peer's global rank ``peer`` for ``"p2p"``) names the traffic
     model that splits the bytes into intra- and inter-node (:mod:`shardkit.distributed.node_traffic`).
     """
+    DEPARTURES.watch()  # from the first collective on, how this process ends is recorded for its peers
     verify_matching(group, op, label, tensor)
     meter = INSTRUMENTATION.meters.top
     link = INSTRUMENTATION.links.top
