@@ -7,8 +7,9 @@ ends: ``failed`` with its exception (an uncaught one, through ``sys.excepthook``
 or ``left`` when the interpreter exits without one (``atexit``). The ranks left behind read those records to say
 which rank went and how (:func:`~shardkit.distributed.health.explain_failure`).
 
-The store handle is kept from the first collective on, so a script that destroys its process group in a ``finally``
-before the exception reaches ``sys.excepthook`` still reports. Keys carry torchrun's restart count: a restarted job
+Under torchrun the store handle is kept from the first collective on, so a script that destroys its process group
+(at its end, or in a ``finally`` before the exception reaches ``sys.excepthook``) still reports; elsewhere the peers
+then read that a rank left, finished or died. Keys carry torchrun's restart count: a restarted job
 reusing the agent's store never reads the records of the round before. Costs nothing per collective after the first
 (one attribute test); the records are a store write at exit and a few reads on the failure path only.
 """
@@ -21,8 +22,9 @@ import os
 import sys
 import threading
 import time
+import weakref
 from types import TracebackType
-from typing import Optional
+from typing import Callable, Optional
 
 import torch.distributed as dist
 
@@ -62,12 +64,28 @@ def read_record(store: dist.Store, key: str) -> Optional[str]:
     return None
 
 
+def _nothing() -> Optional[dist.Store]:
+    return None
+
+
+def _keep(store: dist.Store) -> Callable[[], Optional[dist.Store]]:
+    """How this process reaches ``store`` once the script has destroyed its process group (to report at exit).
+
+    torchrun's agent hosts the store its workers share (``TORCHELASTIC_USE_AGENT_STORE``), so a worker keeps its
+    client: the record then reaches the others even after ``destroy_process_group()``. Any other store may be served
+    by this very process, whose port a later ``init_process_group`` must be able to bind again: only a weak reference
+    is kept, and a store torch let go of is not written to."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return lambda: store
+    return weakref.ref(store)
+
+
 class Departures:
     """This process's record of how it ends, and the other ranks' records (one per process: :data:`DEPARTURES`)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._store: Optional[dist.Store] = None
+        self._kept: Callable[[], Optional[dist.Store]] = _nothing
         self._rank = 0
         self._watching = False
         self._reported = False
@@ -75,7 +93,7 @@ class Departures:
 
     def _forget(self) -> None:
         self._lock = threading.Lock()
-        self._store, self._rank, self._watching, self._reported = None, 0, False, False
+        self._kept, self._rank, self._watching, self._reported = _nothing, 0, False, False
 
     def watch(self) -> None:
         """From now on, record in the store how this process ends (once per process; cheap to call again)."""
@@ -87,7 +105,7 @@ class Departures:
         with self._lock:
             if self._watching:
                 return
-            self._store, self._rank, self._watching = store, dist.get_rank(), True
+            self._kept, self._rank, self._watching = _keep(store), dist.get_rank(), True
         previous = sys.excepthook
 
         def hook(kind: type[BaseException], value: BaseException, tb: Optional[TracebackType]) -> None:
@@ -101,7 +119,7 @@ class Departures:
         store = default_store()
         if store is not None:
             return store, dist.get_rank()
-        return self._store, self._rank
+        return self._kept(), self._rank
 
     def report_failure(self, error: BaseException) -> None:
         """Record that this rank failed with ``error`` (best effort, never raises)."""
