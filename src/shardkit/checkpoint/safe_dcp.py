@@ -172,14 +172,18 @@ def save_planned(path: Path, planner: Any, process_group: Any = None) -> None:
         failures = {rank: f[0] if isinstance(f, tuple) else f for rank, f in err.failures.items()}
         if not failures:
             raise CheckpointError(f"writing {path} failed: {err}") from err
-        rank, first = min(failures.items())
-        said = (
-            str(first)
-            if isinstance(first, CheckpointError)
-            else f"writing {path} failed: {type(first).__name__}: {first}"
-        )
-        where = f"rank {rank}: " if not _no_dist() else ""
-        raise CheckpointError(f"{where}{said}") from err
+        if _no_dist():
+            raise _said(next(iter(failures.values())), path) from err
+        ranks = ", ".join(str(rank) for rank in sorted(failures))
+        lines = [f"rank {rank}: {_said(failure, path)}" for rank, failure in sorted(failures.items())]
+        raise CheckpointError(f"writing {path} failed on rank(s) {ranks}:\n" + "\n".join(lines)) from err
+
+
+def _said(failure: BaseException, path: Path) -> CheckpointError:
+    """One rank's DCP write failure: the writer's own explanation (:class:`ExplainingFileSystemWriter`), or DCP's."""
+    if isinstance(failure, CheckpointError):
+        return CheckpointError(str(failure))
+    return CheckpointError(f"writing {path} failed: {type(failure).__name__}: {failure}")
 
 
 def load_planned(path: Path, planner: Any, process_group: Any = None) -> None:
