@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.shardkit-installed
 
-.PHONY: install demo test lint typecheck unit bench clean gpu-check gpu-check-wheels
+.PHONY: install demo test lint typecheck unit bench clean gpu-check
 
 # torch is installed first and pinned: a looser requirement with no torch present pulls CUDA wheels.
 $(STAMP): pyproject.toml
@@ -38,18 +38,13 @@ unit: install
 bench: install
 	$(VENV)/bin/shardkit bench
 
-# On a lent GPU machine (offline, its own torch): the prepared check, under 8 minutes, writing gpu_check.log and
-# gpu_check.json to $$OUT (or ./gpu_check_out). Without CUDA it says so and only checks its own plumbing.
-# pytest for the CUDA-only tests comes from tools/gpu_check/wheels when carried there (make gpu-check-wheels).
+# On a lent GPU machine (offline, its own torch): the prepared check, under 7 minutes, writing exactly two files to
+# $$OUT (or ./gpu_check_out): gpu_check.json (every check's verdict, rewritten as the run goes) and gpu_check.log.
+# Without make: cd src && python3 -m shardkit.bench.gpu_check --out "$$OUT". Rerun failing parts with --parts.
+# Exits non-zero when a check fails, or when this machine shows no CUDA (a GPU is expected unless --small/--dry-run).
 GPU_PY ?= python3
 gpu-check:
-	if [ -d tools/gpu_check/wheels ]; then $(GPU_PY) -m pip install -q --no-index \
-	  --find-links tools/gpu_check/wheels pytest pytest-timeout || true; fi
 	PYTHONPATH=$(CURDIR)/src $(GPU_PY) -m shardkit.bench.gpu_check --out "$${OUT:-gpu_check_out}"
-
-# Here, with network: the wheels gpu-check installs offline (carry tools/gpu_check/wheels to the device).
-gpu-check-wheels:
-	python3 -m pip download -q --only-binary :all: -d tools/gpu_check/wheels pytest pytest-timeout
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache

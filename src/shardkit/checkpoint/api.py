@@ -29,7 +29,7 @@ import shardkit
 from shardkit.checkpoint import _collectives as comm
 from shardkit.checkpoint import rng
 from shardkit.checkpoint.adapters import Adapter, PendingLoad, adapter_for
-from shardkit.checkpoint.checks import check_meta, held_and_names
+from shardkit.checkpoint.checks import check_meta, held_and_names, optimizer_settings, warn_replaced_settings
 from shardkit.checkpoint.checks import verify_checkpoint as verify_checkpoint  # re-exported: the public entry point
 from shardkit.checkpoint.errors import CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError
 from shardkit.checkpoint.files import check_weights_only, fsync_dir, safe_load, write_json_atomic, write_torch
@@ -347,7 +347,9 @@ def load_checkpoint(
         lambda: _read_all(path, read, rank if same_size else 0, scaler), "load_checkpoint: read"
     )
     comm.agreed(pending.fetch, "load_checkpoint: fetch")
+    settings = optimizer_settings(optimizer)
     comm.agreed(pending.apply, "load_checkpoint: apply")  # a failure here still reaches every rank
+    warn_replaced_settings(settings, optimizer, path)
     if scaler is not None:
         scaler.load_state_dict(common["scaler"])
     # An import has no run to continue (older imports stored the import command's RNG): the loader's seed stands.

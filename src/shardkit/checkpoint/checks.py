@@ -3,6 +3,7 @@ size and SHA-256 (also offered alone as :func:`verify_checkpoint`, an fsck for c
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -85,3 +86,41 @@ def verify_files(path: Path, meta: CheckpointMeta, rank: int, world_size: int) -
                 f"{file} does not match the SHA-256 recorded when it was written: it is damaged. "
                 "Load an earlier checkpoint."
             )
+
+
+def optimizer_settings(optimizer: Any) -> list[dict[str, Any]]:
+    """Each param group's settings (``lr``, ``betas``, ...; not its parameters), to compare after a load. Under an
+    LR scheduler (``initial_lr`` set) the current ``lr`` is the schedule's, not the caller's choice: left out."""
+    if optimizer is None:
+        return []
+    skip = {"params"}
+    return [
+        {key: value for key, value in group.items() if key not in skip | ({"lr"} if "initial_lr" in group else set())}
+        for group in optimizer.param_groups
+    ]
+
+
+def _differs(a: Any, b: Any) -> bool:
+    try:
+        return bool(a != b)
+    except (RuntimeError, TypeError, ValueError):  # tensors of several elements, incomparable types
+        return a is not b
+
+
+def warn_replaced_settings(before: list[dict[str, Any]], optimizer: Any, path: Path) -> None:
+    """Warn, naming each one, when loading replaced settings the caller gave ``optimizer`` (a resumed run with a
+    new learning rate keeps the saved one, as torch's ``load_state_dict`` does, which nothing else would say)."""
+    changed = [
+        f"param group {index}: {key} {old!r} -> {group[key]!r}"
+        for index, (old_group, group) in enumerate(zip(before, optimizer_settings(optimizer)))
+        for key, old in old_group.items()
+        if key in group and _differs(old, group[key])
+    ]
+    if changed:
+        shown = "; ".join(changed[:4]) + (f"; and {len(changed) - 4} more" if len(changed) > 4 else "")
+        warnings.warn(
+            f"load_checkpoint replaced this optimizer's settings with those saved in {path} ({shown}): a resumed "
+            "run continues with the saved ones. To train with new settings, set them after loading, e.g. "
+            "`for group in optimizer.param_groups: group['lr'] = new_lr` (and an LR scheduler's base_lrs).",
+            stacklevel=3,
+        )

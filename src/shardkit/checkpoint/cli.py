@@ -10,6 +10,7 @@ Examples::
     shardkit checkpoint import pytorch_model.bin runs/imported                  # torch.save state dict
     shardkit checkpoint import torch_dcp_ckpt/ runs/imported --step 1000        # torch FSDP / FSDP2 DCP checkpoint
     shardkit checkpoint import fairscale_shards/ runs/imported                  # fairscale FSDP local shards
+    shardkit checkpoint import llama-2-13b/ runs/imported                       # consolidated.0N.pth per MP rank
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Optional
 from shardkit.checkpoint.errors import CheckpointError
 from shardkit.checkpoint.tools.export import DTYPES, export_safetensors, parse_size
 from shardkit.checkpoint.tools.hf import export_hf, hf_config
-from shardkit.checkpoint.tools.import_ import import_checkpoint
+from shardkit.checkpoint.tools.import_ import FORMATS, import_checkpoint
 from shardkit.checkpoint.tools.inspect import format_report, inspect_checkpoint
 from shardkit.utils.pipes import quiet_on_broken_pipe
 
@@ -55,14 +56,16 @@ def _parser() -> argparse.ArgumentParser:
         help="model type and optional KEY=VALUE,... overrides, e.g. gpt2 n_layer=2,n_embd=64",
     )
 
-    imp = commands.add_parser("import", help="a state dict, safetensors, torch DCP or fairscale FSDP checkpoint")
+    imp = commands.add_parser(
+        "import", help="a state dict, safetensors, torch DCP, fairscale FSDP or model-parallel checkpoint"
+    )
     imp.add_argument("source", metavar="SRC")
     imp.add_argument("directory", metavar="DIR", help="the universal checkpoint to create")
     imp.add_argument("--step", type=int, default=0, help="training step recorded in the checkpoint (default 0)")
     imp.add_argument(
         "--format",
         default="auto",
-        choices=("auto", "state-dict", "safetensors", "torch-dcp", "fairscale-full", "fairscale-shards"),
+        choices=("auto", *FORMATS),
         help="source format (default: detected)",
     )
     imp.add_argument("--key", default=None, help="the entry holding the model state in a torch.save file")

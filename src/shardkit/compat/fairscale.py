@@ -36,8 +36,8 @@ from typing import Any, NoReturn
 import torch
 from torch import nn
 
-from shardkit.nn.fsdp.handle import FLAT_SHARD_MARK
 from shardkit.nn.fsdp.module_view import is_view
+from shardkit.utils.tensors import FLAT_SHARD_MARK
 
 # ---------------------------------------------------------------------------------------- fairscale.nn.misc
 

@@ -11,12 +11,17 @@ quadratic tensor per layer (a 51M GPT-2 at sequence 1024: +15.5% on DDP's peak, 
   dtypes, head counts, head sizes, mask, dropout and layout (``torch._fused_sdp_choice``), so the answer is the CPU
   run's, not a copy of its rules. Flash attention runs as ``aten._scaled_dot_product_flash_attention_for_cpu``, as
   the CPU composite calls it; anything else (dropout on CPU) runs the math path, exactly as on the CPU.
-- **Accelerator plans** (``target="accelerator"``, an NCCL run): CUDA's order, by its documented constraints:
-  flash attention for half-precision inputs without a mask (head size at most 256), else memory-efficient attention
-  (any float dtype, masks allowed, the same number of key and query heads), else the math path. Both fused kernels
-  keep what the CPU flash operator keeps (the output and a float32 log-sum-exp per row; the memory-efficient one
-  rounds the rows up to 32), so flash is planned with that operator and memory-efficient attention with its own.
-  Kernel workspaces are not tensors and are not planned.
+- **Accelerator plans** (``target="accelerator"``, an NCCL run): CUDA's order (sm80 and newer), by its documented
+  constraints: flash attention for half-precision inputs without a mask (one head size of at most 256, padded to a
+  multiple of 8 in copies the kernel keeps; ``is_causal`` only as many keys as queries; grouped-query attention
+  with ``enable_gqa``), else memory-efficient attention (float32 or half precision, masks allowed, head sizes and
+  storage offsets a multiple of 8 elements in half precision, 4 in float32, the same number of heads), else the
+  math path. Dropout is taken by both fused kernels, which keep only its random state. Both keep the output and a
+  float32 log-sum-exp per row; the memory-efficient one also the mask, made additive in the query's dtype and, where
+  its strides are not multiples of 8, padded. Kernel workspaces are not tensors and are not planned. The math path
+  on meta keeps dropout's mask in the weights' dtype where CUDA keeps one byte per element: that over-plans, never
+  under-plans. An accelerator plan names the calls a CPU run would take on the math path instead (its note), since
+  a CPU run of the same model can hold far more (issue 32, item 15).
 
 How: a kernel for ``aten::scaled_dot_product_attention`` at the ``AutogradMeta`` dispatch key, registered once per
 process, so only meta tensors reach it and it runs wherever the call comes from: a ``TorchFunctionMode`` would be
@@ -102,17 +107,81 @@ def cpu_backend(call: SdpaCall) -> SDPBackend:
     return SDPBackend(choice)
 
 
-def accelerator_backend(call: SdpaCall) -> SDPBackend:
-    """The backend a CUDA device would choose for ``call``, by the fused kernels' documented constraints."""
-    query, key, value, mask = call.query, call.key, call.value, call.attn_mask
+def _dense_4d(call: SdpaCall) -> bool:
+    """Query, key and value are 4-D dense tensors of one dtype and one batch size with work to do: the fused kernels
+    take nothing else."""
+    query, key, value = call.query, call.key, call.value
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4 or query.is_nested:
+        return False
+    same_batch = query.shape[0] == key.shape[0] == value.shape[0]
+    nonempty = query.shape[-2] > 0 and key.shape[-2] > 0
+    return query.dtype == key.dtype == value.dtype and same_batch and nonempty
+
+
+def _heads_fit(call: SdpaCall, grouped: bool) -> bool:
+    """The same number of heads everywhere, or (where the kernel takes grouped-query attention) ``enable_gqa`` with
+    key heads dividing the query heads."""
+    heads, key_heads, value_heads = call.query.shape[1], call.key.shape[1], call.value.shape[1]
+    if heads == key_heads == value_heads:
+        return True
+    return grouped and call.enable_gqa and key_heads == value_heads and heads % key_heads == 0
+
+
+def _unit_last_stride(tensor: torch.Tensor, allow_single: bool) -> bool:
+    return tensor.stride(-1) == 1 or (allow_single and tensor.shape[-1] == 1)
+
+
+def flash_takes(call: SdpaCall) -> bool:
+    """Whether CUDA's flash attention (sm80 and newer) takes ``call``: half precision, no mask, one head size of at
+    most 256 for query, key and value, ``is_causal`` only with as many keys as queries, unit last strides;
+    grouped-query attention with ``enable_gqa``. Dropout is taken (the kernel keeps only its random state)."""
+    query, key, value = call.query, call.key, call.value
+    head = query.shape[-1]
+    square = query.shape[-2] == key.shape[-2]
+    strides = all(_unit_last_stride(t, allow_single=True) for t in (query, key, value))
+    return (
+        query.dtype in _HALF
+        and call.attn_mask is None
+        and head == key.shape[-1] == value.shape[-1]
+        and head <= 256
+        and (square or not call.is_causal)
+        and strides
+        and _heads_fit(call, grouped=True)
+    )
+
+
+def efficient_takes(call: SdpaCall) -> bool:
+    """Whether CUDA's memory-efficient attention takes ``call``: float32 or half precision, masks and dropout allowed,
+    query and key of one head size, head sizes a multiple of the kernel's alignment (8 elements in half precision,
+    4 in float32 on sm80 and newer) and storage offsets too, unit last strides (the mask's included), the same number
+    of heads (grouped-query attention is planned on the math path: not every torch release's kernel takes it, and
+    the math path is the larger plan)."""
+    query, key, value, mask = call.query, call.key, call.value, call.attn_mask
+    align = 8 if query.dtype in _HALF else 4
+    sizes = query.shape[-1] == key.shape[-1] and query.shape[-1] % align == 0 and value.shape[-1] % align == 0
+    offsets = all(t.storage_offset() % align == 0 for t in (query, key, value))
+    strides = all(_unit_last_stride(t, allow_single=False) for t in (query, key, value))
+    mask_stride = not isinstance(mask, torch.Tensor) or mask.stride(-1) == 1
+    return (
+        query.dtype in (*_HALF, torch.float32)
+        and sizes
+        and offsets
+        and strides
+        and mask_stride
+        and _heads_fit(call, grouped=False)
+    )
+
+
+def accelerator_backend(call: SdpaCall) -> SDPBackend:
+    """The backend a CUDA device (sm80 or newer) would choose for ``call``, by the fused kernels' documented
+    constraints, in torch's order: flash attention, memory-efficient attention, the math path. (Where torch prefers
+    cuDNN attention, on sm90/sm100 with a recent cuDNN, it takes a subset of these calls and keeps what the
+    memory-efficient kernel keeps, at most.)"""
+    if not _dense_4d(call):
         return SDPBackend.MATH
-    same_dtype = query.dtype == key.dtype == value.dtype
-    head_dim = query.shape[-1]
-    if same_dtype and query.dtype in _HALF and mask is None and head_dim <= 256 and value.shape[-1] == head_dim:
+    if flash_takes(call):
         return SDPBackend.FLASH_ATTENTION
-    same_heads = query.shape[1] == key.shape[1] == value.shape[1]
-    if same_dtype and query.dtype in (*_HALF, torch.float32) and same_heads:
+    if efficient_takes(call):
         return SDPBackend.EFFICIENT_ATTENTION
     return SDPBackend.MATH
 
@@ -126,26 +195,39 @@ def _additive(mask: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
 
 
 def _efficient_bias(mask: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
-    """The mask as the memory-efficient kernel takes it: additive, its key dimension padded to a multiple of 16 (as
-    the composite prepares it)."""
+    """The mask as the composite hands it to the memory-efficient kernel: additive, and where its strides are not
+    multiples of 8 elements, copied with its key dimension padded by up to 8 (then sliced back); broadcast over
+    batch and heads as a view, never materialised."""
     mask = _additive(mask, query)
-    keys = mask.shape[-1]
-    if keys % 16:
-        padded = F.pad(mask, (0, 16 - keys % 16))
-        mask = padded[..., :keys]
+    aligned = mask.stride(-1) == 1 and all(stride % 8 == 0 for stride in mask.stride()[:-1])
+    if not aligned:
+        keys = mask.shape[-1]
+        mask = F.pad(mask, (0, 8 - keys % 8))[..., :keys]
     return mask
 
 
-def fused_attention(backend: SDPBackend, call: SdpaCall) -> torch.Tensor:
-    """Run ``call`` with the fused operator of ``backend`` (flash or memory-efficient)."""
+def _flash_padded(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` with its head dimension padded to a multiple of 8, as the composite hands it to CUDA's flash
+    kernel (a copy, which the kernel keeps for backward, where the head size is not a multiple of 8)."""
+    head = tensor.shape[-1]
+    return tensor if head % 8 == 0 else F.pad(tensor, (0, 8 - head % 8))
+
+
+def fused_attention(backend: SDPBackend, call: SdpaCall, accelerator: bool = False) -> torch.Tensor:
+    """Run ``call`` with the fused operator of ``backend`` (flash or memory-efficient), with the inputs prepared as
+    the composite prepares them for CUDA when ``accelerator`` is set."""
     query, key, value, mask = call.query, call.key, call.value, call.attn_mask
     if backend == SDPBackend.FLASH_ATTENTION:
-        if isinstance(mask, torch.Tensor):
+        if isinstance(mask, torch.Tensor):  # the CPU's flash kernel takes masks, CUDA's is never given one
             mask = _additive(mask, query)
-        out = flash_attention_for_cpu(
-            query, key, value, call.dropout_p, call.is_causal, attn_mask=mask, scale=call.scale
-        )
-        return out[0]
+        head = query.shape[-1]
+        scale = call.scale if call.scale is not None else head**-0.5  # of the head size before any padding
+        if accelerator:
+            query, key, value = (_flash_padded(t) for t in (query, key, value))
+        out: torch.Tensor = flash_attention_for_cpu(
+            query, key, value, call.dropout_p, call.is_causal, attn_mask=mask, scale=scale
+        )[0]
+        return out if out.shape[-1] == head else out[..., :head]
     bias = _efficient_bias(mask, query) if isinstance(mask, torch.Tensor) else None
     needs_lse = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
     out = efficient_attention(query, key, value, bias, needs_lse, call.dropout_p, call.is_causal, scale=call.scale)
@@ -175,14 +257,19 @@ class DeviceAttention:
         self.target = target
         #: Calls answered per backend name (what the plan assumed).
         self.calls: dict[str, int] = {}
+        #: Accelerator plans: calls planned with a fused kernel that a CPU run would take on the math path, keeping
+        #: the ``batch x heads x seq x seq`` attention weights for backward (dropout on the CPU, for one).
+        self.math_on_cpu = 0
         self._token: Optional[contextvars.Token[Optional[DeviceAttention]]] = None
 
     def answer(self, call: SdpaCall) -> Optional[torch.Tensor]:
         """The fused kernel's output for ``call``, or None where the device runs the math path too."""
         backend = _CHOOSERS[self.target](call)
         self.calls[backend.name] = self.calls.get(backend.name, 0) + 1
+        if self.target == "accelerator" and backend != SDPBackend.MATH and cpu_backend(call) == SDPBackend.MATH:
+            self.math_on_cpu += 1
         if backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
-            return fused_attention(backend, call)
+            return fused_attention(backend, call, accelerator=self.target == "accelerator")
         return None
 
     def __enter__(self) -> DeviceAttention:
@@ -234,6 +321,20 @@ def _register_meta_kernel() -> torch.library.Library:
     return library
 
 
+def attention_note(attention: DeviceAttention) -> str:
+    """The estimate's note on the kernels planned, and for an accelerator plan, which calls a CPU run would hold
+    more for: the plan is for the accelerator, a gloo run on CPUs is planned with ``backend="gloo"``."""
+    kernels = ", ".join(f"{name.lower()} ({count} calls)" for name, count in attention.calls.items())
+    note = f"scaled_dot_product_attention planned as the {attention.target} runs it: {kernels}"
+    if attention.math_on_cpu:
+        note += (
+            f"; on a CPU, {attention.math_on_cpu} of these calls take the math path instead, which keeps each "
+            "call's batch x heads x seq x seq attention weights for backward (far more memory): to plan a CPU run "
+            "on gloo, pass backend='gloo' (shardkit plan --backend gloo)"
+        )
+    return note
+
+
 def attention_target(backend: str) -> str:
     """The attention target of a run on the process-group ``backend``: gloo runs on CPUs, the rest on
     accelerators."""
@@ -245,7 +346,10 @@ __all__ = [
     "DeviceAttention",
     "SdpaCall",
     "accelerator_backend",
+    "attention_note",
     "attention_target",
     "cpu_backend",
+    "efficient_takes",
+    "flash_takes",
     "fused_attention",
 ]

@@ -25,7 +25,7 @@ from shardkit.distributed import CommMeter, NodeLayout, Topology, count_comm_byt
 from shardkit.distributed.node_traffic import active_layout, inter_node_share
 from shardkit.memory.meter import optimizer_state_tensors
 from shardkit.plan.accountant import STATE, Accountant, Category
-from shardkit.plan.attention import DeviceAttention, attention_target
+from shardkit.plan.attention import DeviceAttention, attention_note, attention_target
 from shardkit.plan.peerless import Mailbox, TorchTraffic, peerless_world
 from shardkit.plan.strategies import Built
 
@@ -334,8 +334,7 @@ def _run_steps(
         built[1].zero_grad()
     notes: tuple[str, ...] = ()
     if isinstance(attention, DeviceAttention) and attention.calls:
-        kernels = ", ".join(f"{name.lower()} ({count} calls)" for name, count in attention.calls.items())
-        notes = (f"scaled_dot_product_attention planned as the {attention.target} runs it: {kernels}",)
+        notes = (attention_note(attention),)
     return RankRun(
         device.type, peak.total, peak.by_category, peak.phase, peak.module, state_bytes, state, phases, flops,
         host_peak.total, host_peak.by_category if host_peak.total else {}, host_peak.phase, host_state,

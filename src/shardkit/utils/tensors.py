@@ -7,6 +7,15 @@ from typing import Any
 
 import torch
 
+#: Attribute FullyShardedDataParallel sets on every flat shard it creates (read by :mod:`shardkit.compat.fairscale`,
+#: and by OSS, which refuses to partition shards again). Here, below both, so neither imports the other.
+FLAT_SHARD_MARK = "is_fsdp_flat_shard"
+
+
+def is_fsdp_shard(tensor: Any) -> bool:
+    """Whether ``tensor`` is a flat shard of FullyShardedDataParallel (a parameter it created)."""
+    return bool(getattr(tensor, FLAT_SHARD_MARK, False))
+
 
 def to_cpu(value: Any) -> Any:
     """A copy of a nested value (dicts, lists, tuples) with every tensor detached and copied to the CPU.

@@ -1,132 +1,173 @@
-"""Run the gpu-check parts, each in its own process under its own time limit, and write one JSON and one log.
+"""Run the gpu-check parts, each in its own process group under its own time limit; write one JSON and one log.
 
-    python -m shardkit.bench.gpu_check [--out DIR] [--small] [--parts env,fsdp]
+    python3 -m shardkit.bench.gpu_check [--out DIR] [--small | --dry-run] [--parts env,fsdp] [--expect-gpu]
 
-``DIR`` defaults to ``$OUT`` (the device tool's folder), else ``./gpu_check_out``. It receives ``gpu_check.log``
-(every part's output), ``gpu_check.json`` (every check of every part, plus each part's exit code, time and
-whether it hit its limit) and one ``part_<name>.json`` per part. Exit status 0 unless the plumbing itself broke:
-failed checks are findings, recorded in the JSON. Without CUDA, and without ``--small``, only the plumbing runs
-(the ``env`` part at toy size) and the JSON says ``"dry_run": true``.
+``DIR`` (default ``$OUT``, else ``./gpu_check_out``) receives exactly two files, whatever happens:
+``gpu_check.json`` (rewritten after every part and every check: each check's verdict, why, value and threshold)
+and ``gpu_check.log`` (every part's output). Exit status 0 when every check passed or does not apply to this
+machine; 1 when one failed, when parts went unrun for want of time, or when a machine expected to have a GPU
+shows no CUDA (``--expect-gpu`` is on unless ``--small`` or ``--dry-run``, and whenever ``/dev/nvidia*`` or
+``nvidia-smi`` is there).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import functools
 import os
-import subprocess
+import shutil
+import signal
 import sys
+import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import IO, Any, NoReturn, Optional
 
-#: Name, time limit (seconds) and what it shows; run in this order, most valuable first. The limits add up to
-#: 490 s, more than :data:`BUDGET_S` (8 minutes, as asked): a part gets what is left, so a slow run squeezes the
-#: least valuable parts at the end, never the first ones.
-PARTS: tuple[tuple[str, int, str], ...] = (
-    ("env", 30, "versions, every module imported, private torch APIs"),
-    ("strategies", 70, "every strategy at world size 1 on NCCL against the unwrapped model"),
-    ("fsdp", 50, "FSDP on real streams (prefetch, lagging side streams), pinned offload, bf16"),
-    ("compile", 75, "torch.compile (inductor) of shardkit FSDP against eager"),
-    ("checkpoint", 30, "universal checkpoint from GPU memory, sync and async, host peak"),
-    ("gloo_ranks", 45, "two ranks on one GPU over gloo with CUDA tensors"),
-    ("pipeline", 45, "every smp schedule (split backward on CUDA's autograd threads) over two ranks on one GPU"),
-    ("cuda_tests", 40, "the CUDA-only tests under pytest"),
-    ("plan", 55, "plan's accelerator estimate against max_memory_allocated, ~1B model, DDP and FSDP"),
-    ("throughput", 50, "plain vs shardkit FSDP vs torch FSDP2 on the ~1B model: tokens/s, peak memory"),
+from shardkit.bench.gpu_check.report import Summary
+from shardkit.bench.gpu_check.results import FAIL, PASS
+from shardkit.bench.gpu_check.runner import PartProcess, part_command, run_part
+from shardkit.bench.gpu_check.settings import (
+    BUDGET_S,
+    MIN_PART_S,
+    PARTS,
+    Part,
+    expect_gpu,
+    gpu_evidence,
+    part_named,
+    rank_form,
 )
-#: Wall seconds for all parts together (process starts included): a part gets what is left if that is less
-#: than its own limit, and is skipped with under 10 s left.
-BUDGET_S = 480
 
 
-@dataclass
-class PartRun:
-    """How one part's process ended."""
+def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python3 -m shardkit.bench.gpu_check",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--out", default=os.environ.get("OUT") or "gpu_check_out")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--small", action="store_true", help="every part at toy sizes on any device")
+    size.add_argument("--dry-run", action="store_true", help="the plumbing only: the env part at toy size")
+    parser.add_argument("--parts", default="", help="comma-separated: " + ", ".join(p.name for p in PARTS))
+    expect_help = "fail without CUDA (default: on unless --small/--dry-run, or when a GPU is visible)"
+    parser.add_argument("--expect-gpu", action=argparse.BooleanOptionalAction, default=None, help=expect_help)
+    parser.add_argument("--budget", type=float, default=BUDGET_S, help="wall seconds for all parts together")
+    parser.add_argument(
+        "--limit",
+        action="append",
+        default=[],
+        metavar="PART=SECONDS",
+        help="override one part's time limit (repeatable)",
+    )
+    args = parser.parse_args(argv)
+    try:  # a wrong name or limit is refused before anything is written
+        for name in [n.strip() for n in args.parts.split(",") if n.strip()]:
+            part_named(name)
+        for item in args.limit:
+            part_named(item.split("=", 1)[0])
+            float(item.split("=", 1)[1])
+    except (ValueError, IndexError) as err:
+        parser.error(f"{err} (--parts takes names, --limit PART=SECONDS)")
+    return args
 
-    name: str
-    rc: Optional[int]
-    secs: float
-    timed_out: bool
+
+#: ``--small`` without CUDA gets this many times each part's limit and the budget: the limits are the H200's, and
+#: the CPU run (toy sizes, a busy shared machine) checks the script, not the budget.
+CPU_SMALL_SCALE = 2.0
 
 
-def run_part(
-    name: str, limit_s: float, out: Path, small: bool, log: Any, command: Optional[list[str]] = None
-) -> PartRun:
-    """Run one part in a child process, its output appended to ``log``; killed at ``limit_s`` (never raises)."""
-    cmd = command or [sys.executable, "-m", "shardkit.bench.gpu_check.part", name, "--out", str(out)]
-    if small and command is None:
-        cmd.append("--small")
-    log.write(f"=== {name} (limit {limit_s:.0f}s) {time.strftime('%H:%M:%S')}\n")
-    log.flush()
+def _chosen(args: argparse.Namespace, scale: float) -> list[Part]:
+    """The parts asked for, in the run's order, with their limits (``--limit`` overrides are taken as given)."""
+    names = [n.strip() for n in args.parts.split(",") if n.strip()] or [p.name for p in PARTS]
+    limits = dict(item.split("=", 1) for item in args.limit)
+    chosen = [part_named(name) for name in names]
+    return [Part(p.name, int(float(limits[p.name]) if p.name in limits else p.limit_s * scale), p.what) for p in chosen]
+
+
+def _on_signal(summary: Summary) -> Any:
+    def handler(signum: int, frame: Any) -> NoReturn:
+        PartProcess.kill()
+        summary.stopped(f"the run was stopped by signal {signum}")
+        sys.exit(128 + signum)
+
+    return handler
+
+
+def _run_parts(parts: list[Part], args: argparse.Namespace, summary: Summary, log: IO[str], gate: str) -> None:
+    """Run the chosen parts in order under the budget; ``gate`` (non-empty, the reason) keeps every part but
+    ``env`` and the plumbing's self-tests from running."""
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    timed_out = False
+    work = Path(tempfile.mkdtemp(prefix="gpu_check_parts_"))
     try:
-        rc: Optional[int] = proc.wait(timeout=limit_s)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        os.killpg(proc.pid, 9)  # the part and any ranks it spawned
-        rc = proc.wait()
-    secs = round(time.perf_counter() - start, 1)
-    log.write(f"=== {name} rc={rc} {secs}s{' (time limit)' if timed_out else ''}\n")
-    log.flush()
-    return PartRun(name, rc, secs, timed_out)
+        for part in parts:
+            if gate and part.name != "env" and not part.name.startswith("selftest"):
+                summary.not_run(part, gate, incomplete=False)
+                continue
+            left = args.budget - (time.perf_counter() - start)
+            if left < MIN_PART_S:
+                summary.not_run(part, f"not run: {left:.0f} s left of the {args.budget:.0f} s budget", incomplete=True)
+                continue
+            limit = min(part.limit_s, left)
+            record, stack = work / f"{part.name}.json", work / f"{part.name}.stack"
+            small = args.small or bool(gate)
+            command = part_command(part.name, record, stack, limit, small)
+            progress = functools.partial(summary.progress, part)
+            run = run_part(part.name, limit, command, record, stack, log, progress)
+            summary.part_done(part, run)
+            print(f"gpu-check: {part.name}: {summary.parts[part.name]['verdict']} in {run.secs}s", flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
-def merge(out: Path, runs: list[PartRun], skipped: dict[str, str], info: dict[str, Any]) -> dict[str, Any]:
-    """The one JSON: per part its process outcome and its checks; the failed checks listed on top."""
-    parts: dict[str, Any] = {}
-    failed: list[str] = []
-    for run in runs:
-        path = out / f"part_{run.name}.json"
-        checks = json.loads(path.read_text()).get("checks", {}) if path.exists() else {}
-        ok = run.rc == 0 and not run.timed_out and all(c.get("ok") for c in checks.values())
-        parts[run.name] = {"rc": run.rc, "secs": run.secs, "timed_out": run.timed_out, "ok": ok, "checks": checks}
-        failed += [f"{run.name}:{k}" for k, c in checks.items() if not c.get("ok")]
-        if run.rc != 0 or run.timed_out:
-            failed.append(f"{run.name}:<process rc={run.rc}{' timed out' if run.timed_out else ''}>")
-    for name, reason in skipped.items():
-        parts[name] = {"skipped": reason}
-    return {**info, "parts": parts, "failed": failed}
+def _machine(args: argparse.Namespace, log: IO[str]) -> dict[str, Any]:
+    """What this machine is, said in the log's first lines (before anything can fail) and kept for the JSON."""
+    expected, because = expect_gpu(args.expect_gpu, args.small, args.dry_run)
+    head = f"gpu-check: expecting a GPU: {'yes' if expected else 'no'} ({because}); evidence: {gpu_evidence()}"
+    print(head, file=log, flush=True)
+    import torch  # after the first log line: a torch that fails to import still leaves the reason above
+
+    cuda = torch.cuda.is_available()
+    count = torch.cuda.device_count() if cuda else 0
+    form = rank_form(cuda, count)
+    line = f"gpu-check: torch {torch.__version__}, CUDA: {cuda}, GPUs: {count}; two-rank form: {form.label}"
+    print(line, file=log, flush=True)
+    print(head + "\n" + line, flush=True)
+    return {"expect_gpu": expected, "expect_gpu_why": because, "cuda": cuda, "gpus": count, "rank_form": form.label,
+            "small": args.small, "dry_run": args.dry_run, "torch": torch.__version__,
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv)}  # fmt: skip
+
+
+def _gate(args: argparse.Namespace, info: dict[str, Any], summary: Summary) -> str:
+    """The runner's own check (CUDA where a GPU is expected); why the GPU parts do not run, or '' when they do."""
+    if info["expect_gpu"]:
+        ok = info["cuda"]
+        why = "" if ok else f"no CUDA, but this run expects a GPU ({info['expect_gpu_why']})"
+        entry = {"verdict": PASS if ok else FAIL, "why": why, "value": {"gpus": info["gpus"]}, "threshold": "CUDA"}
+        summary.add_check("runner", "cuda_visible", entry)
+        if not ok:
+            return "not run: no CUDA on a machine expected to have a GPU (only env ran, at toy size)"
+    return "not run: --dry-run (the plumbing only)" if args.dry_run else ""
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     """Entry point; returns the exit status."""
-    parser = argparse.ArgumentParser(prog="python -m shardkit.bench.gpu_check", description=__doc__)
-    parser.add_argument("--out", default=os.environ.get("OUT") or "gpu_check_out")
-    parser.add_argument("--small", action="store_true", help="toy sizes on any device (checks the script)")
-    parser.add_argument("--parts", default="", help="comma-separated subset of: " + ", ".join(p[0] for p in PARTS))
-    args = parser.parse_args(argv)
+    args = _parse(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    import torch
-
-    cuda = torch.cuda.is_available()
-    wanted = [p for p in PARTS if not args.parts or p[0] in args.parts.split(",")]
-    dry_run = not cuda and not args.small
-    skipped: dict[str, str] = {}
-    if dry_run:
-        print("gpu-check: no CUDA device here; dry run of the plumbing only (the env part at toy size)", flush=True)
-        skipped = {name: "no CUDA (dry run)" for name, _, _ in wanted if name != "env"}
-        wanted = [p for p in wanted if p[0] == "env"]
-    info = {"cuda": cuda, "dry_run": dry_run, "small": args.small or dry_run, "torch": torch.__version__,
-            "started": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv)}  # fmt: skip
-    runs = []
-    start = time.perf_counter()
-    with (out / "gpu_check.log").open("a") as log:
-        for name, limit, _ in wanted:
-            left = BUDGET_S - (time.perf_counter() - start)
-            if left < 10:
-                skipped[name] = f"no time left in the {BUDGET_S} s budget"
-                continue
-            runs.append(run_part(name, min(limit, left), out, args.small or dry_run, log))
-            print(f"gpu-check: {name}: rc={runs[-1].rc} {runs[-1].secs}s", flush=True)
-    summary = merge(out, runs, skipped, info)
-    (out / "gpu_check.json").write_text(json.dumps(summary, indent=1, default=str))
-    print(json.dumps({"failed": summary["failed"], "json": str(out / "gpu_check.json")}, indent=1), flush=True)
-    return 0
+    with (out / "gpu_check.log").open("w") as log:
+        info = _machine(args, log)
+        scale = CPU_SMALL_SCALE if args.small and not info["cuda"] else 1.0
+        args.budget *= scale
+        parts = _chosen(args, scale)
+        summary = Summary(out / "gpu_check.json", {**info, "budget_s": args.budget, "limit_scale": scale})
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(signum, _on_signal(summary))
+        _run_parts(parts, args, summary, log, _gate(args, info, summary))
+        summary.finished = True
+        summary.write()
+    lists = summary.lists()
+    print(f"gpu-check: {summary.verdict()}; failed: {lists['failed']}; json: {summary.path}", flush=True)
+    return summary.exit_code()
 
 
 if __name__ == "__main__":

@@ -1,65 +1,59 @@
-"""What every gpu-check part shares: the result record, the device, a world of one, models and a train loop."""
+"""What every gpu-check part shares: its context (size, deadline), the device, a world of one, models built on the
+device, a train loop, deterministic settings and state comparisons."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
-import json
 import os
+import shutil
 import tempfile
 import time
-import traceback
-from pathlib import Path
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardkit.bench.gpu_check.results import Outcome
+from shardkit.bench.gpu_check.settings import RankForm, rank_form
 from shardkit.models import LMConfig, TransformerLM, lm_batch
 
 CUDA = torch.cuda.is_available()
-DEVICE = torch.device("cuda", 0) if CUDA else torch.device("cpu")
 Batch = tuple[torch.Tensor, torch.Tensor]
+#: Seconds the rank harness keeps for its own report after a rank timeout (shardkit.distributed.spawn).
+RANK_GRACE_S = 12.0
 
 
-class Results:
-    """The checks of one part: each ``{"ok": bool, "value" or "error", "secs"}``, written to ``part_<name>.json``
-    after every check, so a part killed by its time limit still leaves what it finished."""
+@dataclass(frozen=True)
+class PartContext:
+    """One part's settings: toy sizes or not, and the monotonic time by which its watchdogs must fire."""
 
-    def __init__(self, part: str, out: Path) -> None:
-        self.part, self.path = part, out / f"part_{part}.json"
-        self.checks: dict[str, dict[str, Any]] = {}
-        self.started = time.perf_counter()
-        self.flush()
+    small: bool
+    deadline: float
 
-    def check(self, name: str, fn: Callable[[], Any]) -> Any:
-        """Run ``fn`` and record its value, or its error (a failing check never stops the part)."""
-        start = time.perf_counter()
-        value: Any = None
-        try:
-            value = fn()
-            entry: dict[str, Any] = {"ok": _judge(value), "value": value}
-        except Exception as err:  # the check reports every failure; the part goes on
-            entry = {
-                "ok": False,
-                "error": f"{type(err).__name__}: {err}"[:2000],
-                "trace": traceback.format_exc()[-3000:],
-            }
-        entry["secs"] = round(time.perf_counter() - start, 2)
-        self.checks[name] = entry
-        print(f"[{self.part}:{name}] {json.dumps(entry, default=str)[:600]}", flush=True)
-        self.flush()
-        return value
+    def left(self) -> float:
+        """Seconds before the part's own deadline (inside the runner's kill)."""
+        return self.deadline - time.monotonic()
 
-    def flush(self) -> None:
-        """Write what is known so far."""
-        doc = {"part": self.part, "device": str(DEVICE), "secs": round(time.perf_counter() - self.started, 1)}
-        self.path.write_text(json.dumps({**doc, "checks": self.checks}, indent=1, default=str))
+    def rank_timeout(self) -> float:
+        """A timeout for a group of ranks that lets them report a hang (their stacks) before the deadline."""
+        return max(5.0, self.left() - RANK_GRACE_S)
+
+    def form(self) -> RankForm:
+        """How two ranks run on this machine."""
+        return rank_form(CUDA, torch.cuda.device_count() if CUDA else 0)
 
 
-def _judge(value: Any) -> bool:
-    """A check's value may carry its own verdict under ``"ok"`` (parity within tolerance); otherwise ok."""
-    return bool(value.get("ok", True)) if isinstance(value, dict) else True
+def device() -> torch.device:
+    """This process's device, as shardkit chooses it (``cuda:LOCAL_RANK``, or ``cuda:0`` for a single process)."""
+    # imported here: on a lent machine's torch, a module that fails to import fails the check that needs it only
+    from shardkit.distributed.device import select_device
+
+    return select_device()
 
 
 def sync() -> None:
@@ -68,15 +62,43 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+@contextlib.contextmanager
+def deterministic() -> Iterator[list[str]]:
+    """Deterministic kernels for exact comparisons (``CUBLAS_WORKSPACE_CONFIG`` is set by the part at start), and
+    attention on its math kernel (the fused ones' backward on CUDA accumulate with atomics: two equal runs could
+    differ in the last bit). Ops without a deterministic kernel warn instead of failing; the list yielded collects
+    those warnings."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    seen: list[str] = []
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        with warnings.catch_warnings(record=True) as caught, sdpa_kernel([SDPBackend.MATH]):
+            warnings.simplefilter("always")
+            yield seen
+        seen += sorted({str(w.message)[:200] for w in caught if "deterministic" in str(w.message)})
+    finally:
+        torch.use_deterministic_algorithms(previous)
+
+
 def init_world_of_one() -> str:
     """A process group of this process alone: NCCL on CUDA (the backend users run), else gloo."""
     if not dist.is_initialized():
-        store = os.path.join(tempfile.mkdtemp(prefix="gpu_check_"), "store")
-        os.environ.setdefault("LOCAL_RANK", "0")
+        folder = tempfile.mkdtemp(prefix="gpu_check_store_")
+        atexit.register(shutil.rmtree, folder, True)
+        store = os.path.join(folder, "store")
         backend = "nccl" if CUDA else "gloo"
-        extra: dict[str, Any] = {"device_id": DEVICE} if CUDA else {}
+        extra: dict[str, Any] = {"device_id": device()} if CUDA else {}
         dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1, **extra)
     return str(dist.get_backend())
+
+
+def world_of_one() -> Outcome:
+    """The check that starts the part's world of one: NCCL on CUDA, gloo on CPU, or a failure naming what came."""
+    want = "nccl" if CUDA else "gloo"
+    backend = init_world_of_one()
+    return Outcome(backend == want, backend, want, "" if backend == want else f"the world of one runs {backend}")
 
 
 def small_lm(small: bool) -> LMConfig:
@@ -87,26 +109,25 @@ def small_lm(small: bool) -> LMConfig:
 
 
 def billion_lm(small: bool) -> LMConfig:
-    """~1B parameters (d_model 2048, 18 blocks, vocabulary 32000, sequence 512), or a toy one for ``--small``."""
+    """~1B parameters (width 2048, 18 blocks, vocabulary 32000, sequence 512), or a toy one for ``--small``."""
     if small:
         return LMConfig(vocab_size=128, d_model=64, n_heads=4, n_layers=2, seq_len=32)
     return LMConfig(vocab_size=32000, d_model=2048, n_heads=16, n_layers=18, seq_len=512)
 
 
-def build_lm(cfg: LMConfig, device: Optional[torch.device] = None, seed: int = 0) -> TransformerLM:
-    """The LM, seeded, on ``device`` (default: host memory)."""
+def build_lm(cfg: LMConfig, on: Optional[torch.device] = None, seed: int = 0) -> TransformerLM:
+    """The LM, seeded, created directly on ``on`` (its weights initialised there: nothing is copied from the
+    host); default: host memory. The same seed draws different weights on a GPU than on the host: a reference
+    for a model built on the host is built on the host too, then moved."""
     torch.manual_seed(seed)
-    model = TransformerLM(cfg)
-    return model.to(device) if device is not None else model
+    with torch.device(on or "cpu"):
+        return TransformerLM(cfg)
 
 
-def batches(cfg: LMConfig, count: int, batch_size: int, seed: int) -> list[Batch]:
-    """``count`` batches on the check's device."""
-    out = []
-    for i in range(count):
-        x, y = lm_batch(cfg, batch_size, seed + i)
-        out.append((x.to(DEVICE), y.to(DEVICE)))
-    return out
+def batches(cfg: LMConfig, count: int, batch_size: int, seed: int, on: Optional[torch.device] = None) -> list[Batch]:
+    """``count`` batches on ``on`` (default: this process's device)."""
+    target = on or device()
+    return [tuple(t.to(target) for t in lm_batch(cfg, batch_size, seed + i)) for i in range(count)]  # type: ignore[misc]
 
 
 def train(
@@ -114,18 +135,19 @@ def train(
     optimizer: torch.optim.Optimizer,
     data: list[Batch],
     autocast: Optional[torch.dtype] = None,
-    after_backward: Callable[[], None] = lambda: None,
+    after_step: Callable[[], Any] = lambda: None,
 ) -> list[float]:
-    """Plain steps; the per-step loss (``.item()`` synchronises each step)."""
+    """Plain steps; the per-step loss (``.item()`` synchronises each step: parity checks only, never timed)."""
     losses = []
     for x, y in data:
         optimizer.zero_grad(set_to_none=True)
-        ctx = torch.autocast(DEVICE.type, dtype=autocast) if autocast is not None else contextlib.nullcontext()
+        ctx = torch.autocast(x.device.type, dtype=autocast) if autocast is not None else contextlib.nullcontext()
         with ctx:
-            loss = TransformerLM.loss_fn(model(x).float(), y)
+            logits = model(x).float()
+            loss = TransformerLM.loss_fn(logits, y.to(logits.device))  # offload moves host inputs only
         loss.backward()
-        after_backward()
         optimizer.step()
+        after_step()
         losses.append(float(loss.item()))
     return losses
 

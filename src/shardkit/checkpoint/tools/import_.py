@@ -9,6 +9,8 @@ Sources (``--format``, detected when ``auto``):
 ``torch-dcp``       a torch.distributed.checkpoint folder from torch FSDP / FSDP2 ``get_state_dict``
                     (model and, when present, optimizer state by parameter name with hyper-parameters)
 ``fairscale-shards`` a folder with one fairscale FSDP local-shard file per rank (see :mod:`~.sources`)
+``model-parallel-shards`` a folder of ``consolidated.NN.pth`` files, one per model-parallel rank (Meta's Llama
+                    checkpoints; split by Llama's names, or by ``shard_specs``: see :mod:`~.model_parallel`)
 ==================  ===================================================================================
 
 The result is a universal checkpoint at step ``step`` (0 by default), saved at world size 1 with strategy
@@ -24,9 +26,11 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Optional, Union
 
+from shardkit.checkpoint.tools.model_parallel import is_model_parallel_folder, read_model_parallel_shards
 from shardkit.checkpoint.tools.sources import (
     ImportedState,
     read_fairscale_shards,
@@ -35,8 +39,9 @@ from shardkit.checkpoint.tools.sources import (
 )
 from shardkit.checkpoint.tools.torch_dcp import read_torch_dcp
 from shardkit.checkpoint.tools.write import whole, write_state
+from shardkit.tensor_parallel import ShardSpec
 
-FORMATS = ("state-dict", "fairscale-full", "safetensors", "torch-dcp", "fairscale-shards")
+FORMATS = ("state-dict", "fairscale-full", "safetensors", "torch-dcp", "fairscale-shards", "model-parallel-shards")
 
 
 def detect_format(source: Path) -> str:
@@ -52,6 +57,8 @@ def detect_format(source: Path) -> str:
         return "torch-dcp"
     if any(source.glob("*.safetensors")):
         return "safetensors"
+    if is_model_parallel_folder(source):
+        return "model-parallel-shards"
     if any(source.glob("*.pt")) or any(source.glob("*.pth")):
         return "fairscale-shards"
     raise ValueError(
@@ -79,13 +86,20 @@ def require_torch_save_file(source: Path) -> None:
     raise ValueError(
         f"{source} is not a torch or safetensors checkpoint: a torch.save file begins as a zip archive (PK) or a "
         f"pickle, and this one begins with the bytes {head[:4].hex(' ')}{looks}. shardkit checkpoint "
-        f" import reads a torch.save state dict (.pt/.bin), safetensors, a DCP checkpoint folder or "
-        f"fairscale shard files"
+        "import reads a torch.save state dict (.pt/.bin), safetensors, a DCP checkpoint folder, fairscale shard "
+        "files or model-parallel shard files"
     )
 
 
-def read_source(source: Union[str, Path], source_format: str = "auto", key: Optional[str] = None) -> ImportedState:
-    """The tensors of ``source`` by the unwrapped model's names (and optimizer state where the format has it)."""
+def read_source(
+    source: Union[str, Path],
+    source_format: str = "auto",
+    key: Optional[str] = None,
+    shard_specs: Optional[Mapping[str, ShardSpec]] = None,
+) -> ImportedState:
+    """The tensors of ``source`` by the unwrapped model's names (and optimizer state where the format has it).
+
+    ``shard_specs`` says how model-parallel shard files split each parameter (Llama's names when None)."""
     path = Path(source)
     kind = detect_format(path) if source_format == "auto" else source_format
     if kind not in FORMATS:
@@ -100,6 +114,8 @@ def read_source(source: Union[str, Path], source_format: str = "auto", key: Opti
         return read_safetensors(path)
     if kind == "torch-dcp":
         return read_torch_dcp(path)
+    if kind == "model-parallel-shards":
+        return read_model_parallel_shards(path, shard_specs)
     files = sorted(p for p in path.iterdir() if p.suffix in (".pt", ".pth")) if path.is_dir() else [path]
     return read_fairscale_shards(files)
 
@@ -111,11 +127,15 @@ def import_checkpoint(
     step: int = 0,
     source_format: str = "auto",
     key: Optional[str] = None,
+    shard_specs: Optional[Mapping[str, ShardSpec]] = None,
 ) -> Path:
-    """Read ``source`` and write it as a universal checkpoint in ``directory``; returns the directory."""
+    """Read ``source`` and write it as a universal checkpoint in ``directory``; returns the directory.
+
+    ``shard_specs`` (model-parallel shard files only): how each parameter is split, e.g.
+    ``shardkit.tensor_parallel.tp_sharding(model)``; Llama's naming when None."""
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"--step must be a non-negative integer, got {step!r}")
-    state = read_source(source, source_format, key)
+    state = read_source(source, source_format, key, shard_specs)
     return write_universal(state, Path(directory), step)
 
 

@@ -31,6 +31,7 @@ from shardkit.nn._torch_private import state_dict_metadata
 from shardkit.nn.checkpoint.flags import enable_checkpointing, enable_recomputing, is_checkpointing_disabled
 from shardkit.nn.checkpoint.norm_stats import restore_norm_stats_after
 from shardkit.nn.checkpoint.offload import ActivationOffload
+from shardkit.tensor_parallel.random import replay_rng_tracker
 
 #: The child name the wrapped module is registered under; stripped from every name the wrapper reports.
 WRAPPED_NAME = "_checkpoint_wrapped_module"
@@ -129,14 +130,16 @@ def checkpointed_call(
         *kwargs.values(),
         use_reentrant=False,
         preserve_rng_state=preserve_rng_state,
-        context_fn=lambda: (enable_checkpointing(), _recomputation(module)),
+        # the model-parallel RNG tracker's streams are captured here, at the forward, and replayed with the default
+        # generators' (which torch's checkpoint replays itself), so tensor-parallel dropout recomputes its masks
+        context_fn=lambda: (enable_checkpointing(), _recomputation(module, replay_rng_tracker())),
     )
 
 
 @contextlib.contextmanager
-def _recomputation(module: nn.Module) -> Iterator[None]:
+def _recomputation(module: nn.Module, rng_replay: contextlib.AbstractContextManager[None]) -> Iterator[None]:
     """Entered by torch's checkpoint around the recomputation, on the thread that runs it (any autograd thread)."""
-    with enable_recomputing(), restore_norm_stats_after(module):
+    with enable_recomputing(), restore_norm_stats_after(module), rng_replay:
         yield
 
 

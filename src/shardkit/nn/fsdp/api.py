@@ -13,6 +13,7 @@ The root's first-forward set-up is :func:`~shardkit.nn.fsdp.root.init_root`.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Optional, Union
 
@@ -23,6 +24,7 @@ from shardkit.distributed.groups import GroupLike, group_rank, group_size
 from shardkit.distributed.hybrid import HybridSpec
 from shardkit.nn import optimizer_order
 from shardkit.nn._torch_private import IncompatibleKeys
+from shardkit.nn.combinations import refuse_ddp_around
 from shardkit.nn.fsdp import full_params, grad_norm, ties
 from shardkit.nn.fsdp.collective_calls import every_rank_calls
 from shardkit.nn.fsdp.forward_methods import ForwardRunner
@@ -358,6 +360,13 @@ class FullyShardedDataParallel(UnitModule):
         # Reached only when an *unwrapped* parent's load_state_dict recurses into this unit (auto_wrap case).
         full.load_from_state_dict_hook(self, state_dict, prefix, *args)
 
+    @property
+    def _ddp_params_and_buffers_to_ignore(self) -> list[str]:
+        # torch's DistributedDataParallel reads this of the module it wraps, at construction, before it broadcasts
+        # anything: the one point where DDP(FSDP(model)) can be refused. Anyone else finds no such attribute.
+        refuse_ddp_around(inspect.currentframe())
+        raise AttributeError("_ddp_params_and_buffers_to_ignore")
+
     # ------------------------------------------------------------------ gradients
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -371,7 +380,8 @@ class FullyShardedDataParallel(UnitModule):
         for u in units:
             u.sync_grads = False
         try:
-            yield
+            with optimizer_order.refuse_steps_inside(self.parameters(), "FullyShardedDataParallel"):
+                yield
         finally:
             for u, before in zip(units, previous):
                 u.sync_grads = before

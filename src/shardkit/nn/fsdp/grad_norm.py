@@ -3,30 +3,50 @@
 Each unit's gradient shards partition its parameters across *its own* process group, so a unit's partial norm
 is reduced over that group; partial norms of different groups (for example experts in a size-one group
 beside a world-sized shared trunk) are then combined locally. The result equals the norm
-``torch.nn.utils.clip_grad_norm_`` would compute on this rank's unwrapped model.
+``torch.nn.utils.clip_grad_norm_`` would compute on this rank's unwrapped model; for a tensor-parallel model,
+the norm of the unsplit model (each split parameter's parts are also summed over its tensor-parallel group).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
+from shardkit.distributed.groups import GroupLike
 from shardkit.nn.fsdp import _collectives
 from shardkit.nn.fsdp.runtime import Unit
+from shardkit.tensor_parallel.grad_norm import power_sum, split_group
 
 
-def _partial_norm(grads: Sequence[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
-    """Sum of |g|^p (or the max of |g| for p = inf) over local shard gradients, as an FP32 scalar."""
-    partial = torch.zeros((), dtype=torch.float32, device=device)
-    for grad in grads:
-        g = grad.detach().float().to(device)
-        if math.isinf(norm_type):
-            partial = torch.maximum(partial, g.abs().max() if g.numel() else partial)
-        else:
-            partial = partial + g.norm(norm_type) ** norm_type
-    return partial
+def _parts(unit: Unit) -> Iterator[tuple[tuple[GroupLike, ...], list[torch.Tensor]]]:
+    """A unit's shard gradients by the groups their norm is summed over: the unit's own group, and for slices of
+    tensor-parallel split parameters the tensor-parallel group too (replicated ones count once, split ones once
+    per part)."""
+    plain: list[torch.Tensor] = []
+    split: dict[int, tuple[GroupLike, list[torch.Tensor]]] = {}
+    for handle in unit.group.handles:
+        grad = handle.shard.grad
+        if grad is None:
+            continue
+        tp_groups = [split_group(module, attr) for module, attr in handle.locations]
+        if not any(g is not None for g in tp_groups):
+            plain.append(grad)
+            continue
+        for listed in tp_groups:  # every group of the unit, in this shard or not: the same keys on every rank
+            if listed is not None:
+                split.setdefault(id(listed), (listed, []))
+        for piece in handle.meta.shard_slices():
+            part = grad[piece.shard_start : piece.shard_start + piece.param_end - piece.param_start]
+            tp_group = tp_groups[piece.param_index]
+            if tp_group is None:
+                plain.append(part)
+            else:
+                split.setdefault(id(tp_group), (tp_group, []))[1].append(part)
+    yield (unit.group.group,), plain
+    for group, grads in split.values():
+        yield (unit.group.group, group), grads
 
 
 def clip_grad_norm_(units: Sequence[Unit], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -44,16 +64,18 @@ def clip_grad_norm_(units: Sequence[Unit], max_norm: float, norm_type: float = 2
         partial = partial.to(acc.device)
         return torch.maximum(acc, partial) if use_max else acc + partial
 
-    by_group: dict[int, tuple[Unit, torch.Tensor]] = {}
+    by_groups: dict[tuple[int, ...], tuple[tuple[GroupLike, ...], torch.Tensor]] = {}
     for unit in units:  # pre-order: the same order on every rank, so the reductions below line up
-        grads = [h.shard.grad for h in unit.group.handles if h.shard.grad is not None]
         device = unit.group.handles[0].compute_device if unit.group.handles else torch.device("cpu")
-        partial = _partial_norm(grads, norm_type, device)
-        first, acc = by_group.get(id(unit.group.group), (unit, None))
-        by_group[id(unit.group.group)] = (first, partial if acc is None else combine(acc, partial))
+        for groups, grads in _parts(unit):
+            partial = power_sum(grads, norm_type, device)
+            key = tuple(id(g) for g in groups)
+            previous = by_groups.get(key)
+            by_groups[key] = (groups, partial if previous is None else combine(previous[1], partial))
     total = torch.zeros((), dtype=torch.float32)
-    for unit, partial in by_group.values():
-        _collectives.all_reduce_norm(partial, unit.group.group, use_max)
+    for groups, partial in by_groups.values():
+        for group in groups:
+            _collectives.all_reduce_norm(partial, group, use_max)
         total = combine(total, partial)
     total_norm = total if use_max else total ** (1.0 / norm_type)
     clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)

@@ -32,9 +32,7 @@ from shardkit.nn.fsdp.comm_context import CommContext, join
 from shardkit.nn.fsdp.flat_param import FlatParamMeta
 from shardkit.nn.fsdp.placeholder import ShardedParamPlaceholder
 from shardkit.nn.fsdp.reduce import PendingReduce, start_reduce
-
-#: Attribute set on every flat shard (see :mod:`shardkit.compat.fairscale`).
-FLAT_SHARD_MARK = "is_fsdp_flat_shard"
+from shardkit.utils.tensors import FLAT_SHARD_MARK
 
 
 class FlatParamHandle:

@@ -8,10 +8,12 @@ their units' buffer dtypes. Everything that could refuse the tree is checked bef
 
 from __future__ import annotations
 
+import inspect
 from typing import Optional
 
 import torch
 
+from shardkit.nn.combinations import refuse_inside_ddp
 from shardkit.nn.fsdp.comm_context import CommContext
 from shardkit.nn.fsdp.reduce_channels import plan_reduce_channels
 from shardkit.nn.fsdp.unit_module import UnitModule, walk_modules
@@ -28,6 +30,7 @@ def init_root(root: UnitModule) -> None:
     unit = root.fsdp_unit
     if unit.is_root is not None:
         return
+    refuse_inside_ddp(inspect.currentframe())  # FSDP deep inside a module DDP wraps (DDP at the top: at DDP's init)
     # Checked before anything changes: units sharing a process group must agree on its reduce channel.
     tree = [(path, m) for path, _, m in walk_modules(root) if isinstance(m, UnitModule)]
     root_name = f"<root {type(root.wrapped_module).__name__}>"

@@ -14,7 +14,7 @@ from shardkit.distributed.buckets import REDUCE_BUCKET_BYTES
 from shardkit.distributed.groups import GroupLike, global_rank, group_rank, group_size
 from shardkit.distributed.hybrid import HybridSpec, agree_across_nodes, shard_and_replica
 from shardkit.distributed.model_check import check_same_model
-from shardkit.nn.optimizer_order import check_optimizers_hold_model
+from shardkit.nn.optimizer_order import check_optimizers_hold_model, refuse_steps_inside
 from shardkit.nn.sharded_ddp import state_dict as sd_keys
 from shardkit.nn.sharded_ddp.policy import ReducePolicy, SyncPolicy
 from shardkit.nn.sharded_ddp.reducer import GradReducer, ReducerState, RoundStats
@@ -369,7 +369,8 @@ class ShardedDataParallel(nn.Module):
         previous = self._no_sync
         self._no_sync = True
         try:
-            yield
+            with refuse_steps_inside(self.module.parameters(), "ShardedDataParallel"):
+                yield
         finally:
             self._no_sync = previous
 

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import difflib
 import inspect
+from collections.abc import Sequence
 from typing import Any, Callable
+
+from shardkit.utils.tensors import is_fsdp_shard
 
 #: OSS's own arguments (fairscale's names); every other keyword goes to the wrapped optimizer class.
 OSS_ARGUMENTS = ("params", "optim", "group", "broadcast_buffer_size", "broadcast_fp16", "force_broadcast_object")
@@ -49,3 +52,22 @@ def check_optimizer_arguments(optim: Callable[..., Any], defaults: dict[str, Any
         f"OSS got unexpected keyword argument(s) {unknown}{hint}. OSS's own arguments are {', '.join(OSS_ARGUMENTS)}; "
         f"every other keyword goes to the optimizer class optim={name}, which takes {', '.join(accepted)}."
     )
+
+
+def refuse_fsdp_shards(param_groups: Sequence[dict[str, Any]]) -> None:
+    """Raise a ``ValueError`` if any parameter is a FullyShardedDataParallel flat shard.
+
+    ``OSS(fsdp_model.parameters(), ...)`` (OSS under FSDP, or FSDP inside ShardedDataParallel) trains a wrong model
+    without a word: each rank's shards hold different slices of the model, and OSS would give each shard one
+    owner that steps it and broadcasts its values over the other ranks' different slices.
+    """
+    shards = [p for group in param_groups for p in group["params"] if is_fsdp_shard(p)]
+    if shards:
+        raise ValueError(
+            f"OSS was given {len(shards)} parameter(s) that are FullyShardedDataParallel's flat shards (OSS under "
+            "FSDP, or FSDP inside ShardedDataParallel). FSDP already shards parameters, gradients and optimizer "
+            "state: OSS would give each rank's shard one owner and broadcast its values over the other ranks' "
+            "different shards, training a wrong model. Use one strategy: a plain optimizer over the FSDP model "
+            "(`optimizer = torch.optim.AdamW(fsdp_model.parameters(), ...)`), or OSS and ShardedDataParallel over "
+            "the unwrapped model."
+        )

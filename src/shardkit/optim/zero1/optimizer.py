@@ -14,7 +14,7 @@ from shardkit.distributed.buckets import BROADCAST_BUCKET_BYTES
 from shardkit.distributed.groups import GroupLike, global_rank, group_rank, group_size
 from shardkit.distributed.hybrid import HybridSpec, agree_across_nodes, shard_and_replica
 from shardkit.distributed.objects import all_gather_objects, gather_objects
-from shardkit.optim.zero1.arguments import check_optimizer_arguments
+from shardkit.optim.zero1.arguments import check_optimizer_arguments, refuse_fsdp_shards
 from shardkit.optim.zero1.broadcast import ParamBucket, ParamExchange, buckets_intact, build_buckets
 from shardkit.optim.zero1.clip import sharded_clip_grad_norm
 from shardkit.optim.zero1.consistency import check_replicas_agree, check_same_params
@@ -150,6 +150,7 @@ class OSS(Optimizer):
         try:
             _check_optim_class(optim)
             super().__init__(params, defaults)
+            refuse_fsdp_shards(self.param_groups)
             self._partition = Partition.build(self.param_groups, self.world_size)
             self.optim: Optimizer = self._make_local_optim(self._partition)
         except Exception as exc:  # re-raised below, on every rank

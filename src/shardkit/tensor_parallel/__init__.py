@@ -1,0 +1,131 @@
+"""Tensor parallelism: one layer split across processes, on torch's ``DeviceMesh`` and ``DTensor``.
+
+One rank layout serves every parallelism (:class:`ParallelLayout`: data, pipeline, context, tensor; tensor varies
+fastest, so a tensor-parallel group is consecutive ranks on one node). It gives one ``DeviceMesh``
+(:class:`ParallelState`) whose dimensions are the process groups. On top of it:
+
+* layers: :class:`ColumnParallelLinear`, :class:`RowParallelLinear` (each with an optional sequence-parallel mode),
+  :class:`VocabParallelEmbedding`, :class:`ParallelEmbedding`; their parameters are this rank's slices, and
+  :func:`tp_sharding` / :func:`tp_state_dict` describe how each is split (a ``DTensor`` view for checkpoints and
+  2-D sharding);
+* the region mappings (:func:`copy_to_tp`, :func:`reduce_from_tp`, :func:`scatter_to_tp`, :func:`gather_from_tp`,
+  :func:`gather_from_sequence`, :func:`reduce_scatter_to_sequence`), labelled and metered like every collective;
+* :func:`vocab_parallel_cross_entropy`, which never gathers the logits;
+* :func:`clip_grad_norm_` by the global norm, each split parameter counted once (:func:`split_group` tells other
+  packages, such as FSDP's clipping, which parameters are split);
+* the model-parallel random state (:func:`model_parallel_manual_seed`, :func:`get_rng_tracker`) and a
+  :func:`checkpoint` that recomputes with it;
+* per-rank shard files (:func:`split_state_dict`, :func:`save_shard_files`, :func:`load_shard_file`);
+* checks that refuse, on every rank, what would train silently wrong: sizes that do not split (naming the degrees
+  that would), a layout that does not cover the world, shard files of another rank, degree or checkpoint, and
+  tensor-parallel ranks given different inputs (each layer's first forward; :func:`check_same_input`).
+
+fairscale's ``shardkit.nn.model_parallel`` is a thin face over this package; other faces, the planner and the
+strategies use these public names only.
+
+Example::
+
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from shardkit import tensor_parallel as tp
+
+    dist.init_process_group("gloo")                  # torchrun --nproc-per-node 4
+    state = tp.init_parallel_state(tensor=2)         # 2 data-parallel replicas of a TP-2 model
+    tp.model_parallel_manual_seed(1234, state.tp_rank)
+    up = tp.ColumnParallelLinear(64, 256, bias=False, gather_output=False)
+    down = tp.RowParallelLinear(256, 64, bias=False, input_is_parallel=True)
+    head = tp.ColumnParallelLinear(64, 1000, bias=False, gather_output=False)
+    h = down(F.silu(up(x)))                          # one all-reduce over state.tp_group
+    loss = tp.vocab_parallel_cross_entropy(head(h), targets).mean()
+    # data parallelism over the mesh's other dimension: DDP(model, process_group=state.group("data")), or
+    # shardkit's FullyShardedDataParallel(block, process_group=state.group("data")) per block
+"""
+
+from shardkit.tensor_parallel.checks import check_same_input
+from shardkit.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from shardkit.tensor_parallel.dtensor import tp_state_dict
+from shardkit.tensor_parallel.embedding import ParallelEmbedding, VocabParallelEmbedding
+from shardkit.tensor_parallel.grad_norm import clip_grad_norm_, power_sum, split_group
+from shardkit.tensor_parallel.layout import DIMS, ParallelCoords, ParallelLayout, divisors
+from shardkit.tensor_parallel.linear import ColumnParallelLinear, RowParallelLinear
+from shardkit.tensor_parallel.mappings import (
+    copy_to_tp,
+    gather_from_sequence,
+    gather_from_tp,
+    reduce_from_tp,
+    reduce_scatter_to_sequence,
+    scatter_to_tp,
+    tp_group,
+)
+from shardkit.tensor_parallel.random import (
+    MODEL_PARALLEL_RNG,
+    RNGStatesTracker,
+    checkpoint,
+    get_rng_tracker,
+    model_parallel_manual_seed,
+    model_parallel_seeds,
+    replay_rng_tracker,
+)
+from shardkit.tensor_parallel.shard_files import (
+    load_shard_file,
+    merge_state_dicts,
+    save_shard_files,
+    shard_file_name,
+    split_state_dict,
+)
+from shardkit.tensor_parallel.sharding import ShardSpec, TensorParallelModule, TPGroup, split_size, tp_sharding
+from shardkit.tensor_parallel.state import (
+    ParallelState,
+    build_parallel_state,
+    current_state,
+    has_current_state,
+    init_parallel_state,
+    set_current_state,
+)
+
+__all__ = [
+    "DIMS",
+    "MODEL_PARALLEL_RNG",
+    "ColumnParallelLinear",
+    "ParallelCoords",
+    "ParallelEmbedding",
+    "ParallelLayout",
+    "ParallelState",
+    "RNGStatesTracker",
+    "RowParallelLinear",
+    "ShardSpec",
+    "TPGroup",
+    "TensorParallelModule",
+    "VocabParallelEmbedding",
+    "build_parallel_state",
+    "check_same_input",
+    "checkpoint",
+    "clip_grad_norm_",
+    "copy_to_tp",
+    "current_state",
+    "divisors",
+    "gather_from_sequence",
+    "gather_from_tp",
+    "get_rng_tracker",
+    "has_current_state",
+    "init_parallel_state",
+    "load_shard_file",
+    "merge_state_dicts",
+    "model_parallel_manual_seed",
+    "model_parallel_seeds",
+    "power_sum",
+    "reduce_from_tp",
+    "reduce_scatter_to_sequence",
+    "replay_rng_tracker",
+    "save_shard_files",
+    "scatter_to_tp",
+    "set_current_state",
+    "shard_file_name",
+    "split_group",
+    "split_size",
+    "split_state_dict",
+    "tp_group",
+    "tp_sharding",
+    "tp_state_dict",
+    "vocab_parallel_cross_entropy",
+]

@@ -1,0 +1,53 @@
+"""Refuse tensor-parallel ranks that are given different inputs where they must get the same ones.
+
+Every rank of a tensor-parallel group computes a slice of the same layer on the same activations, so the token ids
+and the activations entering a region (a column-parallel layer's input, an embedding's ids) must be identical on
+every rank. The usual way to break that is a data loader sharded by the global rank instead of the data-parallel
+rank: training then runs, silently wrong. Each layer checks its input once, at its first forward: the ranks
+all-gather a fingerprint of it (shape, sum, sum of squares: a few numbers) and all raise the same ``ValueError`` if
+any two differ. Later forwards are not checked (one small all-gather per layer, once).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shardkit.distributed.collectives import all_gather_into_tensor
+from shardkit.tensor_parallel.sharding import TensorParallelModule, TPGroup
+
+_SHAPE_SLOTS = 8
+
+
+def _fingerprint(x: torch.Tensor) -> torch.Tensor:
+    values = x.detach().to(torch.float64)
+    shape = list(x.shape)[:_SHAPE_SLOTS] + [-1] * (_SHAPE_SLOTS - min(x.dim(), _SHAPE_SLOTS))
+    stats = [values.sum(), values.pow(2).sum()] if x.numel() else [values.new_zeros(()), values.new_zeros(())]
+    return torch.cat([torch.tensor(shape, dtype=torch.float64, device=x.device), torch.stack(stats)])
+
+
+def check_same_input(x: torch.Tensor, tp: TPGroup, who: str) -> None:
+    """Raise on every rank of ``tp`` unless all hold the same ``x`` (compared by fingerprint; a collective)."""
+    if tp.size == 1:
+        return
+    mine = _fingerprint(x)
+    rows = torch.empty(tp.size * mine.numel(), dtype=mine.dtype, device=mine.device)
+    all_gather_into_tensor(rows, mine, group=tp.group, label="tp.check_input")
+    rows = rows.view(tp.size, -1)
+    same = (rows == rows[0]) | (rows.isnan() & rows[0].isnan())
+    differing = [r for r in range(1, tp.size) if not bool(same[r].all())]
+    if differing:
+        raise ValueError(
+            f"{who}: tensor-parallel ranks 0 and {differing[0]} of this group got different inputs (shape "
+            f"{[int(v) for v in rows[0, :_SHAPE_SLOTS] if v >= 0]} against "
+            f"{[int(v) for v in rows[differing[0], :_SHAPE_SLOTS] if v >= 0]}, or different values). Every rank of a "
+            "tensor-parallel group must get the same batch: shard the data by the data-parallel rank "
+            "(get_data_parallel_rank() / get_data_parallel_world_size()), not by the global rank."
+        )
+
+
+def once_check_same_input(layer: TensorParallelModule, x: torch.Tensor) -> None:
+    """:func:`check_same_input` at ``layer``'s first forward only."""
+    if layer.input_checked:
+        return
+    check_same_input(x, layer.tp, f"{type(layer).__name__}({layer.extra_repr()})")
+    layer.input_checked = True

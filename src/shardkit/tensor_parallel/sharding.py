@@ -1,0 +1,123 @@
+"""How a tensor-parallel parameter is split: the dimension, the stride, and the pieces of the full tensor each rank
+holds. The layers record a :class:`ShardSpec` per split parameter; checkpoints, the DTensor view and shard files read
+these (through :func:`tp_sharding`), never the layers' internals.
+
+With ``stride`` 1, rank ``r`` of ``n`` holds the ``r``-th of ``n`` equal slices of dimension ``dim``. With a stride
+``s`` (fairscale's ``stride`` argument, for fused weights such as ``[q; k; v]``), the dimension is cut into ``n * s``
+equal pieces and rank ``r`` holds pieces ``r, r + n, r + 2n, ...``, so every rank gets a slice of each fused part.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from shardkit.tensor_parallel.layout import divisors
+from shardkit.tensor_parallel.state import current_state
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """A parameter split along ``dim`` of the full tensor, in ``stride`` interleaved parts per rank."""
+
+    dim: int
+    stride: int = 1
+
+    def local_size(self, full_size: int, tp_size: int) -> int:
+        """The size of dimension :attr:`dim` on one rank."""
+        return full_size // tp_size
+
+    def shard(self, full: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
+        """This rank's part of ``full`` (a copy)."""
+        piece = full.shape[self.dim] // (tp_size * self.stride)
+        pieces = full.split(piece, dim=self.dim)
+        return torch.cat(pieces[tp_rank::tp_size], dim=self.dim)
+
+    def unshard(self, shards: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The full tensor from every rank's part, in rank order (the inverse of :meth:`shard`)."""
+        per_rank = [s.chunk(self.stride, dim=self.dim) for s in shards]
+        return torch.cat([part[j] for j in range(self.stride) for part in per_rank], dim=self.dim)
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    """The tensor-parallel ranks one layer is split across: the 1-D mesh, its group, this rank and the degree."""
+
+    mesh: DeviceMesh
+    group: dist.ProcessGroup
+    rank: int
+    size: int
+
+    @classmethod
+    def of(cls, mesh: Optional[DeviceMesh], who: str) -> TPGroup:
+        """The group of a 1-D ``mesh``, or of the current state's tensor dimension when None."""
+        if mesh is None:
+            mesh = current_state(who).tp_mesh
+        if mesh.ndim != 1:
+            raise ValueError(f"{who}: pass the 1-D tensor-parallel mesh (mesh['tensor']), got {mesh}")
+        return cls(mesh, mesh.get_group(), mesh.get_local_rank(), mesh.size())
+
+
+def split_size(who: str, argument: str, size: int, tp_size: int, stride: int = 1) -> int:
+    """``size // tp_size``, or a ``ValueError`` naming the layer, the size and the degrees that would divide it."""
+    if size % (tp_size * stride) == 0:
+        return size // tp_size
+    fitting = [d for d in divisors(size) if size % (d * stride) == 0]
+    parts = f" x stride {stride}" if stride > 1 else ""
+    raise ValueError(
+        f"{who}: {argument}={size} does not split across {tp_size} tensor-parallel ranks{parts}; tensor-parallel "
+        f"sizes that divide it: {fitting}. Choose one of those for initialize_model_parallel, or change the size."
+    )
+
+
+def init_shard_(
+    local: torch.Tensor,
+    full_shape: Sequence[int],
+    spec: ShardSpec,
+    init_method: Callable[[torch.Tensor], Any],
+    tp: TPGroup,
+    keep_full: bool = False,
+) -> Optional[torch.Tensor]:
+    """Initialise ``local`` as this rank's part of a full tensor that ``init_method`` fills.
+
+    Every rank builds the full tensor from the same random state, so the split model starts from exactly the
+    weights the unsplit one would (what fairscale does). Returns the full tensor when ``keep_full``.
+    """
+    with torch.no_grad():
+        if tp.size == 1:
+            init_method(local)
+            return local if keep_full else None
+        full = torch.empty(tuple(full_shape), dtype=local.dtype, device=local.device)
+        init_method(full)
+        local.copy_(spec.shard(full, tp.rank, tp.size))
+    return full if keep_full else None
+
+
+class TensorParallelModule(nn.Module):
+    """Base of the layers split across tensor-parallel ranks: they name their split parameters in :attr:`tp_specs`.
+
+    Subclasses set ``self.tp = TPGroup.of(mesh, ...)`` and ``self.tp_specs = {"weight": ShardSpec(0)}`` (parameter
+    name, relative to the module, to its split); parameters not named there are replicated on every rank.
+    """
+
+    tp: TPGroup
+    tp_specs: dict[str, ShardSpec]
+    #: Whether the first forward's input was compared across the tensor-parallel ranks (see ``checks``).
+    input_checked: bool = False
+
+
+def tp_sharding(model: nn.Module) -> dict[str, ShardSpec]:
+    """Every split parameter of ``model`` by its qualified name (``state_dict`` key) and how it is split."""
+    specs: dict[str, ShardSpec] = {}
+    for prefix, module in model.named_modules():
+        if isinstance(module, TensorParallelModule):
+            for name, spec in module.tp_specs.items():
+                if getattr(module, name, None) is not None:
+                    specs[f"{prefix}.{name}" if prefix else name] = spec
+    return specs
