@@ -15,23 +15,30 @@ from shardkit.checkpoint.files import write_failure
 from shardkit.strategies.registry import OptimizerSpec, get_strategy
 from shardkit.testing import run_distributed
 
+#: The size limit of the failing saves: far above the harness's own store file, which rank 0 also appends to while
+#: the ranks meet (a limit below it would fail the store, not the checkpoint), and below what the victim file holds.
+LIMIT = 1 << 20
+
 
 def _save_over_a_size_limit(rank: int, world_size: int, root: str, victim: str) -> str:
-    net = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 64))
+    net = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 256))
     model, optimizer, _ = get_strategy("ddp").build(net, OptimizerSpec(torch.optim.Adam, {"lr": 0.01}), None, {})
-    model(torch.ones(2, 64)).sum().backward()
+    model(torch.ones(2, 512)).sum().backward()
     optimizer.step()
-    first = save_checkpoint(step_directory(root, 1), step=1, model=model, optimizer=optimizer)
-    sizes = {"rank file": (first / "ranks" / "rank_00000.pt").stat().st_size}
-    sizes["dcp"] = (first / "dcp" / "__0_0.distcp").stat().st_size
-    assert sizes["dcp"] > 2 * sizes["rank file"]  # so a limit between the two cuts the DCP file only
-    limit = sizes["rank file"] // 2 if victim == "rank file" else 2 * sizes["rank file"]
+    # The rank file is written before the DCP file: a large data position makes it the one that overflows.
+    position = torch.zeros(1 << 19) if victim == "rank file" else None
+    first = save_checkpoint(step_directory(root, 1), step=1, model=model, optimizer=optimizer, data_position=position)
+    sizes = {
+        name: (first / sub).stat().st_size
+        for name, sub in [("rank", "ranks/rank_00000.pt"), ("dcp", "dcp/__0_0.distcp")]
+    }
+    assert sizes["dcp"] > LIMIT and (sizes["rank"] > LIMIT) == (victim == "rank file"), sizes
     try:
         if rank == 0:  # as `ulimit -f` does, without the signal that would kill the process outright
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-            resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+            resource.setrlimit(resource.RLIMIT_FSIZE, (LIMIT, resource.RLIM_INFINITY))
         try:
-            save_checkpoint(step_directory(root, 2), step=2, model=model, optimizer=optimizer)
+            save_checkpoint(step_directory(root, 2), step=2, model=model, optimizer=optimizer, data_position=position)
         finally:
             resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
     except CheckpointError as err:
@@ -44,10 +51,10 @@ def test_a_file_size_limit_names_the_file_and_efbig_on_every_rank(tmp_path: Path
     messages = run_distributed(_save_over_a_size_limit, 2, str(tmp_path), victim, timeout_s=90)
     for message in messages:
         assert f"{file} failed: EFBIG (File too large)" in message, message
-        assert "RLIMIT_FSIZE) is" in message
+        assert f"RLIMIT_FSIZE) is {LIMIT} bytes" in message
         assert "inline_container" not in message
     assert latest_checkpoint(tmp_path) == step_directory(tmp_path, 1)  # the earlier checkpoint stands
-    net = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 64))
+    net = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 256))
     assert load_checkpoint(tmp_path, model=net).step == 1
 
 
