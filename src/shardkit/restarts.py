@@ -84,6 +84,7 @@ def init_process_group(backend: str, timeout: timedelta) -> None:
 
         init_process_group("gloo", timedelta(minutes=30))   # under torchrun --max-restarts 3
     """
+    # start-up cost: `import shardkit` reads this module, and must not import torch
     import torch.distributed as dist
 
     if restart_round() == 0 or not shares_agent_store():
