@@ -35,7 +35,7 @@ _PREFIX = "shardkit/health"
 _LEFT = "its process exited without raising an error (its script finished, or called sys.exit)"
 #: Seconds a rank that lost a peer waits for the peer's record: an exception hook or exit handler runs just after
 #: the connections close when the script destroyed its process group first.
-RECORD_WAIT_S = 2.0
+RECORD_WAIT_S = 5.0
 
 
 def default_store() -> Optional[dist.Store]:
