@@ -13,4 +13,9 @@ Sub-packages, one per capability:
 Importing ``shardkit`` itself is cheap; sub-packages are imported on first use.
 """
 
+from shardkit.restarts import warn_if_restarts_will_fail as _warn_if_restarts_will_fail
+
 __version__ = "0.1.0"
+
+# A worker restarted by torchrun over the round before's store learns what to set before its process group fails.
+_warn_if_restarts_will_fail()

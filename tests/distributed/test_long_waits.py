@@ -3,6 +3,7 @@ instead of sitting silent until the process group's timeout."""
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import time
 from typing import Any
@@ -15,6 +16,7 @@ from shardkit.checkpoint.universal.background import BackgroundSaves
 from shardkit.distributed import all_gather_objects
 from shardkit.distributed import collectives as C
 from shardkit.distributed.instrumentation import INSTRUMENTATION
+from shardkit.distributed.long_waits import WaitWatch
 from shardkit.testing import run_distributed
 from testkit.logs import WarningRecorder
 
@@ -112,3 +114,42 @@ def test_waiting_for_a_slow_asynchronous_save_says_so() -> None:
     assert any(
         "waited" in m and "asynchronous save of checkpoint 'step-7'" in m and "still writing" in m for m in messages
     )
+
+
+def test_a_wait_in_a_two_rank_collective_names_the_rank_that_is_late() -> None:
+    fast, slow = run_distributed(_collectives_after_a_slow_rank, 2, timeout_s=60)
+    assert any("all_reduce:after_the_slow_rank: rank 1 has not made the matching call yet" in m for m in fast["tensor"])
+    assert any(
+        "all_gather_object:slow_objects: rank 0 has not made the matching call yet" in m for m in slow["objects"]
+    )
+
+
+class _WhenWarned(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.times: list[float] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.times.append(record.created)
+
+
+@pytest.mark.single  # the watch's own thread
+def test_the_first_warning_comes_at_the_age_it_reports() -> None:
+    """The watch wakes when a warning is due, not on a tick of its own that a wait can start between (a wait opened
+    just after a tick was reported up to a tick late: at 50 s, saying "waited 50 s", with the 45 s default)."""
+    threshold = 4.0
+    watch = WaitWatch(warn_after_s=threshold)
+    with watch.watching("a first wait"):  # starts the watch's thread
+        pass
+    time.sleep(0.5)  # half-way between two of the old ticks (a quarter of the threshold apart)
+    handler = _WhenWarned()
+    logging.getLogger("shardkit").addHandler(handler)
+    try:
+        start = time.time()
+        with watch.watching("the late wait"):
+            while not handler.times and time.time() - start < 2 * threshold:
+                time.sleep(0.05)
+    finally:
+        logging.getLogger("shardkit").removeHandler(handler)
+    assert handler.times, "no warning"
+    assert handler.times[0] - start < threshold + 0.3, handler.times[0] - start

@@ -228,3 +228,29 @@ def test_a_new_model_is_checked_afresh_even_where_an_old_ones_memory_is_reused()
     per_rank = run_distributed(_models_one_after_another, 2, 3, timeout_s=60)
     assert per_rank[0] == per_rank[1]
     assert per_rank[0][0] == per_rank[0][1] == per_rank[0][2]  # the same start and batch: the same losses
+
+
+@smp.step
+def _returns_a_lambda(model: smp.DistributedModel, x: torch.Tensor, y: torch.Tensor) -> Any:
+    loss = F.cross_entropy(model(x), y)
+    model.backward(loss)
+    return loss, {"scale": lambda v: v * 2}
+
+
+def _unsendable_output(rank: int, world_size: int) -> str:
+    smp.init({"partitions": world_size, "microbatches": 2})
+    model = smp.DistributedModel(_classifier())
+    try:
+        _returns_a_lambda(model, *_batch(0))
+    except TypeError as err:
+        return str(err)
+    finally:
+        smp.reset()
+    return "returned"
+
+
+def test_an_output_that_cannot_be_sent_is_refused_on_every_stage() -> None:
+    for message in run_distributed(_unsendable_output, 2, timeout_s=90):
+        assert "the @smp.step function returned <function _returns_a_lambda.<locals>.<lambda>" in message, message
+        assert "(a function) at micro-batch 0, result[1]['scale']" in message
+        assert "cannot be sent from the output stage" in message

@@ -7,18 +7,21 @@ is truncated or damaged raises :class:`~shardkit.checkpoint.errors.CorruptCheckp
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import io
 import json
 import os
 import pickle
+import resource
 import zipfile
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
-from shardkit.checkpoint.errors import CorruptCheckpointError, UnsafeCheckpointError
+from shardkit.checkpoint.errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
 
 _CHUNK = 1 << 20
 
@@ -40,10 +43,56 @@ def fsync_dir(path: Path) -> None:
 def write_torch(path: Path, obj: Any) -> None:
     """``torch.save`` ``obj`` to ``path`` and fsync it (the directory is made durable by the caller)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(path, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except Exception as err:
+        raise write_failure(path, err) from err
+
+
+def write_failure(path: Path, err: BaseException) -> CheckpointError:
+    """The error for a failed write of ``path``: the file and the OS-level cause, not the serialiser's symptom.
+
+    A write that the OS cuts short (file-size limit, full disk, Ctrl-C) surfaces from ``torch.save`` as "[enforce
+    fail at inline_container.cc] unexpected pos", with the real cause only in the exception's context; this finds
+    it there, or failing that asks the OS (the file-size limit, the free space) what stopped the write."""
+    return CheckpointError(f"writing {path} failed: {_write_cause(path, err)}")
+
+
+def _write_cause(path: Path, err: BaseException) -> str:
+    chain: list[BaseException] = []
+    link: Optional[BaseException] = err
+    while link is not None and link not in chain:
+        chain.append(link)
+        link = link.__cause__ or link.__context__
+    for link in chain:
+        if isinstance(link, KeyboardInterrupt):
+            return "interrupted by SIGINT (Ctrl-C, or the launcher stopping the job)"
+        if isinstance(link, OSError) and link.errno is not None:
+            return _os_error(path, link.errno)
+    size_limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if size_limit != resource.RLIM_INFINITY and path.is_file() and path.stat().st_size >= size_limit:
+        return _os_error(path, errno.EFBIG)
+    with contextlib.suppress(OSError):
+        if os.statvfs(path.parent).f_bavail == 0:
+            return _os_error(path, errno.ENOSPC)
+    return f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}"
+
+
+def _os_error(path: Path, code: int) -> str:
+    said = f"{errno.errorcode.get(code, code)} ({os.strerror(code)})"
+    if code == errno.EFBIG:
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        if limit != resource.RLIM_INFINITY:
+            return f"{said}: the process's file-size limit (ulimit -f, RLIMIT_FSIZE) is {limit} bytes"
+        return f"{said}: the filesystem's largest file size was reached"
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        with contextlib.suppress(OSError):
+            stats = os.statvfs(path.parent)
+            return f"{said}: {stats.f_bavail * stats.f_frsize} bytes free on the filesystem of {path.parent}"
+    return said
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:

@@ -24,9 +24,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.futures import Future
 
 from shardkit.checkpoint._torch_private import DCP_INDEX_PRIVATE_GLOBALS
 from shardkit.checkpoint.errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
+from shardkit.checkpoint.files import write_failure
 
 _METADATA_FILE = ".metadata"
 _DCP_META = "torch.distributed.checkpoint.metadata"
@@ -113,6 +115,25 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         super().load_bytes(read_item, replacement)  # re-serialised plain data: safe to hand to torch's reader
 
 
+class ExplainingFileSystemWriter(FileSystemWriter):
+    """DCP's file writer, whose failures name this rank's file and the OS-level cause (:func:`write_failure`).
+
+    Explained here, on the rank that failed: DCP then gathers the failure to every rank by pickling it, which drops
+    the exception's context, where the cause (``OSError: File too large``) sits behind torch's own message."""
+
+    def write_data(self, plan: Any, planner: Any) -> Future[Any]:
+        try:
+            return super().write_data(plan, planner)
+        except Exception as err:
+            raise write_failure(_rank_file(Path(self.path), plan.storage_data.prefix), err) from err
+
+
+def _rank_file(directory: Path, prefix: str) -> Path:
+    """The file this rank was writing (the one with its prefix; the pattern when it wrote several)."""
+    written = sorted(directory.glob(f"{prefix}*.distcp"))
+    return written[0] if len(written) == 1 else directory / f"{prefix}*.distcp"
+
+
 def _no_dist() -> bool:
     return not (dist.is_available() and dist.is_initialized())
 
@@ -142,15 +163,27 @@ def save_planned(path: Path, planner: Any, process_group: Any = None) -> None:
         with _single_process_is_intended():
             dcp.save(
                 {},
-                storage_writer=FileSystemWriter(path, sync_files=True),
+                storage_writer=ExplainingFileSystemWriter(path, sync_files=True),
                 planner=planner,
                 process_group=process_group,
                 no_dist=_no_dist(),
             )
     except CheckpointException as err:
-        failures = [f[0] if isinstance(f, tuple) else f for f in err.failures.values()]
-        first = failures[0] if failures else err
-        raise CheckpointError(f"writing {path} failed: {type(first).__name__}: {first}") from err
+        failures = {rank: f[0] if isinstance(f, tuple) else f for rank, f in err.failures.items()}
+        if not failures:
+            raise CheckpointError(f"writing {path} failed: {err}") from err
+        if _no_dist():
+            raise _said(next(iter(failures.values())), path) from err
+        ranks = ", ".join(str(rank) for rank in sorted(failures))
+        lines = [f"rank {rank}: {_said(failure, path)}" for rank, failure in sorted(failures.items())]
+        raise CheckpointError(f"writing {path} failed on rank(s) {ranks}:\n" + "\n".join(lines)) from err
+
+
+def _said(failure: BaseException, path: Path) -> CheckpointError:
+    """One rank's DCP write failure: the writer's own explanation (:class:`ExplainingFileSystemWriter`), or DCP's."""
+    if isinstance(failure, CheckpointError):
+        return CheckpointError(str(failure))
+    return CheckpointError(f"writing {path} failed: {type(failure).__name__}: {failure}")
 
 
 def load_planned(path: Path, planner: Any, process_group: Any = None) -> None:

@@ -16,11 +16,13 @@ import argparse
 import math
 import sys
 from dataclasses import dataclass, field, replace
+from datetime import timedelta
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
+from shardkit import restarts
 from shardkit.demo.task import MarkovTask, uniform_loss
 from shardkit.launch import launch_local
 from shardkit.memory.meter import format_bytes
@@ -139,7 +141,7 @@ def _progress(name: str, total: int, rank: int) -> Any:
 def _worker(settings: DemoSettings) -> list[StrategyResult]:
     """One rank: train every strategy in turn and return their measurements."""
     quiet_torch_deprecations()
-    dist.init_process_group("gloo")
+    restarts.init_process_group("gloo", timedelta(minutes=30))
     rank = dist.get_rank()
     task = MarkovTask.create(settings.lm.vocab_size, settings.branching, seed=settings.task_seed)
     results = [_train_one(name, settings, task, rank) for name in settings.strategies]

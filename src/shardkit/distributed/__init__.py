@@ -14,6 +14,7 @@ from shardkit.distributed.groups import (
 )
 from shardkit.distributed.health import (
     CollectiveMismatchError,
+    PeerLeftError,
     RankFailedError,
     check_collectives,
     install_failure_reporter,
@@ -30,6 +31,7 @@ __all__ = [
     "GroupLike",
     "MissedCallError",
     "NodeLayout",
+    "PeerLeftError",
     "RankFailedError",
     "Topology",
     "all_gather_objects",

@@ -325,7 +325,7 @@ def barrier(group: Optional[GroupLike] = None, label: str = "", device: Optional
     if peers is None:
         return
     name = f"shardkit::barrier:{label}" if label else "shardkit::barrier"
-    with blocking_call(name):
+    with blocking_call(name, peers):
         try:
             index = device.index if device is not None and device.type == "cuda" else None
             if index is not None and dist.get_backend(peers) == "nccl":

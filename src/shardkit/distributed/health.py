@@ -2,10 +2,11 @@
 
 Two tools, both built into shardkit's labelled collectives:
 
-- **Failure reports.** :func:`report_failure` (installed as an exception hook by
-  :func:`install_failure_reporter`) writes "rank R failed: <error>" into the process group's store before the
-  process dies. When a collective on another rank then errors or times out, the error names the failed rank
-  and its exception instead of only "connection closed".
+- **Failure reports.** From its first shardkit collective on, each process records in the process group's store
+  how it ends (:mod:`.departures`): "rank R failed: <error>" from an exception hook (or :func:`report_failure`),
+  or that it left without an error. When a collective on another rank then errors or times out, the error names
+  the failed rank and its exception (:class:`RankFailedError`), or the rank that left while the others were still
+  in the collective (:class:`PeerLeftError`, with what uneven steps need), instead of only "connection closed".
 - **Collective checks** (debug mode, :func:`check_collectives` or ``SHARDKIT_CHECK_COLLECTIVES=1``). Before
   every collective, ranks exchange a small fingerprint (sequence number, op, label, size, dtype) and raise
   :class:`CollectiveMismatchError` naming the first rank whose call differs. A rank that skipped a collective
@@ -16,17 +17,15 @@ Two tools, both built into shardkit's labelled collectives:
 from __future__ import annotations
 
 import contextlib
-import sys
 import zlib
 from collections.abc import Iterator
 from datetime import timedelta
-from types import TracebackType
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
-from shardkit.distributed._torch_private import default_store as torch_default_store
+from shardkit.distributed.departures import DEPARTURES, default_store, lost_a_peer, read_record
 from shardkit.distributed.groups import all_gather_flat
 from shardkit.distributed.instrumentation import INSTRUMENTATION, CheckState
 from shardkit.distributed.objects import all_gather_objects
@@ -40,6 +39,10 @@ class CollectiveMismatchError(RuntimeError):
 
 class RankFailedError(RuntimeError):
     """A collective failed because another rank raised or died; the message names it."""
+
+
+class PeerLeftError(RuntimeError):
+    """A collective failed because a peer's process ended without reporting an error (it finished, or was killed)."""
 
 
 @contextlib.contextmanager
@@ -65,58 +68,21 @@ def active_check_timeout_s() -> Optional[float]:
     return state.timeout_s if state is not None else None
 
 
-def default_store() -> Optional[dist.Store]:
-    """The key-value store the default process group rendezvoused through, or None without one.
-
-    shardkit keeps small out-of-band records there (failed ranks, where each rank last was) that must be
-    readable while collectives hang. torch exposes the store only privately; this is the one place that asks.
-    """
-    if not dist.is_available() or not dist.is_initialized():
-        return None
-    try:
-        return torch_default_store()
-    except Exception:
-        return None
-
-
 def report_failure(error: BaseException) -> None:
     """Record in the process group's store that this rank failed with ``error`` (best effort, never raises)."""
-    store = default_store()
-    if store is None:
-        return
-    with contextlib.suppress(Exception):
-        store.set(f"{_PREFIX}/failed/{dist.get_rank()}", f"{type(error).__name__}: {error}"[:2000])
+    DEPARTURES.report_failure(error)
 
 
 def install_failure_reporter() -> None:
-    """Chain an exception hook that calls :func:`report_failure` for uncaught exceptions of this process."""
-    previous = sys.excepthook
+    """Record how this process ends (an uncaught exception, or a clean exit) for the other ranks to read.
 
-    def hook(kind: type[BaseException], value: BaseException, tb: Optional[TracebackType]) -> None:
-        report_failure(value)
-        previous(kind, value, tb)
-
-    sys.excepthook = hook
-
-
-def _read(store: dist.Store, key: str) -> Optional[str]:
-    with contextlib.suppress(Exception):
-        if store.check([key]):
-            return store.get(key).decode(errors="replace")
-    return None
+    shardkit does this itself from the first collective on; calling it earlier costs nothing."""
+    DEPARTURES.watch()
 
 
 def failed_ranks() -> dict[int, str]:
     """Ranks that reported a failure through :func:`report_failure`, with their error."""
-    store = default_store()
-    if store is None:
-        return {}
-    found = {}
-    for rank in range(dist.get_world_size()):
-        message = _read(store, f"{_PREFIX}/failed/{rank}")
-        if message is not None:
-            found[rank] = message
-    return found
+    return DEPARTURES.records("failed")
 
 
 def _last_collectives() -> dict[int, str]:
@@ -125,27 +91,64 @@ def _last_collectives() -> dict[int, str]:
         return {}
     found = {}
     for rank in range(dist.get_world_size()):
-        message = _read(store, f"{_PREFIX}/last/{rank}")
+        message = read_record(store, f"{_PREFIX}/last/{rank}")
         found[rank] = message or "no checked collective yet"
     return found
 
 
+#: What a rank whose peer left in the middle of a collective should check, said with the error.
+UNEVEN_HINT = (
+    "If the ranks run different numbers of steps (uneven data), the first to finish leaves the others in a "
+    "collective: give every rank the same number of batches (DistributedSampler(..., drop_last=True), or stop every "
+    "rank when the shortest runs out), or use join() where the wrapper has one (torch DDP's Join, smp's "
+    "DistributedModel.join())."
+)
+
+
 def explain_failure(error: BaseException, what: str) -> RuntimeError:
     """Turn a collective's low-level error into one that names failed ranks (and, in debug mode, positions)."""
-    lines = [f"shardkit collective {what} failed on rank {dist.get_rank() if dist.is_initialized() else 0}: {error}"]
-    failures = failed_ranks()
-    for rank, message in sorted(failures.items()):
-        lines.append(f"  rank {rank} failed first: {message}")
-    if INSTRUMENTATION.active_checks() is not None:
-        for rank, last in sorted(_last_collectives().items()):
-            lines.append(f"  rank {rank} last entered: {last}")
-    if failures:
+    me = dist.get_rank() if dist.is_initialized() else 0
+    lost = lost_a_peer(error)
+    failures, left = DEPARTURES.await_records() if lost else (failed_ranks(), {})
+    if lost and not failures:
+        return _peer_left(error, what, me, left)
+    if failures:  # the failed rank's own error first: the backend's words only say the connection went
+        lines = [f"shardkit collective {what} failed on rank {me} because another rank raised an error:"]
+        lines += [f"  rank {rank} failed first: {message}" for rank, message in sorted(failures.items())]
+        lines += _whereabouts() + [f"  (the backend said: {_first_line(error)})"]
         return RankFailedError("\n".join(lines))
+    lines = [f"shardkit collective {what} failed on rank {me}: {error}", *_whereabouts()]
     lines.append(
         "  no rank reported an error: a rank may have died, or skipped this collective (run with "
         "SHARDKIT_CHECK_COLLECTIVES=1 to find which)"
     )
     return RuntimeError("\n".join(lines))
+
+
+def _whereabouts() -> list[str]:
+    """In debug mode, where every rank last was."""
+    if INSTRUMENTATION.active_checks() is None:
+        return []
+    return [f"  rank {rank} last entered: {last}" for rank, last in sorted(_last_collectives().items())]
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).splitlines() or [type(error).__name__])[0]
+
+
+def _peer_left(error: BaseException, what: str, me: int, left: dict[int, str]) -> PeerLeftError:
+    if left:
+        ranks = ", ".join(str(rank) for rank in sorted(left))
+        gone = f"rank(s) {ranks} left the job while this rank was in {what}: {left[min(left)]}"
+    else:
+        gone = (
+            f"a peer rank left the job while this rank was in {what}: its process ended, because it finished or "
+            "died without reporting an error (killed, out of memory, os._exit)"
+        )
+    return PeerLeftError(
+        f"shardkit collective {what} failed on rank {me}: {gone}. {UNEVEN_HINT} (The backend said: "
+        f"{_first_line(error)})"
+    )
 
 
 _OPS = ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "send", "recv")

@@ -24,7 +24,8 @@ from typing import Any, Generic, Optional, TypeVar
 
 from torch.profiler import record_function
 
-from shardkit.distributed.long_waits import WaitWatch
+from shardkit.distributed.departures import DEPARTURES
+from shardkit.distributed.long_waits import UNKNOWN_PEERS, WaitWatch
 from shardkit.distributed.node_layout import NodeLayout
 
 T = TypeVar("T")
@@ -234,10 +235,12 @@ INSTRUMENTATION = Instrumentation()
 
 
 @contextlib.contextmanager
-def blocking_call(name: str) -> Iterator[None]:
-    """A torch call that blocks until every rank makes it (object collectives, the barrier): labelled ``name`` in
-    profiles, and watched, so a rank blocked in it long says so (:mod:`.long_waits`)."""
-    with record_function(name), INSTRUMENTATION.waits.watching(name):
+def blocking_call(name: str, group: Any = UNKNOWN_PEERS) -> Iterator[None]:
+    """A torch call that blocks until every rank of ``group`` makes it (object collectives, the barrier): labelled
+    ``name`` in profiles, and watched, so a rank blocked in it long says so, naming the ranks of ``group`` it waits
+    for (:mod:`.long_waits`)."""
+    DEPARTURES.watch()
+    with record_function(name), INSTRUMENTATION.waits.watching(name, group=group):
         yield
 
 

@@ -19,9 +19,11 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
+from shardkit.distributed.departures import DEPARTURES
 from shardkit.distributed.groups import GroupLike
 from shardkit.distributed.health import explain_failure, verify_matching
 from shardkit.distributed.instrumentation import INSTRUMENTATION, CommMeter, LinkModel
+from shardkit.distributed.long_waits import UNKNOWN_PEERS
 from shardkit.distributed.node_traffic import inter_node_share
 
 
@@ -71,15 +73,18 @@ def comm_delay(latency_s: float = 0.0, bytes_per_s: Optional[float] = None, scop
 class Handle:
     """A pending collective. ``wait()`` blocks until it has completed (and its simulated delay elapsed)."""
 
-    def __init__(self, work: Optional[Any] = None, ready_at: float = 0.0, what: str = "") -> None:
+    def __init__(
+        self, work: Optional[Any] = None, ready_at: float = 0.0, what: str = "", group: Any = UNKNOWN_PEERS
+    ) -> None:
         self._work = work
         self._ready_at = ready_at
         self._what = what
+        self._group = group  # whose members a long wait names (None: the world)
 
     def wait(self) -> None:
         if self._work is not None:
             try:
-                with INSTRUMENTATION.waits.watching(self._what or "a collective"):
+                with INSTRUMENTATION.waits.watching(self._what or "a collective", group=self._group):
                     self._work.wait()
             except Exception as err:
                 raise explain_failure(err, self._what) from err
@@ -144,6 +149,7 @@ def custom_collective(
     ``root_in_group`` for ``"rooted"`` and the peer's global rank ``peer`` for ``"p2p"``) names the traffic
     model that splits the bytes into intra- and inter-node (:mod:`shardkit.distributed.node_traffic`).
     """
+    DEPARTURES.watch()  # from the first collective on, how this process ends is recorded for its peers
     verify_matching(group, op, label, tensor)
     meter = INSTRUMENTATION.meters.top
     link = INSTRUMENTATION.links.top
@@ -162,7 +168,10 @@ def custom_collective(
             work = run()
         except Exception as err:
             raise explain_failure(err, name) from err
-    handle = Handle(work, ready_at, name if peer is None else f"{name} with rank {peer}")
+    if peer is None:
+        handle = Handle(work, ready_at, name, group if isinstance(group, dist.ProcessGroup) else UNKNOWN_PEERS)
+    else:
+        handle = Handle(work, ready_at, f"{name} with rank {peer}")
     if not async_op:
         handle.wait()
     return handle

@@ -3,12 +3,13 @@
 gloo's and NCCL's ``wait()`` return when the other ranks have made the matching call, or when the process group
 times out (30 minutes by default, 10 for NCCL). A rank whose peer is slower (data loading, a first compile), stuck,
 or dead therefore sits silent for half an hour. Here every blocking wait registers what it waits for and since
-when in a table that one daemon thread per process reads a few times a minute; a wait older than
+when in a table that one daemon thread per process reads when the next warning is due; a wait older than
 :data:`ENV_WARN_AFTER` seconds (45 by default, so the first word comes within a minute; ``0`` turns the watch off)
-is logged as a warning on the ``shardkit`` logger, naming the rank, the operation and its peer where there is one,
-and again every minute while it lasts. The wait itself is not touched (no polling, no timeout of its own), so it
-costs the waiting thread a clock read and two dictionary updates; it works the same for waits issued from
-autograd's device threads (backward hooks on CUDA).
+is logged as a warning on the ``shardkit`` logger at that age, naming the rank, the operation and the rank it waits
+for (the peer of a transfer, the other rank of a two-rank group; in a larger group the candidates), and again every
+minute while it lasts. The wait itself is not touched (no polling, no timeout of its own), so it costs the waiting
+thread a clock read and two dictionary updates; it works the same for waits issued from autograd's device threads
+(backward hooks on CUDA). Idle, the thread wakes once per threshold.
 
 What it cannot see: under NCCL, ``wait()`` on a CUDA collective only makes the current stream wait and returns, so
 a stuck peer blocks the host later, at the next synchronisation (``loss.item()``, a copy to the CPU), outside any
@@ -25,7 +26,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch.distributed as dist
 
@@ -43,6 +44,13 @@ PEER_HINT = (
     "the other ranks have not made the matching call yet. One may be slower (loading data, compiling), stuck, or "
     "have failed; the process group's timeout ends the wait with an error if nothing arrives."
 )
+#: What the ranks a collective waits for may be doing, said after naming them.
+_LATE = (
+    "A late rank may be slower (loading data, compiling), stuck, or have failed; the process group's timeout ends "
+    "the wait with an error if nothing arrives."
+)
+#: A wait whose peers are not known (a hand-built transfer names its peer in ``what``).
+UNKNOWN_PEERS = object()
 
 
 @dataclass
@@ -51,6 +59,8 @@ class _Wait:
     hint: str
     since: float
     next_warning: float
+    #: The process group whose other members it waits for (None: the world), or :data:`UNKNOWN_PEERS`.
+    group: Any = UNKNOWN_PEERS
 
 
 class WaitWatch:
@@ -87,14 +97,15 @@ class WaitWatch:
         return self._thread is not None and self._thread.is_alive()
 
     @contextlib.contextmanager
-    def watching(self, what: str, hint: str = PEER_HINT) -> Iterator[None]:
+    def watching(self, what: str, hint: str = PEER_HINT, group: Any = UNKNOWN_PEERS) -> Iterator[None]:
         """Register a blocking wait in ``what`` while the block runs (from any thread); a warning about it says
-        ``hint`` (what such a wait usually means: by default, a peer that has not made the matching call)."""
+        ``hint`` (what such a wait usually means: by default, a peer that has not made the matching call). For a
+        collective over ``group`` (None: the world), the warning names the ranks it waits for."""
         if self.warn_after_s <= 0:
             yield
             return
         now = time.monotonic()
-        entry = _Wait(what, hint, now, now + self.warn_after_s)
+        entry = _Wait(what, hint, now, now + self.warn_after_s, group)
         with self._lock:
             self._waits[id(entry)] = entry
             if self._thread is None:
@@ -107,19 +118,47 @@ class WaitWatch:
                 del self._waits[id(entry)]
 
     def _run(self) -> None:
+        sleep_s = self.warn_after_s
         while True:
-            # A quarter of the threshold (at most 5 s); switched off, only a new threshold wakes it sooner.
-            self._wake.wait(5.0 if self.warn_after_s <= 0 else min(5.0, self.warn_after_s / 4))
+            # Until the next warning is due, so it comes at the age it reports. A wait registered while the thread
+            # sleeps is due no sooner than one threshold from now, when the thread wakes anyway; switched off, it
+            # looks every 5 s for a new threshold (a new one wakes it at once).
+            self._wake.wait(sleep_s if self.warn_after_s > 0 else 5.0)
             self._wake.clear()
             now = time.monotonic()
             with self._lock:
                 due = [w for w in self._waits.values() if now >= w.next_warning]
                 for wait in due:
-                    wait.next_warning = now + REPEAT_S
+                    wait.next_warning = wait.next_warning + REPEAT_S
+                upcoming = [w.next_warning for w in self._waits.values()]
+            sleep_s = max(0.0, min([now + max(self.warn_after_s, 0.0), *upcoming]) - now)
             for wait in due:
                 logger.warning(
-                    "%s has waited %.0f s so far in %s: %s", _rank_name(), now - wait.since, wait.what, wait.hint
+                    "%s has waited %.0f s so far in %s: %s",
+                    _rank_name(),
+                    now - wait.since,
+                    wait.what,
+                    _awaited(wait.group) if wait.hint is PEER_HINT else wait.hint,
                 )
+
+
+def _awaited(group: Any) -> str:
+    """Who a collective over ``group`` waits for, and what that may mean (:data:`PEER_HINT` when unknown).
+
+    In a group of two that is the other rank. In a larger one the ranks that arrived cannot be told from those
+    that did not without a record per collective, which only the collective checks keep."""
+    if group is UNKNOWN_PEERS or not (dist.is_available() and dist.is_initialized()):
+        return PEER_HINT
+    try:
+        others = [r for r in dist.get_process_group_ranks(group or dist.group.WORLD) if r != dist.get_rank()]
+    except Exception:  # the group was destroyed meanwhile
+        return PEER_HINT
+    if len(others) == 1:
+        return f"rank {others[0]} has not made the matching call yet. {_LATE}"
+    return (
+        f"one or more of ranks {others} have not made the matching call yet (SHARDKIT_CHECK_COLLECTIVES=1 names "
+        f"which). {_LATE}"
+    )
 
 
 def _rank_name() -> str:

@@ -38,7 +38,7 @@ def all_gather_objects(obj: Any, group: Optional[GroupLike], label: str) -> list
     assert isinstance(group, dist.ProcessGroup)
     _on_rank_device(group)
     gathered: list[Any] = [None] * size
-    with blocking_call(f"shardkit::all_gather_object:{label}"):
+    with blocking_call(f"shardkit::all_gather_object:{label}", group):
         dist.all_gather_object(gathered, obj, group=group)
     return gathered
 
@@ -53,7 +53,7 @@ def gather_objects(obj: Any, dst_in_group: int, group: Optional[GroupLike], labe
     _on_rank_device(group)
     receiving = group_rank(group) == dst_in_group
     gathered: Optional[list[Any]] = [None] * size if receiving else None
-    with blocking_call(f"shardkit::gather_object:{label}"):
+    with blocking_call(f"shardkit::gather_object:{label}", group):
         dist.gather_object(obj, gathered, dst=global_rank(group, dst_in_group), group=group)
     return gathered
 
@@ -66,7 +66,7 @@ def broadcast_object(obj: Any, src_in_group: int = 0, group: Optional[GroupLike]
     assert isinstance(group, dist.ProcessGroup)
     _on_rank_device(group)
     holder = [obj]
-    with blocking_call(f"shardkit::broadcast_object:{label or 'object'}"):
+    with blocking_call(f"shardkit::broadcast_object:{label or 'object'}", group):
         dist.broadcast_object_list(holder, src=global_rank(group, src_in_group), group=group)
     return holder[0]
 

@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from shardkit import restarts
 from shardkit.distributed import DummyProcessGroup, GroupLike, all_gather_objects
 from shardkit.distributed.groups import torch_group
 from shardkit.modelparallel.config import ConfigLike, ModelParallelConfig, config_differences, resolve_config
@@ -191,7 +192,7 @@ def _ensure_process_group() -> None:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend, timeout=timedelta(minutes=30))
+    restarts.init_process_group(backend, timedelta(minutes=30))  # restart-safe under torchrun --max-restarts
 
 
 def _check_same_config(cfg: ModelParallelConfig, world_size: int) -> None:

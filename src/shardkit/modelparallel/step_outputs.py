@@ -16,12 +16,13 @@ that step function then always sends the structure first.
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
-from shardkit.distributed import GroupLike, all_gather_objects, broadcast_object
+from shardkit.distributed import GroupLike, all_gather_objects, broadcast_object, group_rank
 from shardkit.modelparallel.pp_communications import broadcast_tensors
 from shardkit.utils._torch_private import TreeSpec, tree_flatten, tree_unflatten
 
@@ -120,7 +121,13 @@ def share_from_output_stage(
         sharing.describe_always = any(layout != layouts[0] for layout in layouts)
     if sharing.describe_always or any(not isinstance(x, torch.Tensor) for x in leaves):
         described = [_TensorMeta(x) if isinstance(x, torch.Tensor) else x for x in leaves]
-        spec, described = broadcast_object((spec, described), output_stage, group, label="smp_step_outputs")
+        # The output stage checks its values can be sent, and sends a refusal in their place if not: every stage
+        # then raises the same error, instead of the others reading "connection closed" when it fails alone.
+        payload = _sendable(spec, described) if group_rank(group) == output_stage else None
+        payload = broadcast_object(payload, output_stage, group, label="smp_step_outputs")
+        if isinstance(payload, _Unsendable):
+            raise TypeError(payload.message)
+        spec, described = payload
         leaves = [
             mine if isinstance(theirs, _TensorMeta) and _same_meta(mine, theirs) else _take(theirs, device)
             for mine, theirs in zip(_padded(leaves, len(described)), described)
@@ -130,6 +137,53 @@ def share_from_output_stage(
     for i, tensor in zip(index, shared):
         leaves[i] = tensor
     return tree_unflatten(leaves, spec)
+
+
+class _Unsendable:
+    """Sent by the output stage in place of values that cannot be pickled: the error every stage raises."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+
+def _sendable(spec: TreeSpec, described: list[Any]) -> Any:
+    """``(spec, described)``, or an :class:`_Unsendable` naming the first value pickle refuses."""
+    try:
+        pickle.dumps((spec, described))
+        return spec, described
+    except Exception:
+        pass
+    for place, value in zip(_places(spec), described):
+        try:
+            pickle.dumps(value)
+        except Exception as err:
+            return _Unsendable(
+                f"the @smp.step function returned {value!r} (a {type(value).__name__}) at {place}, which cannot be "
+                f"sent from the output stage to the other stages ({type(err).__name__}: {err}). Return tensors and "
+                "plain values (numbers, strings, None, containers of them) from the step; build anything else "
+                "from them after the step returns."
+            )
+    return _Unsendable(f"the @smp.step function's return value cannot be sent between stages: {spec}")
+
+
+def _places(spec: TreeSpec) -> list[str]:
+    """Where each leaf sits in the returned value, as ``micro-batch 0, result[1]['acc']``."""
+    marked = tree_unflatten(list(range(spec.num_leaves)), spec)
+    places: list[str] = [""] * spec.num_leaves
+    for mb, result in enumerate(marked):
+        _walk(result, "result", lambda index, path, mb=mb: places.__setitem__(index, f"micro-batch {mb}, {path}"))
+    return places
+
+
+def _walk(value: Any, path: str, found: Any) -> None:
+    if isinstance(value, int) and not isinstance(value, bool):
+        found(value, path)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _walk(item, f"{path}[{key!r}]", found)
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _walk(item, f"{path}[{i}]", found)
 
 
 def _padded(leaves: list[Any], n: int) -> list[Any]:

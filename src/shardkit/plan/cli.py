@@ -32,7 +32,7 @@ from shardkit.plan.report import plan_document, plot_title, position_hint, print
 from shardkit.plan.runner import LossFn, PlanError
 from shardkit.plan.settings import SETTINGS, Setting
 from shardkit.plan.strategies import PIPELINE, STRATEGIES
-from shardkit.plan.workloads import Workload
+from shardkit.plan.workloads import Workload, check_model_factory
 
 _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6,
           "gb": 10**9, "tb": 10**12}  # fmt: skip
@@ -219,7 +219,8 @@ def _model_workload(args: argparse.Namespace, parser: argparse.ArgumentParser) -
     if not args.batch_shape or len(args.batch_shape) != 2:
         parser.error("a factory model needs --batch-shape BATCH,SEQ (one rank's token ids)")
     module_name, _, factory = args.model.partition(":")
-    import_attribute(module_name, factory, "model")  # a clear error now, not after every setting failed
+    # A clear error now, not after every setting failed.
+    check_model_factory(import_attribute(module_name, factory, "model"), args.model, {})
     batch, seq = args.batch_shape
     return Workload("factory", args.model, {}, batch_size=batch, seq_len=seq)
 

@@ -17,10 +17,11 @@ Example::
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +29,7 @@ from torch import nn
 
 from shardkit.models import LMConfig, TransformerLM
 from shardkit.plan.hf_tasks import ATTENTION, TASKS, build_hf, hf_batch, hf_loss, task_of
+from shardkit.plan.runner import PlanError
 from shardkit.plan.strategies import block_classes
 from shardkit.utils.checks import at_least
 
@@ -156,6 +158,7 @@ class Workload:
             return build_hf(self.hf_config(), self.task, self.attention)
         module_name, _, attr = self.name.partition(":")
         factory = getattr(importlib.import_module(module_name), attr)
+        check_model_factory(factory, self.name, self.overrides)
         model = factory(**self.overrides)
         if not isinstance(model, nn.Module):
             raise TypeError(f"{self.name} returned {type(model).__name__}, not an nn.Module")
@@ -186,4 +189,24 @@ def next_token_cross_entropy(output: Any, batch: Any) -> torch.Tensor:
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
 
 
-__all__ = ["KINDS", "Workload", "next_token_cross_entropy"]
+def check_model_factory(factory: Callable[..., Any], name: str, overrides: Mapping[str, Any]) -> None:
+    """Raise a PlanError unless ``factory`` accepts the call the planner makes: ``factory(**overrides)``.
+
+    Checked against its signature before it is called, so a function that needs arguments (``math:sqrt``) is
+    refused with what the planner calls and what it must look like, not with the function's own complaint."""
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):  # some builtins have none to read: the call itself will tell
+        return
+    try:
+        signature.bind(**overrides)
+    except TypeError as exc:
+        called = f"the keyword arguments {dict(overrides)}" if overrides else "no arguments"
+        raise PlanError(
+            f"model: the factory {name} is called with {called} and must return the torch.nn.Module to plan, e.g. "
+            f"def build() -> torch.nn.Module (parameters need defaults); {name}{signature} cannot be called that "
+            f"way ({exc})"
+        ) from None
+
+
+__all__ = ["KINDS", "Workload", "check_model_factory", "next_token_cross_entropy"]

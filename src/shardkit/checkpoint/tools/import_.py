@@ -49,7 +49,10 @@ def detect_format(source: Path) -> str:
     if not source.exists():
         raise FileNotFoundError(f"{source} does not exist")
     if source.is_file():
-        return "safetensors" if source.suffix == ".safetensors" else "state-dict"
+        if source.suffix == ".safetensors":
+            return "safetensors"
+        require_torch_save_file(source)
+        return "state-dict"
     if (source / ".metadata").is_file():
         return "torch-dcp"
     if any(source.glob("*.safetensors")):
@@ -61,6 +64,30 @@ def detect_format(source: Path) -> str:
     raise ValueError(
         f"{source} is neither a torch.save file, a safetensors file or folder, a DCP checkpoint (.metadata) nor a "
         "folder of fairscale shard files; pass --format"
+    )
+
+
+#: How a ``torch.save`` file begins: a zip archive (torch >= 1.6), or the legacy format's pickle (protocol 2+).
+_TORCH_SAVE_HEADS = (b"PK\x03\x04", b"\x80")
+#: How a safetensors file begins after its 8-byte header length: the JSON header.
+_SAFETENSORS_HEAD = b"{"
+
+
+def require_torch_save_file(source: Path) -> None:
+    """Raise a ValueError unless ``source`` begins as a ``torch.save`` file does (a zip archive, or a pickle).
+
+    Without this, any other file reaches ``torch.load(weights_only=True)``, whose refusal of the bytes it
+    misreads as pickle opcodes says the file "holds pickled Python objects": true of no random file."""
+    with open(source, "rb") as f:
+        head = f.read(9)
+    if head.startswith(_TORCH_SAVE_HEADS):
+        return
+    looks = " (it looks like a safetensors file: name it *.safetensors)" if head[8:9] == _SAFETENSORS_HEAD else ""
+    raise ValueError(
+        f"{source} is not a torch or safetensors checkpoint: a torch.save file begins as a zip archive (PK) or a "
+        f"pickle, and this one begins with the bytes {head[:4].hex(' ')}{looks}. shardkit checkpoint "
+        "import reads a torch.save state dict (.pt/.bin), safetensors, a DCP checkpoint folder, fairscale shard "
+        "files or model-parallel shard files"
     )
 
 
@@ -80,6 +107,8 @@ def read_source(
     if key is not None and kind not in ("state-dict", "fairscale-full"):
         raise ValueError("--key applies to torch.save state dict files only")
     if kind in ("state-dict", "fairscale-full"):
+        if path.is_file():
+            require_torch_save_file(path)
         return read_state_dict(path, key)
     if kind == "safetensors":
         return read_safetensors(path)
