@@ -158,11 +158,14 @@ def _families(rank: int, world_size: int) -> dict[str, Any]:
 
 
 def _dropout(state: tp.ParallelState) -> list[float]:
-    """GPT-2 with dropout 0.1, seeded by the model-parallel seed: the loss of two runs from the same seed."""
+    """GPT-2 with dropout 0.1, seeded by the model-parallel seed: the losses of two steps, twice from the same seed,
+    then with HF's gradient checkpointing (the second loss depends on the first step's gradients)."""
     losses = []
-    for _ in range(2):
+    for checkpointing in (False, False, True):
         tp.model_parallel_manual_seed(3, state.tp_rank)
         model = tp.parallelize_hf(_gpt2(dropout=0.1), state)
+        if checkpointing:
+            model.gradient_checkpointing_enable()
         ids, labels = _batch()
         losses += _train(model, ids, labels)
     return losses
@@ -186,7 +189,7 @@ def test_every_family_at_tp_2_equals_the_whole_model_in_logits_training_and_gene
         for name in FAMILIES:
             assert out[name] and max(out[name].values()) < 1e-5, (rank, name, out[name])
         dropout = out["dropout"]
-        assert dropout[:2] == dropout[2:], dropout  # deterministic from the seed
+        assert dropout[:2] == dropout[2:4] == dropout[4:], dropout  # deterministic, also when recomputed
         assert all(loss == loss and loss > 0 for loss in dropout)
         assert "hold different values of 'transformer.wte.weight'" in out["different weights"]
         assert out["different weights"].endswith("unchanged=True")
@@ -228,3 +231,41 @@ def test_a_family_without_a_plan_is_refused_naming_the_known_ones() -> None:
     config = transformers.T5Config(num_layers=1, d_model=32, num_heads=4, vocab_size=VOCAB)
     with pytest.raises(ValueError, match=r"no tensor-parallel plan for Hugging Face model type 't5'.*gpt2"):
         tp.resolve_hf_plan(transformers.T5ForConditionalGeneration(config), 2)
+
+
+class _Attention(nn.Module):
+    """Dropout on this rank's heads, then on the replicated output (a stand-in for GPT-2's attention)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.resid_dropout = nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        heads = torch.nn.functional.dropout(x, 0.5, training=self.training)
+        return heads, self.resid_dropout(x * 2)
+
+
+def _region_run(tp_rank: int, checkpointed: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
+    from shardkit.tensor_parallel.hf.dropout import SplitDropoutRegion
+
+    module = _Attention()
+    SplitDropoutRegion.attach(module, tp_rank, ["resid_dropout"])
+    torch.manual_seed(0)
+    x = torch.ones(64, requires_grad=True)
+    if checkpointed:
+        heads, out = torch.utils.checkpoint.checkpoint(module, x, use_reentrant=False)
+    else:
+        heads, out = module(x)
+    (heads * torch.arange(64.0) + out).sum().backward()
+    assert x.grad is not None
+    return heads.detach(), out.detach(), x.grad, torch.get_rng_state()
+
+
+def test_split_attention_dropout_differs_across_ranks_agrees_outside_and_survives_recomputation() -> None:
+    heads0, out0, grad0, after0 = _region_run(0)
+    heads1, out1, _, after1 = _region_run(1)
+    assert not torch.equal(heads0, heads1)  # each rank's heads get their own mask
+    assert torch.equal(out0, out1)  # the replicated output is dropped alike on every rank
+    assert torch.equal(after0, after1)  # the default generator advanced alike
+    again = _region_run(0, checkpointed=True)
+    assert torch.equal(again[0], heads0) and torch.equal(again[2], grad0)  # recomputation drew the same masks

@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from shardkit.distributed.model_check import check_same_model
 from shardkit.distributed.objects import all_gather_objects
+from shardkit.tensor_parallel.hf.dropout import SplitDropoutRegion
 from shardkit.tensor_parallel.hf.layers import (
     Conv1DColumnParallel,
     Conv1DRowParallel,
@@ -63,7 +64,10 @@ def parallelize_hf(
     feed-forward blocks become column-then-row pairs (one all-reduce each way per block); the attention modules'
     head counts become per-rank counts; the vocabulary pair is split by rows when the degree divides it and ties
     allow (see :mod:`shardkit.tensor_parallel.hf.vocab`), its logits gathered so HF's loss and ``generate()`` work.
-    What stays whole is logged once (logger ``shardkit.tensor_parallel.hf``).
+    What stays whole is logged once (logger ``shardkit.tensor_parallel.hf``). Dropout on this rank's heads draws a
+    different mask on each rank, dropout on replicated activations the same one (:mod:`.dropout`; keep the default
+    generator in the same state on every tensor-parallel rank: ``model_parallel_manual_seed`` or one
+    ``torch.manual_seed``), also under HF's gradient checkpointing.
 
     Every rank of the tensor-parallel group calls it with the same model (same weights: build it from the same
     seed or load the same checkpoint). A degree that does not divide a head count, hidden, intermediate or vocabulary
@@ -96,6 +100,8 @@ def parallelize_hf(
     _check_same_values(model, tp)
     assert resolved is not None
     _apply(model, resolved, tp.mesh)
+    for path, replicated in resolved.dropout_regions:
+        SplitDropoutRegion.attach(model.get_submodule(path), tp.rank, replicated)
     if tp.rank == 0:
         _log(resolved)
     return model

@@ -21,6 +21,11 @@ local head count (``num_heads``, ``split_size``...): each is divided by the tens
 views its output as this rank's heads. Families whose attention infers the head count from the tensor (``view(...,
 -1, head_dim)``: transformers' ``base_model_tp_plan`` models) need none.
 
+``dropout_regions`` names, per attention module pattern, the children that act on the replicated output (GPT-2's
+``resid_dropout``): the module's other dropout, on this rank's heads, draws a different mask on each rank (see
+:mod:`.dropout`). A model without regions keeps every dropout on the default generator (correct, but each rank's
+heads then share the other ranks' masks).
+
 Models with a ``config.base_model_tp_plan`` use it (GPT-J, Llama and many Llama-style families); the registry adds
 the families smp v1 split automatically that have none (GPT-2, GPT-Neo, BERT, RoBERTa).
 """
@@ -44,12 +49,15 @@ class HFPlan:
         layers: base-model-relative module pattern -> one of :data:`STYLES`.
         head_attributes: base-model-relative attention-module pattern -> attributes divided by the degree.
         source: where the layer styles came from (``"shardkit"`` or ``"config.base_model_tp_plan"``).
+        dropout_regions: base-model-relative attention-module pattern -> names of its children that act on the
+            replicated output (their dropout masks must agree across ranks).
     """
 
     family: str
     layers: Mapping[str, str]
     head_attributes: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: MappingProxyType({}))
     source: str = "shardkit"
+    dropout_regions: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: MappingProxyType({}))
 
     def __post_init__(self) -> None:
         unknown = sorted({style for style in self.layers.values() if style not in STYLES})
@@ -61,8 +69,19 @@ class HFPlan:
             )
 
 
-def _plan(family: str, layers: Mapping[str, str], heads: Mapping[str, tuple[str, ...]]) -> HFPlan:
-    return HFPlan(family, MappingProxyType(layers), MappingProxyType(heads))
+def _plan(
+    family: str,
+    layers: Mapping[str, str],
+    heads: Mapping[str, tuple[str, ...]],
+    regions: Mapping[str, tuple[str, ...]],
+) -> HFPlan:
+    return HFPlan(
+        family,
+        MappingProxyType(dict(layers)),
+        MappingProxyType(dict(heads)),
+        "shardkit",
+        MappingProxyType(dict(regions)),
+    )
 
 
 _BERT_LAYERS = {
@@ -83,6 +102,8 @@ _BERT_HEADS = {
     for attention in ("attention", "crossattention")
 }
 
+_BERT_REGIONS: dict[str, tuple[str, ...]] = {pattern: () for pattern in _BERT_HEADS}
+
 _REGISTRY: dict[str, HFPlan] = {
     "gpt2": _plan(
         "gpt2",
@@ -93,6 +114,7 @@ _REGISTRY: dict[str, HFPlan] = {
             "h.*.mlp.c_proj": "conv1d_rowwise",
         },
         {"h.*.attn": ("num_heads", "split_size")},
+        {"h.*.attn": ("resid_dropout",)},
     ),
     "gpt_neo": _plan(
         "gpt_neo",
@@ -105,14 +127,17 @@ _REGISTRY: dict[str, HFPlan] = {
             "h.*.mlp.c_proj": "rowwise",
         },
         {"h.*.attn.attention": ("num_heads",)},
+        {"h.*.attn.attention": ("resid_dropout",)},
     ),
-    "bert": _plan("bert", _BERT_LAYERS, _BERT_HEADS),
-    "roberta": _plan("roberta", _BERT_LAYERS, _BERT_HEADS),
+    "bert": _plan("bert", _BERT_LAYERS, _BERT_HEADS, _BERT_REGIONS),
+    "roberta": _plan("roberta", _BERT_LAYERS, _BERT_HEADS, _BERT_REGIONS),
 }
 
-#: Head-count attributes of families whose layer styles come from ``config.base_model_tp_plan``.
-_CONFIG_PLAN_HEADS: dict[str, dict[str, tuple[str, ...]]] = {
-    "gptj": {"h.*.attn": ("num_attention_heads",)},
+#: Head-count attributes and dropout regions of families whose layer styles come from ``config.base_model_tp_plan``.
+_CONFIG_PLAN_HEADS: dict[str, dict[str, tuple[str, ...]]] = {"gptj": {"h.*.attn": ("num_attention_heads",)}}
+_CONFIG_PLAN_REGIONS: dict[str, dict[str, tuple[str, ...]]] = {
+    "gptj": {"h.*.attn": ("resid_dropout",)},
+    "llama": {"layers.*.self_attn": ()},
 }
 
 
@@ -141,6 +166,7 @@ def hf_plan_for(config: Any) -> HFPlan:
             MappingProxyType(dict(config_plan)),
             MappingProxyType(heads),
             source="config.base_model_tp_plan",
+            dropout_regions=MappingProxyType(_CONFIG_PLAN_REGIONS.get(model_type, {})),
         )
     raise ValueError(
         f"no tensor-parallel plan for Hugging Face model type '{model_type}': shardkit knows "

@@ -33,6 +33,7 @@ class ResolvedHFPlan:
         head_updates: ``(attention module path, attribute, value on each rank)``.
         vocab: how the input embedding and the output layer are treated.
         unsplit: modules holding parameters that stay whole on every rank, grouped (``h.*.ln_1``) with counts.
+        dropout_regions: ``(attention module path, its children acting on the replicated output)``.
     """
 
     plan: HFPlan
@@ -41,6 +42,7 @@ class ResolvedHFPlan:
     head_updates: tuple[tuple[str, str, int], ...]
     vocab: VocabDecision
     unsplit: tuple[tuple[str, int], ...]
+    dropout_regions: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     def describe_unsplit(self) -> str:
         """``h.*.ln_1 (x2), wpe, ...``: the modules left whole, one line."""
@@ -115,7 +117,7 @@ def resolve_hf_plan(
     plan = plan if plan is not None else hf_plan_for(config)
     base, prefix = _base_prefix(model)
     vocab = decide_vocab(model, tp_size, split_vocab)
-    layers, heads, sizes = [], [], list(vocab.sizes)
+    layers, heads, sizes, regions = [], [], list(vocab.sizes), []
     for name, module in base.named_modules():
         path = _join(prefix, name)
         style = next((s for p, s in plan.layers.items() if _matches(p, name)), None)
@@ -132,6 +134,14 @@ def resolve_hf_plan(
                 else:
                     sizes.append(Problem(path, attribute, value))
                     heads.append((path, attribute, value // tp_size))
+        for pattern, replicated in plan.dropout_regions.items():
+            if _matches(pattern, name):
+                sizes += [
+                    Problem(path, f"has no child '{c}' (plan {plan.family})")
+                    for c in replicated
+                    if not hasattr(module, c)
+                ]
+                regions.append((path, replicated))
     if layers:
         attention = next((p for p, s in layers if s in ("colwise", "conv1d_fused_qkv")), layers[0][0])
         sizes += _config_heads(config, attention.rsplit(".", 1)[0])
@@ -146,7 +156,7 @@ def resolve_hf_plan(
         for name, module in model.named_modules()
         if name not in split_paths and any(True for _ in module.parameters(recurse=False))
     ]
-    return ResolvedHFPlan(plan, tp_size, tuple(layers), tuple(heads), vocab, _group(unsplit))
+    return ResolvedHFPlan(plan, tp_size, tuple(layers), tuple(heads), vocab, _group(unsplit), tuple(regions))
 
 
 def _message(plan: HFPlan, tp_size: int, problems: list[Problem], sizes: list[int]) -> str:
