@@ -227,6 +227,13 @@ def test_the_vocabulary_pair_is_split_together_or_kept_whole() -> None:
     assert llama.vocab.split and not llama.vocab.tied
 
 
+def test_a_model_split_already_is_refused() -> None:
+    model = _gpt2()
+    model.transformer.h[1].attn.c_attn = tp.TensorParallelModule()
+    with pytest.raises(ValueError, match=r"'transformer.h.1.attn.c_attn' is a tensor-parallel layer already"):
+        tp.resolve_hf_plan(model, 2)
+
+
 def test_a_family_without_a_plan_is_refused_naming_the_known_ones() -> None:
     config = transformers.T5Config(num_layers=1, d_model=32, num_heads=4, vocab_size=VOCAB)
     with pytest.raises(ValueError, match=r"no tensor-parallel plan for Hugging Face model type 't5'.*gpt2"):

@@ -15,11 +15,13 @@ from fnmatch import fnmatchcase
 from typing import Optional
 
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from shardkit.tensor_parallel.hf.plans import HFPlan, hf_plan_for
 from shardkit.tensor_parallel.hf.problem import Problem
 from shardkit.tensor_parallel.hf.vocab import VocabDecision, decide_vocab
 from shardkit.tensor_parallel.layout import divisors
+from shardkit.tensor_parallel.sharding import TensorParallelModule
 
 
 @dataclass(frozen=True)
@@ -105,6 +107,24 @@ def _config_heads(config: object, where: str) -> list[Problem]:
     return [Problem(where, f"config.{attribute}", heads) for attribute, heads in counts if isinstance(heads, int)]
 
 
+def _refuse_split_model(model: nn.Module) -> None:
+    """A model split already (by this function, or by transformers' own ``tp_plan`` into ``DTensor``s) would be
+    split again: its head counts divided twice. Refuse it."""
+    layer = next((name for name, m in model.named_modules() if isinstance(m, TensorParallelModule)), None)
+    if layer is not None:
+        raise ValueError(
+            f"parallelize_hf: '{layer}' is a tensor-parallel layer already: this model was split before. Split a "
+            "model once, from its unsplit form. Nothing was changed."
+        )
+    dtensor = next((name for name, p in model.named_parameters() if isinstance(p, DTensor)), None)
+    if dtensor is not None:
+        raise ValueError(
+            f"parallelize_hf: parameter '{dtensor}' is a DTensor: the model is split already (from_pretrained(..., "
+            "tp_plan=...) or torch's parallelize_module). Load it without tp_plan and split it here, or use one of "
+            "the two. Nothing was changed."
+        )
+
+
 def resolve_hf_plan(
     model: nn.Module, tp_size: int, plan: Optional[HFPlan] = None, split_vocab: Optional[bool] = None
 ) -> ResolvedHFPlan:
@@ -113,6 +133,7 @@ def resolve_hf_plan(
     ``plan`` defaults to :func:`hf_plan_for` of the model's config; ``split_vocab`` as in ``parallelize_hf``.
     Raises ``ValueError`` listing every module whose size ``tp_size`` does not divide, with the degrees that would.
     """
+    _refuse_split_model(model)
     config = getattr(model, "config", None)
     plan = plan if plan is not None else hf_plan_for(config)
     base, prefix = _base_prefix(model)
