@@ -256,7 +256,7 @@ def _region_run(tp_rank: int, checkpointed: bool = False) -> tuple[torch.Tensor,
     from shardkit.tensor_parallel.hf.dropout import SplitDropoutRegion
 
     module = _Attention()
-    SplitDropoutRegion.attach(module, tp_rank, ["resid_dropout"])
+    SplitDropoutRegion(module, tp_rank, ["resid_dropout"])
     torch.manual_seed(0)
     x = torch.ones(64, requires_grad=True)
     if checkpointed:

@@ -42,25 +42,20 @@ class SplitDropoutRegion:
 
     Example::
 
-        SplitDropoutRegion.attach(model.transformer.h[0].attn, tp_rank=1, replicated=["resid_dropout"])
+        SplitDropoutRegion(model.transformer.h[0].attn, tp_rank=1, replicated=["resid_dropout"])
     """
 
-    def __init__(self, tp_rank: int) -> None:
+    def __init__(self, module: nn.Module, tp_rank: int, replicated: Sequence[str] = ()) -> None:
+        """Hook ``module`` (and its ``replicated`` children, by attribute name)."""
         self.tp_rank = tp_rank
         self._outside: list[GeneratorStates] = []  # the default states saved at each open region (a stack)
         self._inside: list[GeneratorStates] = []  # the region's states while a replicated child runs
-
-    @classmethod
-    def attach(cls, module: nn.Module, tp_rank: int, replicated: Sequence[str] = ()) -> SplitDropoutRegion:
-        """Hook ``module`` (and its ``replicated`` children, by attribute name) and return the region."""
-        region = cls(tp_rank)
-        module.register_forward_pre_hook(region._enter)
-        module.register_forward_hook(region._exit, always_call=True)
+        module.register_forward_pre_hook(self._enter)
+        module.register_forward_hook(self._exit, always_call=True)
         for name in replicated:
             child = getattr(module, name)
-            child.register_forward_pre_hook(region._enter_replicated)
-            child.register_forward_hook(region._exit_replicated, always_call=True)
-        return region
+            child.register_forward_pre_hook(self._enter_replicated)
+            child.register_forward_hook(self._exit_replicated, always_call=True)
 
     def _enter(self, module: nn.Module, args: Any) -> None:
         if not module.training:

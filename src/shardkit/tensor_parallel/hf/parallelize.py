@@ -101,7 +101,7 @@ def parallelize_hf(
     assert resolved is not None
     _apply(model, resolved, tp.mesh)
     for path, replicated in resolved.dropout_regions:
-        SplitDropoutRegion.attach(model.get_submodule(path), tp.rank, replicated)
+        SplitDropoutRegion(model.get_submodule(path), tp.rank, replicated)
     if tp.rank == 0:
         _log(resolved)
     return model
