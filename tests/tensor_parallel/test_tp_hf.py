@@ -225,6 +225,13 @@ def test_the_vocabulary_pair_is_split_together_or_kept_whole() -> None:
         tp.resolve_hf_plan(_bert(), 2, split_vocab=True)
     llama = tp.resolve_hf_plan(_llama(), 2)
     assert llama.vocab.split and not llama.vocab.tied
+    # Gemma's embedding is an nn.Embedding subclass that scales its output: a plain split lookup would drop the scale.
+    gemma = transformers.GemmaForCausalLM(
+        transformers.GemmaConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                                 intermediate_size=64, vocab_size=VOCAB, head_dim=8)
+    )  # fmt: skip
+    kept = tp.resolve_hf_plan(gemma, 2)
+    assert not kept.vocab.split and "ScaledWordEmbedding, not nn.Embedding" in kept.vocab.reason, kept.vocab.reason
 
 
 def test_a_model_split_already_is_refused() -> None:

@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from shardkit.tensor_parallel.hf.plans import HFPlan, hf_plan_for
-from shardkit.tensor_parallel.hf.problem import Problem
+from shardkit.tensor_parallel.hf.problem import Problem, is_exactly, is_hf_conv1d
 from shardkit.tensor_parallel.hf.vocab import VocabDecision, decide_vocab
 from shardkit.tensor_parallel.layout import divisors
 from shardkit.tensor_parallel.sharding import TensorParallelModule
@@ -73,14 +73,14 @@ def _split_size(path: str, module: nn.Module, style: str) -> Problem:
     not the kind of module the style splits."""
     weight = getattr(module, "weight", None)
     if style == "embedding_rowwise":
-        if not isinstance(module, nn.Embedding):
+        if not is_exactly(module, nn.Embedding):
             return Problem(path, f"is {type(module).__name__}, not nn.Embedding (style {style})")
         return Problem(path, "num_embeddings", module.num_embeddings)
     if style.startswith("conv1d"):
-        if weight is None or weight.dim() != 2 or isinstance(module, nn.Linear):
+        if weight is None or not is_hf_conv1d(module):
             return Problem(path, f"is {type(module).__name__}, not HF Conv1D (style {style})")
         in_features, out_features = weight.shape
-    elif isinstance(module, nn.Linear):
+    elif is_exactly(module, nn.Linear):
         in_features, out_features = module.in_features, module.out_features
     else:
         return Problem(path, f"is {type(module).__name__}, not nn.Linear (style {style})")

@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from shardkit.tensor_parallel.hf.problem import Problem
+from shardkit.tensor_parallel.hf.problem import Problem, is_exactly
 
 
 @dataclass(frozen=True)
@@ -80,9 +80,9 @@ def decide_vocab(model: nn.Module, tp_size: int, split_vocab: Optional[bool]) ->
         if output.bias is not None:
             owners[f"{out_path}.bias"] = output.bias
     reason = ""
-    if not isinstance(embedding, nn.Embedding):
-        reason = f"the input embedding is {type(embedding).__name__}, not nn.Embedding"
-    elif output is not None and not isinstance(output, nn.Linear):
+    if not is_exactly(embedding, nn.Embedding):
+        reason = f"the input embedding '{emb_path}' is {type(embedding).__name__}, not nn.Embedding"
+    elif output is not None and not is_exactly(output, nn.Linear):
         reason = f"the output layer '{out_path}' is {type(output).__name__}, not nn.Linear"
     elif _shared_elsewhere(model, owners):
         reason = f"'{_shared_elsewhere(model, owners)[0]}' also holds one of their tensors"
