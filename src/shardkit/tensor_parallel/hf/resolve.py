@@ -125,6 +125,34 @@ def _refuse_split_model(model: nn.Module) -> None:
         )
 
 
+@dataclass(frozen=True)
+class _Found:
+    """What resolution collects: sizes to check, head-count updates, dropout regions."""
+
+    sizes: list[Problem]
+    heads: list[tuple[str, str, int]]
+    regions: list[tuple[str, tuple[str, ...]]]
+
+
+def _attention_entries(plan: HFPlan, name: str, path: str, module: nn.Module, tp_size: int, found: _Found) -> None:
+    """Collect the head-count attributes and the dropout region of ``module`` if the plan names it."""
+    for pattern, attributes in plan.head_attributes.items():
+        if not _matches(pattern, name):
+            continue
+        for attribute in attributes:
+            value = getattr(module, attribute, None)
+            if not isinstance(value, int):
+                found.sizes.append(Problem(path, f"has no integer attribute '{attribute}' (plan {plan.family})"))
+            else:
+                found.sizes.append(Problem(path, attribute, value))
+                found.heads.append((path, attribute, value // tp_size))
+    for pattern, replicated in plan.dropout_regions.items():
+        if _matches(pattern, name):
+            missing = [child for child in replicated if not hasattr(module, child)]
+            found.sizes.extend([Problem(path, f"has no child '{child}' (plan {plan.family})") for child in missing])
+            found.regions.append((path, replicated))
+
+
 def resolve_hf_plan(
     model: nn.Module, tp_size: int, plan: Optional[HFPlan] = None, split_vocab: Optional[bool] = None
 ) -> ResolvedHFPlan:
@@ -138,31 +166,17 @@ def resolve_hf_plan(
     plan = plan if plan is not None else hf_plan_for(config)
     base, prefix = _base_prefix(model)
     vocab = decide_vocab(model, tp_size, split_vocab)
-    layers, heads, sizes, regions = [], [], list(vocab.sizes), []
+    layers: list[tuple[str, str]] = []
+    heads: list[tuple[str, str, int]] = []
+    regions: list[tuple[str, tuple[str, ...]]] = []
+    sizes = list(vocab.sizes)
     for name, module in base.named_modules():
         path = _join(prefix, name)
         style = next((s for p, s in plan.layers.items() if _matches(p, name)), None)
         if style is not None and path not in vocab.handled:
             layers.append((path, style))
             sizes.append(_split_size(path, module, style))
-        for pattern, attributes in plan.head_attributes.items():
-            if not _matches(pattern, name):
-                continue
-            for attribute in attributes:
-                value = getattr(module, attribute, None)
-                if not isinstance(value, int):
-                    sizes.append(Problem(path, f"has no integer attribute '{attribute}' (plan {plan.family})"))
-                else:
-                    sizes.append(Problem(path, attribute, value))
-                    heads.append((path, attribute, value // tp_size))
-        for pattern, replicated in plan.dropout_regions.items():
-            if _matches(pattern, name):
-                sizes += [
-                    Problem(path, f"has no child '{c}' (plan {plan.family})")
-                    for c in replicated
-                    if not hasattr(module, c)
-                ]
-                regions.append((path, replicated))
+        _attention_entries(plan, name, path, module, tp_size, _Found(sizes, heads, regions))
     if layers:
         attention = next((p for p, s in layers if s in ("colwise", "conv1d_fused_qkv")), layers[0][0])
         sizes += _config_heads(config, attention.rsplit(".", 1)[0])
