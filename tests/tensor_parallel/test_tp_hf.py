@@ -154,6 +154,12 @@ def _families(rank: int, world_size: int) -> dict[str, Any]:
     out["log"] = records
     out["dropout"] = _dropout(state)
     out["different weights"] = _different_weights(state)
+    try:
+        odd = transformers.GPT2Config(n_layer=1, n_embd=48, n_head=3, vocab_size=VOCAB)
+        tp.parallelize_hf(transformers.GPT2LMHeadModel(odd), state)
+        out["three heads"] = "accepted"
+    except ValueError as exc:
+        out["three heads"] = str(exc)
     return out
 
 
@@ -193,6 +199,8 @@ def test_every_family_at_tp_2_equals_the_whole_model_in_logits_training_and_gene
         assert all(loss == loss and loss > 0 for loss in dropout)
         assert "hold different values of 'transformer.wte.weight'" in out["different weights"]
         assert out["different weights"].endswith("unchanged=True")
+        assert "'transformer.h.*.attn': num_heads=3" in out["three heads"], out["three heads"]
+        assert "degrees that divide every size the plan splits: [1, 3]" in out["three heads"]
     assert ranks[0]["dropout"] == ranks[1]["dropout"]  # replicated activations dropped alike on both TP ranks
     log = ranks[0]["log"]
     assert any("gpt2 plan" in line and "transformer.h.*.ln_1 (x2)" in line for line in log), log

@@ -94,7 +94,7 @@ def parallelize_hf(
     error: Optional[Exception] = None
     try:
         resolved = resolve_hf_plan(model, tp.size, plan, split_vocab)
-    except ValueError as exc:
+    except Exception as exc:  # any rank's failure travels to every rank in the check below: none is left waiting
         error = exc
     check_same_model(model, tp.group, _WHO, local_error=error)
     _check_same_values(model, tp)
@@ -107,14 +107,19 @@ def parallelize_hf(
     return model
 
 
-def _fingerprint(model: nn.Module) -> list[tuple[float, float]]:
+def _fingerprint(model: nn.Module) -> list[list[float]]:
+    """Sum and 2-norm of every parameter, in float64 without copying it, read back in one transfer."""
     with torch.no_grad():
-        return [(float(p.double().sum()), float(p.double().square().sum())) for p in model.parameters(recurse=True)]
+        stats = [
+            torch.stack([p.sum(dtype=torch.float64), torch.linalg.vector_norm(p, dtype=torch.float64)])
+            for p in model.parameters()
+        ]
+        return torch.stack(stats).cpu().tolist() if stats else []
 
 
 def _check_same_values(model: nn.Module, tp: TPGroup) -> None:
     """Raise on every rank unless the tensor-parallel ranks hold the same parameter values (compared by sum and
-    sum of squares per tensor: each rank keeps its slice of its own copy, so different copies would mix)."""
+    norm per tensor: each rank keeps its slice of its own copy, so different copies would mix)."""
     everyone = all_gather_objects(_fingerprint(model), tp.group, f"{_WHO}.value_check")
     names = [name for name, _ in model.named_parameters()]
     for rank, other in enumerate(everyone[1:], start=1):

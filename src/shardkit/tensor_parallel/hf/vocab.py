@@ -30,7 +30,8 @@ class VocabDecision:
         embedding, output: their module paths ("" when the model has none).
         tied: whether they hold one weight.
         reason: why they stay whole (empty when split).
-        sizes: the sizes a split divides (for the degree check).
+        sizes: what the degree check must see: the vocabulary when ``split_vocab=True``, or why that split is
+            impossible.
     """
 
     split: bool
@@ -90,8 +91,11 @@ def decide_vocab(model: nn.Module, tp_size: int, split_vocab: Optional[bool]) ->
         reason = f"{tp_size} does not divide the vocabulary ({embedding.num_embeddings})"
     elif split_vocab is False:
         reason = "split_vocab=False"
+    # The vocabulary constrains the degree only when its split is required: otherwise it is kept whole if need be.
     vocab_size = (
-        (Problem(emb_path, "num_embeddings", embedding.num_embeddings),) if isinstance(embedding, nn.Embedding) else ()
+        (Problem(emb_path, "num_embeddings", embedding.num_embeddings),)
+        if split_vocab and isinstance(embedding, nn.Embedding)
+        else ()
     )
     if not reason:
         return VocabDecision(True, emb_path, out_path, tied, "", vocab_size)
