@@ -56,6 +56,15 @@ def _llama() -> nn.Module:
     return transformers.LlamaForCausalLM(config)
 
 
+def _phi3() -> nn.Module:
+    """transformers' plan for Phi-3 gathers the fused qkv output and splits o_proj's whole input."""
+    config = transformers.Phi3Config(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+        vocab_size=VOCAB, max_position_embeddings=64, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )  # fmt: skip
+    return transformers.Phi3ForCausalLM(config)
+
+
 def _bert_config(cls: Any) -> Any:
     return cls(
         num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64, vocab_size=VOCAB,
@@ -76,10 +85,11 @@ FAMILIES: dict[str, Callable[[], nn.Module]] = {
     "gptj": _gptj,
     "gpt_neo": _gpt_neo,
     "llama": _llama,
+    "phi3": _phi3,
     "bert": _bert,
     "roberta": _roberta,
 }
-CAUSAL = ("gpt2", "gptj", "gpt_neo", "llama")
+CAUSAL = ("gpt2", "gptj", "gpt_neo", "llama", "phi3")
 
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:

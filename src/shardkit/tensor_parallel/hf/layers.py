@@ -106,10 +106,13 @@ def column_from_linear(
     return layer
 
 
-def row_from_linear(linear: nn.Linear, *, mesh: Optional[DeviceMesh] = None) -> RowParallelLinear:
-    """``linear`` split by input features; its input is a column-parallel layer's split output."""
+def row_from_linear(
+    linear: nn.Linear, input_is_parallel: bool = True, *, mesh: Optional[DeviceMesh] = None
+) -> RowParallelLinear:
+    """``linear`` split by input features; its input is a column-parallel layer's split output (or, with
+    ``input_is_parallel=False``, the whole input, of which each rank keeps its slice)."""
     sizes, bias, init = _linear_source(linear)
-    layer = RowParallelLinear(*sizes, bias, True, init, mesh=mesh)
+    layer = RowParallelLinear(*sizes, bias, input_is_parallel, init, mesh=mesh)
     _copy_bias(layer, linear, None)
     return layer
 

@@ -46,7 +46,9 @@ def _build(style: str, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
         assert isinstance(module, nn.Embedding)
         return vocab_embedding_from(module, mesh=mesh)
     assert isinstance(module, nn.Linear)
-    return row_from_linear(module, mesh=mesh) if style == "rowwise" else column_from_linear(module, mesh=mesh)
+    if style.startswith("rowwise"):
+        return row_from_linear(module, input_is_parallel=style == "rowwise", mesh=mesh)
+    return column_from_linear(module, gather_output=style == "colwise_gather_output", mesh=mesh)
 
 
 def parallelize_hf(

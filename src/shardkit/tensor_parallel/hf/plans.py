@@ -8,6 +8,9 @@ layer index). The styles:
 * ``colwise``: an ``nn.Linear`` split by output features (its output stays split: this rank's heads or its slice
   of the feed-forward's inner dimension);
 * ``rowwise``: an ``nn.Linear`` split by input features, its output summed over the ranks (one all-reduce);
+* ``colwise_gather_output`` / ``rowwise_split_input`` (transformers' names): the same layers taking or giving whole
+  activations, for modules whose neighbours need every feature (a norm over all heads' q, a ``chunk`` of a fused
+  output): the column layer all-gathers its output, the row layer keeps its slice of a whole input;
 * ``conv1d_colwise`` / ``conv1d_rowwise``: the same for HF's ``Conv1D`` (weight stored ``(in, out)``);
 * ``conv1d_fused_qkv``: a ``Conv1D`` computing ``[q | k | v]`` at once, split per head: each rank keeps its
   heads' columns of q, of k and of v (never a third of the fused weight's rows, which would give rank 0 all of q);
@@ -37,7 +40,16 @@ from types import MappingProxyType
 from typing import Any, Mapping
 
 #: The styles a plan may use (see the module docstring).
-STYLES = ("colwise", "rowwise", "conv1d_colwise", "conv1d_rowwise", "conv1d_fused_qkv", "embedding_rowwise")
+STYLES = (
+    "colwise",
+    "rowwise",
+    "colwise_gather_output",
+    "rowwise_split_input",
+    "conv1d_colwise",
+    "conv1d_rowwise",
+    "conv1d_fused_qkv",
+    "embedding_rowwise",
+)
 
 
 @dataclass(frozen=True)

@@ -88,7 +88,7 @@ def _split_size(path: str, module: nn.Module, style: str) -> Problem:
         if out_features % 3:
             return Problem(path, f"fused q|k|v output features ({out_features}) are not a multiple of 3")
         return Problem(path, "features per q/k/v", out_features // 3)
-    if style in ("rowwise", "conv1d_rowwise"):
+    if "rowwise" in style:
         return Problem(path, "in_features", in_features)
     return Problem(path, "out_features", out_features)
 
