@@ -65,6 +65,15 @@ def _phi3() -> nn.Module:
     return transformers.Phi3ForCausalLM(config)
 
 
+def _qwen3() -> nn.Module:
+    """Qwen3 normalises each head's q and k (q_norm, k_norm: whole on every rank, gradients summed over the ranks)."""
+    config = transformers.Qwen3Config(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+        head_dim=8, vocab_size=VOCAB, max_position_embeddings=64, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    return transformers.Qwen3ForCausalLM(config)
+
+
 def _bert_config(cls: Any) -> Any:
     return cls(
         num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64, vocab_size=VOCAB,
@@ -86,10 +95,11 @@ FAMILIES: dict[str, Callable[[], nn.Module]] = {
     "gpt_neo": _gpt_neo,
     "llama": _llama,
     "phi3": _phi3,
+    "qwen3": _qwen3,
     "bert": _bert,
     "roberta": _roberta,
 }
-CAUSAL = ("gpt2", "gptj", "gpt_neo", "llama", "phi3")
+CAUSAL = ("gpt2", "gptj", "gpt_neo", "llama", "phi3", "qwen3")
 
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,8 +14,10 @@ from typing import Optional, Union
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
+from shardkit.distributed.collectives import all_reduce
 from shardkit.distributed.model_check import check_same_model
 from shardkit.distributed.objects import all_gather_objects
 from shardkit.tensor_parallel.hf.dropout import SplitDropoutRegion
@@ -104,9 +106,26 @@ def parallelize_hf(
     _apply(model, resolved, tp.mesh)
     for path, replicated in resolved.dropout_regions:
         SplitDropoutRegion(model.get_submodule(path), tp.rank, replicated)
+    for path in resolved.grad_sums:
+        for param in model.get_submodule(path).parameters():
+            if param.requires_grad:
+                param.register_hook(_GradSum(tp.group))
     if tp.rank == 0:
         _log(resolved)
     return model
+
+
+class _GradSum:
+    """A parameter hook summing the gradient over the tensor-parallel ranks (the group is captured here, so the hook
+    reads nothing from the caller's context on autograd's threads)."""
+
+    def __init__(self, group: ProcessGroup) -> None:
+        self.group = group
+
+    def __call__(self, grad: torch.Tensor) -> torch.Tensor:
+        total = grad.contiguous().clone()
+        all_reduce(total, group=self.group, label="tp.replicated_grad")
+        return total
 
 
 def _fingerprint(model: nn.Module) -> list[list[float]]:
@@ -176,11 +195,12 @@ def _log(resolved: ResolvedHFPlan) -> None:
     )
     logger.info(
         "parallelize_hf: %s plan (%s) at tensor-parallel degree %d: %d modules split; vocabulary %s; left whole on "
-        "every rank: %s",
+        "every rank: %s%s",
         resolved.plan.family,
         resolved.plan.source,
         resolved.tp_size,
         len(resolved.layers) + len(vocab.split_modules),
         vocab_text,
         resolved.describe_unsplit(),
+        f" (gradients summed over the ranks: {len(resolved.grad_sums)} of them)" if resolved.grad_sums else "",
     )

@@ -14,7 +14,10 @@ layer index). The styles:
 * ``conv1d_colwise`` / ``conv1d_rowwise``: the same for HF's ``Conv1D`` (weight stored ``(in, out)``);
 * ``conv1d_fused_qkv``: a ``Conv1D`` computing ``[q | k | v]`` at once, split per head: each rank keeps its
   heads' columns of q, of k and of v (never a third of the fused weight's rows, which would give rank 0 all of q);
-* ``embedding_rowwise``: an ``nn.Embedding`` split by vocabulary rows (transformers' name for it).
+* ``embedding_rowwise``: an ``nn.Embedding`` split by vocabulary rows (transformers' name for it);
+* ``replicated_with_grad_allreduce``: a module left whole that acts on split activations (Qwen3's per-head
+  ``q_norm``): each rank's gradient covers its heads only, so its parameters' gradients are summed over the ranks
+  (else the copies drift apart).
 
 The input embedding and the output layer (``get_input_embeddings()`` / ``get_output_embeddings()``) are not
 named: :mod:`.vocab` splits them together by vocabulary, or keeps them replicated, so a tied pair stays tied.
@@ -49,6 +52,7 @@ STYLES = (
     "conv1d_rowwise",
     "conv1d_fused_qkv",
     "embedding_rowwise",
+    "replicated_with_grad_allreduce",
 )
 
 

@@ -36,6 +36,8 @@ class ResolvedHFPlan:
         vocab: how the input embedding and the output layer are treated.
         unsplit: modules holding parameters that stay whole on every rank, grouped (``h.*.ln_1``) with counts.
         dropout_regions: ``(attention module path, its children acting on the replicated output)``.
+        grad_sums: modules left whole whose parameters' gradients are summed over the ranks (they act on split
+            activations).
     """
 
     plan: HFPlan
@@ -45,6 +47,7 @@ class ResolvedHFPlan:
     vocab: VocabDecision
     unsplit: tuple[tuple[str, int], ...]
     dropout_regions: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    grad_sums: tuple[str, ...] = ()
 
     def describe_unsplit(self) -> str:
         """``h.*.ln_1 (x2), wpe, ...``: the modules left whole, one line."""
@@ -169,11 +172,14 @@ def resolve_hf_plan(
     layers: list[tuple[str, str]] = []
     heads: list[tuple[str, str, int]] = []
     regions: list[tuple[str, tuple[str, ...]]] = []
+    grad_sums: list[str] = []
     sizes = list(vocab.sizes)
     for name, module in base.named_modules():
         path = _join(prefix, name)
         style = next((s for p, s in plan.layers.items() if _matches(p, name)), None)
-        if style is not None and path not in vocab.handled:
+        if style == "replicated_with_grad_allreduce":
+            grad_sums.append(path)
+        elif style is not None and path not in vocab.handled:
             layers.append((path, style))
             sizes.append(_split_size(path, module, style))
         _attention_entries(plan, name, path, module, tp_size, _Found(sizes, heads, regions))
@@ -191,7 +197,9 @@ def resolve_hf_plan(
         for name, module in model.named_modules()
         if name not in split_paths and any(True for _ in module.parameters(recurse=False))
     ]
-    return ResolvedHFPlan(plan, tp_size, tuple(layers), tuple(heads), vocab, _group(unsplit), tuple(regions))
+    return ResolvedHFPlan(
+        plan, tp_size, tuple(layers), tuple(heads), vocab, _group(unsplit), tuple(regions), tuple(grad_sums)
+    )
 
 
 def _message(plan: HFPlan, tp_size: int, problems: list[Problem], sizes: list[int]) -> str:
