@@ -16,6 +16,8 @@ fastest, so a tensor-parallel group is consecutive ranks on one node). It gives 
 * the model-parallel random state (:func:`model_parallel_manual_seed`, :func:`get_rng_tracker`) and a
   :func:`checkpoint` that recomputes with it;
 * per-rank shard files (:func:`split_state_dict`, :func:`save_shard_files`, :func:`load_shard_file`);
+* Hugging Face models split by their family's plan (:func:`parallelize_hf`; GPT-2, GPT-J, GPT-Neo, BERT, RoBERTa,
+  Llama and every model with transformers' ``base_model_tp_plan``; see :mod:`shardkit.tensor_parallel.hf`);
 * checks that refuse, on every rank, what would train silently wrong: sizes that do not split (naming the degrees
   that would), a layout that does not cover the world, shard files of another rank, degree or checkpoint, and
   tensor-parallel ranks given different inputs (each layer's first forward; :func:`check_same_input`).
@@ -46,6 +48,7 @@ from shardkit.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from shardkit.tensor_parallel.dtensor import tp_state_dict
 from shardkit.tensor_parallel.embedding import ParallelEmbedding, VocabParallelEmbedding
 from shardkit.tensor_parallel.grad_norm import clip_grad_norm_, power_sum, split_group
+from shardkit.tensor_parallel.hf import HFPlan, hf_plan_for, parallelize_hf, register_hf_plan, resolve_hf_plan
 from shardkit.tensor_parallel.layout import DIMS, ParallelCoords, ParallelLayout, divisors
 from shardkit.tensor_parallel.linear import ColumnParallelLinear, RowParallelLinear
 from shardkit.tensor_parallel.mappings import (
@@ -87,6 +90,7 @@ __all__ = [
     "DIMS",
     "MODEL_PARALLEL_RNG",
     "ColumnParallelLinear",
+    "HFPlan",
     "ParallelCoords",
     "ParallelEmbedding",
     "ParallelLayout",
@@ -108,15 +112,19 @@ __all__ = [
     "gather_from_tp",
     "get_rng_tracker",
     "has_current_state",
+    "hf_plan_for",
     "init_parallel_state",
     "load_shard_file",
     "merge_state_dicts",
     "model_parallel_manual_seed",
     "model_parallel_seeds",
+    "parallelize_hf",
     "power_sum",
     "reduce_from_tp",
     "reduce_scatter_to_sequence",
+    "register_hf_plan",
     "replay_rng_tracker",
+    "resolve_hf_plan",
     "save_shard_files",
     "scatter_to_tp",
     "set_current_state",

@@ -37,6 +37,15 @@ from shardkit.tensor_parallel.sharding import ShardSpec, TensorParallelModule, T
 InitMethod = Callable[[torch.Tensor], Any]
 
 
+def _master_weight(layer: TensorParallelModule) -> torch.Tensor:
+    """The full weight of a split linear layer, in the orientation it stores (gathered from every rank)."""
+    spec = layer.tp_specs["weight"]
+    weight = layer.weight
+    assert isinstance(weight, torch.Tensor)
+    shards = gather_from_tp(weight.detach(), layer.tp.group, dim=spec.dim)
+    return spec.unshard(shards.chunk(layer.tp.size, spec.dim))
+
+
 class ColumnParallelLinear(TensorParallelModule):
     """A linear layer whose output features are split across the tensor-parallel ranks.
 
@@ -89,8 +98,11 @@ class ColumnParallelLinear(TensorParallelModule):
 
     def get_master_weight(self) -> torch.Tensor:
         """The full ``(out_features, in_features)`` weight, gathered from every rank (a collective)."""
-        shards = gather_from_tp(self.weight.detach(), self.tp.group, dim=0)
-        return self.tp_specs["weight"].unshard(shards.chunk(self.tp.size, 0))
+        return _master_weight(self)
+
+    def linear_weight(self) -> torch.Tensor:
+        """This rank's weight as ``F.linear`` takes it, ``(out, in)`` (subclasses storing it transposed override)."""
+        return self.weight
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
@@ -98,7 +110,7 @@ class ColumnParallelLinear(TensorParallelModule):
         else:
             once_check_same_input(self, input_)
             x = copy_to_tp(input_, self.tp.group)
-        out = F.linear(x, self.weight, self.bias)
+        out = F.linear(x, self.linear_weight(), self.bias)
         return gather_from_tp(out, self.tp.group) if self.gather_output else out
 
     def extra_repr(self) -> str:
@@ -156,14 +168,17 @@ class RowParallelLinear(TensorParallelModule):
 
     def get_master_weight(self) -> torch.Tensor:
         """The full ``(out_features, in_features)`` weight, gathered from every rank (a collective)."""
-        shards = gather_from_tp(self.weight.detach(), self.tp.group, dim=1)
-        return self.tp_specs["weight"].unshard(shards.chunk(self.tp.size, 1))
+        return _master_weight(self)
+
+    def linear_weight(self) -> torch.Tensor:
+        """This rank's weight as ``F.linear`` takes it, ``(out, in)`` (subclasses storing it transposed override)."""
+        return self.weight
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             once_check_same_input(self, input_)
         x = input_ if self.input_is_parallel else scatter_to_tp(input_, self.tp.group)
-        partial = F.linear(x, self.weight)
+        partial = F.linear(x, self.linear_weight())
         if not self.sequence_parallel:
             out = reduce_from_tp(partial, self.tp.group)
             return out + self.bias if self.bias is not None else out

@@ -63,6 +63,22 @@ def _set_states(states: GeneratorStates) -> None:
             generator.set_state(states[device])
 
 
+def generator_states() -> GeneratorStates:
+    """The states of the generators dropout draws from (the CPU's, and the current CUDA device's where available)."""
+    return _get_states()
+
+
+def set_generator_states(states: GeneratorStates) -> None:
+    """Put back states :func:`generator_states` returned."""
+    _set_states(states)
+
+
+def seed_generators(seed: int) -> None:
+    """Seed every generator dropout draws from (CPU, and the current CUDA device's where available) with ``seed``."""
+    for generator in _generators().values():
+        generator.manual_seed(seed)
+
+
 def _seed_default(seed: int) -> None:
     """Seed what fairscale seeds: the CUDA device's generator where CUDA is available, else the CPU's."""
     generators = _generators()
@@ -97,8 +113,7 @@ class RNGStatesTracker:
             raise ValueError(f"RNG tracker: a stream named {name!r} already exists (call reset() first)")
         saved = _get_states()
         try:
-            for generator in _generators().values():
-                generator.manual_seed(seed)
+            seed_generators(seed)
             self.states_[name] = _get_states()
         finally:
             _set_states(saved)
