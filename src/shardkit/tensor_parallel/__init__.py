@@ -12,7 +12,8 @@ fastest, so a tensor-parallel group is consecutive ranks on one node). It gives 
   :func:`gather_from_sequence`, :func:`reduce_scatter_to_sequence`), labelled and metered like every collective;
 * :func:`vocab_parallel_cross_entropy`, which never gathers the logits;
 * :func:`clip_grad_norm_` by the global norm, each split parameter counted once (:func:`split_group` tells other
-  packages, such as FSDP's clipping, which parameters are split);
+  packages, such as FSDP's clipping, which parameters are split; :func:`split_groups` does the same from the
+  parameters alone, for OSS's clipping);
 * the model-parallel random state (:func:`model_parallel_manual_seed`, :func:`get_rng_tracker`) and a
   :func:`checkpoint` that recomputes with it;
 * per-rank shard files (:func:`split_state_dict`, :func:`save_shard_files`, :func:`load_shard_file`);
@@ -45,7 +46,7 @@ from shardkit.tensor_parallel.checks import check_same_input
 from shardkit.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from shardkit.tensor_parallel.dtensor import tp_state_dict
 from shardkit.tensor_parallel.embedding import ParallelEmbedding, VocabParallelEmbedding
-from shardkit.tensor_parallel.grad_norm import clip_grad_norm_, power_sum, split_group
+from shardkit.tensor_parallel.grad_norm import clip_grad_norm_, power_sum, split_group, split_groups
 from shardkit.tensor_parallel.layout import DIMS, ParallelCoords, ParallelLayout, divisors
 from shardkit.tensor_parallel.linear import ColumnParallelLinear, RowParallelLinear
 from shardkit.tensor_parallel.mappings import (
@@ -122,6 +123,7 @@ __all__ = [
     "set_current_state",
     "shard_file_name",
     "split_group",
+    "split_groups",
     "split_size",
     "split_state_dict",
     "tp_group",

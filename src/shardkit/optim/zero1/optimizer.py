@@ -16,7 +16,7 @@ from shardkit.distributed.hybrid import HybridSpec, agree_across_nodes, shard_an
 from shardkit.distributed.objects import all_gather_objects, gather_objects
 from shardkit.optim.zero1.arguments import check_optimizer_arguments
 from shardkit.optim.zero1.broadcast import ParamBucket, ParamExchange, buckets_intact, build_buckets
-from shardkit.optim.zero1.clip import sharded_clip_grad_norm
+from shardkit.optim.zero1.clip import sharded_clip_grad_norm, split_parts
 from shardkit.optim.zero1.consistency import check_replicas_agree, check_same_params
 from shardkit.optim.zero1.partition import Partition
 from shardkit.optim.zero1.state_dict import (
@@ -310,14 +310,15 @@ class OSS(Optimizer):
         model, but each rank reads only the gradients it owns; only those are scaled (the others are not used by
         ``step()``). ``filter_params_fn``, given this rank's parameters, returns those to count (for example to
         leave out expert parameters that have their own clipping). Call on every rank, after gradients are
-        reduced (and unscaled, with AMP).
+        reduced (and unscaled, with AMP). On a tensor-parallel model (OSS over the data-parallel group) each split
+        parameter counts once: the norm is the unsplit model's.
         """
         params = self._partition.owned(self.rank, trainable_only=True)
         if filter_params_fn is not None:
             params = list(filter_params_fn(params))
-        owned = [p.grad for p in params if p.grad is not None]
+        replicated, split = split_parts(self._partition.params, params)
         device = self._partition.params[0].device
-        return sharded_clip_grad_norm(owned, float(max_norm), float(norm_type), self.group, device)
+        return sharded_clip_grad_norm(replicated, float(max_norm), float(norm_type), self.group, device, split)
 
     # ----------------------------------------------------------------- state dicts
     def consolidate_state_dict(self, recipient_rank: int = 0) -> None:
