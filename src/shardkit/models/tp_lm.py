@@ -1,0 +1,116 @@
+"""A small GPT-style LM whose attention and feed-forward are tensor-parallel, or plain ``nn.Linear`` for torch's TP.
+
+Each block is pre-norm attention (separate ``q``, ``k``, ``v`` projections and an output ``o``) and a GELU
+feed-forward (``up``, ``down``). With ``parallel=True`` (needs the current tensor-parallel state,
+:func:`shardkit.tensor_parallel.init_parallel_state`) ``q``, ``k``, ``v`` and ``up`` are
+:class:`~shardkit.tensor_parallel.ColumnParallelLinear` and ``o`` and ``down``
+:class:`~shardkit.tensor_parallel.RowParallelLinear`; with ``parallel=False`` all six are ``nn.Linear`` and
+:func:`torch_tp_plan` is the same split for ``torch.distributed.tensor.parallel.parallelize_module``. The embedding,
+the norms and the head are replicated. ``shardkit bench tp`` and ``shardkit plan``'s TP accuracy checks use it.
+
+Per block and step, the split model all-reduces ``batch x seq x dim`` activations twice in forward (after ``o`` and
+``down``) and :data:`COLUMN_LAYERS` times in backward (the input gradient of each column layer): see
+:func:`tp_comm_bytes`.
+
+Example::
+
+    tp.init_parallel_state(tensor=2)
+    model = tp_lm(parallel=True, dim=256, heads=8, layers=2)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardkit.tensor_parallel import ColumnParallelLinear, RowParallelLinear, current_state, split_size
+
+#: Column-parallel layers per block (q, k, v, up): one backward all-reduce each.
+COLUMN_LAYERS = 4
+#: Row-parallel layers per block (o, down): one forward all-reduce each.
+ROW_LAYERS = 2
+
+
+def _column(dim_in: int, dim_out: int, parallel: bool) -> nn.Module:
+    if parallel:
+        return ColumnParallelLinear(dim_in, dim_out, bias=False, gather_output=False)
+    return nn.Linear(dim_in, dim_out, bias=False)
+
+
+def _row(dim_in: int, dim_out: int, parallel: bool) -> nn.Module:
+    if parallel:
+        return RowParallelLinear(dim_in, dim_out, bias=False, input_is_parallel=True)
+    return nn.Linear(dim_in, dim_out, bias=False)
+
+
+class Block(nn.Module):
+    """Pre-norm causal self-attention and a GELU feed-forward; the heads are split with the projections."""
+
+    def __init__(self, dim: int, heads: int, hidden: int, parallel: bool, tp_size: int) -> None:
+        super().__init__()
+        self.local_heads = split_size("tp_lm Block", "heads", heads, tp_size)
+        self.head_dim = dim // heads
+        self.attn_norm, self.ffn_norm = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.q, self.k, self.v = (_column(dim, dim, parallel) for _ in range(3))
+        self.o = _row(dim, dim, parallel)
+        self.up, self.down = _column(dim, hidden, parallel), _row(hidden, dim, parallel)
+
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        return x.view(batch, seq, -1, self.head_dim).transpose(1, 2)  # -1: this rank's heads (all, under torch TP)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.attn_norm(x)
+        q, k, v = self._heads(self.q(h)), self._heads(self.k(h)), self._heads(self.v(h))
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(attn.transpose(1, 2).flatten(2))
+        return x + self.down(F.gelu(self.up(self.ffn_norm(x))))
+
+
+class TPLM(nn.Module):
+    """Embedding, ``layers`` blocks in an ``nn.ModuleList``, a final norm and a replicated head."""
+
+    def __init__(self, vocab: int, dim: int, heads: int, layers: int, hidden: int, parallel: bool) -> None:
+        super().__init__()
+        tp_size = current_state("tp_lm(parallel=True)").tp_size if parallel else 1
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(Block(dim, heads, hidden, parallel, tp_size) for _ in range(layers))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def tp_lm(
+    parallel: bool = True, vocab: int = 512, dim: int = 128, heads: int = 4, layers: int = 2, hidden: int = 0
+) -> TPLM:
+    """The LM (``hidden`` 0: ``4 * dim``); ``parallel`` builds its six projections per block tensor-parallel."""
+    return TPLM(vocab, dim, heads, layers, hidden or 4 * dim, parallel)
+
+
+def torch_tp_plan(model: TPLM) -> dict[str, object]:
+    """torch's ``parallelize_module`` plan splitting a ``parallel=False`` model as ``parallel=True`` splits it."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan: dict[str, object] = {}
+    for i in range(len(model.blocks)):
+        plan.update({f"blocks.{i}.{name}": ColwiseParallel() for name in ("q", "k", "v", "up")})
+        plan.update({f"blocks.{i}.{name}": RowwiseParallel() for name in ("o", "down")})
+    return plan
+
+
+def tp_comm_bytes(batch: int, seq: int, dim: int, layers: int, tp_size: int, element_size: int = 4) -> dict[str, int]:
+    """Bytes one rank sends per training step for the split blocks' all-reduces (ring: ``2 (t - 1) / t`` of the
+    payload each), in forward and in backward."""
+    if tp_size == 1:
+        return {"forward": 0, "backward": 0}
+    wire = 2 * (tp_size - 1) * batch * seq * dim * element_size // tp_size
+    return {"forward": ROW_LAYERS * layers * wire, "backward": COLUMN_LAYERS * layers * wire}
+
+
+__all__ = ["COLUMN_LAYERS", "ROW_LAYERS", "TPLM", "Block", "torch_tp_plan", "tp_comm_bytes", "tp_lm"]
