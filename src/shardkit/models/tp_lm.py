@@ -20,11 +20,16 @@ Example::
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from shardkit.tensor_parallel import ColumnParallelLinear, RowParallelLinear, current_state, split_size
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor.parallel import ParallelStyle
 
 #: Column-parallel layers per block (q, k, v, up): one backward all-reduce each.
 COLUMN_LAYERS = 4
@@ -93,11 +98,11 @@ def tp_lm(
     return TPLM(vocab, dim, heads, layers, hidden or 4 * dim, parallel)
 
 
-def torch_tp_plan(model: TPLM) -> dict[str, object]:
+def torch_tp_plan(model: TPLM) -> dict[str, ParallelStyle]:
     """torch's ``parallelize_module`` plan splitting a ``parallel=False`` model as ``parallel=True`` splits it."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    plan: dict[str, object] = {}
+    plan: dict[str, ParallelStyle] = {}
     for i in range(len(model.blocks)):
         plan.update({f"blocks.{i}.{name}": ColwiseParallel() for name in ("q", "k", "v", "up")})
         plan.update({f"blocks.{i}.{name}": RowwiseParallel() for name in ("o", "down")})
