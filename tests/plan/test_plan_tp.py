@@ -56,3 +56,41 @@ def test_tensor_parallel_plan_matches_a_real_run_of_tp_2_times_data_2() -> None:
         assert abs(row.peak_error) <= 0.05, row.format()
         assert abs(row.state_error) <= 0.05, row.format()
         assert row.planned_comm == row.real_comm > 0, row.format()
+
+
+@pytest.mark.single
+def test_plan_cli_plans_a_factory_tensor_parallel_model(capsys: pytest.CaptureFixture[str]) -> None:
+    from shardkit.plan.cli import main
+
+    argv = ["shardkit.models.tp_lm:tp_lm", "--batch-shape", "2,16", "--strategies", "fsdp"]
+    assert main([*argv, "--world-sizes", "3,4", "--tensor-parallel", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "world size 4: recommended" in out
+    assert "x3: not planned with tensor parallelism 2" in out
+
+
+class _SequenceParallelMLP(torch.nn.Module):
+    """Embedding, then a sequence-parallel feed-forward on this rank's slice of the sequence."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from shardkit import tensor_parallel as tp
+
+        self.rank, self.size = tp.current_state().tp_rank, tp.current_state().tp_size
+        self.embed = torch.nn.Embedding(512, DIM)
+        self.up = tp.ColumnParallelLinear(DIM, 4 * DIM, bias=False, gather_output=False, sequence_parallel=True)
+        self.down = tp.RowParallelLinear(4 * DIM, DIM, bias=False, input_is_parallel=True, sequence_parallel=True)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        mine = self.embed(tokens).chunk(self.size, dim=1)[self.rank]
+        return self.down(torch.nn.functional.gelu(self.up(mine))).mean()
+
+
+@pytest.mark.single
+def test_sequence_parallel_plan_sends_an_all_gather_and_a_reduce_scatter_of_the_all_reduce_bytes() -> None:
+    batch = (torch.randint(0, 512, (BATCH, SEQ)),)
+    est = estimate(_SequenceParallelMLP, batch, strategy="oss_sdp", world_size=4, tensor_parallel=2, backend="gloo")
+    pair = 2 * (2 - 1) * BATCH * SEQ * DIM * 4 // 2  # the bytes of one all-reduce of the full activations
+    assert est.comm_bytes_by_phase["forward"] == {"all_gather": pair // 2, "reduce_scatter": pair // 2}
+    backward = est.comm_bytes_by_phase["backward"]
+    assert (backward["all_gather"], backward["reduce_scatter"]) == (pair // 2, pair // 2)
