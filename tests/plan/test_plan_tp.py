@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from shardkit.models.tp_lm import tp_comm_bytes, tp_lm
-from shardkit.plan import estimate
+from shardkit.plan import Estimate, estimate
 from shardkit.plan.accuracy import compare
 from shardkit.plan.workloads import Workload, next_token_cross_entropy
 
@@ -18,7 +18,7 @@ DIM, LAYERS, BATCH, SEQ = 64, 2, 2, 16
 SPLIT_BYTES = LAYERS * (4 * DIM * DIM + 2 * DIM * 4 * DIM) * 4
 
 
-def _plan(tensor_parallel: int, strategy: str = "oss_sdp") -> object:
+def _plan(tensor_parallel: int, strategy: str = "oss_sdp") -> Estimate:
     build = functools.partial(tp_lm, parallel=tensor_parallel > 1, dim=DIM, layers=LAYERS)
     batch = (torch.randint(0, 512, (BATCH, SEQ)),)
     return estimate(
@@ -30,7 +30,7 @@ def _plan(tensor_parallel: int, strategy: str = "oss_sdp") -> object:
 @pytest.mark.single  # the planner's peerless world is a process group in this process
 def test_plan_at_tensor_parallel_2_holds_half_the_split_layers_and_sends_the_formula() -> None:
     one, two = _plan(1), _plan(2)  # OSS + ShardedDataParallel keep whole parameters on every rank
-    assert two.tensor_parallel == 2
+    assert two.tensor_parallel == 2 and "oss_sdp x4 (tensor-parallel 2)" in two.format()
     params = one.state_breakdown["parameters"] - two.state_breakdown["parameters"]
     assert params == SPLIT_BYTES // 2  # each rank keeps 1/2 of every split layer, the rest whole
     # FSDP's own traffic is all-gathers and reduce-scatters: its all-reduces are the split blocks'

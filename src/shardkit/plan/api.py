@@ -122,8 +122,9 @@ class Estimate:
             if self.host.peak_bytes
             else ""
         )
+        tensor = f" (tensor-parallel {self.tensor_parallel})" if self.tensor_parallel > 1 else ""
         return (
-            f"{self.strategy} x{self.world_size}: peak {self.peak_bytes / gib:.2f} GiB at {where} ({parts}); "
+            f"{self.strategy} x{self.world_size}{tensor}: peak {self.peak_bytes / gib:.2f} GiB at {where} ({parts}); "
             f"state {self.state_bytes / gib:.2f} GiB{host}; sends {comm} GiB/step; "
             f"step {self.step_seconds * 1e3:.1f} ms"
         )
