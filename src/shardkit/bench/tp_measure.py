@@ -24,11 +24,12 @@ from shardkit.bench._torch_private import process_group_size
 from shardkit.distributed import CommMeter, count_comm_bytes
 from shardkit.memory import MemoryTracker
 from shardkit.models.tp_lm import TPLM, torch_tp_plan, tp_lm
+from shardkit.nn import FullyShardedDataParallel as FSDP
 from shardkit.plan.workloads import next_token_cross_entropy
 from shardkit.utils._torch_private import TorchDispatchMode
 
 #: The tensor-parallel projections of each block, whose per-rank parameters the bench reports.
-SPLIT = ("q", "k", "v", "o", "up", "down")
+SPLIT = ("q", "k", "v", "qkv", "o", "up", "down")
 
 
 @dataclass(frozen=True)
@@ -143,8 +144,6 @@ def _torch_tp(s: TPBenchSettings) -> nn.Module:
 
 
 def _fsdp(model: nn.Module, group: Any) -> nn.Module:
-    from shardkit.nn import FullyShardedDataParallel as FSDP
-
     blocks: Any = model.blocks
     for i, block in enumerate(blocks):
         blocks[i] = FSDP(block, process_group=group)

@@ -33,13 +33,15 @@ if TYPE_CHECKING:
 
 #: Column-parallel layers per block (q, k, v, up): one backward all-reduce each.
 COLUMN_LAYERS = 4
+#: Column-parallel layers per block with ``fused=True`` (qkv, up): Megatron's two backward all-reduces.
+FUSED_COLUMN_LAYERS = 2
 #: Row-parallel layers per block (o, down): one forward all-reduce each.
 ROW_LAYERS = 2
 
 
-def _column(dim_in: int, dim_out: int, parallel: bool) -> nn.Module:
+def _column(dim_in: int, dim_out: int, parallel: bool, stride: int = 1) -> nn.Module:
     if parallel:
-        return ColumnParallelLinear(dim_in, dim_out, bias=False, gather_output=False)
+        return ColumnParallelLinear(dim_in, dim_out, bias=False, gather_output=False, stride=stride)
     return nn.Linear(dim_in, dim_out, bias=False)
 
 
@@ -50,14 +52,22 @@ def _row(dim_in: int, dim_out: int, parallel: bool) -> nn.Module:
 
 
 class Block(nn.Module):
-    """Pre-norm causal self-attention and a GELU feed-forward; the heads are split with the projections."""
+    """Pre-norm causal self-attention and a GELU feed-forward; the heads are split with the projections.
 
-    def __init__(self, dim: int, heads: int, hidden: int, parallel: bool, tp_size: int) -> None:
+    ``fused``: one ``qkv`` projection (Megatron's layout: split with stride 3, so each rank holds its heads' part of
+    ``q``, ``k`` and ``v``) instead of three; backward then all-reduces twice per block instead of four times.
+    """
+
+    def __init__(self, dim: int, heads: int, hidden: int, parallel: bool, tp_size: int, fused: bool = False) -> None:
         super().__init__()
         self.local_heads = split_size("tp_lm Block", "heads", heads, tp_size)
         self.head_dim = dim // heads
         self.attn_norm, self.ffn_norm = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.q, self.k, self.v = (_column(dim, dim, parallel) for _ in range(3))
+        if fused:
+            self.qkv = _column(dim, 3 * dim, parallel, stride=3)
+        else:
+            self.q, self.k, self.v = (_column(dim, dim, parallel) for _ in range(3))
+        self.fused = fused
         self.o = _row(dim, dim, parallel)
         self.up, self.down = _column(dim, hidden, parallel), _row(hidden, dim, parallel)
 
@@ -67,7 +77,8 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.attn_norm(x)
-        q, k, v = self._heads(self.q(h)), self._heads(self.k(h)), self._heads(self.v(h))
+        q, k, v = self.qkv(h).chunk(3, dim=-1) if self.fused else (self.q(h), self.k(h), self.v(h))
+        q, k, v = self._heads(q), self._heads(k), self._heads(v)
         attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.o(attn.transpose(1, 2).flatten(2))
         return x + self.down(F.gelu(self.up(self.ffn_norm(x))))
@@ -76,11 +87,13 @@ class Block(nn.Module):
 class TPLM(nn.Module):
     """Embedding, ``layers`` blocks in an ``nn.ModuleList``, a final norm and a replicated head."""
 
-    def __init__(self, vocab: int, dim: int, heads: int, layers: int, hidden: int, parallel: bool) -> None:
+    def __init__(
+        self, vocab: int, dim: int, heads: int, layers: int, hidden: int, parallel: bool, fused: bool = False
+    ) -> None:
         super().__init__()
         tp_size = current_state("tp_lm(parallel=True)").tp_size if parallel else 1
         self.embed = nn.Embedding(vocab, dim)
-        self.blocks = nn.ModuleList(Block(dim, heads, hidden, parallel, tp_size) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(dim, heads, hidden, parallel, tp_size, fused) for _ in range(layers))
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
 
@@ -92,10 +105,17 @@ class TPLM(nn.Module):
 
 
 def tp_lm(
-    parallel: bool = True, vocab: int = 512, dim: int = 128, heads: int = 4, layers: int = 2, hidden: int = 0
+    parallel: bool = True,
+    vocab: int = 512,
+    dim: int = 128,
+    heads: int = 4,
+    layers: int = 2,
+    hidden: int = 0,
+    fused: bool = False,
 ) -> TPLM:
-    """The LM (``hidden`` 0: ``4 * dim``); ``parallel`` builds its six projections per block tensor-parallel."""
-    return TPLM(vocab, dim, heads, layers, hidden or 4 * dim, parallel)
+    """The LM (``hidden`` 0: ``4 * dim``); ``parallel`` builds its projections tensor-parallel, ``fused`` makes
+    ``q``, ``k``, ``v`` one projection (see :class:`Block`)."""
+    return TPLM(vocab, dim, heads, layers, hidden or 4 * dim, parallel, fused)
 
 
 def torch_tp_plan(model: TPLM) -> dict[str, ParallelStyle]:
@@ -109,13 +129,25 @@ def torch_tp_plan(model: TPLM) -> dict[str, ParallelStyle]:
     return plan
 
 
-def tp_comm_bytes(batch: int, seq: int, dim: int, layers: int, tp_size: int, element_size: int = 4) -> dict[str, int]:
+def tp_comm_bytes(
+    batch: int, seq: int, dim: int, layers: int, tp_size: int, element_size: int = 4, fused: bool = False
+) -> dict[str, int]:
     """Bytes one rank sends per training step for the split blocks' all-reduces (ring: ``2 (t - 1) / t`` of the
-    payload each), in forward and in backward."""
+    payload each), in forward and in backward (``fused``: one column layer for ``q``, ``k``, ``v``)."""
     if tp_size == 1:
         return {"forward": 0, "backward": 0}
     wire = 2 * (tp_size - 1) * batch * seq * dim * element_size // tp_size
-    return {"forward": ROW_LAYERS * layers * wire, "backward": COLUMN_LAYERS * layers * wire}
+    columns = FUSED_COLUMN_LAYERS if fused else COLUMN_LAYERS
+    return {"forward": ROW_LAYERS * layers * wire, "backward": columns * layers * wire}
 
 
-__all__ = ["COLUMN_LAYERS", "ROW_LAYERS", "TPLM", "Block", "torch_tp_plan", "tp_comm_bytes", "tp_lm"]
+__all__ = [
+    "COLUMN_LAYERS",
+    "FUSED_COLUMN_LAYERS",
+    "ROW_LAYERS",
+    "TPLM",
+    "Block",
+    "torch_tp_plan",
+    "tp_comm_bytes",
+    "tp_lm",
+]
