@@ -19,7 +19,9 @@ fastest, so a tensor-parallel group is consecutive ranks on one node). It gives 
 * per-rank shard files (:func:`split_state_dict`, :func:`save_shard_files`, :func:`load_shard_file`);
 * checks that refuse, on every rank, what would train silently wrong: sizes that do not split (naming the degrees
   that would), a layout that does not cover the world, shard files of another rank, degree or checkpoint, and
-  tensor-parallel ranks given different inputs (each layer's first forward; :func:`check_same_input`).
+  tensor-parallel ranks given different inputs (each layer's first forward; :func:`check_same_input`), and a
+  data-parallel wrapper given a group that holds two ranks of one tensor-parallel group
+  (:func:`check_data_parallel_group`, which FSDP and OSS call).
 
 fairscale's ``shardkit.nn.model_parallel`` is a thin face over this package; other faces, the planner and the
 strategies use these public names only.
@@ -39,10 +41,11 @@ Example::
     h = down(F.silu(up(x)))                          # one all-reduce over state.tp_group
     loss = tp.vocab_parallel_cross_entropy(head(h), targets).mean()
     # data parallelism over the mesh's other dimension: DDP(model, process_group=state.group("data")), or
-    # shardkit's FullyShardedDataParallel(block, process_group=state.group("data")) per block
+    # shardkit's FullyShardedDataParallel(block, process_group=state.group("data")) per block, or
+    # OSS(model.parameters(), group=state.group("data")) (its clip_grad_norm counts each split parameter once)
 """
 
-from shardkit.tensor_parallel.checks import check_same_input
+from shardkit.tensor_parallel.checks import check_data_parallel_group, check_same_input
 from shardkit.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from shardkit.tensor_parallel.dtensor import tp_state_dict
 from shardkit.tensor_parallel.embedding import ParallelEmbedding, VocabParallelEmbedding
@@ -99,6 +102,7 @@ __all__ = [
     "TensorParallelModule",
     "VocabParallelEmbedding",
     "build_parallel_state",
+    "check_data_parallel_group",
     "check_same_input",
     "checkpoint",
     "clip_grad_norm_",

@@ -1,7 +1,8 @@
 """2-D training: the Llama-style model at model-parallel 2, with data parallelism 2 over the other mesh dimension
 (4 processes), equals one process: shardkit's FSDP with its options (mixed precision, CPU offload, backward and
 forward prefetch, activation checkpointing of the TP blocks, hybrid sharding over the data-parallel ranks), and
-OSS with ShardedDataParallel or DDP. Every step clips by the global norm, each split parameter counted once.
+OSS with ShardedDataParallel or DDP. Every step clips by the global norm, each split parameter counted once. FSDP and
+OSS over a group holding two ranks of one tensor-parallel group refuse.
 
 One launched world runs every configuration (the launch costs more than the tiny model's steps)."""
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
+import pytest
 import torch
 import torch.distributed as dist
 from llama_mp import ModelArgs, Transformer
@@ -156,7 +158,18 @@ def _two_d_equals_one_process(rank: int, world_size: int, directory: str) -> dic
         errors[f"fsdp: {name}"] = _run_fsdp(args, directory, batch, settings, ref)
     errors["oss + sharded ddp"] = _run_oss(args, directory, batch, "sdp", fp32)
     errors["oss + ddp"] = _run_oss(args, directory, batch, "ddp", fp32)
+    errors["refused"] = _wrappers_over_tp_ranks_refuse(args, directory)
     return errors
+
+
+def _wrappers_over_tp_ranks_refuse(args: ModelArgs, directory: str) -> dict[str, float]:
+    """FSDP and OSS given the world group (it holds both ranks of each TP group) refuse on every rank, at once."""
+    model = _split_model(args, directory)
+    for build in (lambda: FSDP(model), lambda: OSS(model.parameters(), lr=0.1)):
+        with pytest.raises(ValueError, match=r"holds ranks \[\d, \d\] of one tensor-parallel group"):
+            build()
+    mp.destroy_model_parallel()
+    return {"refused": 0.0}
 
 
 def test_model_parallel_2_times_data_parallel_2_with_fsdp_options_and_oss_equals_one_process(tmp_path: Path) -> None:

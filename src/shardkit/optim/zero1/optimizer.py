@@ -27,6 +27,7 @@ from shardkit.optim.zero1.state_dict import (
     pack_param_groups,
     shard_state,
 )
+from shardkit.tensor_parallel import check_data_parallel_group
 from shardkit.utils._torch_private import (
     optimizer_load_state_dict_post_hooks,
     optimizer_state_dict_post_hooks,
@@ -150,6 +151,8 @@ class OSS(Optimizer):
         try:
             _check_optim_class(optim)
             super().__init__(params, defaults)
+            every_param = [p for group in self.param_groups for p in group["params"]]
+            check_data_parallel_group(every_param, (resolved, replica) if replica is not None else (resolved,), "OSS")
             self._partition = Partition.build(self.param_groups, self.world_size)
             self.optim: Optimizer = self._make_local_optim(self._partition)
         except Exception as exc:  # re-raised below, on every rank
