@@ -28,6 +28,7 @@ SUITES: dict[str, str] = {
     "plan": "shardkit.bench.plan",
     "plan-time": "shardkit.bench.plan_time",
     "checkpoint": "shardkit.bench.checkpoint",
+    "tp": "shardkit.bench.tp",
 }
 
 

@@ -40,4 +40,12 @@ def pipelining_p2p_replaced(batch: Callable[..., Any], wait: Callable[..., Any])
         yield
 
 
-__all__ = ["pipelining_p2p", "pipelining_p2p_replaced"]
+def process_group_size(group_name: str) -> int:
+    """The size of the process group torch's functional collectives name ``group_name`` (torch's private
+    ``distributed_c10d._resolve_process_group``, checked on torch 2.13.0)."""
+    from torch.distributed import distributed_c10d
+
+    return int(distributed_c10d._resolve_process_group(group_name).size())  # type: ignore[arg-type]
+
+
+__all__ = ["pipelining_p2p", "pipelining_p2p_replaced", "process_group_size"]

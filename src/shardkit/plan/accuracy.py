@@ -88,6 +88,11 @@ def compare(work: Workload, strategies: Sequence[str], world_size: int, label: s
     """Plan each strategy for rank 0 of ``world_size`` and measure it in a real gloo run; one row each."""
     import time
 
+    if work.tensor_parallel > 1 and set(strategies) & set(TORCH_DDP):
+        raise ValueError(
+            f"compare() checks a tensor-parallel plan with shardkit's strategies only (not {TORCH_DDP}: torch DDP's "
+            "bytes are counted here from the unsplit model)"
+        )
     planned = {}
     seconds = {}
     for name in strategies:
@@ -96,14 +101,17 @@ def compare(work: Workload, strategies: Sequence[str], world_size: int, label: s
             work.build, work.batch(), loss_fn=work.loss, strategy=name, world_size=world_size,
             optimizer=work.optimizer, optimizer_options=work.optimizer_options,
             strategy_options=work.strategy_options, nprocs_per_node=work.nprocs_per_node, backend="gloo",
+            tensor_parallel=work.tensor_parallel,
         )  # fmt: skip
         seconds[name] = time.perf_counter() - start
     real = measure_real(work, strategies, world_size)
-    with torch.device("meta"):
-        model = work.build()
-        ddp_bytes = ddp_allreduce_bytes(model, world_size)
-        if work.strategy_options.get("broadcast_buffers", True):
-            ddp_bytes += ddp_buffer_broadcast_bytes(model, world_size)
+    ddp_bytes = 0
+    if set(strategies) & set(TORCH_DDP):  # not with tensor parallelism (refused above): the model is unsplit
+        with torch.device("meta"):
+            model = work.build()
+            ddp_bytes = ddp_allreduce_bytes(model, world_size)
+            if work.strategy_options.get("broadcast_buffers", True):
+                ddp_bytes += ddp_buffer_broadcast_bytes(model, world_size)
     rows = []
     for name in strategies:
         est, ranks = planned[name], real[name]

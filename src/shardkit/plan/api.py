@@ -33,6 +33,7 @@ from shardkit.plan.peerless import PLANNED_BACKENDS
 from shardkit.plan.pipeline import pipeline_bubble, plan_stages, smp_config
 from shardkit.plan.runner import PHASES, LossFn, PlanError, RankRun, default_loss, run_rank, warmup_steps
 from shardkit.plan.strategies import PIPELINE, OptionError, get, offload_options
+from shardkit.plan.tensor_parallel import check_tensor_parallel, data_group
 from shardkit.strategies.registry import OptimizerSpec
 
 #: Share of this machine's memory a CPU fallback run may use.
@@ -97,6 +98,8 @@ class Estimate:
     #: The peak of device and host memory together (one memory, as in a CPU run; ``peak_bytes`` without offload).
     total_peak_bytes: int = 0
     notes: tuple[str, ...] = field(default=())
+    #: The tensor-parallel degree planned (the strategy ran over ``world_size / tensor_parallel`` data ranks).
+    tensor_parallel: int = 1
 
     def fits(self, memory_bytes: int, host_memory_bytes: Optional[int] = None) -> bool:
         """Whether the peak fits in ``memory_bytes`` per device (and the offloaded state in ``host_memory_bytes``
@@ -119,8 +122,9 @@ class Estimate:
             if self.host.peak_bytes
             else ""
         )
+        tensor = f" (tensor-parallel {self.tensor_parallel})" if self.tensor_parallel > 1 else ""
         return (
-            f"{self.strategy} x{self.world_size}: peak {self.peak_bytes / gib:.2f} GiB at {where} ({parts}); "
+            f"{self.strategy} x{self.world_size}{tensor}: peak {self.peak_bytes / gib:.2f} GiB at {where} ({parts}); "
             f"state {self.state_bytes / gib:.2f} GiB{host}; sends {comm} GiB/step; "
             f"step {self.step_seconds * 1e3:.1f} ms"
         )
@@ -161,6 +165,7 @@ def _plan_on(
     strategy_options: Mapping[str, Any],
     nprocs_per_node: Optional[int],
     backend: str,
+    tensor_parallel: int = 1,
 ) -> RankRun:
     limit = _host_limit() if device.type != "meta" else None
     if strategy == PIPELINE:
@@ -172,7 +177,7 @@ def _plan_on(
     return run_rank(
         device,
         model_fn,
-        lambda model, topology: entry.build(model, spec, options=strategy_options, topology=topology),
+        lambda model, topology: entry.build(model, spec, data_group(), strategy_options, topology),
         batch,
         loss_fn,
         world_size,
@@ -184,6 +189,7 @@ def _plan_on(
         # only this rank's shards then moved onto the device (unless offloaded, when they stay in host memory).
         build_in_host_memory=strategy == "fsdp",
         state_to_device=strategy == "fsdp" and not offload_options(strategy, strategy_options),
+        tensor_parallel=tensor_parallel,
     )
 
 
@@ -278,6 +284,7 @@ def estimate(
     device: Optional[DeviceSpec] = None,
     link: Optional[LinkSpec] = None,
     backend: str = "nccl",
+    tensor_parallel: int = 1,
 ) -> Estimate:
     """Run one training step of ``strategy``'s real code for one rank of ``world_size`` and report its cost.
 
@@ -296,17 +303,21 @@ def estimate(
     node, and SlowMo averages inside a node every step. ``device`` and ``link`` feed the step-time model
     (:mod:`shardkit.plan.cost`). ``backend`` is the planned run's: ``"nccl"`` (accelerators, the default) or
     ``"gloo"`` (a CPU run, where strategies exchange some tensors by direct sends whose receive buffers count).
+    ``tensor_parallel=t`` plans a model whose ``model_fn`` builds :mod:`shardkit.tensor_parallel` layers: it is
+    built inside a ``data x t`` layout (:mod:`shardkit.plan.tensor_parallel`) and the strategy runs over the
+    ``world_size / t`` data-parallel ranks; the layers' collectives are counted with the strategy's.
 
     Example: see the module docstring.
     """
     _check_args(strategy, world_size, nprocs_per_node, strategy_options or {})
+    check_tensor_parallel(tensor_parallel, world_size, strategy == PIPELINE)
     if backend not in PLANNED_BACKENDS:
         raise ValueError(
             f"backend must be one of {PLANNED_BACKENDS} (the planned run's: 'gloo' for a CPU run), got {backend!r}"
         )
     args = (
         model_fn, batch, loss_fn or default_loss, strategy, world_size, optimizer,
-        dict(optimizer_options or {}), dict(strategy_options or {}), nprocs_per_node, backend,
+        dict(optimizer_options or {}), dict(strategy_options or {}), nprocs_per_node, backend, tensor_parallel,
     )  # fmt: skip
     run = _in_child(args) if dist.is_initialized() else _run(*args)
     stretch = 1.0
@@ -320,8 +331,9 @@ def estimate(
         shape = f"{parts} stages x {micro} mb" + (f", {virtual} virtual stages" if virtual > 1 else "")
         run.notes = (f"{schedule} pipeline bubble {idle:.1%} of the step ({shape})", *run.notes)
     est = _estimate_from(
-        run, strategy, world_size, device or DeviceSpec(), link or LinkSpec(), nprocs_per_node, stretch, backend
-    )
+        run, strategy, world_size, device or DeviceSpec(), link or LinkSpec(), nprocs_per_node, stretch, backend,
+        tensor_parallel,
+    )  # fmt: skip
     return est
 
 
@@ -342,13 +354,16 @@ def _estimate_from(
     nprocs_per_node: Optional[int],
     bubble: float = 1.0,
     backend: str = "nccl",
+    tensor_parallel: int = 1,
 ) -> Estimate:
-    by_phase = {name: wire_bytes(run.phases[name], world_size) for name in PHASES if name in run.phases}
+    # torch's own collectives (DDP's) span the strategy's group: the data-parallel ranks
+    ring = world_size // tensor_parallel
+    by_phase = {name: wire_bytes(run.phases[name], ring) for name in PHASES if name in run.phases}
     total = _sum_kinds(by_phase)
     with_nodes = nprocs_per_node is not None
     inter = _sum_kinds({name: run.phases[name].inter_node_bytes for name in by_phase}) if with_nodes else {}
     seconds = step_seconds(
-        run.flops["total"], run.phases, run.state_bytes, world_size, device, link, with_nodes, bubble,
+        run.flops["total"], run.phases, run.state_bytes, ring, device, link, with_nodes, bubble,
         run.host_state_bytes, overlap=backend != "gloo",
     )  # fmt: skip
     copies = _sum_kinds({name: phase.host_copy_bytes for name, phase in run.phases.items()})
@@ -376,6 +391,7 @@ def _estimate_from(
         host=host,
         total_peak_bytes=run.total_peak_bytes or run.peak_bytes,
         notes=run.notes,
+        tensor_parallel=tensor_parallel,
     )
 
 

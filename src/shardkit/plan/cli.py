@@ -145,6 +145,10 @@ def _parser() -> argparse.ArgumentParser:
         help=f"the training loss: {LOSS_HELP} (default: the task's loss for --hf and --lm, mean for a factory)",
     )
     p.add_argument("--world-sizes", type=_ints, default=[8], help="comma-separated world sizes (default 8)")
+    p.add_argument(
+        "--tensor-parallel", type=_positive, default=1,
+        help="tensor-parallel degree: the factory model builds shardkit.tensor_parallel layers (default 1)",
+    )  # fmt: skip
     p.add_argument("--nprocs-per-node", type=int, default=None, help="ranks per node (intra/inter-node bytes)")
     p.add_argument("--strategies", default=None, help="comma-separated subset: ddp,oss_ddp,oss_sdp,fsdp,slowmo,smp")
     p.add_argument("--device-memory", type=parse_bytes, default=parse_bytes("80GiB"), help="memory per device")
@@ -200,6 +204,7 @@ def _workload(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Work
         _model_workload(args, parser),
         optimizer=_optimizer(args.optimizer, parser),
         optimizer_options=dict(args.optimizer_options),
+        tensor_parallel=args.tensor_parallel,
     )
 
 
@@ -275,6 +280,9 @@ def _plan_all(
             with_pipelines += pipelines
             failed += skipped
         for setting in with_pipelines:
+            if work.tensor_parallel > 1 and (ws % work.tensor_parallel or setting.strategy == "smp"):
+                failed.append(f"{setting.label} x{ws}: not planned with tensor parallelism {work.tensor_parallel}")
+                continue
             if setting.needs_nodes and (nprocs_per_node is None or nprocs_per_node in (1, ws)):
                 continue  # hybrid sharding needs several nodes of several ranks
             setting_work = replace(
@@ -289,7 +297,7 @@ def _plan_all(
                     build, setting_work.batch(), loss_fn=loss, strategy=setting.strategy, world_size=ws,
                     optimizer=work.optimizer, optimizer_options=work.optimizer_options,
                     strategy_options=setting.options, device=device, link=link,
-                    nprocs_per_node=per_node, backend=backend,
+                    nprocs_per_node=per_node, backend=backend, tensor_parallel=work.tensor_parallel,
                 )  # fmt: skip
             except PlanError as exc:
                 failed.append(f"{setting.label} x{ws}: {exc}{position_hint(work)}")

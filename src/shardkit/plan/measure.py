@@ -31,6 +31,7 @@ from shardkit.plan._torch_private import mem_tracker
 from shardkit.plan.pipeline import builder, pipeline_forward_backward, smp_config
 from shardkit.plan.runner import call_model, warmup_steps
 from shardkit.plan.strategies import PIPELINE, get
+from shardkit.plan.tensor_parallel import data_group, tensor_parallel_state
 from shardkit.plan.workloads import Workload
 from shardkit.strategies.registry import OptimizerSpec
 
@@ -120,7 +121,7 @@ def _measure_one(workload: Workload, strategy: str, topology: Optional[Topology]
             wrapped, optimizer, after_step = build(model, topology)
         else:
             spec = OptimizerSpec(workload.optimizer, optim_options)
-            wrapped, optimizer, after_step = get(strategy).build(model, spec, options=options, topology=topology)
+            wrapped, optimizer, after_step = get(strategy).build(model, spec, data_group(), options, topology)
         tracker.watch(wrapped, optimizer)
         state = 0
         warmup = warmup_steps(strategy)
@@ -153,7 +154,8 @@ def _worker(rank: int, world_size: int, workload: Workload, strategies: list[str
     if workload.nprocs_per_node is not None:
         topology = Topology.from_env(nprocs_per_node=workload.nprocs_per_node)
         set_topology(topology)  # the meter's view of the nodes, as the planner sets it
-    return {name: _measure_one(workload, name, topology) for name in strategies}
+    with tensor_parallel_state(workload.tensor_parallel):  # the planner's layout: tensor ranks consecutive
+        return {name: _measure_one(workload, name, topology) for name in strategies}
 
 
 def measure_real(workload: Workload, strategies: Sequence[str], world_size: int) -> dict[str, list[RealRank]]:

@@ -28,6 +28,7 @@ from shardkit.plan.accountant import STATE, Accountant, Category
 from shardkit.plan.attention import DeviceAttention, attention_note, attention_target
 from shardkit.plan.peerless import Mailbox, TorchTraffic, peerless_world
 from shardkit.plan.strategies import Built
+from shardkit.plan.tensor_parallel import tensor_parallel_state
 
 PHASES = ("forward", "backward", "optimizer")
 #: Strategies that warm up for two steps (torch DDP's bucket rebuild; SlowMo's averaging every third step);
@@ -235,6 +236,7 @@ def run_rank(
     backend: str = "nccl",
     build_in_host_memory: bool = False,
     state_to_device: bool = False,
+    tensor_parallel: int = 1,
 ) -> RankRun:
     """Build, wrap and train ``rank`` of ``world_size`` on ``device`` for a few steps; see the module docstring.
 
@@ -243,8 +245,13 @@ def run_rank(
     ``build_in_host_memory``: the model is built and wrapped in host memory, so none of it counts as device memory
     until the strategy moves it there (CPU offload) or, with ``state_to_device``, until the wrapped model's
     parameters and buffers (FSDP: only this rank's shards) are moved to the device right after wrapping.
+    ``tensor_parallel``: the model is built inside that tensor-parallel layout (:mod:`shardkit.plan.tensor_parallel`).
     """
-    with peerless_world(world_size, rank, mailbox, backend) as traffic, _nodes(nprocs_per_node) as topology:
+    with (
+        peerless_world(world_size, rank, mailbox, backend) as traffic,
+        _nodes(nprocs_per_node) as topology,
+        tensor_parallel_state(tensor_parallel),
+    ):
         return _run_steps(
             device, build_model, wrap, batch, loss_fn, traffic, topology, host_limit_bytes, forward_backward, warmup,
             build_in_host_memory, state_to_device, backend,

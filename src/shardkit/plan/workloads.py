@@ -69,6 +69,9 @@ class Workload:
     #: model supports it; or ``"eager"``, ``"sdpa"``).
     task: str = ""
     attention: str = ""
+    #: Tensor-parallel degree: the model (a factory building :mod:`shardkit.tensor_parallel` layers) is built inside
+    #: a ``data x tensor_parallel`` layout and the strategy runs over the data-parallel ranks.
+    tensor_parallel: int = 1
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:

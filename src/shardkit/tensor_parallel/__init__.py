@@ -12,7 +12,8 @@ fastest, so a tensor-parallel group is consecutive ranks on one node). It gives 
   :func:`gather_from_sequence`, :func:`reduce_scatter_to_sequence`), labelled and metered like every collective;
 * :func:`vocab_parallel_cross_entropy`, which never gathers the logits;
 * :func:`clip_grad_norm_` by the global norm, each split parameter counted once (:func:`split_group` tells other
-  packages, such as FSDP's clipping, which parameters are split);
+  packages, such as FSDP's clipping, which parameters are split; :func:`split_groups` does the same from the
+  parameters alone, for OSS's clipping);
 * the model-parallel random state (:func:`model_parallel_manual_seed`, :func:`get_rng_tracker`) and a
   :func:`checkpoint` that recomputes with it;
 * per-rank shard files (:func:`split_state_dict`, :func:`save_shard_files`, :func:`load_shard_file`);
@@ -20,7 +21,9 @@ fastest, so a tensor-parallel group is consecutive ranks on one node). It gives 
   Llama and every model with transformers' ``base_model_tp_plan``; see :mod:`shardkit.tensor_parallel.hf`);
 * checks that refuse, on every rank, what would train silently wrong: sizes that do not split (naming the degrees
   that would), a layout that does not cover the world, shard files of another rank, degree or checkpoint, and
-  tensor-parallel ranks given different inputs (each layer's first forward; :func:`check_same_input`).
+  tensor-parallel ranks given different inputs (each layer's first forward; :func:`check_same_input`), and a
+  data-parallel wrapper given a group that holds two ranks of one tensor-parallel group
+  (:func:`check_data_parallel_group`, which FSDP and OSS call).
 
 fairscale's ``shardkit.nn.model_parallel`` is a thin face over this package; other faces, the planner and the
 strategies use these public names only.
@@ -40,14 +43,15 @@ Example::
     h = down(F.silu(up(x)))                          # one all-reduce over state.tp_group
     loss = tp.vocab_parallel_cross_entropy(head(h), targets).mean()
     # data parallelism over the mesh's other dimension: DDP(model, process_group=state.group("data")), or
-    # shardkit's FullyShardedDataParallel(block, process_group=state.group("data")) per block
+    # shardkit's FullyShardedDataParallel(block, process_group=state.group("data")) per block, or
+    # OSS(model.parameters(), group=state.group("data")) (its clip_grad_norm counts each split parameter once)
 """
 
-from shardkit.tensor_parallel.checks import check_same_input
+from shardkit.tensor_parallel.checks import check_data_parallel_group, check_same_input
 from shardkit.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from shardkit.tensor_parallel.dtensor import tp_state_dict
 from shardkit.tensor_parallel.embedding import ParallelEmbedding, VocabParallelEmbedding
-from shardkit.tensor_parallel.grad_norm import clip_grad_norm_, power_sum, split_group
+from shardkit.tensor_parallel.grad_norm import clip_grad_norm_, power_sum, split_group, split_groups
 from shardkit.tensor_parallel.hf import HFPlan, hf_plan_for, parallelize_hf, register_hf_plan, resolve_hf_plan
 from shardkit.tensor_parallel.layout import DIMS, ParallelCoords, ParallelLayout, divisors
 from shardkit.tensor_parallel.linear import ColumnParallelLinear, RowParallelLinear
@@ -102,6 +106,7 @@ __all__ = [
     "TensorParallelModule",
     "VocabParallelEmbedding",
     "build_parallel_state",
+    "check_data_parallel_group",
     "check_same_input",
     "checkpoint",
     "clip_grad_norm_",
@@ -130,6 +135,7 @@ __all__ = [
     "set_current_state",
     "shard_file_name",
     "split_group",
+    "split_groups",
     "split_size",
     "split_state_dict",
     "tp_group",

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardkit.distributed.collectives import all_reduce
-from shardkit.tensor_parallel.sharding import TensorParallelModule
+from shardkit.tensor_parallel.sharding import TensorParallelModule, live_tp_modules
 
 
 def split_group(module: nn.Module, attr: str) -> Optional[dist.ProcessGroup]:
@@ -33,6 +33,22 @@ def split_group(module: nn.Module, attr: str) -> Optional[dist.ProcessGroup]:
     if isinstance(module, TensorParallelModule) and attr in module.tp_specs and module.tp.size > 1:
         return module.tp.group
     return None
+
+
+def split_groups(params: Iterable[torch.Tensor]) -> list[Optional[dist.ProcessGroup]]:
+    """For each of ``params``, the tensor-parallel group it is split across, or None when it is not split.
+
+    For code that holds parameters but not the model (an optimizer clipping by the global norm, such as
+    ``OSS.clip_grad_norm``): a parameter is found in whichever live tensor-parallel layer holds it now.
+    """
+    owners: dict[int, dist.ProcessGroup] = {}
+    for module in live_tp_modules():
+        for attr in module.tp_specs:
+            param = getattr(module, attr, None)
+            group = split_group(module, attr) if isinstance(param, torch.Tensor) else None
+            if group is not None:
+                owners[id(param)] = group
+    return [owners.get(id(p)) for p in params]
 
 
 def power_sum(grads: Iterable[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:

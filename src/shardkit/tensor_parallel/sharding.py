@@ -9,6 +9,7 @@ equal pieces and rank ``r`` holds pieces ``r, r + n, r + 2n, ...``, so every ran
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -110,6 +111,24 @@ class TensorParallelModule(nn.Module):
     tp_specs: dict[str, ShardSpec]
     #: Whether the first forward's input was compared across the tensor-parallel ranks (see ``checks``).
     input_checked: bool = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        _LIVE.add(self)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:  # copies (deepcopy, pickle) are live layers too
+        super().__setstate__(state)
+        _LIVE.add(self)
+
+
+#: Every tensor-parallel layer alive in this process, so code that sees only parameters (an optimizer's clipping)
+#: can ask which are split (:func:`shardkit.tensor_parallel.split_groups`). Weak: it keeps no layer alive.
+_LIVE: weakref.WeakSet[TensorParallelModule] = weakref.WeakSet()
+
+
+def live_tp_modules() -> list[TensorParallelModule]:
+    """The tensor-parallel layers alive in this process (any model)."""
+    return list(_LIVE)
 
 
 def tp_sharding(model: nn.Module) -> dict[str, ShardSpec]:

@@ -30,6 +30,7 @@ from shardkit.distributed.topology import Topology
 from shardkit.nn.fsdp.policies import FSDPPolicies, policies_from_args
 from shardkit.nn.fsdp.reduce_channels import resolve_reduce_group
 from shardkit.nn.fsdp.strategy import ShardingStrategy
+from shardkit.tensor_parallel import check_data_parallel_group
 
 _WHO = "FullyShardedDataParallel"
 
@@ -42,6 +43,8 @@ def resolve_unit(module: nn.Module, process_group: Any, settings: dict[str, Any]
     group, replica_group, strategy = resolve_unit_groups(process_group, strategy, reshard)
     policies = policies_from_args({**settings, "sharding_strategy": strategy, "replica_group": replica_group})
     policies = resolve_reduce_group(policies, group)
+    groups = (group,) if replica_group is None else (group, replica_group)
+    check_data_parallel_group(module.parameters(), groups, _WHO)  # a TP model: never shard across its TP ranks
     if replica_group is not None:
         agree_across_nodes(
             lambda g, err: check_same_model(module, g, _WHO, local_error=err), group, replica_group, None

@@ -16,7 +16,7 @@ from shardkit.distributed.hybrid import HybridSpec, agree_across_nodes, shard_an
 from shardkit.distributed.objects import all_gather_objects, gather_objects
 from shardkit.optim.zero1.arguments import check_optimizer_arguments, refuse_fsdp_shards
 from shardkit.optim.zero1.broadcast import ParamBucket, ParamExchange, buckets_intact, build_buckets
-from shardkit.optim.zero1.clip import sharded_clip_grad_norm
+from shardkit.optim.zero1.clip import sharded_clip_grad_norm, split_parts
 from shardkit.optim.zero1.consistency import check_replicas_agree, check_same_params
 from shardkit.optim.zero1.partition import Partition
 from shardkit.optim.zero1.state_dict import (
@@ -27,6 +27,7 @@ from shardkit.optim.zero1.state_dict import (
     pack_param_groups,
     shard_state,
 )
+from shardkit.tensor_parallel import check_data_parallel_group
 from shardkit.utils._torch_private import (
     optimizer_load_state_dict_post_hooks,
     optimizer_state_dict_post_hooks,
@@ -151,6 +152,8 @@ class OSS(Optimizer):
             _check_optim_class(optim)
             super().__init__(params, defaults)
             refuse_fsdp_shards(self.param_groups)
+            every_param = [p for group in self.param_groups for p in group["params"]]
+            check_data_parallel_group(every_param, (resolved, replica) if replica is not None else (resolved,), "OSS")
             self._partition = Partition.build(self.param_groups, self.world_size)
             self.optim: Optimizer = self._make_local_optim(self._partition)
         except Exception as exc:  # re-raised below, on every rank
@@ -311,14 +314,15 @@ class OSS(Optimizer):
         model, but each rank reads only the gradients it owns; only those are scaled (the others are not used by
         ``step()``). ``filter_params_fn``, given this rank's parameters, returns those to count (for example to
         leave out expert parameters that have their own clipping). Call on every rank, after gradients are
-        reduced (and unscaled, with AMP).
+        reduced (and unscaled, with AMP). On a tensor-parallel model (OSS over the data-parallel group) each split
+        parameter counts once: the norm is the unsplit model's.
         """
         params = self._partition.owned(self.rank, trainable_only=True)
         if filter_params_fn is not None:
             params = list(filter_params_fn(params))
-        owned = [p.grad for p in params if p.grad is not None]
+        replicated, split = split_parts(self._partition.params, params)
         device = self._partition.params[0].device
-        return sharded_clip_grad_norm(owned, float(max_norm), float(norm_type), self.group, device)
+        return sharded_clip_grad_norm(replicated, float(max_norm), float(norm_type), self.group, device, split)
 
     # ----------------------------------------------------------------- state dicts
     def consolidate_state_dict(self, recipient_rank: int = 0) -> None:
