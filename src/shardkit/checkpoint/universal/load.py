@@ -107,7 +107,9 @@ def plan_load(
         for span in h.spans:
             key = model_key(resolve(span.fqn))
             placements.append(
-                Placement(key, span.shape, h.tensor.dtype, span.start, span.stop, h.tensor, span.local_offset)
+                Placement(
+                    key, span.shape, h.tensor.dtype, span.start, span.stop, h.tensor, span.local_offset, span.split
+                )
             )
             what[key] = f"parameter or buffer '{span.fqn}'"
     optimizer_plan: Optional[OptimizerLoadPlan] = None

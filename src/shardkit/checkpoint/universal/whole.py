@@ -6,6 +6,7 @@ from torch import nn
 
 from shardkit.checkpoint.errors import CheckpointError
 from shardkit.checkpoint.universal.source import Held, Span
+from shardkit.checkpoint.universal.split import split_of, tp_splits
 
 
 def whole_tensors(module: nn.Module, replica_rank: int, replica_count: int) -> tuple[list[Held], dict[str, str]]:
@@ -16,8 +17,13 @@ def whole_tensors(module: nn.Module, replica_rank: int, replica_count: int) -> t
     may hold different ones (BatchNorm statistics after a local forward), and a checkpoint keeps rank 0's, as a
     save from rank 0 would. A tensor reachable under several names (tied weights) is held once, under its first
     name; the other names become aliases of it, so every strategy stores a tie once, whichever name it keeps.
+
+    A tensor-parallel parameter (:mod:`.split`) is held as this rank's slab of the full tensor: the ranks of one
+    tensor-parallel group write different boxes of it, and ``(replica_rank, replica_count)`` must then count the
+    ranks holding the same slab (the data-parallel group), not the whole job.
     """
     params = {id(p) for p in module.parameters()}
+    splits = tp_splits(module)
     held: list[Held] = []
     aliases: dict[str, str] = {}
     first_name: dict[int, str] = {}
@@ -32,7 +38,8 @@ def whole_tensors(module: nn.Module, replica_rank: int, replica_count: int) -> t
             aliases[name] = known
             continue
         first_name[id(value)] = name
-        span = Span(name, value.shape, 0, value.numel())
+        shape, split = split_of(splits, name, value)
+        span = Span(name, shape, 0, value.numel(), split=split)
         replicas = (replica_rank, replica_count) if id(value) in params else (0, 1)
         held.append(Held(value, (span,), *replicas))
     return held, aliases

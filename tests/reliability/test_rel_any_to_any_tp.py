@@ -1,0 +1,286 @@
+"""Tensor-parallel checkpoints: saved without gathering, loaded at any other degree, with or without tensor
+parallelism, optimizer state included (the any-to-any matrix's tensor-parallel rows).
+
+One job of four processes holds every configuration at once: the plain model (every rank whole), torch DDP over all
+four (TP 1 x data 4), TP 2 (the two data halves hold the same model), TP 2 x DDP 2 over the data group, and TP 4.
+Each saves the same state (a reference model's weights and Adam state after one step, split for its degree); every
+configuration loads every checkpoint into a fresh model (half of them after a step of their own, so the optimizer
+state is read in place), must then hold exactly the reference split for its degree, and trains on to match the
+reference's second step. The toy model has a vocabulary-parallel embedding (split along dimension 0), a row-parallel
+weight (dimension 1, the split that is not a flat span), a fused QKV split with stride 3, and replicated norms.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, NamedTuple, Optional
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from shardkit import tensor_parallel as tp
+from shardkit.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from shardkit.checkpoint.api import save_source
+from shardkit.checkpoint.tools.inspect import format_report, inspect_checkpoint
+from shardkit.checkpoint.tools.write import StaticSource
+from shardkit.checkpoint.universal.source import Held, Span
+from shardkit.checkpoint.universal.split import Split
+from shardkit.testing import run_distributed
+
+VOCAB, HIDDEN, FF = 16, 8, 16
+LR = 0.01
+
+
+class Toy(nn.Module):
+    """Embedding, a feed-forward pair, a fused-QKV gate and a head; torch layers when ``mesh`` is None."""
+
+    def __init__(self, mesh: Any) -> None:
+        super().__init__()
+        if mesh is None:
+            self.emb: nn.Module = nn.Embedding(VOCAB, HIDDEN)
+            self.up: nn.Module = nn.Linear(HIDDEN, FF)
+            self.down: nn.Module = nn.Linear(FF, HIDDEN)
+            self.qkv: nn.Module = nn.Linear(HIDDEN, 3 * HIDDEN)
+            self.out: nn.Module = nn.Linear(HIDDEN, HIDDEN)
+            self.head: nn.Module = nn.Linear(HIDDEN, VOCAB, bias=False)
+        else:
+            self.emb = tp.VocabParallelEmbedding(VOCAB, HIDDEN, mesh=mesh)
+            self.up = tp.ColumnParallelLinear(HIDDEN, FF, gather_output=False, mesh=mesh)
+            self.down = tp.RowParallelLinear(FF, HIDDEN, input_is_parallel=True, mesh=mesh)
+            self.qkv = tp.ColumnParallelLinear(HIDDEN, 3 * HIDDEN, gather_output=False, stride=3, mesh=mesh)
+            self.out = tp.RowParallelLinear(HIDDEN, HIDDEN, input_is_parallel=True, mesh=mesh)
+            self.head = tp.ColumnParallelLinear(HIDDEN, VOCAB, bias=False, gather_output=True, mesh=mesh)
+        self.norm = nn.LayerNorm(HIDDEN)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.emb(tokens)
+        h = h + self.down(torch.tanh(self.up(h)))
+        q, k, v = self.qkv(h).chunk(3, dim=-1)  # with stride 3 each rank holds its heads of q, k and v
+        h = self.norm(h + self.out(torch.tanh(q * k) * v))
+        out: torch.Tensor = self.head(h)
+        return out
+
+
+class Config(NamedTuple):
+    name: str
+    degree: int  # 0: torch layers (no tensor parallelism)
+    ddp: bool  # DDP over the data group (all ranks without tensor parallelism)
+
+
+CONFIGS = [
+    Config("plain", 0, False),
+    Config("ddp4", 0, True),
+    Config("tp2", 2, False),
+    Config("tp2xddp2", 2, True),
+    Config("tp4", 4, False),
+]
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randint(0, VOCAB, (2, 5), generator=g), torch.randint(0, VOCAB, (2, 5), generator=g)
+
+
+def _step(model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
+    tokens, targets = _batch(step)
+    optimizer.zero_grad()
+    F.cross_entropy(model(tokens).reshape(-1, VOCAB), targets.reshape(-1)).backward()
+    optimizer.step()
+
+
+def _reference() -> dict[str, Any]:
+    """The unsplit model after one and two Adam steps: weights and optimizer state by parameter name."""
+    torch.manual_seed(0)
+    model = Toy(None)
+    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+    out: dict[str, Any] = {}
+    for step in (0, 1):
+        _step(model, optimizer, step)
+        names = {id(p): n for n, p in model.named_parameters()}
+        out[step] = {
+            "model": {k: v.detach().clone() for k, v in model.state_dict().items()},
+            "optim": {names[id(p)]: {k: v.clone() for k, v in s.items()} for p, s in optimizer.state.items()},
+        }
+    return out
+
+
+class Run(NamedTuple):
+    model: nn.Module
+    inner: Toy
+    optimizer: torch.optim.Optimizer
+    specs: dict[str, tp.ShardSpec]
+    tp_rank: int
+
+
+def _build(config: Config, states: dict[int, tp.ParallelState], seed: int) -> Run:
+    torch.manual_seed(seed)
+    state = states.get(config.degree)
+    inner = Toy(None if state is None else state.tp_mesh)
+    model: nn.Module = inner
+    if config.ddp:
+        model = DistributedDataParallel(inner, process_group=None if state is None else state.group("data"))
+    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+    return Run(model, inner, optimizer, tp.tp_sharding(inner), 0 if state is None else state.tp_rank)
+
+
+def _split(run: Run, name: str, full: torch.Tensor, degree: int) -> torch.Tensor:
+    spec = run.specs.get(name)
+    return full if spec is None or degree < 2 else spec.shard(full, run.tp_rank, degree)
+
+
+def _set_state(run: Run, config: Config, ref: dict[str, Any]) -> None:
+    """Put the reference's state after its first step, split for this degree, into the run."""
+    with torch.no_grad():
+        for name, value in run.inner.state_dict(keep_vars=True).items():
+            value.copy_(_split(run, name, ref["model"][name], config.degree))
+    for name, param in run.inner.named_parameters():
+        saved = ref["optim"][name]
+        run.optimizer.state[param] = {
+            k: (v.clone() if v.dim() == 0 else _split(run, name, v, config.degree)) for k, v in saved.items()
+        }
+
+
+def _mismatch(run: Run, config: Config, ref: dict[str, Any]) -> Optional[str]:
+    """Where this rank's model or optimizer state differs from the reference split for its degree (exactly)."""
+    for name, value in run.inner.state_dict().items():
+        if not torch.equal(value, _split(run, name, ref["model"][name], config.degree)):
+            return f"parameter {name}"
+    for name, param in run.inner.named_parameters():
+        for key, want in ref["optim"][name].items():
+            have = run.optimizer.state[param][key]
+            if not torch.equal(have, want if want.dim() == 0 else _split(run, name, want, config.degree)):
+                return f"optimizer state {key} of {name}"
+    return None
+
+
+def _trained_gap(run: Run, config: Config, state: Optional[tp.ParallelState], ref: dict[str, Any]) -> float:
+    """Largest difference to the reference's weights after its second step, this rank's slab gathered."""
+    gap = 0.0
+    for name, local in run.inner.state_dict().items():
+        full = local
+        spec = run.specs.get(name)
+        if spec is not None and state is not None and config.degree > 1:
+            parts = [torch.empty_like(local) for _ in range(config.degree)]
+            dist.all_gather(parts, local.contiguous(), group=state.tp_group)
+            full = spec.unshard(parts)
+        gap = max(gap, (full - ref["model"][name]).abs().max().item())
+    return gap
+
+
+def _matrix(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    states = {d: tp.build_parallel_state(tp.ParallelLayout.for_world(world_size, tensor=d)) for d in (2, 4)}
+    incomplete = _load_incomplete(states, str(Path(root) / "incomplete"))
+    ref = _reference()
+    for config in CONFIGS:
+        run = _build(config, states, seed=0)
+        _set_state(run, config, ref[0])
+        save_checkpoint(Path(root) / config.name, step=0, model=run.model, optimizer=run.optimizer)
+    results: dict[str, Any] = {}
+    for i, source in enumerate(CONFIGS):
+        for j, target in enumerate(CONFIGS):
+            run = _build(target, states, seed=7)
+            warm = (i + j) % 2 == 1
+            if warm:  # the optimizer already holds state: the load reads into it
+                _step(run.model, run.optimizer, 5)
+            load_checkpoint(Path(root) / source.name, model=run.model, optimizer=run.optimizer)
+            loaded = _mismatch(run, target, ref[0])
+            _step(run.model, run.optimizer, 1)
+            gap = _trained_gap(run, target, states.get(target.degree), ref[1])
+            results[f"{source.name}->{target.name}"] = (loaded, gap, warm)
+    return {"matrix": results, "incomplete": incomplete}
+
+
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("tp_any_to_any")
+    _save_incomplete(root / "incomplete")
+    per_rank = run_distributed(_matrix, 4, str(root), timeout_s=240)
+    reports = {c.name: inspect_checkpoint(root / c.name) for c in CONFIGS}
+    return {"per_rank": per_rank, "reports": reports}
+
+
+@pytest.mark.parametrize("source", [c.name for c in CONFIGS])
+@pytest.mark.parametrize("target", [c.name for c in CONFIGS])
+def test_tp_checkpoint_loads_at_every_degree_and_training_continues(
+    matrix: dict[str, Any], source: str, target: str
+) -> None:
+    for rank, results in enumerate(matrix["per_rank"]):
+        loaded, gap, warm = results["matrix"][f"{source}->{target}"]
+        assert loaded is None, f"rank {rank} (warm={warm}): {loaded} differs right after loading"
+        assert gap < 1e-5, f"rank {rank}: after one more step the weights differ from the reference by {gap}"
+
+
+def test_inspect_shows_the_tp_layout(matrix: dict[str, Any]) -> None:
+    reports = matrix["reports"]
+    assert reports["plain"]["tensor_parallel"] is None and reports["ddp4"]["tensor_parallel"] is None
+    layout = reports["tp2xddp2"]["tensor_parallel"]
+    assert layout["degree"] == 2 and set(layout["parameters"]) == set(SPECS)
+    assert layout["parameters"]["down.weight"] == {"shape": [HIDDEN, FF], "dim": 1, "size": 2, "stride": 1}
+    assert layout["parameters"]["qkv.weight"] == {"shape": [3 * HIDDEN, HIDDEN], "dim": 0, "size": 2, "stride": 3}
+    assert reports["tp4"]["tensor_parallel"]["degree"] == 4
+    text = format_report(reports["tp4"])
+    assert "tensor parallel: saved at degree 4" in text
+    assert f"down.weight ({HIDDEN}x{FF}): dimension 1 across 4 ranks" in text
+    assert f"qkv.weight ({3 * HIDDEN}x{HIDDEN}): dimension 0 across 4 ranks, stride 3" in text
+    # each rank's slab of a split weight is its own DCP chunk of the full-shaped tensor: nothing was gathered
+    chunks = {t["key"]: t["chunks"] for t in reports["tp4"]["tensors"]}
+    assert chunks["model/down.weight"] == 4 and chunks["model/qkv.weight"] == 12
+    assert chunks["optim/down.weight/exp_avg"] == 4
+
+
+def _load_incomplete(states: dict[int, tp.ParallelState], directory: str) -> list[str]:
+    """Load the incomplete shard set into TP 2, TP 4 and the plain model: each error, and whether it changed nothing."""
+    errors = []
+    for target in (Config("tp2", 2, False), Config("tp4", 4, False), Config("plain", 0, False)):
+        fresh = _build(target, states, seed=3)
+        assert target.degree == 0 or fresh.specs == SPECS
+        before = {k: v.clone() for k, v in fresh.inner.state_dict().items()}
+        try:
+            load_checkpoint(directory, model=fresh.model)
+        except CheckpointError as err:
+            unchanged = all(torch.equal(before[k], v) for k, v in fresh.inner.state_dict().items())
+            errors.append(f"{unchanged}: {err}")
+        else:
+            errors.append("loaded")
+    return errors
+
+
+#: How the toy model's tensor-parallel layers split their parameters.
+SPECS = {
+    "emb.weight": tp.ShardSpec(0),
+    "up.weight": tp.ShardSpec(0),
+    "up.bias": tp.ShardSpec(0),
+    "down.weight": tp.ShardSpec(1),
+    "qkv.weight": tp.ShardSpec(0, 3),
+    "qkv.bias": tp.ShardSpec(0, 3),
+    "out.weight": tp.ShardSpec(1),
+    "head.weight": tp.ShardSpec(0),
+}
+
+
+def _save_incomplete(directory: Path) -> None:
+    """A TP 2 shard set of which only tensor-parallel rank 0's slabs were written (saved by one process: with a
+    process group, DCP itself refuses a plan that leaves part of a tensor unwritten)."""
+    torch.manual_seed(0)
+    held = []
+    for name, full in Toy(None).state_dict().items():
+        spec = SPECS.get(name)
+        if spec is None:
+            held.append(Held(full, (Span(name, full.shape, 0, full.numel()),)))
+        else:
+            slab = spec.shard(full, 0, 2)
+            split = Split(spec.dim, 0, 2, spec.stride)
+            held.append(Held(slab, (Span(name, full.shape, 0, slab.numel(), split=split),)))
+    save_source(directory, StaticSource(held))
+
+
+def test_an_incomplete_tp_shard_set_is_refused_on_every_rank_naming_the_parameter(matrix: dict[str, Any]) -> None:
+    for rank, results in enumerate(matrix["per_rank"]):
+        assert len(results["incomplete"]) == 3
+        for message in results["incomplete"]:
+            assert message.startswith("True: "), f"rank {rank}: {message}"
+            assert "a shard is missing" in message and "'emb.weight'" in message, message
