@@ -2,12 +2,13 @@
 parallelism, optimizer state included (the any-to-any matrix's tensor-parallel rows).
 
 One job of four processes holds every configuration at once: the plain model (every rank whole), torch DDP over all
-four (TP 1 x data 4), TP 2 (the two data halves hold the same model), TP 2 x DDP 2 over the data group, and TP 4.
-Each saves the same state (a reference model's weights and Adam state after one step, split for its degree); every
-configuration loads every checkpoint into a fresh model (half of them after a step of their own, so the optimizer
-state is read in place), must then hold exactly the reference split for its degree, and trains on to match the
-reference's second step. The toy model has a vocabulary-parallel embedding (split along dimension 0), a row-parallel
-weight (dimension 1, the split that is not a flat span), a fused QKV split with stride 3, and replicated norms.
+four (TP 1 x data 4), TP 2 (the two data halves hold the same model), TP 2 x DDP 2 and TP 2 x shardkit FSDP 2 over
+the data group, and TP 4. Each starts from a reference model's initial weights split for its degree, trains the
+reference's first Adam step and saves. Every configuration loads every checkpoint into a fresh model (half of them
+after a step of their own, so the optimizer state is read in place), must then hold the reference's weights and
+Adam state split for its degree, and trains on to match the reference's second step. The toy model has a
+vocabulary-parallel embedding (split along dimension 0), a row-parallel weight (dimension 1, the split that is not a
+flat span), a fused QKV split with stride 3, and replicated norms.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from shardkit.checkpoint.tools.inspect import format_report, inspect_checkpoint
 from shardkit.checkpoint.tools.write import StaticSource
 from shardkit.checkpoint.universal.source import Held, Span
 from shardkit.checkpoint.universal.split import Split
+from shardkit.nn import FullyShardedDataParallel
 from shardkit.testing import run_distributed
 
 VOCAB, HIDDEN, FF = 16, 8, 16
@@ -68,15 +70,16 @@ class Toy(nn.Module):
 class Config(NamedTuple):
     name: str
     degree: int  # 0: torch layers (no tensor parallelism)
-    ddp: bool  # DDP over the data group (all ranks without tensor parallelism)
+    wrap: str = ""  # "ddp" or "fsdp" over the data group (all ranks without tensor parallelism)
 
 
 CONFIGS = [
-    Config("plain", 0, False),
-    Config("ddp4", 0, True),
-    Config("tp2", 2, False),
-    Config("tp2xddp2", 2, True),
-    Config("tp4", 4, False),
+    Config("plain", 0),
+    Config("ddp4", 0, "ddp"),
+    Config("tp2", 2),
+    Config("tp2xddp2", 2, "ddp"),
+    Config("tp2xfsdp2", 2, "fsdp"),
+    Config("tp4", 4),
 ]
 
 
@@ -92,12 +95,12 @@ def _step(model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None
     optimizer.step()
 
 
-def _reference() -> dict[str, Any]:
-    """The unsplit model after one and two Adam steps: weights and optimizer state by parameter name."""
+def _reference() -> dict[Any, Any]:
+    """The unsplit model's initial weights, and its weights and optimizer state after one and two Adam steps."""
     torch.manual_seed(0)
     model = Toy(None)
     optimizer = torch.optim.Adam(model.parameters(), lr=LR)
-    out: dict[str, Any] = {}
+    out: dict[Any, Any] = {"init": {k: v.detach().clone() for k, v in model.state_dict().items()}}
     for step in (0, 1):
         _step(model, optimizer, step)
         names = {id(p): n for n, p in model.named_parameters()}
@@ -109,63 +112,69 @@ def _reference() -> dict[str, Any]:
 
 
 class Run(NamedTuple):
+    config: Config
     model: nn.Module
     inner: Toy
     optimizer: torch.optim.Optimizer
-    specs: dict[str, tp.ShardSpec]
-    tp_rank: int
+    state: Optional[tp.ParallelState]
+
+    @property
+    def specs(self) -> dict[str, tp.ShardSpec]:
+        return tp.tp_sharding(self.inner)
+
+    def split(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the reference tensor ``full`` of parameter ``name``."""
+        spec = self.specs.get(name)
+        if spec is None or self.state is None:
+            return full
+        return spec.shard(full, self.state.tp_rank, self.state.tp_size)
+
+    def model_state(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters and buffers (its tensor-parallel slabs, FSDP's gathered)."""
+        return dict((self.model if self.config.wrap == "fsdp" else self.inner).state_dict())
 
 
-def _build(config: Config, states: dict[int, tp.ParallelState], seed: int) -> Run:
+def _build(config: Config, states: dict[int, tp.ParallelState], seed: int, init: Optional[dict[str, Any]]) -> Run:
+    """The model of ``config`` from ``seed``, or with the reference's initial weights ``init`` split for it."""
     torch.manual_seed(seed)
     state = states.get(config.degree)
     inner = Toy(None if state is None else state.tp_mesh)
+    run = Run(config, inner, inner, torch.optim.SGD([torch.zeros(1)]), state)
+    if init is not None:
+        inner.load_state_dict({k: run.split(k, v) for k, v in init.items()})
+    group = None if state is None else state.group("data")
     model: nn.Module = inner
-    if config.ddp:
-        model = DistributedDataParallel(inner, process_group=None if state is None else state.group("data"))
-    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
-    return Run(model, inner, optimizer, tp.tp_sharding(inner), 0 if state is None else state.tp_rank)
+    if config.wrap == "ddp":
+        model = DistributedDataParallel(inner, process_group=group)
+    elif config.wrap == "fsdp":
+        model = FullyShardedDataParallel(inner, process_group=group)
+    return run._replace(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=LR))
 
 
-def _split(run: Run, name: str, full: torch.Tensor, degree: int) -> torch.Tensor:
-    spec = run.specs.get(name)
-    return full if spec is None or degree < 2 else spec.shard(full, run.tp_rank, degree)
-
-
-def _set_state(run: Run, config: Config, ref: dict[str, Any]) -> None:
-    """Put the reference's state after its first step, split for this degree, into the run."""
-    with torch.no_grad():
-        for name, value in run.inner.state_dict(keep_vars=True).items():
-            value.copy_(_split(run, name, ref["model"][name], config.degree))
-    for name, param in run.inner.named_parameters():
-        saved = ref["optim"][name]
-        run.optimizer.state[param] = {
-            k: (v.clone() if v.dim() == 0 else _split(run, name, v, config.degree)) for k, v in saved.items()
-        }
-
-
-def _mismatch(run: Run, config: Config, ref: dict[str, Any]) -> Optional[str]:
-    """Where this rank's model or optimizer state differs from the reference split for its degree (exactly)."""
-    for name, value in run.inner.state_dict().items():
-        if not torch.equal(value, _split(run, name, ref["model"][name], config.degree)):
+def _mismatch(run: Run, ref: dict[str, Any]) -> Optional[str]:
+    """Where this rank's model or optimizer state differs from the reference split for its degree."""
+    for name, value in run.model_state().items():
+        if not torch.allclose(value, run.split(name, ref["model"][name]), rtol=1e-5, atol=1e-6):
             return f"parameter {name}"
+    if run.config.wrap == "fsdp":
+        return None  # its flat shards hold the optimizer state: the step after loading checks it
     for name, param in run.inner.named_parameters():
         for key, want in ref["optim"][name].items():
             have = run.optimizer.state[param][key]
-            if not torch.equal(have, want if want.dim() == 0 else _split(run, name, want, config.degree)):
+            if not torch.allclose(have, want if want.dim() == 0 else run.split(name, want), rtol=1e-5, atol=1e-6):
                 return f"optimizer state {key} of {name}"
     return None
 
 
-def _trained_gap(run: Run, config: Config, state: Optional[tp.ParallelState], ref: dict[str, Any]) -> float:
-    """Largest difference to the reference's weights after its second step, this rank's slab gathered."""
+def _trained_gap(run: Run, ref: dict[str, Any]) -> float:
+    """Largest difference to the reference's weights after its second step, this rank's slabs gathered."""
     gap = 0.0
-    for name, local in run.inner.state_dict().items():
+    for name, local in run.model_state().items():
         full = local
         spec = run.specs.get(name)
-        if spec is not None and state is not None and config.degree > 1:
-            parts = [torch.empty_like(local) for _ in range(config.degree)]
-            dist.all_gather(parts, local.contiguous(), group=state.tp_group)
+        if spec is not None and run.state is not None:
+            parts = [torch.empty_like(local) for _ in range(run.state.tp_size)]
+            dist.all_gather(parts, local.contiguous(), group=run.state.tp_group)
             full = spec.unshard(parts)
         gap = max(gap, (full - ref["model"][name]).abs().max().item())
     return gap
@@ -175,22 +184,21 @@ def _matrix(rank: int, world_size: int, root: str) -> dict[str, Any]:
     states = {d: tp.build_parallel_state(tp.ParallelLayout.for_world(world_size, tensor=d)) for d in (2, 4)}
     incomplete = _load_incomplete(states, str(Path(root) / "incomplete"))
     ref = _reference()
-    for config in CONFIGS:
-        run = _build(config, states, seed=0)
-        _set_state(run, config, ref[0])
+    for config in CONFIGS:  # each trains the reference's first step at its degree, and saves
+        run = _build(config, states, seed=0, init=ref["init"])
+        _step(run.model, run.optimizer, 0)
         save_checkpoint(Path(root) / config.name, step=0, model=run.model, optimizer=run.optimizer)
     results: dict[str, Any] = {}
     for i, source in enumerate(CONFIGS):
         for j, target in enumerate(CONFIGS):
-            run = _build(target, states, seed=7)
+            run = _build(target, states, seed=7, init=None)
             warm = (i + j) % 2 == 1
             if warm:  # the optimizer already holds state: the load reads into it
                 _step(run.model, run.optimizer, 5)
             load_checkpoint(Path(root) / source.name, model=run.model, optimizer=run.optimizer)
-            loaded = _mismatch(run, target, ref[0])
+            loaded = _mismatch(run, ref[0])
             _step(run.model, run.optimizer, 1)
-            gap = _trained_gap(run, target, states.get(target.degree), ref[1])
-            results[f"{source.name}->{target.name}"] = (loaded, gap, warm)
+            results[f"{source.name}->{target.name}"] = (loaded, _trained_gap(run, ref[1]), warm)
     return {"matrix": results, "incomplete": incomplete}
 
 
@@ -235,8 +243,8 @@ def test_inspect_shows_the_tp_layout(matrix: dict[str, Any]) -> None:
 def _load_incomplete(states: dict[int, tp.ParallelState], directory: str) -> list[str]:
     """Load the incomplete shard set into TP 2, TP 4 and the plain model: each error, and whether it changed nothing."""
     errors = []
-    for target in (Config("tp2", 2, False), Config("tp4", 4, False), Config("plain", 0, False)):
-        fresh = _build(target, states, seed=3)
+    for target in (Config("tp2", 2), Config("tp4", 4), Config("plain", 0)):
+        fresh = _build(target, states, seed=3, init=None)
         assert target.degree == 0 or fresh.specs == SPECS
         before = {k: v.clone() for k, v in fresh.inner.state_dict().items()}
         try:

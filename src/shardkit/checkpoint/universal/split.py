@@ -109,26 +109,37 @@ class Split:
         return out
 
 
-def tp_splits(module: nn.Module) -> dict[str, Split]:
+def tp_splits(module: nn.Module, clean_paths: Optional[dict[str, str]] = None) -> dict[str, Split]:
     """The :class:`Split` of every tensor-parallel parameter of ``module`` at a degree above 1, by state-dict name.
 
-    Empty when tensor parallelism was never imported (no model can then hold its layers)."""
+    ``clean_paths`` maps a module path of ``module`` to the name a wrapper's checkpoint uses for it (FSDP's wrapper
+    levels add no segment). Empty when tensor parallelism was never imported (no model can then hold its layers).
+    """
     tensor_parallel = sys.modules.get("shardkit.tensor_parallel")
     if tensor_parallel is None:
         return {}
     out: dict[str, Split] = {}
     for name, (spec, group) in tensor_parallel.tp_split_groups(module).items():
         if group.size > 1:
+            if clean_paths is not None:
+                owner, _, attr = name.rpartition(".")
+                owner = clean_paths.get(owner, owner)
+                name = f"{owner}.{attr}" if owner else attr
             out[name] = Split(spec.dim, group.rank, group.size, spec.stride)
     return out
 
 
-def split_of(splits: dict[str, Split], fqn: str, local: torch.Tensor) -> tuple[torch.Size, Optional[Split]]:
-    """The full shape of ``fqn`` held as ``local`` and its split (None when it is whole), checked."""
+def tp_degree(splits: dict[str, Split]) -> int:
+    """The tensor-parallel degree of a model with these splits (1 without any)."""
+    return max((s.size for s in splits.values()), default=1)
+
+
+def split_of(splits: dict[str, Split], fqn: str, local_shape: Sequence[int]) -> tuple[torch.Size, Optional[Split]]:
+    """The full shape of ``fqn``, held with ``local_shape`` here, and its split (None when it is whole), checked."""
     split = splits.get(fqn)
     if split is None:
-        return local.shape, None
-    full = split.full_shape(local.shape)
+        return torch.Size(local_shape), None
+    full = split.full_shape(local_shape)
     split.check(fqn, full)
     return full, split
 
@@ -136,7 +147,7 @@ def split_of(splits: dict[str, Split], fqn: str, local: torch.Tensor) -> tuple[t
 def write_tp_layout(directory: Path, splits: dict[str, tuple[torch.Size, Split]]) -> None:
     """Record which parameters were split, along which dimension and across how many ranks (rank 0 calls it)."""
     layout: dict[str, Any] = {
-        "degree": max((s.size for _, s in splits.values()), default=1),
+        "degree": tp_degree({fqn: s for fqn, (_, s) in splits.items()}),
         "parameters": {
             fqn: {"shape": list(shape), "dim": s.dim, "size": s.size, "stride": s.stride}
             for fqn, (shape, s) in sorted(splits.items())

@@ -38,7 +38,7 @@ def whole_tensors(module: nn.Module, replica_rank: int, replica_count: int) -> t
             aliases[name] = known
             continue
         first_name[id(value)] = name
-        shape, split = split_of(splits, name, value)
+        shape, split = split_of(splits, name, value.shape)
         span = Span(name, shape, 0, value.numel(), split=split)
         replicas = (replica_rank, replica_count) if id(value) in params else (0, 1)
         held.append(Held(value, (span,), *replicas))
