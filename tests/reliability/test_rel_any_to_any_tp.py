@@ -2,13 +2,13 @@
 parallelism, optimizer state included (the any-to-any matrix's tensor-parallel rows).
 
 One job of four processes holds every configuration at once: the plain model (every rank whole), torch DDP over all
-four (TP 1 x data 4), TP 2 (the two data halves hold the same model), TP 2 x DDP 2 and TP 2 x shardkit FSDP 2 over
-the data group, and TP 4. Each starts from a reference model's initial weights split for its degree, trains the
-reference's first Adam step and saves. Every configuration loads every checkpoint into a fresh model (half of them
-after a step of their own, so the optimizer state is read in place), must then hold the reference's weights and
-Adam state split for its degree, and trains on to match the reference's second step. The toy model has a
-vocabulary-parallel embedding (split along dimension 0), a row-parallel weight (dimension 1, the split that is not a
-flat span), a fused QKV split with stride 3, and replicated norms.
+four (TP 1 x data 4), TP 2 (the two data halves hold the same model), TP 2 x DDP 2, TP 2 x shardkit FSDP 2 and
+TP 2 x OSS 2 (under DDP) over the data group, and TP 4. Each starts from a reference model's initial weights split
+for its degree, trains the reference's first Adam step and saves. Every configuration loads every checkpoint into a
+fresh model (half of them after a step of their own, so the optimizer state is read in place), must then hold the
+reference's weights and Adam state split for its degree, and trains on to match the reference's second step. The
+toy model has a vocabulary-parallel embedding (split along dimension 0), a row-parallel weight (dimension 1, the
+split that is not a flat span), a fused QKV split with stride 3, and replicated norms.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from shardkit.checkpoint.tools.write import StaticSource
 from shardkit.checkpoint.universal.source import Held, Span
 from shardkit.checkpoint.universal.split import Split
 from shardkit.nn import FullyShardedDataParallel
+from shardkit.optim import OSS
 from shardkit.testing import run_distributed
 
 VOCAB, HIDDEN, FF = 16, 8, 16
@@ -70,7 +71,8 @@ class Toy(nn.Module):
 class Config(NamedTuple):
     name: str
     degree: int  # 0: torch layers (no tensor parallelism)
-    wrap: str = ""  # "ddp" or "fsdp" over the data group (all ranks without tensor parallelism)
+    #: "ddp", "fsdp", or "oss" (OSS under DDP) over the data group (all ranks without tensor parallelism)
+    wrap: str = ""
 
 
 CONFIGS = [
@@ -79,6 +81,7 @@ CONFIGS = [
     Config("tp2", 2),
     Config("tp2xddp2", 2, "ddp"),
     Config("tp2xfsdp2", 2, "fsdp"),
+    Config("tp2xoss2", 2, "oss"),
     Config("tp4", 4),
 ]
 
@@ -144,10 +147,12 @@ def _build(config: Config, states: dict[int, tp.ParallelState], seed: int, init:
         inner.load_state_dict({k: run.split(k, v) for k, v in init.items()})
     group = None if state is None else state.group("data")
     model: nn.Module = inner
-    if config.wrap == "ddp":
+    if config.wrap in ("ddp", "oss"):
         model = DistributedDataParallel(inner, process_group=group)
     elif config.wrap == "fsdp":
         model = FullyShardedDataParallel(inner, process_group=group)
+    if config.wrap == "oss":
+        return run._replace(model=model, optimizer=OSS(model.parameters(), torch.optim.Adam, group=group, lr=LR))
     return run._replace(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=LR))
 
 
@@ -156,8 +161,8 @@ def _mismatch(run: Run, ref: dict[str, Any]) -> Optional[str]:
     for name, value in run.model_state().items():
         if not torch.allclose(value, run.split(name, ref["model"][name]), rtol=1e-5, atol=1e-6):
             return f"parameter {name}"
-    if run.config.wrap == "fsdp":
-        return None  # its flat shards hold the optimizer state: the step after loading checks it
+    if run.config.wrap in ("fsdp", "oss"):
+        return None  # the optimizer state is sharded over the data group: the step after loading checks it
     for name, param in run.inner.named_parameters():
         for key, want in ref["optim"][name].items():
             have = run.optimizer.state[param][key]
