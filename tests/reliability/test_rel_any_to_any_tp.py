@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel
 
 from shardkit import tensor_parallel as tp
@@ -188,6 +189,7 @@ def _trained_gap(run: Run, ref: dict[str, Any]) -> float:
 def _matrix(rank: int, world_size: int, root: str) -> dict[str, Any]:
     states = {d: tp.build_parallel_state(tp.ParallelLayout.for_world(world_size, tensor=d)) for d in (2, 4)}
     incomplete = _load_incomplete(states, str(Path(root) / "incomplete"))
+    dtensor = _save_dtensor_model(states[2], str(Path(root) / "dtensor"))
     ref = _reference()
     for config in CONFIGS:  # each trains the reference's first step at its degree, and saves
         run = _build(config, states, seed=0, init=ref["init"])
@@ -204,7 +206,7 @@ def _matrix(rank: int, world_size: int, root: str) -> dict[str, Any]:
             loaded = _mismatch(run, ref[0])
             _step(run.model, run.optimizer, 1)
             results[f"{source.name}->{target.name}"] = (loaded, _trained_gap(run, ref[1]), warm)
-    return {"matrix": results, "incomplete": incomplete}
+    return {"matrix": results, "incomplete": incomplete, "dtensor": dtensor}
 
 
 @pytest.fixture(scope="module")
@@ -273,6 +275,25 @@ SPECS = {
     "out.weight": tp.ShardSpec(1),
     "head.weight": tp.ShardSpec(0),
 }
+
+
+def _save_dtensor_model(state: tp.ParallelState, directory: str) -> str:
+    """Try to save a model whose parameters torch's ``parallelize_module`` made DTensors; the error, if any."""
+    torch.manual_seed(0)
+    model = Toy(None)
+    parallelize_module(model.up, state.tp_mesh, ColwiseParallel())
+    try:
+        save_checkpoint(directory, step=0, model=model)
+    except CheckpointError as err:
+        return f"{Path(directory).exists()}: {err}"
+    return "saved"
+
+
+def test_a_model_with_dtensor_parameters_is_refused_before_anything_is_written(matrix: dict[str, Any]) -> None:
+    for rank, results in enumerate(matrix["per_rank"]):
+        message = results["dtensor"]
+        assert message.startswith("False: "), f"rank {rank}: {message}"
+        assert "'up.weight'" in message and "DTensor" in message and "torch.distributed.checkpoint" in message
 
 
 def _save_incomplete(directory: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from shardkit.checkpoint.errors import CheckpointError
 from shardkit.checkpoint.universal.source import Held, Span
@@ -32,6 +33,13 @@ def whole_tensors(module: nn.Module, replica_rank: int, replica_count: int) -> t
             raise CheckpointError(
                 f"state-dict entry '{name}' of {type(module).__name__} is a {type(value).__name__} (module extra "
                 "state); the universal checkpoint layout stores tensors only"
+            )
+        if isinstance(value, DTensor):
+            raise CheckpointError(
+                f"state-dict entry '{name}' of {type(module).__name__} is a torch DTensor (torch's parallelize_module "
+                "or fully_shard made it); the universal checkpoint layout stores shardkit's tensor-parallel layers, "
+                "whose parameters are plain local tensors. Build the model from shardkit.tensor_parallel layers, or "
+                "save it with torch.distributed.checkpoint (dcp.save(get_state_dict(model, optimizer)))"
             )
         known = first_name.get(id(value))
         if known is not None:
