@@ -1,14 +1,15 @@
 """Tensor-parallel checkpoints: saved without gathering, loaded at any other degree, with or without tensor
 parallelism, optimizer state included (the any-to-any matrix's tensor-parallel rows).
 
-One job of four processes holds every configuration at once: the plain model (every rank whole), torch DDP over all
-four (TP 1 x data 4), TP 2 (the two data halves hold the same model), TP 2 x DDP 2, TP 2 x shardkit FSDP 2 and
-TP 2 x OSS 2 (under DDP) over the data group, and TP 4. Each starts from a reference model's initial weights split
-for its degree, trains the reference's first Adam step and saves. Every configuration loads every checkpoint into a
-fresh model (half of them after a step of their own, so the optimizer state is read in place), must then hold the
-reference's weights and Adam state split for its degree, and trains on to match the reference's second step. The
-toy model has a vocabulary-parallel embedding (split along dimension 0), a row-parallel weight (dimension 1, the
-split that is not a flat span), a fused QKV split with stride 3, and replicated norms.
+One job of four processes holds every configuration at once: the plain model (every rank whole), torch DDP and
+shardkit FSDP over all four (TP 1 x data 4), TP 2 (the two data halves hold the same model), TP 2 x DDP 2, TP 2 x
+shardkit FSDP 2 and TP 2 x OSS 2 (under DDP) over the data group, and TP 4 (saved asynchronously). Each starts from
+a reference model's initial weights split for its degree, trains the reference's first Adam step and saves. Every
+configuration loads every checkpoint into a fresh model (half of them after a step of their own, so the optimizer
+state is read in place), must then hold the reference's weights and Adam state split for its degree, and trains on
+to match the reference's second step. The toy model has a vocabulary-parallel embedding (split along dimension 0), a
+row-parallel weight (dimension 1, the split that is not a flat span), a fused QKV split with stride 3, and
+replicated norms.
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ class Config(NamedTuple):
 CONFIGS = [
     Config("plain", 0),
     Config("ddp4", 0, "ddp"),
+    Config("fsdp4", 0, "fsdp"),
     Config("tp2", 2),
     Config("tp2xddp2", 2, "ddp"),
     Config("tp2xfsdp2", 2, "fsdp"),
@@ -194,7 +196,11 @@ def _matrix(rank: int, world_size: int, root: str) -> dict[str, Any]:
     for config in CONFIGS:  # each trains the reference's first step at its degree, and saves
         run = _build(config, states, seed=0, init=ref["init"])
         _step(run.model, run.optimizer, 0)
-        save_checkpoint(Path(root) / config.name, step=0, model=run.model, optimizer=run.optimizer)
+        # TP 4 saves asynchronously: its slabs (strided views for dimension 1) are staged in host memory first
+        asynchronous = config.name == "tp4"
+        save_checkpoint(
+            Path(root) / config.name, step=0, model=run.model, optimizer=run.optimizer, async_save=asynchronous
+        )
     results: dict[str, Any] = {}
     for i, source in enumerate(CONFIGS):
         for j, target in enumerate(CONFIGS):
