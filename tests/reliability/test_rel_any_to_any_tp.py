@@ -192,6 +192,7 @@ def _matrix(rank: int, world_size: int, root: str) -> dict[str, Any]:
     states = {d: tp.build_parallel_state(tp.ParallelLayout.for_world(world_size, tensor=d)) for d in (2, 4)}
     incomplete = _load_incomplete(states, str(Path(root) / "incomplete"))
     dtensor = _save_dtensor_model(states[2], str(Path(root) / "dtensor"))
+    not_dividing = _load_at_a_degree_that_does_not_divide(states, str(Path(root) / "vocab18"))
     ref = _reference()
     for config in CONFIGS:  # each trains the reference's first step at its degree, and saves
         run = _build(config, states, seed=0, init=ref["init"])
@@ -212,7 +213,7 @@ def _matrix(rank: int, world_size: int, root: str) -> dict[str, Any]:
             loaded = _mismatch(run, ref[0])
             _step(run.model, run.optimizer, 1)
             results[f"{source.name}->{target.name}"] = (loaded, _trained_gap(run, ref[1]), warm)
-    return {"matrix": results, "incomplete": incomplete, "dtensor": dtensor}
+    return {"matrix": results, "incomplete": incomplete, "dtensor": dtensor, "not_dividing": not_dividing}
 
 
 @pytest.fixture(scope="module")
@@ -281,6 +282,29 @@ SPECS = {
     "out.weight": tp.ShardSpec(1),
     "head.weight": tp.ShardSpec(0),
 }
+
+
+def _load_at_a_degree_that_does_not_divide(states: dict[int, tp.ParallelState], directory: str) -> str:
+    """A vocabulary of 18 saved at TP 2 (9 rows each), loaded at TP 4 into a model padded to 20 rows: the error."""
+    saved = nn.ModuleDict({"emb": tp.VocabParallelEmbedding(18, HIDDEN, mesh=states[2].tp_mesh)})
+    save_checkpoint(directory, step=0, model=saved)
+    target = nn.ModuleDict({"emb": tp.VocabParallelEmbedding(20, HIDDEN, mesh=states[4].tp_mesh)})
+    before = target.emb.weight.detach().clone()
+    try:
+        load_checkpoint(directory, model=target)
+    except CheckpointError as err:
+        return f"{torch.equal(before, target.emb.weight)}: {err}"
+    return "loaded"
+
+
+def test_a_tp_checkpoint_whose_sizes_do_not_split_at_the_new_degree_is_refused_naming_them(
+    matrix: dict[str, Any],
+) -> None:
+    for rank, results in enumerate(matrix["per_rank"]):
+        message = results["not_dividing"]
+        assert message.startswith("True: "), f"rank {rank}: {message}"
+        assert "'emb.weight'" in message and "size 18" in message and "4 tensor-parallel ranks" in message
+        assert "[1, 2, 3, 6, 9, 18]" in message
 
 
 def _save_dtensor_model(state: tp.ParallelState, directory: str) -> str:

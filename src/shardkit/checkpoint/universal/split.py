@@ -31,7 +31,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from shardkit.checkpoint.errors import CorruptCheckpointError
+from shardkit.checkpoint.errors import CorruptCheckpointError, IncompatibleCheckpointError
 from shardkit.checkpoint.files import write_json_atomic
 
 #: The file recording the tensor-parallel layout a checkpoint was saved with (informational: loading never needs it).
@@ -107,6 +107,26 @@ class Split:
             out.append((tuple(int(o) for o in box_offsets), tuple(int(s) for s in box_sizes), at - lo))
             at += length
         return out
+
+
+def check_stored_fits(fqn: str, stored_shape: Sequence[int], here_shape: Sequence[int], split: Split) -> None:
+    """Refuse a stored tensor that this rank's split cannot cut: the degree here does not divide the saved size.
+
+    Run before the generic shape check, so a checkpoint saved at a degree whose sizes do not divide the new one (a
+    vocabulary of 18 saved at 2 ranks, loaded at 4 into a model padded to 20) says so, naming the parameter, the
+    sizes and the degrees that would load it, rather than only that the shapes differ."""
+    if len(stored_shape) != len(here_shape) or split.dim >= len(stored_shape):
+        return
+    others_equal = all(a == b for d, (a, b) in enumerate(zip(stored_shape, here_shape)) if d != split.dim)
+    extent = int(stored_shape[split.dim])
+    if others_equal and extent != int(here_shape[split.dim]) and extent % (split.size * split.stride):
+        fitting = [d for d in range(1, extent + 1) if extent % (d * split.stride) == 0]
+        raise IncompatibleCheckpointError(
+            f"'{fqn}' is split along dimension {split.dim} across {split.size} tensor-parallel ranks here (full shape "
+            f"{tuple(here_shape)}), but the checkpoint holds it with size {extent} there (shape "
+            f"{tuple(stored_shape)}), which {split.size} ranks cannot split evenly. Load it at a tensor-parallel "
+            f"degree that divides {extent}: {fitting}, or pad it to the model's size first. Nothing was loaded."
+        )
 
 
 def tp_splits(module: nn.Module, clean_paths: Optional[dict[str, str]] = None) -> dict[str, Split]:
