@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from safetensors.torch import load_file
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel
@@ -28,6 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 from shardkit import tensor_parallel as tp
 from shardkit.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from shardkit.checkpoint.api import save_source
+from shardkit.checkpoint.tools.export import export_safetensors
 from shardkit.checkpoint.tools.inspect import format_report, inspect_checkpoint
 from shardkit.checkpoint.tools.write import StaticSource
 from shardkit.checkpoint.universal.source import Held, Span
@@ -222,7 +224,8 @@ def matrix(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     _save_incomplete(root / "incomplete")
     per_rank = run_distributed(_matrix, 4, str(root), timeout_s=240)
     reports = {c.name: inspect_checkpoint(root / c.name) for c in CONFIGS}
-    return {"per_rank": per_rank, "reports": reports}
+    [exported] = export_safetensors(root / "tp4", root / "tp4.safetensors")
+    return {"per_rank": per_rank, "reports": reports, "exported": load_file(str(exported))}
 
 
 @pytest.mark.parametrize("source", [c.name for c in CONFIGS])
@@ -234,6 +237,13 @@ def test_tp_checkpoint_loads_at_every_degree_and_training_continues(
         loaded, gap, warm = results["matrix"][f"{source}->{target}"]
         assert loaded is None, f"rank {rank} (warm={warm}): {loaded} differs right after loading"
         assert gap < 1e-5, f"rank {rank}: after one more step the weights differ from the reference by {gap}"
+
+
+def test_a_tp_checkpoint_exports_as_the_unsplit_model(matrix: dict[str, Any]) -> None:
+    want = _reference()[0]["model"]
+    assert set(matrix["exported"]) == set(want)
+    for name, value in want.items():
+        assert torch.allclose(matrix["exported"][name], value, rtol=1e-5, atol=1e-6), name
 
 
 def test_inspect_shows_the_tp_layout(matrix: dict[str, Any]) -> None:
