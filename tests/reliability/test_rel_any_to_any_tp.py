@@ -2,14 +2,14 @@
 parallelism, optimizer state included (the any-to-any matrix's tensor-parallel rows).
 
 One job of four processes holds every configuration at once: the plain model (every rank whole), torch DDP and
-shardkit FSDP over all four (TP 1 x data 4), TP 2 (the two data halves hold the same model), TP 2 x DDP 2, TP 2 x
-shardkit FSDP 2 and TP 2 x OSS 2 (under DDP) over the data group, and TP 4 (saved asynchronously). Each starts from
-a reference model's initial weights split for its degree, trains the reference's first Adam step and saves. Every
-configuration loads every checkpoint into a fresh model (half of them after a step of their own, so the optimizer
-state is read in place), must then hold the reference's weights and Adam state split for its degree, and trains on
-to match the reference's second step. The toy model has a vocabulary-parallel embedding (split along dimension 0), a
-row-parallel weight (dimension 1, the split that is not a flat span), a fused QKV split with stride 3, and
-replicated norms.
+shardkit FSDP (nested units) over all four (TP 1 x data 4), TP 2 (the two data halves hold the same model), TP 2 x
+DDP 2, TP 2 x shardkit FSDP 2 and TP 2 x OSS 2 (under DDP) over the data group, and TP 4 (saved asynchronously).
+Each starts from a reference model's initial weights split for its degree, trains the reference's first Adam step
+and saves. Every configuration loads every checkpoint into a fresh model (half of them after a step of their own, so
+the optimizer state is read in place), must then hold the reference's weights and Adam state split for its degree,
+and trains on to match the reference's second step. The toy model has a vocabulary-parallel embedding (split along
+dimension 0), a row-parallel weight (dimension 1, the split that is not a flat span), a fused QKV split with stride
+3, and replicated norms.
 """
 
 from __future__ import annotations
@@ -125,10 +125,8 @@ class Run(NamedTuple):
     inner: Toy
     optimizer: torch.optim.Optimizer
     state: Optional[tp.ParallelState]
-
-    @property
-    def specs(self) -> dict[str, tp.ShardSpec]:
-        return tp.tp_sharding(self.inner)
+    #: How the model's parameters are split (by the unwrapped model's names).
+    specs: dict[str, tp.ShardSpec]
 
     def split(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's part of the reference tensor ``full`` of parameter ``name``."""
@@ -147,14 +145,16 @@ def _build(config: Config, states: dict[int, tp.ParallelState], seed: int, init:
     torch.manual_seed(seed)
     state = states.get(config.degree)
     inner = Toy(None if state is None else state.tp_mesh)
-    run = Run(config, inner, inner, torch.optim.SGD([torch.zeros(1)]), state)
+    run = Run(config, inner, inner, torch.optim.SGD([torch.zeros(1)]), state, tp.tp_sharding(inner))
     if init is not None:
         inner.load_state_dict({k: run.split(k, v) for k, v in init.items()})
     group = None if state is None else state.group("data")
     model: nn.Module = inner
     if config.wrap in ("ddp", "oss"):
         model = DistributedDataParallel(inner, process_group=group)
-    elif config.wrap == "fsdp":
+    elif config.wrap == "fsdp":  # nested: the feed-forward pair and the QKV layer are units of their own
+        for unit in ("up", "down", "qkv"):
+            setattr(inner, unit, FullyShardedDataParallel(getattr(inner, unit), process_group=group))
         model = FullyShardedDataParallel(inner, process_group=group)
     if config.wrap == "oss":
         return run._replace(model=model, optimizer=OSS(model.parameters(), torch.optim.Adam, group=group, lr=LR))
