@@ -123,7 +123,7 @@ def check_stored_fits(fqn: str, stored_shape: Sequence[int], here_shape: Sequenc
         fitting = [d for d in range(1, extent + 1) if extent % (d * split.stride) == 0]
         raise IncompatibleCheckpointError(
             f"'{fqn}' is split along dimension {split.dim} across {split.size} tensor-parallel ranks here (full shape "
-            f"{tuple(here_shape)}), but the checkpoint holds it with size {extent} there (shape "
+            f"{tuple(here_shape)}), but the checkpoint holds it with size {extent} along that dimension (shape "
             f"{tuple(stored_shape)}), which {split.size} ranks cannot split evenly. Load it at a tensor-parallel "
             f"degree that divides {extent}: {fitting}, or pad it to the model's size first. Nothing was loaded."
         )
