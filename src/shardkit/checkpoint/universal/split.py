@@ -68,8 +68,8 @@ class Split:
             )
         extent = int(full_shape[self.dim])
         if extent % (self.size * self.stride):
-            fitting = [d for d in range(1, extent + 1) if extent % (d * self.stride) == 0]
             parts = f" x stride {self.stride}" if self.stride > 1 else ""
+            fitting = fitting_degrees(extent, self.stride)
             raise ValueError(
                 f"'{fqn}': dimension {self.dim} of size {extent} (shape {tuple(full_shape)}) does not split across "
                 f"{self.size} tensor-parallel ranks{parts}; degrees that divide it: {fitting}"
@@ -109,6 +109,11 @@ class Split:
         return out
 
 
+def fitting_degrees(extent: int, stride: int = 1) -> list[int]:
+    """The tensor-parallel degrees that split a dimension of ``extent`` into ``stride`` equal parts per rank."""
+    return [d for d in range(1, extent + 1) if extent % (d * stride) == 0]
+
+
 def check_stored_fits(fqn: str, stored_shape: Sequence[int], here_shape: Sequence[int], split: Split) -> None:
     """Refuse a stored tensor that this rank's split cannot cut: the degree here does not divide the saved size.
 
@@ -120,12 +125,12 @@ def check_stored_fits(fqn: str, stored_shape: Sequence[int], here_shape: Sequenc
     others_equal = all(a == b for d, (a, b) in enumerate(zip(stored_shape, here_shape)) if d != split.dim)
     extent = int(stored_shape[split.dim])
     if others_equal and extent != int(here_shape[split.dim]) and extent % (split.size * split.stride):
-        fitting = [d for d in range(1, extent + 1) if extent % (d * split.stride) == 0]
         raise IncompatibleCheckpointError(
             f"'{fqn}' is split along dimension {split.dim} across {split.size} tensor-parallel ranks here (full shape "
             f"{tuple(here_shape)}), but the checkpoint holds it with size {extent} along that dimension (shape "
             f"{tuple(stored_shape)}), which {split.size} ranks cannot split evenly. Load it at a tensor-parallel "
-            f"degree that divides {extent}: {fitting}, or pad it to the model's size first. Nothing was loaded."
+            f"degree that divides {extent}: {fitting_degrees(extent, split.stride)}, or pad it to the model's "
+            "size first. Nothing was loaded."
         )
 
 
