@@ -8,8 +8,11 @@ where it stopped.
 
 One layout for every strategy (:mod:`~.universal`): model and optimizer state as DCP shards keyed by the
 unwrapped model's names, each rank writing only what it holds, so any strategy loads any other's checkpoint at any
-world size without gathering on one rank. ``save_checkpoint(..., async_save=True)`` returns once this rank's share
-is staged in host memory (:func:`wait_for_checkpoint`). Checkpoints of the earlier layouts still load.
+world size without gathering on one rank. Tensor-parallel models (``shardkit.tensor_parallel`` layers, alone or
+under DDP, FSDP or OSS over the data-parallel group) save each rank's slice of a split parameter as chunks of the
+full tensor, so they load at another tensor-parallel degree or without tensor parallelism (:mod:`~.universal.split`).
+``save_checkpoint(..., async_save=True)`` returns once this rank's share is staged in host memory
+(:func:`wait_for_checkpoint`). Checkpoints of the earlier layouts still load.
 
 Guarantees:
 

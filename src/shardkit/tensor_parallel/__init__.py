@@ -80,7 +80,14 @@ from shardkit.tensor_parallel.shard_files import (
     shard_file_name,
     split_state_dict,
 )
-from shardkit.tensor_parallel.sharding import ShardSpec, TensorParallelModule, TPGroup, split_size, tp_sharding
+from shardkit.tensor_parallel.sharding import (
+    ShardSpec,
+    TensorParallelModule,
+    TPGroup,
+    split_size,
+    tp_sharding,
+    tp_split_groups,
+)
 from shardkit.tensor_parallel.state import (
     ParallelState,
     build_parallel_state,
@@ -140,6 +147,7 @@ __all__ = [
     "split_state_dict",
     "tp_group",
     "tp_sharding",
+    "tp_split_groups",
     "tp_state_dict",
     "vocab_parallel_cross_entropy",
 ]

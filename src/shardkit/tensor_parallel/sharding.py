@@ -133,10 +133,16 @@ def live_tp_modules() -> list[TensorParallelModule]:
 
 def tp_sharding(model: nn.Module) -> dict[str, ShardSpec]:
     """Every split parameter of ``model`` by its qualified name (``state_dict`` key) and how it is split."""
-    specs: dict[str, ShardSpec] = {}
+    return {name: spec for name, (spec, _) in tp_split_groups(model).items()}
+
+
+def tp_split_groups(model: nn.Module) -> dict[str, tuple[ShardSpec, TPGroup]]:
+    """As :func:`tp_sharding`, with the tensor-parallel group each parameter is split across (its rank and degree):
+    what a checkpoint needs to place this rank's slice in the full tensor without gathering it."""
+    groups: dict[str, tuple[ShardSpec, TPGroup]] = {}
     for prefix, module in model.named_modules():
         if isinstance(module, TensorParallelModule):
             for name, spec in module.tp_specs.items():
                 if getattr(module, name, None) is not None:
-                    specs[f"{prefix}.{name}" if prefix else name] = spec
-    return specs
+                    groups[f"{prefix}.{name}" if prefix else name] = (spec, module.tp)
+    return groups

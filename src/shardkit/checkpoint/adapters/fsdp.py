@@ -36,42 +36,58 @@ from torch import nn
 from shardkit.checkpoint._collectives import rank_and_size
 from shardkit.checkpoint.adapters.fsdp_legacy import FSDPAdapter
 from shardkit.checkpoint.universal.source import Held, Span, UniversalSource
+from shardkit.checkpoint.universal.split import Split, split_of, tp_degree, tp_splits
 from shardkit.distributed.groups import group_rank, group_size
-from shardkit.nn.fsdp.shard_layout import BufferLayout, ShardLayout, UnitLayout, layout, reshard
+from shardkit.nn.fsdp.shard_layout import BufferLayout, FlatPiece, ShardLayout, UnitLayout, layout, reshard
+from shardkit.nn.fsdp.unit_module import walk_modules
 
 
 def unit_replicas(
-    unit_name: str, shard_size: int, replica_rank: int, replica_count: int, world_size: int
+    unit_name: str, shard_size: int, replica_rank: int, replica_count: int, world_size: int, tp_size: int = 1
 ) -> tuple[int, int]:
     """``(replica_rank, replica_count)`` of a unit whose shard group has ``shard_size`` ranks, checked.
 
     The ranks holding the same shards are the unit's replica group (hybrid sharding: the same local rank on every
-    node; NO_SHARD: every rank); without one, the unit must shard over the whole job. Anything else (a unit over a
-    subgroup with no replicas, e.g. per-rank experts) may hold different values per group, which one checkpoint key
-    cannot: refused.
+    node; NO_SHARD: every rank); without one, the unit must shard over the whole job, or over the data-parallel
+    group of a model split across ``tp_size`` tensor-parallel ranks (each holds its own slabs). Anything else (a
+    unit over a subgroup with no replicas, e.g. per-rank experts) may hold different values per group, which one
+    checkpoint key cannot: refused.
 
     Example::
 
         >>> unit_replicas("blocks.0", 4, 1, 2, 8)   # hybrid: node 1's copy of 4-way shards, 2 nodes
         (1, 2)
     """
-    if shard_size * replica_count != world_size:
+    if shard_size * replica_count * tp_size != world_size:
+        across = f" x tensor-parallel degree {tp_size}" if tp_size > 1 else ""
         raise ValueError(
-            f"FSDP unit '{unit_name}' is sharded over {shard_size} ranks with {replica_count} replica(s), which is "
-            f"not the {world_size} ranks of this job: its groups may hold different values (e.g. per-rank experts), "
-            "which one checkpoint cannot store. Shard every unit over the whole job, or use "
-            "sharding_strategy=HYBRID_SHARD for replicas across nodes"
+            f"FSDP unit '{unit_name}' is sharded over {shard_size} ranks with {replica_count} replica(s){across}, "
+            f"which is not the {world_size} ranks of this job: its groups may hold different values (e.g. per-rank "
+            "experts), which one checkpoint cannot store. Shard every unit over the whole job"
+            + (" (with tensor parallelism: over the data-parallel group)" if tp_size > 1 else "")
+            + ", or use sharding_strategy=HYBRID_SHARD for replicas across nodes"
         )
     if not 0 <= replica_rank < replica_count:
         raise ValueError(f"FSDP unit '{unit_name}': replica rank {replica_rank} is outside 0..{replica_count - 1}")
     return replica_rank, replica_count
 
 
-def _replicas(unit: UnitLayout, world: int) -> tuple[int, int]:
+def _replicas(unit: UnitLayout, world: int, tp_size: int) -> tuple[int, int]:
     """This rank's index among the ranks holding the same shards of ``unit``, and their number."""
     replicas = unit.replica_group
     rank, count = (0, 1) if replicas is None else (group_rank(replicas), group_size(replicas))
-    return unit_replicas(unit.path or "<root>", unit.world_size, rank, count, world)
+    return unit_replicas(unit.path or "<root>", unit.world_size, rank, count, world, tp_size)
+
+
+def _tp_splits(model: nn.Module) -> dict[str, Split]:
+    """The tensor-parallel splits of the wrapped model's parameters, by the unwrapped model's names."""
+    return tp_splits(model, {real: clean for clean, real, _ in walk_modules(model)})
+
+
+def _span(piece: FlatPiece, splits: dict[str, Split]) -> Span:
+    """A flat shard's piece of one parameter; of its tensor-parallel slab where the parameter is split."""
+    shape, split = split_of(splits, piece.fqn, piece.shape)
+    return Span(piece.fqn, shape, piece.start, piece.stop, piece.local_offset, split)
 
 
 def _unique_buffers(view: ShardLayout) -> tuple[list[BufferLayout], dict[str, str]]:
@@ -105,11 +121,12 @@ class FSDPSource(UniversalSource):
         """Every unit's flat parameter shards with the ranges they hold, then every buffer whole."""
         view = layout(self.model).require_idle("save_checkpoint() or load_checkpoint()")
         _, world = rank_and_size()
+        splits = _tp_splits(self.model)
         out: list[Held] = []
         for unit in view.units:
-            replica_rank, replica_count = _replicas(unit, world)
+            replica_rank, replica_count = _replicas(unit, world, tp_degree(splits))
             for flat in unit.flats:
-                spans = tuple(Span(p.fqn, p.shape, p.start, p.stop, p.local_offset) for p in flat.pieces())
+                spans = tuple(_span(p, splits) for p in flat.pieces())
                 # A shard of padding only has no span, but stays listed: the optimizer steps it.
                 out.append(Held(flat.shard, spans, replica_rank, replica_count))
         for b in _unique_buffers(view)[0]:

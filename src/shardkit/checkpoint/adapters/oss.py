@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 from shardkit.checkpoint.adapters.full import FullStateAdapter
 from shardkit.checkpoint.adapters.registry import loaded_class
 from shardkit.checkpoint.universal.source import Held, UniversalSource
+from shardkit.checkpoint.universal.split import tp_splits
 from shardkit.checkpoint.universal.whole import whole_tensors
 from shardkit.distributed.groups import group_rank, group_size
 
@@ -72,6 +73,9 @@ class OSSSource(UniversalSource):
         rank, size = (
             (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
         )
+        if tp_splits(_unwrapped(model)) and hasattr(optimizer, "partition_parameters"):
+            # tensor-parallel slabs are the same only across OSS's data-parallel ranks, not the whole job
+            rank, size = _data_replicas(optimizer)
         self._held, self._aliases = whole_tensors(_unwrapped(model), rank, size)
 
     @staticmethod
@@ -125,6 +129,14 @@ class OSSSource(UniversalSource):
         state = {position[id(local[i])]: value for i, value in state_dict["state"].items()}
         # the engine built these tensors for this load alone: OSS adopts them rather than copying its whole state
         oss.load_state_dict({"state": state, "param_groups": global_groups}, copy_state=False)
+
+
+def _data_replicas(oss: Any) -> tuple[int, int]:
+    """This rank's index among the ranks OSS shards and replicates over, and their number."""
+    if oss.replica_group is None:
+        return group_rank(oss.group), group_size(oss.group)
+    replica_rank, replicas = group_rank(oss.replica_group), group_size(oss.replica_group)
+    return replica_rank * group_size(oss.group) + group_rank(oss.group), replicas * group_size(oss.group)
 
 
 def _unwrapped(model: nn.Module) -> nn.Module:

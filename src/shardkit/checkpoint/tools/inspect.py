@@ -15,12 +15,13 @@ from __future__ import annotations
 import json
 from collections import Counter
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 from shardkit.checkpoint.api import verify_checkpoint
 from shardkit.checkpoint.errors import CheckpointError, CorruptCheckpointError
 from shardkit.checkpoint.tools.store import MODEL, CheckpointView
 from shardkit.checkpoint.universal.layout import LAYOUT, SIDE_DIR
+from shardkit.checkpoint.universal.split import read_tp_layout
 from shardkit.memory.meter import format_bytes
 
 
@@ -32,7 +33,9 @@ def inspect_checkpoint(directory: Union[str, Path], verify: bool = True) -> dict
     its size and SHA-256 as recorded), ``tensors``
     (per tensor: ``key``, ``part``, ``shape``, ``dtype``, ``bytes``, ``chunks``, ``where``), ``totals`` (tensors
     and bytes per part, parameters in the model), ``optimizer_settings`` (universal layout: each distinct param-group
-    setting with its number of parameters) and ``verification`` (``ok`` and, if not, the ``error``).
+    setting with its number of parameters), ``tensor_parallel`` (universal layout saved with tensor parallelism: the
+    ``degree`` and, per split parameter, its full ``shape``, split ``dim``, ``size`` and ``stride``; else None) and
+    ``verification`` (``ok`` and, if not, the ``error``).
     """
     view = CheckpointView.open(directory)
     meta = view.meta
@@ -84,6 +87,7 @@ def inspect_checkpoint(directory: Union[str, Path], verify: bool = True) -> dict
             "by_part": {part: {"tensors": count[part], "bytes": by_part[part]} for part in sorted(count)},
         },
         "optimizer_settings": optimizer_settings(view.directory) if meta.layout == LAYOUT else [],
+        "tensor_parallel": read_tp_layout(view.directory) if meta.layout == LAYOUT else None,
         "verification": verification,
     }
 
@@ -121,6 +125,22 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def _tp_lines(layout: Optional[dict[str, Any]]) -> list[str]:
+    """The tensor-parallel layout the checkpoint was saved with, one line per split parameter."""
+    if not layout:
+        return []
+    params = layout["parameters"]
+    lines = [
+        f"tensor parallel: saved at degree {layout.get('degree')}, {len(params)} parameters split (stored whole-shaped"
+        ", one chunk per rank's slab: loads at any degree that divides them, or without tensor parallelism)"
+    ]
+    for fqn, p in params.items():
+        stride = f", stride {p['stride']}" if p.get("stride", 1) > 1 else ""
+        shape = "x".join(map(str, p.get("shape", [])))
+        lines.append(f"  {fqn} ({shape}): dimension {p['dim']} across {p['size']} ranks{stride}")
+    return lines
+
+
 def _size(nbytes: int) -> str:
     return format_bytes(nbytes)
 
@@ -151,6 +171,7 @@ def format_report(report: dict[str, Any]) -> str:
     lines.append(
         f"total: {totals['tensors']} tensors, {_size(totals['bytes'])}; {totals['parameters']:,} model elements"
     )
+    lines += _tp_lines(report.get("tensor_parallel"))
     for group in report["optimizer_settings"]:
         settings = ", ".join(f"{k}={v}" for k, v in sorted(group["settings"].items()))
         lines.append(f"optimizer settings of {group['parameters']} parameters: {settings}")

@@ -4,6 +4,7 @@ A strategy says what a rank holds (:mod:`.source`: :class:`~.source.Held` tensor
 :class:`~.source.Span` flat ranges of named full tensors); the engine does the rest, the same for every strategy:
 
 - :mod:`.placement`: the contract: keys, flat ranges as memory-contiguous boxes;
+- :mod:`.split`: a tensor-parallel rank's slab of a tensor (any split dimension, any stride) as boxes of the full one;
 - :mod:`.plans`: DCP save and load planners (one chunk per box; reads exactly the boxes a rank needs);
 - :mod:`.optim_state` and :mod:`.side`: optimizer state by parameter name, settings in JSON side files;
 - :mod:`.save`, :mod:`.load`: staging and writing; validating and reading in place;

@@ -8,6 +8,7 @@
         dcp/__<rank>_0.distcp         each rank's boxes of model/<fqn> and optim/<fqn>/<state name>
         optim_side/rank_<rank>.json   per parameter name: its group's settings and non-tensor optimizer state
         ranks/rank_<rank>.pt          RNG states and data position
+        tensor_parallel.json          saved with tensor parallelism: which parameters were split how (informational)
         common.pt                     scaler state and ``extra``
 """
 

@@ -36,6 +36,7 @@ from shardkit.checkpoint.universal.placement import MODEL_PREFIX, Placement, mod
 from shardkit.checkpoint.universal.plans import UniversalLoadPlanner, check_pieces, pieces_for
 from shardkit.checkpoint.universal.side import read_all
 from shardkit.checkpoint.universal.source import Held, UniversalSource
+from shardkit.checkpoint.universal.split import check_stored_fits
 from shardkit.checkpoint.validate import Shape
 
 
@@ -80,6 +81,9 @@ def check_model_keys(
     for h in held:
         for span in h.spans:
             expected[resolve(span.fqn)] = tuple(span.shape)
+            stored = metadata.state_dict_metadata.get(model_key(resolve(span.fqn)))
+            if span.split is not None and isinstance(stored, TensorStorageMetadata):
+                check_stored_fits(span.fqn, stored.size, span.shape, span.split)
     given: dict[str, Shape] = {}
     for key, entry in metadata.state_dict_metadata.items():
         name = key[len(MODEL_PREFIX) :]
@@ -110,7 +114,9 @@ def plan_load(
         for span in h.spans:
             key = model_key(resolve(span.fqn))
             placements.append(
-                Placement(key, span.shape, h.tensor.dtype, span.start, span.stop, h.tensor, span.local_offset)
+                Placement(
+                    key, span.shape, h.tensor.dtype, span.start, span.stop, h.tensor, span.local_offset, span.split
+                )
             )
             what[key] = f"parameter or buffer '{span.fqn}'"
     optimizer_plan: Optional[OptimizerLoadPlan] = None

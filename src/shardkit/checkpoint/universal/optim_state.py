@@ -44,6 +44,7 @@ def spanned_placements(key_of: Callable[[str], str], held: Held, local: torch.Te
                     span.start + hi,
                     local,
                     span.local_offset + lo,
+                    span.split,
                 )
             )
     return out
@@ -227,7 +228,9 @@ def _plan_param(
             for span, fqn in zip(holder.spans, fqns):
                 key = optim_key(fqn, name)
                 plan.placements.append(
-                    Placement(key, span.shape, buffer.dtype, span.start, span.stop, buffer, span.local_offset)
+                    Placement(
+                        key, span.shape, buffer.dtype, span.start, span.stop, buffer, span.local_offset, span.split
+                    )
                 )
                 plan.what[key] = f"optimizer state '{name}' of parameter '{span.fqn}'"
             state[name] = buffer.view(param.shape)

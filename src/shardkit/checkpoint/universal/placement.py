@@ -21,8 +21,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
+
+from shardkit.checkpoint.universal.split import Split, slab_numel
 
 MODEL_PREFIX = "model/"
 OPTIM_PREFIX = "optim/"
@@ -121,9 +124,11 @@ class Placement:
     stop: int
     local: torch.Tensor
     local_offset: int = 0
+    #: ``local`` is this rank's tensor-parallel slab of ``key`` and ``[start, stop)`` a range of it (:mod:`.split`).
+    split: Optional[Split] = None
 
     def __post_init__(self) -> None:
-        numel = math.prod(self.shape)
+        numel = slab_numel(self.shape, self.split)
         if not 0 <= self.start <= self.stop <= numel:
             raise ValueError(f"{self.key}: range [{self.start}, {self.stop}) is outside its {numel} elements")
         if self.local_offset < 0 or self.local_offset + self.stop - self.start > self.local.numel():
@@ -139,10 +144,18 @@ class Placement:
     def boxes(self) -> list[tuple[Box, torch.Tensor]]:
         """Each box of the range with the view of ``local`` holding it, shaped like the box."""
         flat = self.flat_local()
-        return [
-            (box, flat[box.flat_start - self.start : box.flat_start - self.start + box.numel].view(box.sizes))
-            for box in flat_boxes(self.shape, self.start, self.stop)
-        ]
+        split = self.split
+        held_shape = self.shape if split is None else split.local_shape(self.shape)
+        out = []
+        for box in flat_boxes(held_shape, self.start, self.stop):
+            view = flat[box.flat_start - self.start : box.flat_start - self.start + box.numel].view(box.sizes)
+            if split is None:
+                out.append((box, view))
+                continue
+            for offsets, sizes, at in split.full_boxes(self.shape, box.offsets, box.sizes):
+                # flat_start stays where the part begins in the slab (the full tensor has no flat run for it)
+                out.append((Box(offsets, sizes, box.flat_start), view.narrow(split.dim, at, sizes[split.dim])))
+        return out
 
 
 def replica_share(numel: int, replica_rank: int, replica_count: int) -> tuple[int, int]:

@@ -24,6 +24,7 @@ from shardkit.checkpoint.universal.placement import Placement, model_key
 from shardkit.checkpoint.universal.plans import Piece, UniversalSavePlanner, pieces_for
 from shardkit.checkpoint.universal.side import SideState
 from shardkit.checkpoint.universal.source import Held, UniversalSource
+from shardkit.checkpoint.universal.split import Split, write_tp_layout
 
 
 @dataclass
@@ -32,6 +33,8 @@ class Staged:
 
     pieces: list[Piece]
     side: Optional[SideState]
+    #: The tensor-parallel parameters this rank holds a slab of (:mod:`.split`), recorded for inspection.
+    splits: dict[str, tuple[torch.Size, Split]] = dataclasses.field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
@@ -77,7 +80,8 @@ def stage(source: UniversalSource, *, copy: bool) -> Staged:
         pieces = [dataclasses.replace(p, tensor=copies.copy(p.tensor)) for p in pieces]
         # The background writer reads these host tensors at once: every device-to-host copy must have landed.
         copies.wait()
-    return Staged(pieces, side)
+    splits = {span.fqn: (span.shape, span.split) for h in held for span in h.spans if span.split is not None}
+    return Staged(pieces, side, splits)
 
 
 class HostCopies:
@@ -118,7 +122,10 @@ def write_staged(directory: Path, staged: Staged, group: Optional[dist.ProcessGr
 
 
 def write_local(directory: Path, staged: Staged, rank: int) -> None:
-    """This rank's files besides the DCP store (its optimizer side file); creates the store's folder."""
+    """This rank's files besides the DCP store (its optimizer side file; rank 0: the tensor-parallel layout); creates
+    the store's folder."""
     (directory / DCP_DIR).mkdir(parents=True, exist_ok=True)
     if staged.side is not None:
         staged.side.write(directory, rank)
+    if rank == 0 and staged.splits:
+        write_tp_layout(directory, staged.splits)

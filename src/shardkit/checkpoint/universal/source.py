@@ -20,13 +20,14 @@ and on load (``held()`` is asked without ``before_save``, so it returns the live
 from __future__ import annotations
 
 import abc
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
+
+from shardkit.checkpoint.universal.split import Split, slab_numel
 
 if TYPE_CHECKING:
     from shardkit.checkpoint.metadata import CheckpointMeta
@@ -41,6 +42,7 @@ class Span:
 
         >>> Span("lin.weight", torch.Size([4, 3]), 0, 12)   # the whole tensor
         >>> Span("lin.weight", torch.Size([4, 3]), 6, 12, local_offset=2)  # rows 2-3, two elements into a flat shard
+        >>> Span("lin.weight", torch.Size([4, 6]), 0, 12, split=Split(1, 1, 2))  # columns 3-5 (tensor parallel)
     """
 
     fqn: str
@@ -48,10 +50,13 @@ class Span:
     start: int
     stop: int
     local_offset: int = 0
+    #: This rank's tensor-parallel slab of ``fqn`` (:mod:`.split`): ``start``/``stop`` then index the flattened slab,
+    #: not the full tensor; ``shape`` stays the full shape.
+    split: Optional[Split] = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", torch.Size(self.shape))
-        numel = math.prod(self.shape)
+        numel = slab_numel(self.shape, self.split)
         if not 0 <= self.start <= self.stop <= numel:
             raise ValueError(
                 f"span of {self.fqn!r}: range [{self.start}, {self.stop}) is outside its {numel} elements "
