@@ -56,6 +56,7 @@ PACKAGES: Tuple[ApiPackage, ...] = (
         pending=True,
     ),
     ApiPackage("shardkit.tensor_parallel", "Tensor parallelism: one layer split across processes."),
+    ApiPackage("shardkit.tensor_parallel.hf", "Tensor-parallel plans for Hugging Face model families."),
     ApiPackage("shardkit.lightning", "Lightning strategies."),
     ApiPackage("shardkit.checkpoint", "Training checkpoints any strategy loads at any world size."),
     ApiPackage("shardkit.distributed", "Process groups, topology, labelled collectives and the rank checks."),
