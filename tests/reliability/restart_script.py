@@ -8,15 +8,20 @@ round 1 ends at once): what the workers print before any process group. Each pri
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
 from datetime import timedelta
 
-import torch
-import torch.distributed as dist
+# Each worker's log records go to stdout marked with its rank, before shardkit is imported (it logs at import): the
+# test reads one worker's lines in that worker's order, whatever the two workers' lines interleave to.
+logging.basicConfig(stream=sys.stdout, level=logging.WARNING, format=f"rank {os.environ.get('RANK')}| %(message)s")
 
-import shardkit.restarts
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import shardkit.restarts  # noqa: E402
 
 
 def main(mode: str) -> None:

@@ -24,8 +24,13 @@ def test_a_restart_through_shardkits_init_works_without_the_variable() -> None:
 
 def test_a_restarted_worker_says_what_to_set_on_its_first_line() -> None:
     done = run_torchrun(SCRIPT, "report", torchrun_args=RESTART, env=UNSET)
-    lines = [line for line in done.stdout.splitlines() if line.startswith(("shardkit:", "round "))]
     for rank in (0, 1):
+        # this worker's own lines, in its order (the two workers' lines interleave in any order)
+        lines = [
+            line.removeprefix(f"rank {rank}| ")
+            for line in done.stdout.splitlines()
+            if line.startswith((f"rank {rank}| ", f"round 0 rank {rank}:", f"round 1 rank {rank}:"))
+        ]
         started = lines.index(f"round 1 rank {rank}: started")
         assert lines[started - 1].startswith("shardkit: this worker was restarted by torchrun (restart 1)"), lines
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in done.stdout

@@ -123,7 +123,7 @@ def share_from_output_stage(
         described = [_TensorMeta(x) if isinstance(x, torch.Tensor) else x for x in leaves]
         # The output stage checks its values can be sent, and sends a refusal in their place if not: every stage
         # then raises the same error, instead of the others reading "connection closed" when it fails alone.
-        payload = _sendable(spec, described) if group_rank(group) == output_stage else None
+        payload = _sendable(spec, described) if group_rank(group) == output_stage else (spec, described)
         payload = broadcast_object(payload, output_stage, group, label="smp_step_outputs")
         if isinstance(payload, _Unsendable):
             raise TypeError(payload.message)
