@@ -104,7 +104,7 @@ def _checked_name(f: Any) -> str:
 
 def _save_path(f: str, partial: bool) -> str:
     name = _checked_name(f)
-    return f"{name}_{smp_state.mp_rank() if smp_state.is_initialized() else 0}" if partial else name
+    return f"{name}_{smp_state.pp_rank() if smp_state.is_initialized() else 0}" if partial else name
 
 
 def save(
@@ -121,7 +121,7 @@ def save(
             smp.save({"model": model.local_state_dict()}, "ckpt.pt", partial=True)
     """
     path = _save_path(f, partial)
-    if not partial and smp_state.is_initialized() and smp_state.mp_rank() != 0:
+    if not partial and smp_state.is_initialized() and smp_state.pp_rank() != 0:
         return
     extra: dict[str, Any] = {"pickle_protocol": pickle_protocol, **kwargs}
     if pickle_module is not None:

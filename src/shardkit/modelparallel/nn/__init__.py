@@ -1,7 +1,8 @@
 """``smp.nn``: layers that SageMaker's smp ships in place of Apex's (same arguments, plain torch inside).
 
-The tensor-parallel ``smp.nn.Distributed*`` modules exist so scripts import, and refuse construction with a clear
-error (shardkit has no tensor parallelism yet; see :mod:`shardkit.modelparallel.tensor_parallel`).
+``DistributedLinear`` is smp's tensor-parallel ``nn.Linear`` (see :mod:`shardkit.modelparallel.tp.layers`); the
+other tensor-parallel ``smp.nn.Distributed*`` modules exist so scripts import, and refuse construction with a clear
+error (not built yet; see :mod:`shardkit.modelparallel.tensor_parallel`).
 ``smp.nn.huggingface.gpt2`` translates GPT-2 state dicts between Hugging Face's layout and smp's.
 
 Example::
@@ -14,8 +15,8 @@ Example::
 from shardkit.modelparallel.nn import huggingface
 from shardkit.modelparallel.nn.fused_layer_norm import FusedLayerNorm
 from shardkit.modelparallel.tensor_parallel import DISTRIBUTED_MODULES
+from shardkit.modelparallel.tp.layers import DistributedLinear, DistributedModule
 
-DistributedLinear = DISTRIBUTED_MODULES["DistributedLinear"]
 DistributedEmbedding = DISTRIBUTED_MODULES["DistributedEmbedding"]
 DistributedAttentionLayer = DISTRIBUTED_MODULES["DistributedAttentionLayer"]
 DistributedTransformer = DISTRIBUTED_MODULES["DistributedTransformer"]
@@ -27,6 +28,7 @@ __all__ = [
     "DistributedAttentionLayer",
     "DistributedEmbedding",
     "DistributedLinear",
+    "DistributedModule",
     "DistributedTransformer",
     "DistributedTransformerLMHead",
     "DistributedTransformerLayer",
