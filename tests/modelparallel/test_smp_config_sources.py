@@ -110,8 +110,8 @@ def test_no_effect_keys_are_accepted_and_recorded() -> None:
 
 
 def test_placement_permutations_and_precision_keys() -> None:
-    assert ModelParallelConfig.from_dict({"placement_strategy": "DPT"}).placement_strategy == "cluster"
-    assert ModelParallelConfig.from_dict({"placement_strategy": "TPD"}).placement_strategy == "spread"
+    assert ModelParallelConfig.from_dict({"placement_strategy": "dpt"}).placement_strategy == "DPT"
+    assert ModelParallelConfig.from_dict({"placement_strategy": "spread"}).placement_order == "TPD"
     assert ModelParallelConfig.from_dict({"fp16": "true"}).fp16
     with pytest.raises(ValueError, match="both fp16 and bf16"):
         ModelParallelConfig.from_dict({"fp16": True, "bf16": True})

@@ -44,7 +44,7 @@ def test_config_rules_are_checked_before_anything_is_built() -> None:
     smp.reset()
     with pytest.raises(ValueError, match="tensor_parallel_degree=2 needs 'ddp': True"):
         smp.init({"tensor_parallel_degree": 2})
-    with pytest.raises(ValueError, match="tensor_parallel_degree=2 needs 2 processes"):
+    with pytest.raises(ValueError, match="partitions=1 x tensor_parallel_degree=2 needs 2 processes"):
         smp.init({"tensor_parallel_degree": 2, "ddp": True})
     with pytest.raises(ValueError, match="placement_strategy"):
         smp.init({"placement_strategy": "DPP"})
@@ -139,7 +139,18 @@ def _distribute_and_train(rank: int, world_size: int) -> dict[str, Any]:
                 total = torch.tensor([float(rank)])
                 dist.all_reduce(total, group=smp.get_tp_process_group())
                 out["tp_sum"] = total.item()
+                try:
+                    smp.save_checkpoint("unused", tag="t")
+                except NotImplementedError as exc:
+                    out["checkpoint"] = str(exc)
             out[prescaled] = _train_against_torch(prescaled)
+        finally:
+            smp.reset()
+        smp.init(
+            {"tensor_parallel_degree": 2, "ddp": True, "placement_strategy": "spread", "prescaled_batch": prescaled}
+        )
+        try:
+            out["transformer", prescaled] = _train_transformer(prescaled)
         finally:
             smp.reset()
     return out
@@ -157,6 +168,125 @@ def _helpers() -> dict[str, Any]:
 
 def _net() -> nn.Sequential:
     return nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Tanh(), nn.Linear(16, 4))
+
+
+class ReferenceAttention(nn.Module):
+    """smp's reference AttentionLayer (its docs' appendix), with pre and post layer norms and a causal mask."""
+
+    def __init__(self, hidden: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.query, self.key, self.value, self.dense = (nn.Linear(hidden, hidden) for _ in range(4))
+        self.pre_layernorm, self.layernorm = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+
+    def forward(self, hidden_states: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        x = self.pre_layernorm(hidden_states)
+        n, length, width = x.shape
+        q, k, v = (lin(x).view(n, length, self.heads, -1).transpose(1, 2) for lin in (self.query, self.key, self.value))
+        scores = q @ k.transpose(-1, -2) / (width // self.heads) ** 0.5
+        scores = scores.masked_fill(torch.ones(length, length, dtype=torch.bool).triu(1), torch.finfo(scores.dtype).min)
+        context = (F.softmax(scores + mask, dim=-1) @ v).transpose(1, 2).reshape(n, length, width)
+        return self.layernorm(self.dense(context) + hidden_states)
+
+
+class ReferenceOutput(nn.Module):
+    """smp's reference TransformerOutputLayer, with pre and post layer norms and GELU."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.dense1, self.dense2 = nn.Linear(hidden, intermediate), nn.Linear(intermediate, hidden)
+        self.pre_layernorm, self.layernorm = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+
+    def forward(self, inp: torch.Tensor) -> torch.Tensor:
+        return self.layernorm(inp + self.dense2(F.gelu(self.dense1(self.pre_layernorm(inp)))))
+
+
+class TransformerNet(nn.Module):
+    """An input projection (nn.Linear, marked), two transformer layers (smp.nn's, or the reference's) and a head."""
+
+    def __init__(self, distributed: bool) -> None:
+        super().__init__()
+        with smp.tensor_parallelism(enabled=distributed):
+            self.embed = nn.Linear(8, 16)
+        self.layers: nn.Module
+        if distributed:
+            self.layers = smp.nn.DistributedTransformer(
+                num_layers=2, num_attention_heads=4, attention_head_size=4, hidden_size=16, intermediate_size=32,
+                attention_dropout_prob=0.0, hidden_dropout_prob=0.0, causal_mask_size=6, pre_layernorm=True,
+            )  # fmt: skip
+        else:
+            self.layers = nn.ModuleList(
+                m for _ in range(2) for m in (ReferenceAttention(16, 4), ReferenceOutput(16, 32))
+            )
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        if isinstance(self.layers, nn.ModuleList):
+            for attention, output in zip(self.layers[::2], self.layers[1::2]):
+                h = output(attention(h, mask))
+        else:
+            h, _ = self.layers((h, mask))
+        return self.head(h)
+
+
+#: The dimension each split parameter of TransformerNet is split along (the others are whole on every rank).
+_SPLIT_DIM = {"query": 0, "key": 0, "value": 0, "dense1": 0, "dense": 1, "dense2": 1, "embed": 1}
+
+
+def _full_state(net: nn.Module) -> dict[str, torch.Tensor]:
+    """TransformerNet's parameters gathered from the tensor-parallel ranks, under the reference's names."""
+    group, full = smp.get_tp_process_group(), {}
+    for name, p in net.named_parameters():
+        parts = name.split(".")
+        dim = _SPLIT_DIM.get(parts[-2], -1)
+        if (parts[-1] == "bias" and dim == 1) or dim == -1:
+            full[name] = p.detach()
+        else:
+            full[name] = gather_from_tp(p.detach(), group, dim=dim)
+    renamed = {}
+    for name, value in full.items():  # seq_layers.<i>.attention.x -> layers.<2i>.x, .output.x -> layers.<2i+1>.x
+        parts = name.split(".")
+        if parts[0] == "layers":
+            index = 2 * int(parts[2]) + (parts[3] == "output")
+            name = ".".join(["layers", str(index), *parts[4:]])
+        renamed[name] = value
+    return renamed
+
+
+def _train_transformer(prescaled: bool) -> dict[str, Any]:
+    torch.manual_seed(1)
+    reference = TransformerNet(distributed=False)
+    torch.manual_seed(1)
+    model = smp.DistributedModel(TransformerNet(distributed=True))
+    assert isinstance(model.module.embed, smp.nn.DistributedLinear)
+    optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.2))
+    plain = torch.optim.SGD(reference.parameters(), lr=0.2)
+    parts, index = (smp.rdp_size(), smp.rdp_rank()) if prescaled else (smp.dp_size(), smp.dp_rank())
+
+    @smp.step
+    def train(model: smp.DistributedModel, x: torch.Tensor, mask: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = F.mse_loss(model(x, mask), y)
+        model.backward(loss)
+        return loss
+
+    losses, theirs = [], []
+    for step in range(2):
+        gen = torch.Generator().manual_seed(10 + step)
+        x, y = torch.randn(8, 6, 8, generator=gen), torch.randn(8, 6, 4, generator=gen)
+        mask = torch.where(torch.rand(8, 1, 1, 6, generator=gen) < 0.2, -1e4, 0.0)
+        optimizer.zero_grad()
+        shard = [t.chunk(parts)[index] for t in (x, mask, y)]
+        losses.append(smp.allgather(train(model, *shard).reduce_mean().item(), smp.DP_GROUP))
+        optimizer.step()
+        plain.zero_grad()
+        ref_loss = F.mse_loss(reference(x, mask), y)
+        ref_loss.backward()
+        plain.step()
+        theirs.append(ref_loss.item())
+    mine = _full_state(model.module)
+    errors = {name: (mine[name] - p.detach()).abs().max().item() for name, p in reference.named_parameters()}
+    return {"losses": losses, "theirs": theirs, "errors": errors}
 
 
 def _train_against_torch(prescaled: bool) -> dict[str, Any]:
@@ -218,12 +348,17 @@ def test_tp2_x_rdp2_helpers_and_training_equal_plain_torch() -> None:
         assert helpers["get_rdp_group"] == helpers["RDP_GROUP"] == [tp * 2, tp * 2 + 1]
         assert helpers["get_dp_group"] == [0, 2, 1, 3] and helpers["get_mp_group"] == [rdp, rdp + 2]
         assert helpers["get_pp_group"] == [rank] and result["tp_sum"] == 2 * rdp + 2
+        assert "smp.save_checkpoint with tensor_parallel_degree=2" in result["checkpoint"]
         for prescaled in (False, True):
             run = result[prescaled]
             assert run["replaced"] == ["DistributedLinear", "LayerNorm", "Tanh", "DistributedLinear"], run
             for ranks_losses, theirs in zip(run["losses"], run["theirs"]):
                 assert abs(sum(ranks_losses) / len(ranks_losses) - theirs) < 1e-5, (prescaled, run)
             assert max(run["errors"].values()) < 1e-5, (prescaled, run["errors"])
+            run = result["transformer", prescaled]
+            for ranks_losses, theirs in zip(run["losses"], run["theirs"]):
+                assert abs(sum(ranks_losses) / len(ranks_losses) - theirs) < 1e-5, (prescaled, run)
+            assert max(run["errors"].values()) < 2e-5, (prescaled, run["errors"])
 
 
 def _refusals(rank: int, world_size: int) -> list[str]:

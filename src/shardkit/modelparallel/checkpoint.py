@@ -120,6 +120,8 @@ def save(
         if smp.dp_rank() == 0:
             smp.save({"model": model.local_state_dict()}, "ckpt.pt", partial=True)
     """
+    if partial:
+        smp_state.refuse_under_tensor_parallelism("smp.save(partial=True)")
     path = _save_path(f, partial)
     if not partial and smp_state.is_initialized() and smp_state.pp_rank() != 0:
         return
@@ -155,6 +157,8 @@ def load(
         model.load_state_dict(checkpoint["model"])
     """
     name = _checked_name(f)
+    if partial:
+        smp_state.refuse_under_tensor_parallelism("smp.load(partial=True)")
     if os.path.isdir(name):
         loaded = load_folder(name, partial, map_location)
         if loaded is not None:

@@ -46,10 +46,10 @@ def model_creation(
     if dtype is not None:
         torch.set_default_dtype(dtype)
     try:
-        with (
-            mark_tensor_parallel(tensor_parallelism, **tensor_parallel_config),
-            delay_param_initialization(enabled=config.delayed_parameter_initialization),
-        ):
+        with contextlib.ExitStack() as stack:
+            if tensor_parallelism:  # False leaves the marks of any enclosing smp.tensor_parallelism() in force
+                stack.enter_context(mark_tensor_parallel(True, **tensor_parallel_config))
+            stack.enter_context(delay_param_initialization(enabled=config.delayed_parameter_initialization))
             yield
     finally:
         torch.set_default_dtype(previous)

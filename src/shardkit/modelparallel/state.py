@@ -142,9 +142,12 @@ def init(config: ConfigLike = None) -> None:
     if not dist.is_initialized():
         model = cfg.partitions * cfg.tensor_parallel_degree
         if model != 1:
+            asked = f"partitions={cfg.partitions}" + (
+                f" x tensor_parallel_degree={cfg.tensor_parallel_degree}" if cfg.tensor_parallel_degree > 1 else ""
+            )
             raise ValueError(
-                f"partitions={cfg.partitions} x tensor_parallel_degree={cfg.tensor_parallel_degree} needs {model} "
-                f"processes: launch with torchrun --nproc-per-node {model} (or initialise torch.distributed first)"
+                f"{asked} needs {model} processes: launch with torchrun --nproc-per-node {model} (or initialise "
+                "torch.distributed first)"
             )
         dummy = DummyProcessGroup(0, 1)
         topo = Topology(1, 0, 1, cfg.placement_strategy)
@@ -337,6 +340,18 @@ def get_mp_process_group() -> GroupLike:
 def get_dp_process_group() -> GroupLike:
     """The process group of the processes holding the same partition (data-parallel peers)."""
     return current().dp_group
+
+
+def refuse_under_tensor_parallelism(who: str) -> None:
+    """Raise on every rank when ``who`` (a checkpoint call) runs with ``tensor_parallel_degree`` > 1: its files are
+    named per pipeline stage, so the tensor-parallel ranks' slices would overwrite each other or go unsaved."""
+    state = PROCESS.get()
+    if state is not None and state.topology.tp_size > 1:
+        raise NotImplementedError(
+            f"{who} with tensor_parallel_degree={state.topology.tp_size}: smp checkpoints of tensor-parallel models "
+            "are not built yet (each tensor-parallel rank holds a different slice); save with "
+            "shardkit.tensor_parallel.save_shard_files, or train with tensor_parallel_degree 1"
+        )
 
 
 def barrier() -> None:

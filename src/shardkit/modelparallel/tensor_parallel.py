@@ -2,8 +2,9 @@
 
 ``smp.tensor_parallelism()``, ``smp.set_tensor_parallelism()``, ``smp.tp_register`` and
 ``smp.tp_register_with_module`` live in :mod:`~.tp.registry`; ``smp.nn.DistributedLinear`` in :mod:`~.tp.layers`
-(over the core :mod:`shardkit.tensor_parallel`). The ``smp.nn`` transformer modules are not built yet: they are
-importable, and constructing one raises :class:`TensorParallelismNotSupported` before anything is changed.
+and the transformer blocks in :mod:`~.tp.transformer` (over the core :mod:`shardkit.tensor_parallel`).
+``DistributedEmbedding`` and ``DistributedTransformerLMHead`` are not built yet: they are importable, and
+constructing one raises :class:`TensorParallelismNotSupported` before anything is changed.
 """
 
 from __future__ import annotations
@@ -57,10 +58,6 @@ DISTRIBUTED_MODULES = {
     name: _distributed_module(name)
     for name in (
         "DistributedEmbedding",
-        "DistributedAttentionLayer",
-        "DistributedTransformer",
-        "DistributedTransformerLayer",
         "DistributedTransformerLMHead",
-        "DistributedTransformerOutputLayer",
     )
 }

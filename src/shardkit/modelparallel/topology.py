@@ -58,6 +58,11 @@ class Topology:
 
     def __post_init__(self) -> None:
         model = self.mp_size * self.tp_size
+        if self.world_size % model and self.tp_size == 1:
+            raise ValueError(
+                f"smp needs the world size ({self.world_size}) to be a multiple of partitions ({self.mp_size}): "
+                "launch partitions x replicas processes"
+            )
         if self.world_size % model:
             raise ValueError(
                 f"smp needs the world size ({self.world_size}) to be a multiple of pipeline_parallel_degree "

@@ -64,7 +64,9 @@ def _visit(module: nn.Module, prefix: str, inherited: Mark, uses: Counter[int], 
     for name, child in list(module.named_children()):
         path = prefix + name
         mark = mark_of(child) or inherited
-        if mark.enabled and not isinstance(child, DistributedModule):
+        if isinstance(child, DistributedModule):  # already distributed, with its own plain parts inside
+            continue
+        if mark.enabled:
             registration = registration_for(child)
             if registration is not None:
                 built, why = _build(child, registration, mark, uses)

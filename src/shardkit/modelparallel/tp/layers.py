@@ -46,7 +46,7 @@ def split_divisor(topology_rdp: int, tp_size: int, prescaled_batch: bool) -> int
     return topology_rdp if prescaled_batch else topology_rdp * tp_size
 
 
-def _tp_group(who: str) -> Optional[TPGroup]:
+def tp_group_of_job(who: str) -> Optional[TPGroup]:
     """The smp job's tensor-parallel group, or None at degree one (the module then runs as its reference)."""
     state = smp_state.current()
     if state.parallel_state is None:
@@ -93,7 +93,7 @@ class DistributedLinear(TensorParallelModule, DistributedModule):
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
         super().__init__()
         who = f"smp.nn.DistributedLinear(in_features={in_features}, out_features={out_features})"
-        group = _tp_group(who)
+        group = tp_group_of_job(who)
         size = group.size if group is not None else 1
         self.in_features, self.out_features = in_features, out_features
         self.prescaled_batch = smp_state.current().config.prescaled_batch

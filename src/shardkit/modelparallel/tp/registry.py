@@ -5,7 +5,8 @@ A registration pairs a module class with an ``smp.nn`` distributed module and sm
 the original constructor's arguments to the distributed module's, ``forward_hook`` its forward arguments, and
 ``return_hook`` the distributed module's output back to what the original returned. smp's contract hands
 ``init_hook`` the arguments the original was constructed with, which exist only inside its ``__init__``: so a
-registered class records them (once per class, on the instances it creates). ``nn.Linear`` is registered to
+registered class records them (once per class, on the instances it creates), with the context it was created in.
+``nn.Linear`` is registered to
 :class:`~shardkit.modelparallel.tp.layers.DistributedLinear` from the start, taking the original's weights.
 
 Marks say which modules to distribute. ``tensor_parallelism()`` marks every module created inside it (seen through
@@ -95,8 +96,11 @@ def _record_init_args(module_cls: type[nn.Module]) -> None:
 
     @functools.wraps(original)
     def __init__(self: nn.Module, *args: Any, **kwargs: Any) -> None:
+        mark = _CONTEXT.get()  # the context the instance is created in (its children's hooks see inner ones)
         original(self, *args, **kwargs)
         REGISTRY.init_args.setdefault(self, (args, kwargs))
+        if mark is not None and self not in REGISTRY.marks:
+            REGISTRY.marks[self] = mark
 
     __init__._smp_records_args = True  # type: ignore[attr-defined]
     module_cls.__init__ = __init__  # type: ignore[method-assign]
@@ -119,7 +123,7 @@ def _on_created(module: nn.Module, *_: Any) -> None:
 
 
 def _on_child(module: nn.Module, name: str, child: Optional[nn.Module]) -> None:
-    _on_created(module)
+    # Only the child: a parent assigning one child inside the context (smp's own example) is not marked itself.
     if child is not None:
         _on_created(child)
 
