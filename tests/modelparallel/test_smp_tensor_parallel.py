@@ -371,10 +371,64 @@ def _refusals(rank: int, world_size: int) -> list[str]:
             messages.append(str(exc))
         finally:
             smp.reset()
+    smp.init({"tensor_parallel_degree": 2, "ddp": True, "prescaled_batch": True})
+    try:
+        smp.nn.DistributedLinear(4, 4)(torch.full((2, 4), float(rank)))  # a batch per rank, where one is promised
+    except ValueError as exc:
+        messages.append(str(exc))
+    finally:
+        smp.reset()
     return messages
 
 
-def test_invalid_layouts_are_refused_on_every_rank() -> None:
-    for too_big, no_ddp in run_distributed(_refusals, 2):
+def test_invalid_layouts_and_inputs_are_refused_on_every_rank() -> None:
+    for too_big, no_ddp, different in run_distributed(_refusals, 2):
         assert "world size (2) to be a multiple of pipeline_parallel_degree (1) x tensor_parallel_degree (4)" in too_big
         assert "needs 'ddp': True" in no_ddp
+        assert "got different inputs" in different and "shard the data by smp.rdp_rank()" in different
+
+
+def _pipeline_and_tensor(rank: int, world_size: int) -> dict[str, Any]:
+    """TP 2 x pipeline 2 ("cluster" = "DPT"): two micro-batches through two stages of split layers."""
+    smp.init({"tensor_parallel_degree": 2, "partitions": 2, "microbatches": 2, "ddp": True})
+    try:
+        torch.manual_seed(0)
+        reference = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+        torch.manual_seed(0)
+        with smp.tensor_parallelism():
+            net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+        model = smp.DistributedModel(net)
+        optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.3))
+        plain = torch.optim.SGD(reference.parameters(), lr=0.3)
+
+        @smp.step
+        def train(model: smp.DistributedModel, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            loss = F.mse_loss(model(x), y)
+            model.backward(loss)
+            return loss
+
+        losses, theirs = [], []
+        for step in range(3):
+            gen = torch.Generator().manual_seed(step)
+            x, y = torch.randn(8, 8, generator=gen), torch.randn(8, 4, generator=gen)
+            optimizer.zero_grad()
+            shard = [t.chunk(smp.dp_size())[smp.dp_rank()] for t in (x, y)]
+            losses.append(smp.allgather(train(model, *shard).reduce_mean().item(), smp.DP_GROUP))
+            optimizer.step()
+            plain.zero_grad()
+            # smp's loss: the mean of the micro-batches' means, averaged over the data-parallel ranks
+            ref_loss = sum(F.mse_loss(reference(a), b) for a, b in zip(x.chunk(4), y.chunk(4))) / 4
+            ref_loss.backward()
+            plain.step()
+            theirs.append(ref_loss.item())
+        return {"pp_rank": smp.pp_rank(), "tp_rank": smp.tp_rank(), "losses": losses, "theirs": theirs}
+    finally:
+        smp.reset()
+
+
+def test_tp2_x_pipeline2_trains_equal_to_plain_torch() -> None:
+    results = run_distributed(_pipeline_and_tensor, 4)
+    assert [(r["pp_rank"], r["tp_rank"]) for r in results] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for result in results:
+        for ranks_losses, theirs in zip(result["losses"], result["theirs"]):
+            assert abs(sum(ranks_losses) / len(ranks_losses) - theirs) < 1e-5, result

@@ -26,6 +26,7 @@ from shardkit.tensor_parallel import (
     ShardSpec,
     TensorParallelModule,
     TPGroup,
+    check_same_input,
     copy_to_tp,
     gather_from_sequence,
     reduce_from_tp,
@@ -52,6 +53,21 @@ def tp_group_of_job(who: str) -> Optional[TPGroup]:
     if state.parallel_state is None:
         return None
     return TPGroup.of(state.parallel_state.tp_mesh, who)
+
+
+def check_prescaled_input(owner: nn.Module, columns: TPGroup, x: torch.Tensor) -> None:
+    """With ``prescaled_batch`` the ranks of a tensor-parallel group must hold the same batch: compared once, at
+    ``owner``'s first forward, on every rank of the group (a different one would train silently wrong)."""
+    if getattr(owner, "_smp_input_checked", False):
+        return
+    try:
+        check_same_input(x, columns, f"smp {type(owner).__name__}")
+    except ValueError as exc:
+        raise ValueError(
+            f"{exc} With smp's prescaled_batch: true, shard the data by smp.rdp_rank() / smp.rdp_size(); with "
+            "prescaled_batch: false, each tensor-parallel rank takes its own batch (smp.dp_rank() / smp.dp_size())."
+        ) from None
+    setattr(owner, "_smp_input_checked", True)  # noqa: B010 (nn.Module attributes are typed as tensors or modules)
 
 
 def split_into(columns: TPGroup, batch_dim: int, x: torch.Tensor, prescaled: bool) -> torch.Tensor:
@@ -125,6 +141,8 @@ class DistributedLinear(TensorParallelModule, DistributedModule):
         if is_tracing():  # rank 0 traces alone to partition: the right shapes and costs, no collectives
             local = input_.narrow(-1, self.tp.rank * self.local_in_features, self.local_in_features)
             return F.linear(local, self.weight, self.bias)
+        if self.prescaled_batch:
+            check_prescaled_input(self, self.tp, input_)
         x = split_into(self.tp, 0, input_, self.prescaled_batch)
         out = merge_from(self.tp, 0, F.linear(x, self.weight), self.prescaled_batch)
         if self.bias is None:

@@ -27,7 +27,7 @@ from torch import nn
 from torch.nn.utils import skip_init
 
 from shardkit.modelparallel import state as smp_state
-from shardkit.modelparallel.tp.layers import DistributedModule, tp_group_of_job
+from shardkit.modelparallel.tp.layers import DistributedModule, check_prescaled_input, tp_group_of_job
 from shardkit.modelparallel.trace import is_tracing
 from shardkit.tensor_parallel import (
     ShardSpec,
@@ -57,10 +57,11 @@ class _Region:
     def rank_and_size(self) -> tuple[int, int]:
         return (self._group.rank, self._group.size) if self._group is not None else (0, 1)
 
-    def enter(self, x: torch.Tensor) -> torch.Tensor:
+    def enter(self, x: torch.Tensor, owner: nn.Module) -> torch.Tensor:
         if self.group is None:
             return x
         if self.prescaled:
+            check_prescaled_input(owner, self.group, x)
             return copy_to_tp(x, self.group.group)
         return gather_from_sequence(x, self.group.group, 0)
 
@@ -169,7 +170,7 @@ class DistributedTransformerOutputLayer(_Block):
         self.fp32_residual_addition = fp32_residual_addition
 
     def forward(self, inp: torch.Tensor) -> torch.Tensor:
-        x = self.region.enter(self._pre(inp))
+        x = self.region.enter(self._pre(inp), self)
         hidden = F.linear(x, self.dense1.weight, self.dense1.bias)
         hidden = F.gelu(hidden) if self.activation == "gelu" else F.relu(hidden)
         out = self.region.leave(F.linear(hidden, self.dense2.weight))
@@ -224,7 +225,7 @@ class DistributedAttentionLayer(_Block):
 
     def forward(self, inp: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         hidden_states, attention_mask = inp
-        x = self.region.enter(self._pre(hidden_states))
+        x = self.region.enter(self._pre(hidden_states), self)
         q, k, v = (self._heads(F.linear(x, lin.weight, lin.bias)) for lin in (self.query, self.key, self.value))
         scores = q @ k.transpose(-1, -2) / math.sqrt(self.attention_head_size)
         if self.causal_mask_size is not None:
