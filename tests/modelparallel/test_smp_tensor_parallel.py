@@ -278,10 +278,13 @@ def _train_transformer(prescaled: bool) -> dict[str, Any]:
         optimizer.zero_grad()
         shard = [t.chunk(parts)[index] for t in (x, mask, y)]
         losses.append(smp.allgather(train(model, *shard).reduce_mean().item(), smp.DP_GROUP))
+        norm = optimizer.clip_master_grads(0.5).item()
         optimizer.step()
         plain.zero_grad()
         ref_loss = F.mse_loss(reference(x, mask), y)
         ref_loss.backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5).item()
+        assert abs(norm - ref_norm) < 1e-5 * max(1.0, ref_norm), (step, norm, ref_norm)
         plain.step()
         theirs.append(ref_loss.item())
     mine = _full_state(model.module)
@@ -314,13 +317,16 @@ def _train_against_torch(prescaled: bool) -> dict[str, Any]:
         x, y = torch.randn(16, 8, generator=gen), torch.randn(16, 4, generator=gen)
         optimizer.zero_grad()
         loss = train(model, x.chunk(parts)[index], y.chunk(parts)[index]).reduce_mean()
+        norms = [optimizer.clip_master_grads(0.5).item()]  # clips: the weights below check the clipping too
         optimizer.step()
         losses.append(smp.allgather(loss.item(), smp.DP_GROUP))
         plain.zero_grad()
         ref_loss = F.mse_loss(reference(x), y)
         ref_loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5).item())
         plain.step()
         theirs.append(ref_loss.item())
+        assert abs(norms[0] - norms[1]) < 1e-5 * max(1.0, norms[1]), (step, norms)
     group = smp.get_tp_process_group()
     full = {
         "0.weight": gather_from_tp(net[0].weight.detach(), group, dim=1),

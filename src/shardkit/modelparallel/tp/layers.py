@@ -38,7 +38,22 @@ from shardkit.tensor_parallel import (
 
 class DistributedModule(nn.Module):
     """Base of ``smp.nn``'s distributed modules (what ``smp.tp_register`` takes): their parameters are reduced
-    over the reduced-data-parallel group (see the module docstring)."""
+    over the reduced-data-parallel group (see the module docstring). :attr:`tp_sliced_names` names the parameters
+    (relative to the module) that hold a different slice on each tensor-parallel rank; the others are equal there.
+    """
+
+    tp_sliced_names: tuple[str, ...] = ()
+
+
+def sliced_parameter_ids(root: nn.Module) -> frozenset[int]:
+    """The parameters below ``root`` that hold a different slice on each tensor-parallel rank (a global norm sums
+    them over the group and counts the others once)."""
+    return frozenset(
+        id(m.get_parameter(name))
+        for m in root.modules()
+        if isinstance(m, DistributedModule)
+        for name in m.tp_sliced_names
+    )
 
 
 def split_divisor(topology_rdp: int, tp_size: int, prescaled_batch: bool) -> int:
@@ -115,6 +130,7 @@ class DistributedLinear(TensorParallelModule, DistributedModule):
         self.prescaled_batch = smp_state.current().config.prescaled_batch
         self.local_in_features = split_size(who, "in_features", in_features, size)
         self.tp_specs = {"weight": ShardSpec(1)} if group is not None else {}
+        self.tp_sliced_names = tuple(self.tp_specs)
         if group is not None:
             self.tp = group
         full = nn.Linear(in_features, out_features, bias=bias)  # torch's initialisation, from this random state

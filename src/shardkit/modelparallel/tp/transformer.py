@@ -54,6 +54,11 @@ class _Region:
         return None if is_tracing() else self._group
 
     @property
+    def sliced(self) -> bool:
+        """Whether the block's split parameters differ between ranks (degree above one)."""
+        return self._group is not None and self._group.size > 1
+
+    @property
     def rank_and_size(self) -> tuple[int, int]:
         return (self._group.rank, self._group.size) if self._group is not None else (0, 1)
 
@@ -165,6 +170,7 @@ class DistributedTransformerOutputLayer(_Block):
         std = initializer_range if use_normal_initialization else None
         self.dense1 = _split_linear(_reference_linear(hidden_size, intermediate_size, std), 0, self.region)
         self.dense2 = _split_linear(_reference_linear(intermediate_size, hidden_size, std), 1, self.region)
+        self.tp_sliced_names = ("dense1.weight", "dense1.bias", "dense2.weight") if self.region.sliced else ()
         self.dropout = nn.Dropout(hidden_dropout_prob)
         self.activation = activation
         self.fp32_residual_addition = fp32_residual_addition
@@ -216,6 +222,8 @@ class DistributedAttentionLayer(_Block):
         self.key = _split_linear(_reference_linear(hidden_size, width, std), 0, self.region)
         self.value = _split_linear(_reference_linear(hidden_size, width, std), 0, self.region)
         self.dense = _split_linear(_reference_linear(width, hidden_size, std), 1, self.region)
+        columns = tuple(f"{name}.{kind}" for name in ("query", "key", "value") for kind in ("weight", "bias"))
+        self.tp_sliced_names = (*columns, "dense.weight") if self.region.sliced else ()
         self.dropout1 = nn.Dropout(attention_dropout_prob)
         self.dropout2 = nn.Dropout(hidden_dropout_prob)
         self.causal_mask_size = causal_mask_size
