@@ -52,7 +52,11 @@ def distribute(root: nn.Module) -> Distribution:
         done.unsplit.append(("", "the model smp.DistributedModel wraps is never replaced itself; mark its parts"))
     elif mark.enabled and _holds_own_parameters(root):
         done.unsplit.append(("", f"no distributed version registered for {type(root).__name__}"))
-    _visit(root, "", mark, uses, done)
+    pending: list[tuple[nn.Module, str, nn.Module]] = []
+    _visit(root, "", mark, uses, done, pending)
+    # Every replacement is built before any is made, so an error leaves the model as it was.
+    for parent, name, built in pending:
+        setattr(parent, name, built)
     return done
 
 
@@ -60,7 +64,14 @@ def _holds_own_parameters(module: nn.Module) -> bool:
     return any(p is not None for p in module._parameters.values()) and not isinstance(module, DistributedModule)
 
 
-def _visit(module: nn.Module, prefix: str, inherited: Mark, uses: Counter[int], done: Distribution) -> None:
+def _visit(
+    module: nn.Module,
+    prefix: str,
+    inherited: Mark,
+    uses: Counter[int],
+    done: Distribution,
+    pending: list[tuple[nn.Module, str, nn.Module]],
+) -> None:
     for name, child in list(module.named_children()):
         path = prefix + name
         mark = mark_of(child) or inherited
@@ -71,13 +82,13 @@ def _visit(module: nn.Module, prefix: str, inherited: Mark, uses: Counter[int], 
             if registration is not None:
                 built, why = _build(child, registration, mark, uses)
                 if built is not None:
-                    setattr(module, name, built)
+                    pending.append((module, name, built))
                     done.replaced.append(path)
                     continue
                 done.unsplit.append((path, why))
             elif _holds_own_parameters(child):
                 done.unsplit.append((path, f"no distributed version registered for {type(child).__name__}"))
-        _visit(child, path + ".", mark, uses, done)
+        _visit(child, path + ".", mark, uses, done, pending)
 
 
 def _build(
