@@ -79,11 +79,10 @@ def test_malformed_sagemaker_variable_names_it(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_unsupported_and_unknown_keys_in_one_error() -> None:
-    values = {"tensor_parallel_degree": 2, "sharded_data_parallel_degree": 4, "micro_batches": 4, "horovod": True}
+    values = {"sharded_data_parallel_degree": 4, "micro_batches": 4, "horovod": True}
     with pytest.raises(ValueError) as info:
         ModelParallelConfig.from_dict(values)
     message = str(info.value)
-    assert "tensor_parallel_degree=2: tensor parallelism is not supported yet" in message
     assert "sharded_data_parallel_degree=4: smp's sharded data parallelism is not supported yet" in message
     assert "'micro_batches': not an smp config key" in message
     assert "horovod=True" in message
@@ -94,10 +93,10 @@ def test_unsupported_and_unknown_keys_in_one_error() -> None:
 
 def test_no_effect_keys_are_accepted_and_recorded() -> None:
     values = {"skip_tracing": "true", "offload_activations": True, "activation_loading_horizon": 4}
-    values |= {"prescaled_batch": False, "static_mode": True, "fast_mode": True, "active_microbatches": "3"}
+    values |= {"static_mode": True, "fast_mode": True, "active_microbatches": "3"}
     cfg = ModelParallelConfig.from_dict(values)
     assert dict(cfg.accepted) == {
-        "skip_tracing": True, "offload_activations": True, "activation_loading_horizon": 4, "prescaled_batch": False,
+        "skip_tracing": True, "offload_activations": True, "activation_loading_horizon": 4,
         "static_mode": True, "fast_mode": True, "active_microbatches": 3,
     }  # fmt: skip
     assert set(values) <= set(NO_EFFECT)
@@ -111,8 +110,8 @@ def test_no_effect_keys_are_accepted_and_recorded() -> None:
 
 
 def test_placement_permutations_and_precision_keys() -> None:
-    assert ModelParallelConfig.from_dict({"placement_strategy": "DPT"}).placement_strategy == "cluster"
-    assert ModelParallelConfig.from_dict({"placement_strategy": "TPD"}).placement_strategy == "spread"
+    assert ModelParallelConfig.from_dict({"placement_strategy": "dpt"}).placement_strategy == "DPT"
+    assert ModelParallelConfig.from_dict({"placement_strategy": "spread"}).placement_order == "TPD"
     assert ModelParallelConfig.from_dict({"fp16": "true"}).fp16
     with pytest.raises(ValueError, match="both fp16 and bf16"):
         ModelParallelConfig.from_dict({"fp16": True, "bf16": True})

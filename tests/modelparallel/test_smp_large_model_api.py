@@ -16,7 +16,7 @@ from torch import nn
 
 import shardkit.modelparallel as smp
 from shardkit.modelparallel.partition import manual_assignment
-from shardkit.modelparallel.tensor_parallel import TensorParallelismNotSupported
+from shardkit.modelparallel.tp.registry import Mark, mark_of
 from shardkit.modelparallel.user_content import decode, encode
 from shardkit.testing import run_distributed
 
@@ -50,7 +50,7 @@ def test_the_scripts_config_is_accepted(delayed: bool) -> None:
         assert layer.weight.is_meta == delayed
 
 
-@pytest.mark.parametrize("key", ["tensor_parallel_degree", "sharded_data_parallel_degree"])
+@pytest.mark.parametrize("key", ["sharded_data_parallel_degree"])
 def test_degrees_above_one_are_refused_as_not_built_yet(key: str) -> None:
     smp.reset()
     with pytest.raises(ValueError, match=f"{key}=2: .*not built in shardkit yet: issue 34"):
@@ -58,14 +58,15 @@ def test_degrees_above_one_are_refused_as_not_built_yet(key: str) -> None:
     assert not smp.is_initialized()
 
 
-def test_model_creation_applies_the_dtype_and_refuses_tensor_parallelism() -> None:
+def test_model_creation_applies_the_dtype_and_marks_for_tensor_parallelism() -> None:
     with _smp({"delayed_parameter_initialization": False}):
         before = torch.get_default_dtype()
         with smp.model_creation(tensor_parallelism=False, dtype=torch.bfloat16, distribute_embedding=False):
             layer = nn.Linear(2, 2)
         assert layer.weight.dtype == torch.bfloat16 and torch.get_default_dtype() == before
-        with pytest.raises(TensorParallelismNotSupported, match="model_creation"), smp.model_creation(True):
-            nn.Linear(2, 2)
+        with smp.model_creation(True, distribute_embedding=True):
+            marked = nn.Linear(2, 2)
+        assert mark_of(marked) == Mark(True, {"distribute_embedding": True}) and mark_of(layer) is None
         with pytest.raises(TypeError, match="floating-point"), smp.model_creation(dtype=torch.int64):
             pass
 
@@ -174,7 +175,7 @@ def _init_with_degree(rank: int, world_size: int, key: str) -> str:
     return "accepted"
 
 
-@pytest.mark.parametrize("key", ["tensor_parallel_degree", "sharded_data_parallel_degree"])
+@pytest.mark.parametrize("key", ["sharded_data_parallel_degree"])
 def test_degrees_above_one_are_refused_on_every_rank(key: str) -> None:
     for message in run_distributed(_init_with_degree, 2, key):
         assert f"{key}=2: " in message and "not built in shardkit yet" in message, message

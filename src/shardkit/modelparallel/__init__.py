@@ -37,8 +37,8 @@ in plain torch.
 smp's common API beyond the seed: :mod:`~.config_sources` (where ``smp.init()`` finds its config, smp v1's keys),
 :mod:`~.groups` (``CommGroup``, ``RankType``, the tp/rdp/pp helpers), :mod:`~.comm` (``allgather``,
 ``broadcast``, ``send``, ``recv_from``, ``barrier``), :mod:`~.sharded_state` (``shard_optimizer_state``) and
-:mod:`~.tensor_parallel` (smp's tensor-parallel names, which refuse); ``__version__`` is the smp release whose API
-this follows.
+:mod:`~.tensor_parallel` and :mod:`~.tp` (smp's tensor parallelism over the core); ``__version__`` is the smp
+release whose API this follows.
 
 Script-facing calls of smp v1.10: :mod:`~.step_outputs` (what a step returns: every micro-batch's value, the output
 stage's on every rank), :mod:`~.checkpoint_folders` (``save_checkpoint``, ``resume_from_checkpoint``) over

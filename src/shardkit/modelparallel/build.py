@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardkit.distributed import all_gather_objects, broadcast_object
+from shardkit.distributed import GroupLike, all_gather_objects, broadcast_object
 from shardkit.distributed.device import current_cuda_device
 from shardkit.distributed.model_check import check_same_model
 from shardkit.modelparallel.activation_checkpointing import plan_checkpointing
@@ -32,6 +32,7 @@ from shardkit.modelparallel.runtime import StageRuntime
 from shardkit.modelparallel.stage_groups import copy_groups
 from shardkit.modelparallel.startup import broadcast_initial_state, check_same_inputs
 from shardkit.modelparallel.state import SMPState
+from shardkit.modelparallel.tp.distribute import split_parameter_ids, split_reduction
 from shardkit.modelparallel.virtual_stages import VirtualStageExecution, check_chunks, chunked_runtime
 
 
@@ -59,7 +60,7 @@ def decide_plan(
         check_same_inputs((args, kwargs), state.mp_group)
         _check_same_delay(delayed, state)
         if not delayed:  # a delayed model is created from the same seeds on every rank instead
-            broadcast_initial_state(module, state.world_group, device)
+            broadcast_initial_state(module, state.world_group, device, split_by_tp(module, state))
     else:
         check_delayable(module)
     if delayed:
@@ -98,6 +99,14 @@ def decide_plan(
     if error is not None:
         raise RuntimeError(f"smp could not partition the model (error on rank 0): {error}")
     return plan, placement
+
+
+def split_by_tp(module: nn.Module, state: SMPState) -> Optional[tuple[frozenset[int], GroupLike]]:
+    """The split parameters and the group whose first member they start from (this process's reduced-data-parallel
+    group: each tensor-parallel rank keeps its own slice), None without tensor parallelism."""
+    if state.topology.tp_size == 1:
+        return None
+    return split_parameter_ids(module), state.rdp_group
 
 
 def _check_same_delay(delayed: bool, state: SMPState) -> None:
@@ -170,6 +179,7 @@ def build_stage(
         options.backward_passes_per_step,
         device,
         options.gradient_as_bucket_view,
+        split_reduction(holding.module, state),
     )
     make = VirtualStageExecution if state.config.chunks > topo.mp_size else StageExecution
     return make(

@@ -73,6 +73,7 @@ def save_checkpoint(
         smp.save_checkpoint("/opt/ml/checkpoints", tag=f"step{step}", model=model, optimizer=optimizer,
                             user_content={"step": step}, num_kept_partial_checkpoints=2)
     """
+    smp_state.refuse_under_tensor_parallelism("smp.save_checkpoint")
     if not isinstance(tag, str) or not tag or os.sep in tag:
         raise ValueError(f"smp.save_checkpoint: tag must be a non-empty file name, got {tag!r}")
     if num_kept_partial_checkpoints is not None and num_kept_partial_checkpoints < 1:
@@ -149,6 +150,7 @@ def resume_from_checkpoint(
         user_content = smp.resume_from_checkpoint("/opt/ml/checkpoints")
         start_step = user_content["step"]
     """
+    smp_state.refuse_under_tensor_parallelism("smp.resume_from_checkpoint")
     state = smp_state.current()
     model, optimizer = state.model, state.optimizer if load_optimizer else None
     if model is None:

@@ -6,14 +6,22 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Optional, Union
 
-from shardkit.modelparallel.config_sources import CONFIG_ENV_VAR, SAGEMAKER_ENV_VAR, read_config, translate
+from shardkit.modelparallel.config_sources import (
+    CONFIG_ENV_VAR,
+    PERMUTATIONS,
+    SAGEMAKER_ENV_VAR,
+    read_config,
+    translate,
+)
 from shardkit.modelparallel.virtual_schedules import V_PIPELINES, check_virtual_config
 
 __all__ = ["CONFIG_ENV_VAR", "SAGEMAKER_ENV_VAR", "ModelOptions", "ModelParallelConfig", "resolve_config"]
 
 PIPELINES = ("interleaved", "simple", "zero_bubble", "zero_bubble_h2", "zbv", "dualpipev")
 OPTIMIZE = ("speed", "memory")
-PLACEMENTS = ("cluster", "spread")
+PLACEMENTS = ("cluster", "spread", *PERMUTATIONS)
+#: The rank order each placement names, slowest first: D (reduced data), P (pipeline), T (tensor).
+PLACEMENT_ORDER = {"cluster": "DPT", "spread": "TPD", **{p: p for p in PERMUTATIONS}}
 
 
 @dataclass(frozen=True)
@@ -53,7 +61,9 @@ class ModelParallelConfig:
     memory_weight: Optional[float] = None
     #: Data parallelism across model replicas (required when the world is larger than ``partitions``).
     ddp: bool = False
-    #: ``"cluster"``: one replica's stages on neighbouring ranks; ``"spread"``: as far apart as possible.
+    #: ``"cluster"`` (= ``"DPT"``): one replica's stages (and tensor-parallel ranks) on neighbouring ranks;
+    #: ``"spread"`` (= ``"TPD"``): as far apart as possible; or any permutation of D (reduced data parallelism),
+    #: P (pipeline) and T (tensor), slowest first: the right-most letter varies fastest over the global ranks.
     placement_strategy: str = "cluster"
     #: smp trains an FP16 copy of the model with FP32 master weights. shardkit keeps parameters in the dtype the
     #: model was built in (mixed precision comes from ``torch.autocast`` in the step and ``smp.amp.GradScaler``);
@@ -71,6 +81,13 @@ class ModelParallelConfig:
     #: smp v1.6+: ``smp.model_creation()`` builds the model inside ``smp.delay_param_initialization()`` (meta
     #: tensors; each stage creates its share after the partition). Only ``model_creation`` reads it, as in smp.
     delayed_parameter_initialization: bool = False
+    #: The number of processes each ``smp.nn`` distributed module (and each module made distributed by
+    #: ``smp.tensor_parallelism()``) is split over; the model-parallel group is pipeline x tensor. Needs ``ddp``.
+    tensor_parallel_degree: int = 1
+    #: Under tensor parallelism: True when the ranks of one tensor-parallel group get the same batch (shard the data
+    #: by ``rdp_rank``); False (smp's default) when each gets its own (shard by ``dp_rank``), and the distributed
+    #: modules then run on the batches of the whole group, each rank keeping its slice of the features.
+    prescaled_batch: bool = False
     #: smp v1 keys given that have no effect here, as (key, value) pairs (see ``config_sources.NO_EFFECT``).
     accepted: tuple[tuple[str, Any], ...] = ()
 
@@ -79,6 +96,7 @@ class ModelParallelConfig:
         _check_int("microbatches", self.microbatches, 1)
         _check_int("default_partition", self.default_partition, 0)
         _check_int("virtual_stages", self.virtual_stages, 1)
+        _check_int("tensor_parallel_degree", self.tensor_parallel_degree, 1)
         _check_choice("pipeline", self.pipeline, PIPELINES)
         _check_choice("optimize", self.optimize, OPTIMIZE)
         _check_choice("placement_strategy", self.placement_strategy, PLACEMENTS)
@@ -89,6 +107,7 @@ class ModelParallelConfig:
             "bf16",
             "shard_optimizer_state",
             "delayed_parameter_initialization",
+            "prescaled_batch",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"smp config {name!r} must be True or False, got {getattr(self, name)!r}")
@@ -104,11 +123,21 @@ class ModelParallelConfig:
             raise ValueError(f"smp config memory_weight must be a number in [0, 1], got {self.memory_weight!r}")
         if self.fp16 and self.bf16:
             raise ValueError("smp config has both fp16 and bf16 set to true; choose one")
+        if self.tensor_parallel_degree > 1 and not self.ddp:
+            raise ValueError(
+                f"smp config tensor_parallel_degree={self.tensor_parallel_degree} needs 'ddp': True (smp's rule: the "
+                "tensor-parallel ranks are data-parallel ranks too); add it to the config"
+            )
 
     @property
     def chunks(self) -> int:
         """The number of pieces the model is cut into: ``partitions * virtual_stages``."""
         return self.partitions * (2 if self.pipeline in V_PIPELINES else self.virtual_stages)
+
+    @property
+    def placement_order(self) -> str:
+        """``placement_strategy`` as a permutation of ``"DPT"`` (slowest first)."""
+        return PLACEMENT_ORDER[self.placement_strategy]
 
     @property
     def effective_memory_weight(self) -> float:

@@ -44,11 +44,12 @@ CORE_KINDS: dict[str, type] = {
     "shard_optimizer_state": bool,
     "virtual_stages": int,  # a shardkit addition (see ModelParallelConfig)
     "delayed_parameter_initialization": bool,
+    "tensor_parallel_degree": int,
+    "prescaled_batch": bool,
 }
 
 #: smp v1 keys accepted with no effect: their type, and why nothing changes here.
 NO_EFFECT: dict[str, tuple[type, str]] = {
-    "prescaled_batch": (bool, "only changes smp.nn.DistributedTransformerLMHead under tensor parallelism"),
     "offload_activations": (bool, "memory only: activations stay on the device (results are the same)"),
     "activation_loading_horizon": (int, "tunes offload_activations, which has no effect"),
     "skip_tracing": (bool, "rank 0 always traces once to partition; results are the same"),
@@ -69,11 +70,6 @@ NO_EFFECT: dict[str, tuple[type, str]] = {
 
 #: smp v1 keys whose feature shardkit lacks: the neutral value (accepted), and what to do instead.
 UNSUPPORTED: dict[str, tuple[Any, str]] = {
-    "tensor_parallel_degree": (
-        1,
-        "tensor parallelism is not supported yet (not built in shardkit yet: issue 34); 1 is accepted, train with "
-        "pipeline and data parallelism",
-    ),
     "sharded_data_parallel_degree": (
         1,
         "smp's sharded data parallelism is not supported yet (not built in shardkit yet: issue 34); 1 is accepted, "
@@ -84,8 +80,8 @@ UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "partition_file": (None, "loading a saved partition decision is not supported; the partition is recomputed"),
 }
 
-#: ``placement_strategy`` may be a permutation of D (data), P (pipeline), T (tensor); T has size one here.
-_PERMUTATIONS = ("DPT", "DTP", "TDP", "PDT", "PTD", "TPD")
+#: ``placement_strategy`` may be a permutation of D (reduced data), P (pipeline), T (tensor), slowest first.
+PERMUTATIONS = ("DPT", "DTP", "TDP", "PDT", "PTD", "TPD")
 
 
 def read_config(config: Optional[Mapping[str, Any]]) -> tuple[dict[str, Any], str]:
@@ -166,11 +162,9 @@ def translate(values: Mapping[str, Any], source: str) -> tuple[dict[str, Any], d
 
 
 def _placement(value: Any) -> Any:
-    """``"DPT"``-style permutations as ``"cluster"``/``"spread"``: without tensor parallelism only the order of D
-    and P matters (D before P keeps a replica's stages on neighbouring ranks)."""
-    if isinstance(value, str) and value.upper() in _PERMUTATIONS:
-        order = value.upper()
-        return "cluster" if order.index("D") < order.index("P") else "spread"
+    """``"DPT"``-style permutations in upper case (smp accepts any case); other values unchanged (checked later)."""
+    if isinstance(value, str) and value.upper() in PERMUTATIONS:
+        return value.upper()
     return value
 
 

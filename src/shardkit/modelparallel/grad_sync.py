@@ -6,6 +6,10 @@
 - Copies: a parameter held by several stages (tied weights, parameters used by code that runs on every stage)
   gets gradient contributions on each; they are summed over its holders so every copy takes the same step.
 
+- Tensor parallelism: a parameter split across the tensor-parallel ranks (``smp.nn``'s distributed modules) is
+  averaged over the reduced-data-parallel group instead (:class:`SplitReduction`), since its gradient already
+  covers the batches of its tensor-parallel group.
+
 Both run only every ``backward_passes_per_step`` steps, so gradients can accumulate locally in between.
 
 With ``gradient_as_bucket_view`` (torch DDP's option of that name) each data-parallel bucket is one flat tensor
@@ -18,6 +22,7 @@ and replaced by it.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -53,9 +58,21 @@ def _write_back(params: Sequence[nn.Parameter], flat: torch.Tensor, scale: float
             p.grad.copy_(chunk)
 
 
+@dataclass(frozen=True)
+class SplitReduction:
+    """Where the gradients of tensor-parallel split parameters are averaged: over ``group`` (reduced data
+    parallel), divided by ``divisor`` (the batches their gradient covers in all)."""
+
+    group: GroupLike
+    divisor: int
+    param_ids: frozenset[int]
+
+
 class _Bucket:
-    def __init__(self, params: list[nn.Parameter], as_view: bool) -> None:
+    def __init__(self, params: list[nn.Parameter], as_view: bool, group: GroupLike, divisor: int) -> None:
         self.params = params
+        self.group = group
+        self.divisor = divisor
         self.ready = 0
         self.flat: Optional[torch.Tensor] = None
         self.handle: Optional[C.Handle] = None
@@ -109,6 +126,7 @@ class GradientSync:
         backward_passes_per_step: int,
         device: torch.device,
         gradient_as_bucket_view: bool = False,
+        split: Optional[SplitReduction] = None,
     ) -> None:
         self.dp_group = dp_group
         self.device = device
@@ -124,22 +142,30 @@ class GradientSync:
         self.as_view = gradient_as_bucket_view and dp_size > 1
         trainable = [p for p in local_params if p.requires_grad]
         cap = max(1, int(bucket_cap_mb * 2**20))
-        # Reverse registration order approximates the order backward produces gradients (as DDP assumes).
-        self._buckets: list[_Bucket] = []
-        current: list[nn.Parameter] = []
-        size = 0
-        for p in reversed(trainable):
-            if current and (size + p.numel() * p.element_size() > cap or p.dtype != current[0].dtype):
-                self._buckets.append(_Bucket(current, self.as_view))
-                current, size = [], 0
-            current.append(p)
-            size += p.numel() * p.element_size()
-        if current:
-            self._buckets.append(_Bucket(current, self.as_view))
+        split_ids = split.param_ids if split is not None else frozenset()
+        self._buckets = self._make_buckets([p for p in trainable if id(p) not in split_ids], cap, dp_group, dp_size)
+        if split is not None:
+            mine = [p for p in trainable if id(p) in split_ids]
+            self._buckets += self._make_buckets(mine, cap, split.group, split.divisor)
         self._bucket_of = {id(p): b for b in self._buckets for p in b.params}
         self._hooks: list[Any] = []
         if self.overlap or self.as_view:
             self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in trainable]
+
+    def _make_buckets(self, params: list[nn.Parameter], cap: int, group: GroupLike, divisor: int) -> list[_Bucket]:
+        # Reverse registration order approximates the order backward produces gradients (as DDP assumes).
+        buckets: list[_Bucket] = []
+        current: list[nn.Parameter] = []
+        size = 0
+        for p in reversed(params):
+            if current and (size + p.numel() * p.element_size() > cap or p.dtype != current[0].dtype):
+                buckets.append(_Bucket(current, self.as_view, group, divisor))
+                current, size = [], 0
+            current.append(p)
+            size += p.numel() * p.element_size()
+        if current:
+            buckets.append(_Bucket(current, self.as_view, group, divisor))
+        return buckets
 
     def _reduces_this_step(self) -> bool:
         """Gradients are reduced on every ``backward_passes_per_step``-th step with a backward pass."""
@@ -164,7 +190,7 @@ class GradientSync:
 
     def _launch(self, bucket: _Bucket) -> None:
         bucket.flat = bucket.flat_grads()
-        bucket.handle = C.all_reduce(bucket.flat, group=self.dp_group, async_op=True, label="smp_ddp_bucket")
+        bucket.handle = C.all_reduce(bucket.flat, group=bucket.group, async_op=True, label="smp_ddp_bucket")
 
     def finish(self, had_backward: bool) -> None:
         """Complete the step's reductions (when this step reduces and a backward ran)."""
@@ -184,9 +210,9 @@ class GradientSync:
                 assert bucket.handle is not None and bucket.flat is not None
                 bucket.handle.wait()
                 if bucket.storage is not None:  # the gradients are views of what was just reduced
-                    bucket.storage.div_(self.dp_size)
+                    bucket.storage.div_(bucket.divisor)
                 else:
-                    _write_back(bucket.params, bucket.flat, 1.0 / self.dp_size)
+                    _write_back(bucket.params, bucket.flat, 1.0 / bucket.divisor)
                 bucket.flat, bucket.handle = None, None
         for group, params in self.copies:
             by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
@@ -214,7 +240,7 @@ class GradientSync:
         for bucket in self._buckets:
             first = bucket.params[0]
             zeros = torch.zeros(sum(p.numel() for p in bucket.params), dtype=first.dtype, device=first.device)
-            C.all_reduce(zeros, group=self.dp_group, label="smp_ddp_bucket")
+            C.all_reduce(zeros, group=bucket.group, label="smp_ddp_bucket")
 
     def close(self) -> None:
         """Remove the gradient hooks."""

@@ -23,6 +23,7 @@ from shardkit.modelparallel.config import ModelOptions
 from shardkit.modelparallel.execution import StageExecution
 from shardkit.modelparallel.holding import StageHolding
 from shardkit.modelparallel.pipeline_parallel import StepRun, StepStats
+from shardkit.modelparallel.tp.distribute import distribute_marked
 from shardkit.modelparallel.trace import to_device
 
 __all__ = ["DistributedModel"]
@@ -106,6 +107,8 @@ class DistributedModel(nn.Module):
             broadcast_buffers,
             gradient_as_bucket_view,
         )
+        if state.topology.tp_size > 1:
+            distribute_marked(module, state)
         super().__init__()
         self.module = module
         self.options = options

@@ -2,9 +2,9 @@
 
 It combines three things, as smp documents: the dtype the model is created in (``dtype``, else torch's default),
 tensor parallelism for the modules created inside (``tensor_parallelism=True`` with its keyword options), and
-delayed parameter initialisation when the config sets ``delayed_parameter_initialization``. Tensor parallelism
-is not built in shardkit yet, so ``tensor_parallelism=True`` is refused before anything is created; with
-``False`` the tensor-parallel options (``distribute_embedding``, ``fused_softmax``, ...) are unused, as smp says.
+delayed parameter initialisation when the config sets ``delayed_parameter_initialization``. With
+``tensor_parallelism=True`` the modules created inside are marked as ``smp.tensor_parallelism()`` marks them (the
+keyword options override the distributed modules' arguments); with ``False`` the options are unused, as smp says.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 
 from shardkit.modelparallel import state as smp_state
 from shardkit.modelparallel.delayed_init import delay_param_initialization
-from shardkit.modelparallel.tensor_parallel import refuse
+from shardkit.modelparallel.tp.registry import tensor_parallelism as mark_tensor_parallel
 
 
 @contextlib.contextmanager
@@ -28,8 +28,8 @@ def model_creation(
     when the smp config sets ``delayed_parameter_initialization`` (each stage creates its share after the
     partition, see :func:`~shardkit.modelparallel.delayed_init.delay_param_initialization`).
 
-    ``tensor_parallelism=True`` raises :class:`~shardkit.modelparallel.tensor_parallel.TensorParallelismNotSupported`
-    (not built yet); the other keyword arguments are smp's tensor-parallel options and are unused without it.
+    ``tensor_parallelism=True`` marks the modules created inside for tensor parallelism (``smp.DistributedModel``
+    replaces them); the other keyword arguments are smp's tensor-parallel options, unused without it.
 
     Example::
 
@@ -38,15 +38,18 @@ def model_creation(
             model = AutoModelForCausalLM.from_config(config)
     """
     config = smp_state.current().config
-    if tensor_parallelism:
-        refuse("smp.model_creation(tensor_parallelism=True)")
+    if not isinstance(tensor_parallelism, bool):
+        raise TypeError(f"smp.model_creation(tensor_parallelism=...) takes True or False, got {tensor_parallelism!r}")
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"smp.model_creation(dtype=...) takes a floating-point torch.dtype or None, got {dtype!r}")
     previous = torch.get_default_dtype()
     if dtype is not None:
         torch.set_default_dtype(dtype)
     try:
-        with delay_param_initialization(enabled=config.delayed_parameter_initialization):
+        with contextlib.ExitStack() as stack:
+            if tensor_parallelism:  # False leaves the marks of any enclosing smp.tensor_parallelism() in force
+                stack.enter_context(mark_tensor_parallel(True, **tensor_parallel_config))
+            stack.enter_context(delay_param_initialization(enabled=config.delayed_parameter_initialization))
             yield
     finally:
         torch.set_default_dtype(previous)

@@ -25,6 +25,7 @@ from shardkit.modelparallel import checkpoint as ckpt
 from shardkit.modelparallel import state as smp_state
 from shardkit.modelparallel.optimizers import FusedLamb
 from shardkit.modelparallel.sharded_state import ShardedOptimizerState
+from shardkit.modelparallel.tp.layers import sliced_parameter_ids
 
 # One subclass per (optimizer class, sharded state), so wrapped optimizers of one class share a type.
 _SUBCLASSES: dict[tuple[type, bool], type] = {}
@@ -155,14 +156,26 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return model.execution_device if model is not None and model.partitioned else torch.device("cpu")
 
     def _sum_over_stages(self, params: Sequence[torch.Tensor], squares: torch.Tensor) -> torch.Tensor:
-        """Sum of per-parameter squares over the replica's stages, each parameter counted once (collective)."""
+        """Sum of per-parameter squares over the replica's stages and tensor-parallel ranks, each parameter (each
+        slice of a split one) counted once (collective)."""
         smp = self._smp_state
         model = smp.model
-        if model is None or not model.partitioned or smp.topology.mp_size == 1 or not smp.distributed:
+        topo = smp.topology
+        if model is None or not model.partitioned or topo.mp_size * topo.tp_size == 1 or not smp.distributed:
             return squares.sum()
         mask = torch.tensor(model.first_holder_mask(params), dtype=torch.bool, device=squares.device)
-        total = torch.where(mask, squares, torch.zeros_like(squares)).sum().reshape(1).to(model.execution_device)
-        C.all_reduce(total, group=smp.mp_group, label="smp_global_grad_norm")
+        counted = torch.where(mask, squares, torch.zeros_like(squares))
+        if topo.tp_size > 1:  # split slices summed over the TP group; replicated parameters, equal there, once
+            split_ids = sliced_parameter_ids(model.module)
+            split = torch.tensor([id(p) in split_ids for p in params], dtype=torch.bool, device=squares.device)
+            sliced = torch.where(split, counted, torch.zeros_like(counted)).sum().reshape(1).to(model.execution_device)
+            C.all_reduce(sliced, group=smp.tp_group, label="smp_global_grad_norm_tp")
+            whole = torch.where(split, torch.zeros_like(counted), counted).sum().reshape(1).to(model.execution_device)
+            total = sliced + whole
+        else:
+            total = counted.sum().reshape(1).to(model.execution_device)
+        if topo.mp_size > 1:
+            C.all_reduce(total, group=smp.mp_group, label="smp_global_grad_norm")
         return total.reshape(()).to(squares.device)
 
     def _held_indices(self) -> Optional[set[int]]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -27,20 +27,28 @@ def check_same_inputs(inputs: Any, mp_group: GroupLike) -> None:
         )
 
 
-def broadcast_initial_state(module: nn.Module, world_group: GroupLike, device: torch.device) -> None:
-    """Every rank starts from rank 0's parameters and buffers.
+def broadcast_initial_state(
+    module: nn.Module,
+    world_group: GroupLike,
+    device: torch.device,
+    split: Optional[tuple[frozenset[int], GroupLike]] = None,
+) -> None:
+    """Every rank starts from rank 0's parameters and buffers; tensor-parallel split parameters (``split``: their
+    ids and the reduced-data-parallel group) from that group's first member instead.
 
     When the backend cannot send CPU tensors (NCCL), each tensor is staged through ``device`` on its own, so
     the whole model never has to fit there.
     """
     staging = device if dist.get_backend() == "nccl" else None
+    ids, split_group = split if split is not None else (frozenset(), world_group)
     with torch.no_grad():
         for tensor in canonical_tensors(module).values():
+            group = split_group if id(tensor) in ids else world_group
             if staging is None or tensor.device == staging:
-                C.broadcast(tensor.data, 0, group=world_group, label="smp_initial_state")
+                C.broadcast(tensor.data, 0, group=group, label="smp_initial_state")
             else:
                 moved = tensor.data.to(staging)
-                C.broadcast(moved, 0, group=world_group, label="smp_initial_state")
+                C.broadcast(moved, 0, group=group, label="smp_initial_state")
                 tensor.data.copy_(moved)
 
 

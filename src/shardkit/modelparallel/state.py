@@ -22,6 +22,7 @@ from shardkit.distributed import DummyProcessGroup, GroupLike, all_gather_object
 from shardkit.distributed.groups import torch_group
 from shardkit.modelparallel.config import ConfigLike, ModelParallelConfig, config_differences, resolve_config
 from shardkit.modelparallel.topology import Topology
+from shardkit.tensor_parallel import ParallelState, build_parallel_state, set_current_state
 
 
 @dataclass
@@ -31,7 +32,9 @@ class SMPState:
     config: ModelParallelConfig
     topology: Topology
     world_group: GroupLike
+    #: The pipeline group: this replica's stages (smp's ``PP_GROUP``; its ``MP_GROUP`` without tensor parallelism).
     mp_group: GroupLike
+    #: smp's data-parallel group: the ranks holding this stage, tensor-parallel ranks included.
     dp_group: GroupLike
     p2p_group: GroupLike
     local_rank: int
@@ -44,6 +47,23 @@ class SMPState:
     optimizer: Optional[Any] = None
     #: Undo actions run by :func:`reset` (the model gives its wrapped modules back), last registered first.
     on_reset: list[Callable[[], None]] = field(default_factory=list)
+    #: Under tensor parallelism: the core's device mesh over the same layout (its groups are tensor, reduced data
+    #: and pipeline), also made the tensor-parallel layers' current state.
+    parallel_state: Optional[ParallelState] = None
+    #: Under tensor parallelism: smp's model-parallel group (pipeline x tensor); ``mp_group`` without it.
+    model_group: Optional[GroupLike] = None
+
+    @property
+    def tp_group(self) -> GroupLike:
+        """The tensor-parallel group (this process alone, as a dummy group, at degree one)."""
+        if self.parallel_state is None:
+            return DummyProcessGroup(0, 1)
+        return self.parallel_state.tp_group
+
+    @property
+    def rdp_group(self) -> GroupLike:
+        """The reduced-data-parallel group: ranks of the same stage and tensor-parallel rank."""
+        return self.dp_group if self.parallel_state is None else self.parallel_state.group("data")
 
     @property
     def distributed(self) -> bool:
@@ -121,10 +141,14 @@ def init(config: ConfigLike = None) -> None:
     cfg = resolve_config(config)
     _ensure_process_group()
     if not dist.is_initialized():
-        if cfg.partitions != 1:
+        model = cfg.partitions * cfg.tensor_parallel_degree
+        if model != 1:
+            asked = f"partitions={cfg.partitions}" + (
+                f" x tensor_parallel_degree={cfg.tensor_parallel_degree}" if cfg.tensor_parallel_degree > 1 else ""
+            )
             raise ValueError(
-                f"partitions={cfg.partitions} needs {cfg.partitions} processes: launch with torchrun "
-                f"--nproc-per-node {cfg.partitions} (or initialise torch.distributed first)"
+                f"{asked} needs {model} processes: launch with torchrun --nproc-per-node {model} (or initialise "
+                "torch.distributed first)"
             )
         dummy = DummyProcessGroup(0, 1)
         topo = Topology(1, 0, 1, cfg.placement_strategy)
@@ -132,34 +156,44 @@ def init(config: ConfigLike = None) -> None:
         return
     world_size, rank = dist.get_world_size(), dist.get_rank()
     _check_same_config(cfg, world_size)
-    if world_size % cfg.partitions:
+    # Every rank checks the same config against the same world size, so a bad layout fails everywhere, before
+    # any group exists.
+    topo = Topology(world_size, rank, cfg.partitions, cfg.placement_strategy, cfg.tensor_parallel_degree)
+    if topo.dp_size > 1 and not cfg.ddp:
         raise ValueError(
-            f"smp needs the world size ({world_size}) to be a multiple of partitions ({cfg.partitions}): "
-            "launch partitions x replicas processes"
-        )
-    if world_size > cfg.partitions and not cfg.ddp:
-        raise ValueError(
-            f"{world_size} processes with partitions={cfg.partitions} make {world_size // cfg.partitions} model "
+            f"{world_size} processes with partitions={cfg.partitions} make {topo.dp_size} model "
             "replicas: set 'ddp': True in the smp config so their gradients are averaged, or launch "
             f"{cfg.partitions} processes"
         )
-    topo = Topology(world_size, rank, cfg.partitions, cfg.placement_strategy)
-    mp_group, dp_group, p2p_group, owned = _create_groups(topo)
     world = dist.group.WORLD
     assert world is not None
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     local_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    PROCESS.install(SMPState(cfg, topo, world, mp_group, dp_group, p2p_group, local_rank, local_size, owned))
+    if topo.tp_size == 1:
+        mp_group, dp_group, p2p_group, owned = _create_groups(topo)
+        PROCESS.install(SMPState(cfg, topo, world, mp_group, dp_group, p2p_group, local_rank, local_size, owned))
+        return
+    parallel = build_parallel_state(topo.layout)
+    mp_group = parallel.group("pipeline")
+    _, dp_group, p2p_group, owned = _create_groups(topo, pipelines=False)
+    model_group = _create_model_groups(topo, owned)
+    owned += [parallel.group(dim) for dim in ("data", "pipeline", "context", "tensor")]
+    set_current_state(parallel)
+    state = SMPState(cfg, topo, world, mp_group, dp_group, p2p_group, local_rank, local_size, owned)
+    state.parallel_state, state.model_group = parallel, model_group
+    state.on_reset.append(lambda: set_current_state(None))
+    PROCESS.install(state)
 
 
-def _create_groups(topo: Topology) -> tuple[Any, Any, Any, list[Any]]:
-    """This rank's mp, dp and point-to-point groups, and every group created (to destroy on reset).
+def _create_groups(topo: Topology, pipelines: bool = True) -> tuple[Any, Any, Any, list[Any]]:
+    """This rank's pipeline (when ``pipelines``), data-parallel and point-to-point groups, and every group created
+    (to destroy on reset).
 
     ``new_group`` is collective over the whole world: every rank creates every group, in the same order.
     """
     owned: list[Any] = []
     mp_group = dp_group = None
-    for dp_rank in range(topo.dp_size):
+    for dp_rank in range(topo.dp_size if pipelines else 0):
         group = dist.new_group(topo.mp_group_ranks(dp_rank))
         owned.append(group)
         mp_group = group if dp_rank == topo.dp_rank else mp_group
@@ -171,6 +205,23 @@ def _create_groups(topo: Topology) -> tuple[Any, Any, Any, list[Any]]:
     p2p_group = dist.new_group(list(range(topo.world_size)))
     owned.append(p2p_group)
     return mp_group, dp_group, p2p_group, owned
+
+
+def _create_model_groups(topo: Topology, owned: list[Any]) -> Any:
+    """smp's model-parallel groups (pipeline x tensor, one per reduced-data-parallel rank); returns this rank's."""
+    mine = None
+    seen: set[tuple[int, ...]] = set()
+    for member in range(topo.world_size):
+        ranks = tuple(
+            Topology(topo.world_size, member, topo.mp_size, topo.placement, topo.tp_size).smp_mp_group_ranks()
+        )
+        if ranks in seen:
+            continue
+        seen.add(ranks)
+        group = dist.new_group(list(ranks))
+        owned.append(group)
+        mine = group if topo.rank in ranks else mine
+    return mine
 
 
 def reset() -> None:
@@ -232,39 +283,42 @@ def local_size() -> int:
 
 
 def mp_rank() -> int:
-    """Pipeline stage (partition index) held by this process."""
-    return current().topology.mp_rank
+    """Rank in the model-parallel group (the pipeline stage without tensor parallelism; with it,
+    ``pp_rank() * tp_size() + tp_rank()``)."""
+    return current().topology.smp_mp_rank
 
 
 def mp_size() -> int:
-    """Number of pipeline stages (``partitions``)."""
-    return current().topology.mp_size
+    """Processes holding one model replica: ``pp_size() * tp_size()``."""
+    topo = current().topology
+    return topo.mp_size * topo.tp_size
 
 
 def dp_rank() -> int:
-    """Index of this process's model replica."""
+    """Rank among the processes holding the same pipeline stage (smp's data-parallel group, which includes the
+    tensor-parallel ranks: ``rdp_rank() * tp_size() + tp_rank()``)."""
     return current().topology.dp_rank
 
 
 def dp_size() -> int:
-    """Number of model replicas."""
+    """Processes holding the same pipeline stage: ``rdp_size() * tp_size()`` (each loads its own batch unless
+    ``prescaled_batch``)."""
     return current().topology.dp_size
 
 
 def pp_rank() -> int:
-    """Alias of :func:`mp_rank` (the pipeline rank)."""
-    return mp_rank()
+    """Pipeline stage (partition index) held by this process."""
+    return current().topology.mp_rank
 
 
 def pp_size() -> int:
-    """Alias of :func:`mp_size`."""
-    return mp_size()
+    """Number of pipeline stages (``partitions`` / ``pipeline_parallel_degree``)."""
+    return current().topology.mp_size
 
 
 def get_mp_group() -> list[int]:
-    """Global ranks holding this process's model replica."""
-    topo = current().topology
-    return topo.mp_group_ranks(topo.dp_rank)
+    """Global ranks holding this process's model replica (pipeline x tensor), in ``mp_rank`` order."""
+    return current().topology.smp_mp_group_ranks()
 
 
 def get_dp_group() -> list[int]:
@@ -279,13 +333,26 @@ def get_world_process_group() -> GroupLike:
 
 
 def get_mp_process_group() -> GroupLike:
-    """The process group of this process's model replica (its pipeline stages)."""
-    return current().mp_group
+    """The process group of this process's model replica (its pipeline stages and tensor-parallel ranks)."""
+    state = current()
+    return state.model_group if state.model_group is not None else state.mp_group
 
 
 def get_dp_process_group() -> GroupLike:
     """The process group of the processes holding the same partition (data-parallel peers)."""
     return current().dp_group
+
+
+def refuse_under_tensor_parallelism(who: str) -> None:
+    """Raise on every rank when ``who`` (a checkpoint call) runs with ``tensor_parallel_degree`` > 1: its files are
+    named per pipeline stage, so the tensor-parallel ranks' slices would overwrite each other or go unsaved."""
+    state = PROCESS.get()
+    if state is not None and state.topology.tp_size > 1:
+        raise NotImplementedError(
+            f"{who} with tensor_parallel_degree={state.topology.tp_size}: smp checkpoints of tensor-parallel models "
+            "are not built yet (each tensor-parallel rank holds a different slice); save with "
+            "shardkit.tensor_parallel.save_shard_files, or train with tensor_parallel_degree 1"
+        )
 
 
 def barrier() -> None:

@@ -1,7 +1,9 @@
 """``smp.nn``: layers that SageMaker's smp ships in place of Apex's (same arguments, plain torch inside).
 
-The tensor-parallel ``smp.nn.Distributed*`` modules exist so scripts import, and refuse construction with a clear
-error (shardkit has no tensor parallelism yet; see :mod:`shardkit.modelparallel.tensor_parallel`).
+``DistributedLinear`` and the transformer blocks (``DistributedTransformer``, ``DistributedTransformerLayer``,
+``DistributedAttentionLayer``, ``DistributedTransformerOutputLayer``) are smp's tensor-parallel modules (see
+:mod:`shardkit.modelparallel.tp`); ``DistributedEmbedding`` and ``DistributedTransformerLMHead`` exist so scripts
+import, and refuse construction with a clear error (not built yet).
 ``smp.nn.huggingface.gpt2`` translates GPT-2 state dicts between Hugging Face's layout and smp's.
 
 Example::
@@ -14,19 +16,22 @@ Example::
 from shardkit.modelparallel.nn import huggingface
 from shardkit.modelparallel.nn.fused_layer_norm import FusedLayerNorm
 from shardkit.modelparallel.tensor_parallel import DISTRIBUTED_MODULES
+from shardkit.modelparallel.tp.layers import DistributedLinear, DistributedModule
+from shardkit.modelparallel.tp.transformer import (
+    DistributedAttentionLayer,
+    DistributedTransformer,
+    DistributedTransformerLayer,
+    DistributedTransformerOutputLayer,
+)
 
-DistributedLinear = DISTRIBUTED_MODULES["DistributedLinear"]
 DistributedEmbedding = DISTRIBUTED_MODULES["DistributedEmbedding"]
-DistributedAttentionLayer = DISTRIBUTED_MODULES["DistributedAttentionLayer"]
-DistributedTransformer = DISTRIBUTED_MODULES["DistributedTransformer"]
-DistributedTransformerLayer = DISTRIBUTED_MODULES["DistributedTransformerLayer"]
 DistributedTransformerLMHead = DISTRIBUTED_MODULES["DistributedTransformerLMHead"]
-DistributedTransformerOutputLayer = DISTRIBUTED_MODULES["DistributedTransformerOutputLayer"]
 
 __all__ = [
     "DistributedAttentionLayer",
     "DistributedEmbedding",
     "DistributedLinear",
+    "DistributedModule",
     "DistributedTransformer",
     "DistributedTransformerLMHead",
     "DistributedTransformerLayer",
