@@ -100,7 +100,7 @@ INTERNAL: Dict[str, str] = {
     "shardkit.checkpoint.tools": "the implementation of `shardkit checkpoint` (documented as a command)",
     "shardkit.checkpoint.universal": "the universal layout's implementation",
     "shardkit.optim.zero1": "OSS's implementation; users import shardkit.optim",
-    "shardkit.modelparallel.tp": "smp's tensor-parallel implementation; users reach it as smp.tensor_parallelism and smp.nn",
+    "shardkit.modelparallel.tp": "smp's tensor-parallel implementation; its face is smp.tensor_parallelism, smp.nn",
     "shardkit.utils": "internal helpers; shardkit.utils.testing is fairscale's path (registered)",
     "shardkit.experimental": "fairscale's path prefix; the modules with names in them are registered",
     "shardkit.experimental.nn": "fairscale's path prefix",
