@@ -13,6 +13,7 @@ Each run prints the step it starts from. ``shardkit checkpoint inspect ckpt`` sh
 from __future__ import annotations
 
 import argparse
+import gc
 
 import torch
 import torch.distributed as dist
@@ -62,6 +63,10 @@ def main() -> None:
         save_checkpoint(step_directory(args.dir, args.steps - 1), step=args.steps - 1, model=model, optimizer=optimizer)
     if dist.get_rank() == 0:
         print(f"checkpoint: {args.strategy} started at step {start}, loss {loss.item():.4f} at step {args.steps - 1}")
+    # Release the wrapped model (and with it the process groups it holds) before the group is destroyed: a
+    # process that exits still holding them aborts now and then at interpreter exit (RELIABILITY.md, known).
+    del model, optimizer
+    gc.collect()
     dist.destroy_process_group()
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 
 import torch
 import torch.distributed as dist
@@ -57,6 +58,10 @@ def main() -> None:
     if dist.get_rank() == 0:
         print(f"fsdp: {units} units, {len(full)} tensors in the full state dict")
         print(f"fsdp: first loss {losses[0]:.4f} last loss {losses[-1]:.4f}")
+    # Release the wrapped model (and with it the process groups it holds) before the group is destroyed: a
+    # process that exits still holding them aborts now and then at interpreter exit (RELIABILITY.md, known).
+    del model, optimizer, full
+    gc.collect()
     dist.destroy_process_group()
 
 

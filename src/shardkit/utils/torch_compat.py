@@ -127,6 +127,7 @@ PRIVATE_APIS: tuple[TorchAPI, ...] = (
     TorchAPI("torch.distributed", "reduce_scatter_single", "distributed.groups", "2.13+; falls back", optional=True),
     # Reached through the import points (``*/_torch_private.py``), listed here too so gpu-check resolves them.
     TorchAPI("torch.distributed.distributed_c10d", "_get_default_store", "distributed.health (falls back)"),
+    TorchAPI("torch.distributed.distributed_c10d", "_resolve_process_group", "bench.tp (torch TP's bytes per group)"),
     TorchAPI("torch.distributed", "ProcessGroupGloo.Options._timeout", "distributed.groups.group_timeout"),
     TorchAPI("torch.nn.modules.batchnorm", "_BatchNorm", "nn.fsdp.helpers.auto_wrap_bn"),
     TorchAPI("torch", "Tensor._base", "nn.slowmo.flat (a view's learning rate)"),
