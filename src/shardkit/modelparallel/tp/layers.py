@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardkit.modelparallel import state as smp_state
+from shardkit.modelparallel.tp.hf import split_model_sliced_ids
 from shardkit.modelparallel.trace import is_tracing
 from shardkit.tensor_parallel import (
     ShardSpec,
@@ -47,13 +48,15 @@ class DistributedModule(nn.Module):
 
 def sliced_parameter_ids(root: nn.Module) -> frozenset[int]:
     """The parameters below ``root`` that hold a different slice on each tensor-parallel rank (a global norm sums
-    them over the group and counts the others once)."""
-    return frozenset(
+    them over the group and counts the others once): those smp's modules name, and the core's split layers' (in a
+    split Hugging Face model)."""
+    own = frozenset(
         id(m.get_parameter(name))
         for m in root.modules()
         if isinstance(m, DistributedModule)
         for name in m.tp_sliced_names
     )
+    return own | split_model_sliced_ids(root)
 
 
 def split_divisor(topology_rdp: int, tp_size: int, prescaled_batch: bool) -> int:
