@@ -104,7 +104,7 @@ def _checked_name(f: Any) -> str:
 
 def _save_path(f: str, partial: bool) -> str:
     name = _checked_name(f)
-    return f"{name}_{smp_state.pp_rank() if smp_state.is_initialized() else 0}" if partial else name
+    return stage_files(name)[0] if partial else name  # under tensor parallelism, smp v1.10+'s name of the slice
 
 
 def save(
@@ -120,8 +120,6 @@ def save(
         if smp.dp_rank() == 0:
             smp.save({"model": model.local_state_dict()}, "ckpt.pt", partial=True)
     """
-    if partial:
-        smp_state.refuse_under_tensor_parallelism("smp.save(partial=True)")
     path = _save_path(f, partial)
     if not partial and smp_state.is_initialized() and smp_state.pp_rank() != 0:
         return
@@ -157,8 +155,6 @@ def load(
         model.load_state_dict(checkpoint["model"])
     """
     name = _checked_name(f)
-    if partial:
-        smp_state.refuse_under_tensor_parallelism("smp.load(partial=True)")
     if os.path.isdir(name):
         loaded = load_folder(name, partial, map_location)
         if loaded is not None:
