@@ -24,7 +24,6 @@ from torch import nn
 
 from shardkit.modelparallel.state import SMPState
 from shardkit.modelparallel.tp.registry import Mark, mark_of
-from shardkit.tensor_parallel import tp_split_groups
 from shardkit.tensor_parallel.hf import parallelize_hf, resolve_hf_plan
 
 #: The models split by :func:`split_model` (weak: a dropped model takes its entry).
@@ -90,8 +89,3 @@ def split_model_parameter_ids(root: nn.Module) -> frozenset[int]:
     """The parameters of the models below ``root`` that :func:`split_model` split (all of them, split or
     replicated: each has the gradient of the batch its tensor-parallel group shares)."""
     return frozenset(id(p) for m in root.modules() if m in _SPLIT for p in m.parameters())
-
-
-def split_model_sliced_ids(root: nn.Module) -> frozenset[int]:
-    """The parameters of the split models below ``root`` that hold a different slice on each tensor-parallel rank."""
-    return frozenset(id(m.get_parameter(name)) for m in root.modules() if m in _SPLIT for name in tp_split_groups(m))
