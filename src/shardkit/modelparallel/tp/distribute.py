@@ -23,12 +23,14 @@ from shardkit.modelparallel import state as smp_state
 from shardkit.modelparallel.grad_sync import SplitReduction
 from shardkit.modelparallel.state import SMPState
 from shardkit.modelparallel.tp import hf
+from shardkit.modelparallel.tp.embedding import DistributedEmbedding
 from shardkit.modelparallel.tp.layers import DistributedLinear, DistributedModule, split_divisor
 from shardkit.modelparallel.tp.registry import Mark, Registration, init_args, mark_of, register, registration_for
 
 LOG = logging.getLogger("shardkit.modelparallel")
 
 register(nn.Linear, Registration(DistributedLinear))
+register(nn.Embedding, Registration(DistributedEmbedding))
 
 
 @dataclass
@@ -138,6 +140,8 @@ def _build(
     try:
         if isinstance(module, nn.Linear) and registration.dist_module is DistributedLinear:
             return DistributedLinear.from_linear(module), ""
+        if isinstance(module, nn.Embedding) and registration.dist_module is DistributedEmbedding:
+            return DistributedEmbedding.from_embedding(module), ""
         return _construct(module, registration, mark)
     except ValueError as exc:  # a size the tensor-parallel degree does not divide
         return None, str(exc)
