@@ -1,11 +1,11 @@
 """``smp.nn.DistributedEmbedding``: an embedding table split along ``embedding_dim`` across the tensor-parallel ranks
 (smp's only split for it), over the core's mappings.
 
-Each rank holds ``embedding_dim / tp_size`` columns of the table. It looks up its columns for the token ids it is
-given, places them at their offset in a zero-filled full-width result, and the ranks' results are summed: with
-``prescaled_batch`` (the same ids on every rank) by an all-reduce, else by a reduce-scatter over the tensor-parallel
-group's batches (gathered first), which leaves each rank the whole embedding of its own batch. Adding zeros is
-exact, so the output equals ``nn.Embedding``'s bit for bit.
+Each rank holds ``embedding_dim / tp_size`` columns of the table and looks up its columns. With ``prescaled_batch``
+(the same ids on every rank) the columns are all-gathered, as the core's ``ParallelEmbedding`` does. Without it each
+rank has its own batch: the group's ids are gathered, each rank places its columns for all of them at their offset in
+a zero-filled full-width result, and a reduce-scatter over the batches leaves each rank the whole embedding of its
+own batch (adding zeros is exact). Either way the output equals ``nn.Embedding``'s bit for bit.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from shardkit.modelparallel.tp.layers import (
     tp_group_of_job,
 )
 from shardkit.modelparallel.trace import is_tracing
-from shardkit.tensor_parallel import ShardSpec, gather_from_sequence, split_size
+from shardkit.tensor_parallel import ShardSpec, gather_from_sequence, gather_from_tp, split_size
 
 
 class DistributedEmbedding(DistributedModule):
@@ -108,14 +108,12 @@ class DistributedEmbedding(DistributedModule):
         padding = (group.rank * width, (group.size - 1 - group.rank) * width)
         if is_tracing():  # rank 0 traces alone to partition: the right shapes, no collectives
             return F.pad(self._lookup(input_), padding)
-        if self.prescaled_batch:
-            check_prescaled_input(self, group, input_)
-            ids = input_
-        else:
-            ids = input_ if self.skip_allgather else gather_from_sequence(input_, group.group, 0)
-        partial = F.pad(self._lookup(ids), padding)
-        prescaled = self.prescaled_batch or self.skip_allgather
-        return merge_from(group, 0, partial, prescaled)
+        if self.prescaled_batch or self.skip_allgather:  # the same ids on every rank: gather the columns
+            if self.prescaled_batch:
+                check_prescaled_input(self, group, input_)
+            return gather_from_tp(self._lookup(input_), group.group, dim=-1)
+        partial = F.pad(self._lookup(gather_from_sequence(input_, group.group, 0)), padding)
+        return merge_from(group, 0, partial, prescaled=False)
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.weight, self.padding_idx, scale_grad_by_freq=self.scale_grad_by_freq)
