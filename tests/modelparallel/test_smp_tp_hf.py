@@ -62,7 +62,8 @@ def _train_gpt2(rank: int, world_size: int) -> dict[str, Any]:
         for step in range(3):
             ids = torch.randint(0, 128, (4, 8), generator=torch.Generator().manual_seed(step))
             optimizer.zero_grad()
-            losses.append(train(model, ids).reduce_mean().item())
+            mine = train(model, ids.chunk(smp.rdp_size())[smp.rdp_rank()]).reduce_mean().item()
+            losses.append(sum(smp.allgather(mine, smp.RDP_GROUP)) / smp.rdp_size())
             optimizer.step()
             plain.zero_grad()
             ref_loss = reference(input_ids=ids, labels=ids).loss
@@ -74,8 +75,10 @@ def _train_gpt2(rank: int, world_size: int) -> dict[str, Any]:
         smp.reset()
 
 
-def test_gpt2_at_tp2_is_split_by_its_plan_and_trains_equal_to_plain_torch() -> None:
-    for result in run_distributed(_train_gpt2, 2):
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_gpt2_at_tp2_is_split_by_its_plan_and_trains_equal_to_plain_torch(world_size: int) -> None:
+    # 4 processes: TP 2 x reduced data 2, each TP group on its half of the batch
+    for result in run_distributed(_train_gpt2, world_size):
         assert result["split"] == "Conv1DColumnParallel", result
         assert "set 'prescaled_batch': True" in result["refusal"], result
         for mine, theirs in zip(result["losses"], result["theirs"]):
