@@ -139,10 +139,6 @@ def _distribute_and_train(rank: int, world_size: int) -> dict[str, Any]:
                 total = torch.tensor([float(rank)])
                 dist.all_reduce(total, group=smp.get_tp_process_group())
                 out["tp_sum"] = total.item()
-                try:
-                    smp.save_checkpoint("unused", tag="t")
-                except NotImplementedError as exc:
-                    out["checkpoint"] = str(exc)
             out[prescaled] = _train_against_torch(prescaled)
         finally:
             smp.reset()
@@ -236,6 +232,18 @@ _SPLIT_DIM = {"query": 0, "key": 0, "value": 0, "dense1": 0, "dense": 1, "dense2
 
 def _full_state(net: nn.Module) -> dict[str, torch.Tensor]:
     """TransformerNet's parameters gathered from the tensor-parallel ranks, under the reference's names."""
+    renamed = {}
+    for name, value in _gathered(net).items():  # seq_layers.<i>.attention.x -> layers.<2i>.x, .output.x -> <2i+1>
+        parts = name.split(".")
+        if parts[0] == "layers":
+            index = 2 * int(parts[2]) + (parts[3] == "output")
+            name = ".".join(["layers", str(index), *parts[4:]])
+        renamed[name] = value
+    return renamed
+
+
+def _gathered(net: nn.Module) -> dict[str, torch.Tensor]:
+    """TransformerNet's parameters gathered from the tensor-parallel ranks, under its own names."""
     group, full = smp.get_tp_process_group(), {}
     for name, p in net.named_parameters():
         parts = name.split(".")
@@ -244,14 +252,7 @@ def _full_state(net: nn.Module) -> dict[str, torch.Tensor]:
             full[name] = p.detach()
         else:
             full[name] = gather_from_tp(p.detach(), group, dim=dim)
-    renamed = {}
-    for name, value in full.items():  # seq_layers.<i>.attention.x -> layers.<2i>.x, .output.x -> layers.<2i+1>.x
-        parts = name.split(".")
-        if parts[0] == "layers":
-            index = 2 * int(parts[2]) + (parts[3] == "output")
-            name = ".".join(["layers", str(index), *parts[4:]])
-        renamed[name] = value
-    return renamed
+    return full
 
 
 def _train_transformer(prescaled: bool) -> dict[str, Any]:
@@ -289,7 +290,12 @@ def _train_transformer(prescaled: bool) -> dict[str, Any]:
         theirs.append(ref_loss.item())
     mine = _full_state(model.module)
     errors = {name: (mine[name] - p.detach()).abs().max().item() for name, p in reference.named_parameters()}
-    return {"losses": losses, "theirs": theirs, "errors": errors}
+    # A full state dict merges the slices (what a full checkpoint holds); loading it back cuts them again.
+    merged, local = model.state_dict(), {n: p.detach().clone() for n, p in model.module.named_parameters()}
+    merge_ok = all(torch.equal(merged[n], t) for n, t in _gathered(model.module).items())
+    model.load_state_dict(merged)
+    cut_ok = all(torch.equal(p, local[n]) for n, p in model.module.named_parameters())
+    return {"losses": losses, "theirs": theirs, "errors": errors, "merge_and_cut": (merge_ok, cut_ok)}
 
 
 def _train_against_torch(prescaled: bool) -> dict[str, Any]:
@@ -354,7 +360,6 @@ def test_tp2_x_rdp2_helpers_and_training_equal_plain_torch() -> None:
         assert helpers["get_rdp_group"] == helpers["RDP_GROUP"] == [tp * 2, tp * 2 + 1]
         assert helpers["get_dp_group"] == [0, 2, 1, 3] and helpers["get_mp_group"] == [rdp, rdp + 2]
         assert helpers["get_pp_group"] == [rank] and result["tp_sum"] == 2 * rdp + 2
-        assert "smp.save_checkpoint with tensor_parallel_degree=2" in result["checkpoint"]
         for prescaled in (False, True):
             run = result[prescaled]
             assert run["replaced"] == ["DistributedLinear", "LayerNorm", "Tanh", "DistributedLinear"], run
@@ -365,6 +370,7 @@ def test_tp2_x_rdp2_helpers_and_training_equal_plain_torch() -> None:
             for ranks_losses, theirs in zip(run["losses"], run["theirs"]):
                 assert abs(sum(ranks_losses) / len(ranks_losses) - theirs) < 1e-5, (prescaled, run)
             assert max(run["errors"].values()) < 2e-5, (prescaled, run["errors"])
+            assert run["merge_and_cut"] == (True, True), run
 
 
 def _refusals(rank: int, world_size: int) -> list[str]:

@@ -33,6 +33,7 @@ from shardkit.modelparallel.stage_groups import copy_groups
 from shardkit.modelparallel.startup import broadcast_initial_state, check_same_inputs
 from shardkit.modelparallel.state import SMPState
 from shardkit.modelparallel.tp.distribute import split_parameter_ids, split_reduction
+from shardkit.modelparallel.tp.hf import split_model_parameter_ids
 from shardkit.modelparallel.virtual_stages import VirtualStageExecution, check_chunks, chunked_runtime
 
 
@@ -66,7 +67,7 @@ def decide_plan(
     if delayed:
         device = torch.device("meta")  # plan on shapes alone: no process ever holds the whole model
     payload: tuple[Any, Any, Optional[str]] = (None, None, None)
-    if topo.rank == 0:
+    if topo.rank == 0 or _traces_beside_rank0(module, state):
         try:
             plan, placement = plan_partition(
                 module,
@@ -86,11 +87,13 @@ def decide_plan(
                 check_chunks(plan, cfg.partitions, cfg.chunks // cfg.partitions, cfg.auto_partition)
             payload = (plan, placement, None)
         except Exception as exc:
-            if not (state.distributed and topo.world_size > 1):
+            if topo.rank == 0:
+                if not (state.distributed and topo.world_size > 1):
+                    raise
+                payload = (None, None, f"{type(exc).__name__}: {exc}")
+                broadcast_object(payload, 0, state.world_group, "smp_partition_plan")
                 raise
-            payload = (None, None, f"{type(exc).__name__}: {exc}")
-            broadcast_object(payload, 0, state.world_group, "smp_partition_plan")
-            raise
+            # another tracing rank: rank 0 traced the same model on the same batch and sends its error to all
     if state.distributed and topo.world_size > 1:
         with warnings.catch_warnings():  # unpickling the outputs' tree specs warns about a torch deprecation
             warnings.simplefilter("ignore", FutureWarning)
@@ -99,6 +102,13 @@ def decide_plan(
     if error is not None:
         raise RuntimeError(f"smp could not partition the model (error on rank 0): {error}")
     return plan, placement
+
+
+def _traces_beside_rank0(module: nn.Module, state: SMPState) -> bool:
+    """Whether this rank runs rank 0's tracing forward with it: the ranks of rank 0's tensor-parallel group do when
+    the model holds a split Hugging Face model, whose layers run collectives over that group (with the same batch
+    on each rank, as ``prescaled_batch`` promises). Only rank 0's plan is used."""
+    return 0 in state.topology.group_ranks("tensor") and bool(split_model_parameter_ids(module))
 
 
 def split_by_tp(module: nn.Module, state: SMPState) -> Optional[tuple[frozenset[int], GroupLike]]:

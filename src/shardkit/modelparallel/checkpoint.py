@@ -104,13 +104,14 @@ def _checked_name(f: Any) -> str:
 
 def _save_path(f: str, partial: bool) -> str:
     name = _checked_name(f)
-    return f"{name}_{smp_state.pp_rank() if smp_state.is_initialized() else 0}" if partial else name
+    return stage_files(name)[0] if partial else name  # under tensor parallelism, smp v1.10+'s name of the slice
 
 
 def save(
     obj: Any, f: str, partial: bool = True, pickle_module: Any = None, pickle_protocol: int = 2, **kwargs: Any
 ) -> None:
-    """Save ``obj`` like ``torch.save``; with ``partial=True`` each stage writes its own ``f"{f}_{mp_rank}"``.
+    """Save ``obj`` like ``torch.save``; with ``partial=True`` each stage writes its own ``f"{f}_{mp_rank}"`` (under
+    tensor parallelism each rank its ``f"{f}_{pp_rank}_{tp_rank}.pt"``).
 
     With ``partial=False`` only stage 0 writes ``f`` (the stages hold the same full object). Call it on the
     ranks with ``dp_rank() == 0``.
@@ -120,8 +121,6 @@ def save(
         if smp.dp_rank() == 0:
             smp.save({"model": model.local_state_dict()}, "ckpt.pt", partial=True)
     """
-    if partial:
-        smp_state.refuse_under_tensor_parallelism("smp.save(partial=True)")
     path = _save_path(f, partial)
     if not partial and smp_state.is_initialized() and smp_state.pp_rank() != 0:
         return
@@ -142,9 +141,10 @@ def load(
     """Load what :func:`save` (or smp) wrote; with ``partial=True`` each stage reads its own file.
 
     A partial checkpoint is read in the seed's layout (``f"{f}_{mp_rank}"``) or in smp v1.10+'s
-    (``f"{f}_{pp_rank}_{tp_rank}.pt"``); one saved with tensor parallelism, or with more stages than this run,
-    is refused. Collective over every rank (call it on all of them): when any rank lacks its file, every rank
-    raises a ``FileNotFoundError`` naming the ranks and files. Loading is weights-only unless
+    (``f"{f}_{pp_rank}_{tp_rank}.pt"``, the only one under tensor parallelism: each rank reads its slices); one saved
+    at a larger tensor-parallel degree, or with more stages than this run, is refused. Collective over every rank
+    (call it on all of them): when any rank lacks its file, every rank raises a ``FileNotFoundError`` naming the
+    ranks and files. Loading is weights-only unless
     ``weights_only=False`` is passed for a file you trust.
 
     ``f`` may also be a folder ``smp.save_checkpoint`` wrote (the checkpoint in its ``newest`` file) or one of
@@ -157,8 +157,6 @@ def load(
         model.load_state_dict(checkpoint["model"])
     """
     name = _checked_name(f)
-    if partial:
-        smp_state.refuse_under_tensor_parallelism("smp.load(partial=True)")
     if os.path.isdir(name):
         loaded = load_folder(name, partial, map_location)
         if loaded is not None:

@@ -2,7 +2,8 @@
 
 Partial checkpoints come in two layouts: the seed's ``<f>_<mp_rank>`` and smp v1.10+'s ``<f>_<pp_rank>_<tp_rank>.pt``
 (also inside ``smp.save_checkpoint``'s ``<tag>_partial`` folders, with ``user_content.pt``, beside a ``newest``
-file; see :mod:`~.checkpoint_folders`). Every rank reads its own stage's files, so each check's result is shared
+file; see :mod:`~.checkpoint_folders`); under tensor parallelism only the latter, one file per (stage, tensor-parallel
+rank), each holding that rank's slices. Every rank reads its own stage's files, so each check's result is shared
 over the world before anything is loaded: a file missing on one rank fails on every rank, naming it.
 """
 
@@ -26,26 +27,38 @@ NEWEST = "newest"
 USER_CONTENT = "user_content.pt"
 
 
-def stage_files(name: str) -> tuple[str, str]:
-    """This stage's file of a partial checkpoint ``name``, in the seed's layout (``<f>_<mp_rank>``) and in smp
-    v1.10+'s (``<f>_<pp_rank>_<tp_rank>.pt``, tp_rank 0 here: no tensor parallelism)."""
-    stage = smp_state.pp_rank() if smp_state.is_initialized() else 0
+def _stage_and_tp() -> tuple[int, int, int]:
+    """This process's pipeline stage, tensor-parallel rank and degree (0, 0, 1 outside smp)."""
+    if not smp_state.is_initialized():
+        return 0, 0, 1
+    topo = smp_state.current().topology
+    return topo.mp_rank, topo.tp_rank, topo.tp_size
+
+
+def stage_files(name: str) -> tuple[str, ...]:
+    """This rank's file of a partial checkpoint ``name``: in the seed's layout (``<f>_<mp_rank>``) and in smp
+    v1.10+'s (``<f>_<pp_rank>_<tp_rank>.pt``); under tensor parallelism only the latter (it names the slice)."""
+    stage, tp_rank, tp_size = _stage_and_tp()
+    if tp_size > 1:
+        return (f"{name}_{stage}_{tp_rank}.pt",)
     return f"{name}_{stage}", f"{name}_{stage}_0.pt"
 
 
 def partial_file_problem(name: str, files: Sequence[str], what: str) -> Optional[str]:
-    """Why this stage cannot read the partial checkpoint whose stage files would be ``files`` (None if it can).
+    """Why this rank cannot read the partial checkpoint whose files would be ``files`` (None if it can).
 
-    ``files`` are this stage's candidate names; the checkpoint ``name`` is refused when it was written with
-    tensor parallelism (a ``_1.pt`` sibling: shards we cannot merge) or with more pipeline stages than this run.
+    ``files`` are this rank's candidate names; the checkpoint ``name`` is refused when it was written at a larger
+    tensor-parallel degree (a ``_<tp_size>.pt`` sibling: slices of another layout) or with more pipeline stages than
+    this run (a smaller layout shows as this rank's missing file).
     """
     stages = smp_state.pp_size() if smp_state.is_initialized() else 1
-    stage = smp_state.pp_rank() if smp_state.is_initialized() else 0
-    if os.path.exists(f"{name}_{stage}_1.pt"):
+    stage, _, tp_size = _stage_and_tp()
+    if os.path.exists(f"{name}_{stage}_{tp_size}.pt"):
         return (
-            f"{what} {name!r} was saved with tensor parallelism ({name}_{stage}_1.pt exists): shardkit has no "
-            "tensor parallelism and cannot merge tensor-parallel shards; save a full checkpoint (partial=False) "
-            "with smp and load that instead"
+            f"{what} {name!r} was saved with tensor parallelism at a larger degree ({name}_{stage}_{tp_size}.pt "
+            f"exists; this run has tensor_parallel_degree={tp_size}): a partial checkpoint loads only at the layout it "
+            "was saved with; load it with that tensor_parallel_degree, or save a full checkpoint (partial=False) and "
+            "load that"
         )
     for extra in (f"{name}_{stages}", f"{name}_{stages}_0.pt"):
         if os.path.exists(extra):
@@ -90,8 +103,9 @@ def load_weights(path: str, map_location: Any = None, **kwargs: Any) -> Any:
 
 
 def stage_name(prefix: str) -> str:
-    """``<prefix>_<pp_rank>_<tp_rank>.pt`` for this stage (tp_rank 0: no tensor parallelism)."""
-    return f"{prefix}_{smp_state.pp_rank()}_0.pt"
+    """``<prefix>_<pp_rank>_<tp_rank>.pt`` for this rank (smp's partial file of one stage's tensor-parallel slice)."""
+    stage, tp_rank, _ = _stage_and_tp()
+    return f"{prefix}_{stage}_{tp_rank}.pt"
 
 
 def newest_tag(path: str) -> Optional[str]:

@@ -1,15 +1,16 @@
 """``smp.save_checkpoint`` and ``smp.resume_from_checkpoint``: smp v1.10+'s checkpoint folders.
 
-The layout, as smp documents it (``rankinfo`` is ``<pp_rank>_<tp_rank>``; tp_rank is 0 here)::
+The layout, as smp documents it (``rankinfo`` is ``<pp_rank>_<tp_rank>``)::
 
     path/
       <tag>_partial/                one folder per partial checkpoint
-        model_<pp>_<tp>.pt          the stage's ``model.local_state_dict()``
-        optimizer_<pp>_<tp>.pt      the stage's ``optimizer.local_state_dict()``
+        model_<pp>_<tp>.pt          the stage's ``model.local_state_dict()`` (its tensor-parallel rank's slices)
+        optimizer_<pp>_<tp>.pt      the stage's ``optimizer.local_state_dict()`` (likewise)
         user_content.pt             what the script passed as ``user_content``
-      <tag>                         a full checkpoint: the whole model's plain ``state_dict``
+      <tag>                         a full checkpoint: the whole model's plain ``state_dict`` (slices merged)
       user_content_<tag>            its user content
-      optimizer_<tag>               its optimizer's full ``state_dict`` (ours: smp lists no such file)
+      optimizer_<tag>               its optimizer's full ``state_dict`` (ours: smp lists no such file; not written
+                                    under tensor parallelism, where the state is sliced)
       newest                        the tag saved last (text)
 
 Every file is a plain ``torch.save`` of tensors and containers and is read back weights-only, so no pickled code
@@ -73,14 +74,13 @@ def save_checkpoint(
         smp.save_checkpoint("/opt/ml/checkpoints", tag=f"step{step}", model=model, optimizer=optimizer,
                             user_content={"step": step}, num_kept_partial_checkpoints=2)
     """
-    smp_state.refuse_under_tensor_parallelism("smp.save_checkpoint")
     if not isinstance(tag, str) or not tag or os.sep in tag:
         raise ValueError(f"smp.save_checkpoint: tag must be a non-empty file name, got {tag!r}")
     if num_kept_partial_checkpoints is not None and num_kept_partial_checkpoints < 1:
         raise ValueError(f"num_kept_partial_checkpoints must be at least 1, got {num_kept_partial_checkpoints}")
     user_content = to_cpu(encode(user_content))
     _check_user_content(user_content)
-    first_replica = smp_state.dp_rank() == 0
+    first_replica = smp_state.current().topology.rdp_rank == 0  # each tensor-parallel rank writes its slices
     if partial:
         folder = os.path.join(path, f"{tag}_partial")
         if first_replica:
@@ -93,7 +93,7 @@ def save_checkpoint(
                 torch.save(user_content, os.path.join(folder, USER_CONTENT))
     else:
         full = model.state_dict() if model is not None else None  # collective over the replica's stages
-        full_optimizer = optimizer.state_dict() if optimizer is not None else None  # likewise
+        full_optimizer = optimizer.state_dict() if optimizer is not None and not _tp_slices_optimizer() else None
         if smp_state.rank() == 0:
             os.makedirs(path, exist_ok=True)
             if full is not None:
@@ -107,6 +107,20 @@ def save_checkpoint(
         if partial and num_kept_partial_checkpoints is not None:
             _prune(path, tag, num_kept_partial_checkpoints)
     smp_state.barrier()
+
+
+def _tp_slices_optimizer() -> bool:
+    """Under tensor parallelism the optimizer state is sliced like the weights and a full checkpoint holds the
+    merged model only (as smp's): warn that the optimizer is not in it."""
+    tp_size = smp_state.current().topology.tp_size
+    if tp_size > 1:
+        warnings.warn(
+            f"smp.save_checkpoint(partial=False) with tensor_parallel_degree={tp_size} saves the merged model without "
+            "the optimizer state (it is sliced per tensor-parallel rank); save a partial checkpoint to resume the "
+            "optimizer too",
+            stacklevel=3,
+        )
+    return tp_size > 1
 
 
 def _write_newest(path: str, tag: str) -> None:
@@ -150,7 +164,6 @@ def resume_from_checkpoint(
         user_content = smp.resume_from_checkpoint("/opt/ml/checkpoints")
         start_step = user_content["step"]
     """
-    smp_state.refuse_under_tensor_parallelism("smp.resume_from_checkpoint")
     state = smp_state.current()
     model, optimizer = state.model, state.optimizer if load_optimizer else None
     if model is None:

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from shardkit.modelparallel import checkpoint as ckpt
 from shardkit.modelparallel import state as smp_state
 from shardkit.modelparallel.auto_partition import Placement
 from shardkit.modelparallel.build import build_stage, decide_plan
@@ -24,6 +25,7 @@ from shardkit.modelparallel.execution import StageExecution
 from shardkit.modelparallel.holding import StageHolding
 from shardkit.modelparallel.pipeline_parallel import StepRun, StepStats
 from shardkit.modelparallel.tp.distribute import distribute_marked
+from shardkit.modelparallel.tp.state_dicts import cut_tp_slices, merge_tp_slices
 from shardkit.modelparallel.trace import to_device
 
 __all__ = ["DistributedModel"]
@@ -334,17 +336,21 @@ class DistributedModel(nn.Module):
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]  # gathered over stages
         """The whole model's state dict (keys of the unwrapped module), gathered from every stage.
 
-        Collective over the replica's stages: call it on every rank of the mp group.
+        Collective over the replica's stages and tensor-parallel ranks: call it on every rank of the mp group. Under
+        tensor parallelism the ranks' slices are merged into whole tensors (a plain model of the same class loads it).
         """
         if not self._holding.partitioned:
-            return self.module.state_dict(*args, **kwargs)
-        return self._holding.full_state_dict()
+            return merge_tp_slices(self.module.state_dict(*args, **kwargs), self.module)
+        return merge_tp_slices(self._holding.full_state_dict(), self.module)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         """Load a full or partial state dict (partial ones are first gathered from every stage: collective).
 
-        Before the partition the model loads it whole; after it, each stage copies what it holds.
+        Before the partition the model loads it whole; after it, each stage copies what it holds. Under tensor
+        parallelism a full state dict's split tensors are cut to this rank's slices; a partial one holds them already.
         """
+        if not ckpt.is_partial(state_dict):
+            state_dict = cut_tp_slices(state_dict, self.module)
         return self._holding.load_state_dict(state_dict, strict)
 
     def cpu(self) -> Any:

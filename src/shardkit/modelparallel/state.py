@@ -343,18 +343,6 @@ def get_dp_process_group() -> GroupLike:
     return current().dp_group
 
 
-def refuse_under_tensor_parallelism(who: str) -> None:
-    """Raise on every rank when ``who`` (a checkpoint call) runs with ``tensor_parallel_degree`` > 1: its files are
-    named per pipeline stage, so the tensor-parallel ranks' slices would overwrite each other or go unsaved."""
-    state = PROCESS.get()
-    if state is not None and state.topology.tp_size > 1:
-        raise NotImplementedError(
-            f"{who} with tensor_parallel_degree={state.topology.tp_size}: smp checkpoints of tensor-parallel models "
-            "are not built yet (each tensor-parallel rank holds a different slice); save with "
-            "shardkit.tensor_parallel.save_shard_files, or train with tensor_parallel_degree 1"
-        )
-
-
 def barrier() -> None:
     """Wait until every process reaches this point (shardkit's internal world barrier; scripts' ``smp.barrier``
     is :func:`shardkit.modelparallel.comm.barrier`, per group and checked)."""

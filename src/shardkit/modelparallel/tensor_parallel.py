@@ -3,8 +3,8 @@
 ``smp.tensor_parallelism()``, ``smp.set_tensor_parallelism()``, ``smp.tp_register`` and
 ``smp.tp_register_with_module`` live in :mod:`~.tp.registry`; ``smp.nn.DistributedLinear`` in :mod:`~.tp.layers`
 and the transformer blocks in :mod:`~.tp.transformer` (over the core :mod:`shardkit.tensor_parallel`).
-``DistributedEmbedding`` and ``DistributedTransformerLMHead`` are not built yet: they are importable, and
-constructing one raises :class:`TensorParallelismNotSupported` before anything is changed.
+``DistributedEmbedding`` in :mod:`~.tp.embedding`. ``DistributedTransformerLMHead`` is not built yet: it is
+importable, and constructing one raises :class:`TensorParallelismNotSupported` before anything is changed.
 """
 
 from __future__ import annotations
@@ -54,10 +54,4 @@ def _distributed_module(name: str) -> type[nn.Module]:
 
 
 #: smp.nn's tensor-parallel modules not built yet (each refuses construction).
-DISTRIBUTED_MODULES = {
-    name: _distributed_module(name)
-    for name in (
-        "DistributedEmbedding",
-        "DistributedTransformerLMHead",
-    )
-}
+DISTRIBUTED_MODULES = {name: _distributed_module(name) for name in ("DistributedTransformerLMHead",)}

@@ -3,7 +3,8 @@
 The outermost module of a marked subtree whose class is registered (see :mod:`~.registry`) is replaced in its
 parent; its subtree is not visited further. A marked module that cannot be split is kept as it is, and every such
 module (no registered version, a size the degree does not divide, a weight shared with another module, constructor
-arguments not recorded) is listed once in the log with the reason, never skipped silently. Every rank holds the same
+arguments not recorded) is listed once in the log with the reason, never skipped silently. A marked Hugging Face model
+of a family with a plan is split whole by the core's plan instead (see :mod:`~.hf`). Every rank holds the same
 model structure (checked first), so every rank takes the same decisions.
 """
 
@@ -18,14 +19,18 @@ from typing import Any, Optional
 from torch import nn
 
 from shardkit.distributed.model_check import check_same_model
+from shardkit.modelparallel import state as smp_state
 from shardkit.modelparallel.grad_sync import SplitReduction
 from shardkit.modelparallel.state import SMPState
+from shardkit.modelparallel.tp import hf
+from shardkit.modelparallel.tp.embedding import DistributedEmbedding
 from shardkit.modelparallel.tp.layers import DistributedLinear, DistributedModule, split_divisor
 from shardkit.modelparallel.tp.registry import Mark, Registration, init_args, mark_of, register, registration_for
 
 LOG = logging.getLogger("shardkit.modelparallel")
 
 register(nn.Linear, Registration(DistributedLinear))
+register(nn.Embedding, Registration(DistributedEmbedding))
 
 
 @dataclass
@@ -33,6 +38,8 @@ class Distribution:
     """What :func:`distribute` did: the replaced modules' names, and each marked module left unsplit with why."""
 
     replaced: list[str] = field(default_factory=list)
+    hf_models: list[str] = field(default_factory=list)
+    """The Hugging Face models split whole by their family's plan."""
     unsplit: list[tuple[str, str]] = field(default_factory=list)
 
     def report(self) -> Optional[str]:
@@ -43,21 +50,44 @@ class Distribution:
         return f"smp.tensor_parallelism: {len(self.unsplit)} marked module(s) left unsplit: {lines}"
 
 
-def distribute(root: nn.Module) -> Distribution:
-    """Replace, in place, the outermost marked and registered modules below ``root`` (see the module docstring)."""
+def distribute(root: nn.Module, state: Optional[SMPState] = None) -> Distribution:
+    """Replace, in place, the outermost marked and registered modules below ``root``, and split the marked Hugging
+    Face models (see the module docstring). ``state``: the smp job's (the current one when None)."""
     done = Distribution()
     uses = Counter(id(p) for _, p in root.named_parameters(remove_duplicate=False))
     mark = mark_of(root) or Mark(False)
-    if mark.enabled and registration_for(root) is not None:
-        done.unsplit.append(("", "the model smp.DistributedModel wraps is never replaced itself; mark its parts"))
-    elif mark.enabled and _holds_own_parameters(root):
-        done.unsplit.append(("", f"no distributed version registered for {type(root).__name__}"))
+    models: list[nn.Module] = []
+    job = state if state is not None else smp_state.current()
     pending: list[tuple[nn.Module, str, nn.Module]] = []
-    _visit(root, "", mark, uses, done, pending)
-    # Every replacement is built before any is made, so an error leaves the model as it was.
+    if not _take_hf_model(root, "", mark, job, done, models):  # a Hugging Face model taken whole is not visited
+        if mark.enabled and registration_for(root) is not None:
+            done.unsplit.append(("", "the model smp.DistributedModel wraps is never replaced itself; mark its parts"))
+        elif mark.enabled and _holds_own_parameters(root):
+            done.unsplit.append(("", f"no distributed version registered for {type(root).__name__}"))
+        _visit(root, "", mark, uses, done, pending, (job, models))
+    # Every replacement is built, and every refusal raised, before any is made: an error leaves the model as it was.
     for parent, name, built in pending:
         setattr(parent, name, built)
+    for model in models:
+        hf.split_model(model, job)
     return done
+
+
+def _take_hf_model(
+    module: nn.Module, path: str, mark: Mark, job: SMPState, done: Distribution, models: list[nn.Module]
+) -> bool:
+    """Whether ``module`` is a marked Hugging Face model with a plan, taken whole (its subtree is not visited) into
+    ``models``, or listed unsplit with why. Raises for what is not built yet (see :mod:`~.hf`)."""
+    if not (hf.is_hf_model(module) and hf.hf_marked(module, mark)):
+        return False
+    hf.refuse_unbuilt(module, path, job)
+    why = hf.unsplit_reason(module, job.topology.tp_size)
+    if why is None:
+        models.append(module)
+        done.hf_models.append(path)
+    else:
+        done.unsplit.append((path, why))
+    return True
 
 
 def _holds_own_parameters(module: nn.Module) -> bool:
@@ -71,11 +101,14 @@ def _visit(
     uses: Counter[int],
     done: Distribution,
     pending: list[tuple[nn.Module, str, nn.Module]],
+    hf_models: tuple[SMPState, list[nn.Module]],
 ) -> None:
     for name, child in list(module.named_children()):
         path = prefix + name
         mark = mark_of(child) or inherited
         if isinstance(child, DistributedModule):  # already distributed, with its own plain parts inside
+            continue
+        if _take_hf_model(child, path, inherited, hf_models[0], done, hf_models[1]):
             continue
         if mark.enabled:
             registration = registration_for(child)
@@ -88,7 +121,7 @@ def _visit(
                 done.unsplit.append((path, why))
             elif _holds_own_parameters(child):
                 done.unsplit.append((path, f"no distributed version registered for {type(child).__name__}"))
-        _visit(child, path + ".", mark, uses, done, pending)
+        _visit(child, path + ".", mark, uses, done, pending, hf_models)
 
 
 def _build(
@@ -107,6 +140,8 @@ def _build(
     try:
         if isinstance(module, nn.Linear) and registration.dist_module is DistributedLinear:
             return DistributedLinear.from_linear(module), ""
+        if isinstance(module, nn.Embedding) and registration.dist_module is DistributedEmbedding:
+            return DistributedEmbedding.from_embedding(module), ""
         return _construct(module, registration, mark)
     except ValueError as exc:  # a size the tensor-parallel degree does not divide
         return None, str(exc)
@@ -141,7 +176,7 @@ def distribute_marked(root: nn.Module, state: SMPState) -> Distribution:
     (so all take the same decisions), then replaces its marked modules; rank 0 logs the modules left unsplit."""
     if state.distributed:
         check_same_model(root, state.world_group, "smp.DistributedModel (tensor parallelism)")
-    done = distribute(root)
+    done = distribute(root, state)
     message = done.report()
     if message is not None and state.topology.rank == 0:
         LOG.warning(message)
@@ -149,8 +184,10 @@ def distribute_marked(root: nn.Module, state: SMPState) -> Distribution:
 
 
 def split_parameter_ids(root: nn.Module) -> frozenset[int]:
-    """The parameters of the distributed modules in ``root`` (reduced over the reduced-data-parallel group)."""
-    return frozenset(id(p) for m in root.modules() if isinstance(m, DistributedModule) for p in m.parameters())
+    """The parameters of the distributed modules and split Hugging Face models in ``root`` (reduced over the
+    reduced-data-parallel group)."""
+    own = frozenset(id(p) for m in root.modules() if isinstance(m, DistributedModule) for p in m.parameters())
+    return own | hf.split_model_parameter_ids(root)
 
 
 def split_reduction(root: nn.Module, state: SMPState) -> Optional[SplitReduction]:

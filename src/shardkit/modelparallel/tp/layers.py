@@ -33,27 +33,34 @@ from shardkit.tensor_parallel import (
     reduce_scatter_to_sequence,
     scatter_to_tp,
     split_size,
+    tp_sharding,
 )
 
 
 class DistributedModule(nn.Module):
     """Base of ``smp.nn``'s distributed modules (what ``smp.tp_register`` takes): their parameters are reduced
-    over the reduced-data-parallel group (see the module docstring). :attr:`tp_sliced_names` names the parameters
-    (relative to the module) that hold a different slice on each tensor-parallel rank; the others are equal there.
+    over the reduced-data-parallel group (see the module docstring). :attr:`tp_slices` names the parameters
+    (relative to the module) that hold a different slice on each tensor-parallel rank, with how each is split; the
+    others are equal there.
     """
 
-    tp_sliced_names: tuple[str, ...] = ()
+    tp_slices: dict[str, ShardSpec] = {}  # noqa: RUF012 (read-only default; instances assign their own)
+
+
+def split_specs(root: nn.Module) -> dict[str, ShardSpec]:
+    """Every parameter below ``root`` split across the tensor-parallel ranks, by qualified name, with its split:
+    the core's layers' (a split Hugging Face model's) and smp's distributed modules'."""
+    specs = tp_sharding(root)
+    for prefix, module in root.named_modules():
+        if isinstance(module, DistributedModule):
+            specs.update({f"{prefix}.{name}" if prefix else name: spec for name, spec in module.tp_slices.items()})
+    return specs
 
 
 def sliced_parameter_ids(root: nn.Module) -> frozenset[int]:
     """The parameters below ``root`` that hold a different slice on each tensor-parallel rank (a global norm sums
     them over the group and counts the others once)."""
-    return frozenset(
-        id(m.get_parameter(name))
-        for m in root.modules()
-        if isinstance(m, DistributedModule)
-        for name in m.tp_sliced_names
-    )
+    return frozenset(id(root.get_parameter(name)) for name in split_specs(root))
 
 
 def split_divisor(topology_rdp: int, tp_size: int, prescaled_batch: bool) -> int:
@@ -130,7 +137,7 @@ class DistributedLinear(TensorParallelModule, DistributedModule):
         self.prescaled_batch = smp_state.current().config.prescaled_batch
         self.local_in_features = split_size(who, "in_features", in_features, size)
         self.tp_specs = {"weight": ShardSpec(1)} if group is not None else {}
-        self.tp_sliced_names = tuple(self.tp_specs)
+        self.tp_slices = dict(self.tp_specs)
         if group is not None:
             self.tp = group
         full = nn.Linear(in_features, out_features, bias=bias)  # torch's initialisation, from this random state

@@ -170,7 +170,9 @@ class DistributedTransformerOutputLayer(_Block):
         std = initializer_range if use_normal_initialization else None
         self.dense1 = _split_linear(_reference_linear(hidden_size, intermediate_size, std), 0, self.region)
         self.dense2 = _split_linear(_reference_linear(intermediate_size, hidden_size, std), 1, self.region)
-        self.tp_sliced_names = ("dense1.weight", "dense1.bias", "dense2.weight") if self.region.sliced else ()
+        column, row = ShardSpec(0), ShardSpec(1)
+        sliced = {"dense1.weight": column, "dense1.bias": column, "dense2.weight": row}
+        self.tp_slices = sliced if self.region.sliced else {}
         self.dropout = nn.Dropout(hidden_dropout_prob)
         self.activation = activation
         self.fp32_residual_addition = fp32_residual_addition
@@ -222,8 +224,8 @@ class DistributedAttentionLayer(_Block):
         self.key = _split_linear(_reference_linear(hidden_size, width, std), 0, self.region)
         self.value = _split_linear(_reference_linear(hidden_size, width, std), 0, self.region)
         self.dense = _split_linear(_reference_linear(width, hidden_size, std), 1, self.region)
-        columns = tuple(f"{name}.{kind}" for name in ("query", "key", "value") for kind in ("weight", "bias"))
-        self.tp_sliced_names = (*columns, "dense.weight") if self.region.sliced else ()
+        sliced = {f"{name}.{kind}": ShardSpec(0) for name in ("query", "key", "value") for kind in ("weight", "bias")}
+        self.tp_slices = {**sliced, "dense.weight": ShardSpec(1)} if self.region.sliced else {}
         self.dropout1 = nn.Dropout(attention_dropout_prob)
         self.dropout2 = nn.Dropout(hidden_dropout_prob)
         self.causal_mask_size = causal_mask_size
