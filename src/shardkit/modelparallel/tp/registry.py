@@ -62,6 +62,8 @@ class _Registry:
         self.init_args: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[Any, ...], dict[str, Any]]] = (
             weakref.WeakKeyDictionary()
         )
+        #: classes whose own ``__init__`` records its arguments (wrapped once, at their first registration)
+        self.recording: set[type[nn.Module]] = set()
 
 
 REGISTRY = _Registry()
@@ -86,9 +88,8 @@ def register(module_cls: type[nn.Module], registration: Registration) -> None:
             f"smp.tp_register: dist_module must be an smp.nn distributed module class, got {registration.dist_module!r}"
         )
     REGISTRY.by_class[module_cls] = registration
-    if "__init__" in vars(module_cls) and getattr(module_cls.__init__, "_smp_records_args", False):
-        return
-    _record_init_args(module_cls)
+    if module_cls not in REGISTRY.recording:
+        _record_init_args(module_cls)
 
 
 def _record_init_args(module_cls: type[nn.Module]) -> None:
@@ -102,8 +103,8 @@ def _record_init_args(module_cls: type[nn.Module]) -> None:
         if mark is not None and self not in REGISTRY.marks:
             REGISTRY.marks[self] = mark
 
-    __init__._smp_records_args = True  # type: ignore[attr-defined]
     module_cls.__init__ = __init__  # type: ignore[method-assign]
+    REGISTRY.recording.add(module_cls)
 
 
 def init_args(module: nn.Module) -> Optional[tuple[tuple[Any, ...], dict[str, Any]]]:
