@@ -28,7 +28,7 @@ from shardkit.distributed.spawn import run_distributed
 from shardkit.memory import MemoryTracker
 from shardkit.memory.meter import training_memory
 from shardkit.plan._torch_private import mem_tracker
-from shardkit.plan.pipeline import builder, pipeline_forward_backward, smp_config
+from shardkit.plan.pipeline import builder, initialised_build, pipeline_forward_backward, smp_config
 from shardkit.plan.runner import call_model, warmup_steps
 from shardkit.plan.strategies import PIPELINE, get
 from shardkit.plan.tensor_parallel import data_group, tensor_parallel_state
@@ -115,11 +115,13 @@ def _measure_one(workload: Workload, strategy: str, topology: Optional[Topology]
         # Made while tracked: a real run holds its batch in device memory, as the planner counts it (for images a
         # visible share of a small model's peak).
         batch = workload.batch()
-        model = workload.build()
-        if strategy == PIPELINE:
-            build = builder(smp_config(options, world_size), workload.optimizer, optim_options)
+        if strategy == PIPELINE:  # smp first: smp.nn's tensor-parallel layers read the layout when built
+            config = smp_config(options, world_size)
+            model = initialised_build(config, workload.build)
+            build = builder(config, workload.optimizer, optim_options)
             wrapped, optimizer, after_step = build(model, topology)
         else:
+            model = workload.build()
             spec = OptimizerSpec(workload.optimizer, optim_options)
             wrapped, optimizer, after_step = get(strategy).build(model, spec, data_group(), options, topology)
         tracker.watch(wrapped, optimizer)
