@@ -106,7 +106,9 @@ def _buffer_bytes(model: torch.nn.Module) -> int:
     return sum(storages.values())
 
 
-def _measure_one(workload: Workload, strategy: str, topology: Optional[Topology]) -> RealRank:
+def measure_rank(workload: Workload, strategy: str, topology: Optional[Topology] = None) -> RealRank:
+    """This rank of a real run of ``workload`` under ``strategy`` (every rank calls it): its peak, its state after
+    the reported step and its bytes sent (see the module docstring)."""
     torch.manual_seed(0)
     options, optim_options = dict(workload.strategy_options), dict(workload.optimizer_options)
     world_size = dist.get_world_size()
@@ -157,7 +159,7 @@ def _worker(rank: int, world_size: int, workload: Workload, strategies: list[str
         topology = Topology.from_env(nprocs_per_node=workload.nprocs_per_node)
         set_topology(topology)  # the meter's view of the nodes, as the planner sets it
     with tensor_parallel_state(workload.tensor_parallel):  # the planner's layout: tensor ranks consecutive
-        return {name: _measure_one(workload, name, topology) for name in strategies}
+        return {name: measure_rank(workload, name, topology) for name in strategies}
 
 
 def measure_real(workload: Workload, strategies: Sequence[str], world_size: int) -> dict[str, list[RealRank]]:
@@ -169,4 +171,4 @@ def measure_real(workload: Workload, strategies: Sequence[str], world_size: int)
     return {name: [ranks[name] for ranks in per_rank] for name in strategies}
 
 
-__all__ = ["RealRank", "measure_real"]
+__all__ = ["RealRank", "measure_rank", "measure_real"]
