@@ -38,6 +38,9 @@ def test_layouts_are_the_factorisations_smps_rules_accept() -> None:
     sharded, _ = smp_layouts(12, FACTS, sharded=True)
     assert [x for x in sharded if x.sharded] == [Layout(p, t, d, True) for p, t, d, _ in expected if d > 1]
     assert "no nn.ModuleList" in SplitFacts(None).pipeline_problem(2) and not SplitFacts(None).pipeline_problem(1)
+    unsplit, refused = smp_layouts(4, SplitFacts(4))  # nothing to split: no tensor degree above 1
+    assert _shapes(unsplit) == [(1, 1, 4, False), (2, 1, 2, False), (4, 1, 1, False)]
+    assert "pp1 x tp2 x dp2 x4: the model has no smp.nn tensor-parallel layers for tensor degree 2 to split" in refused
 
 
 def test_layout_options_are_smps_config_for_the_same_global_batch() -> None:

@@ -8,7 +8,8 @@ pipeline stage on the meta device; the stage with the highest peak is reported).
 
 - the tensor-parallel degree divides every size the layers split (attention heads, feed-forward features, the
   embedding width, a ``DistributedLinear``'s input features), read from the model built at degree 1
-  (:func:`split_facts`); a layer it does not know is still checked, by the real run, whose refusal is listed;
+  (:func:`split_facts`); a layer it does not know is still checked, by the real run, whose refusal is listed; a
+  model without any of these layers takes no tensor degree above 1 (smp would hold it whole on every tensor rank);
 - the pipeline degree is at most the number of layers (the longest ``nn.ModuleList``): smp cuts between them;
 - the data degree is what is left, ``W / (pipeline x tensor)`` (smp's reduced data parallelism; smp's ``dp_size``
   is ``data x tensor``); with ``sharded=True`` each layout with data > 1 is also planned with
@@ -61,6 +62,8 @@ class SplitFacts:
 
     def tensor_problem(self, tensor: int) -> str:
         """Why the model cannot be split over ``tensor`` ranks, or ""."""
+        if tensor > 1 and not self.sizes:  # smp would replicate it on every tensor rank: no layout worth listing
+            return f"the model has no smp.nn tensor-parallel layers for tensor degree {tensor} to split"
         bad = [f"{what} {size}" for what, size in self.sizes if size % tensor]
         return f"tensor degree {tensor} does not divide the {', '.join(bad)}" if bad else ""
 
