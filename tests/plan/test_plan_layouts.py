@@ -14,7 +14,7 @@ import pytest
 from shardkit.models.smp_lm import smp_lm
 from shardkit.plan.accuracy import compare
 from shardkit.plan.cli import main
-from shardkit.plan.layouts import Layout, SplitFacts, read_split_facts, smp_layouts
+from shardkit.plan.layouts import Layout, SplitFacts, config_refusal, read_split_facts, smp_layouts
 from shardkit.plan.workloads import Workload
 
 #: A model of 3 layers whose heads (6) and feed-forward features (90) decide the tensor degrees.
@@ -52,6 +52,9 @@ def test_layout_options_are_smps_config_for_the_same_global_batch() -> None:
     assert Layout(4, 1, 1).options(batch_size=2) == {"partitions": 4, "microbatches": 8, "pipeline": "interleaved"}
     assert Layout(1, 2, 2, sharded=True).options(2)["sharded_data_parallel_degree"] == 2
     assert Layout(2, 2, 2, sharded=True).label == "pp2 x tp2 x dp2 (sharded)"
+    # a config smp refuses is listed with smp's reason before anything runs
+    assert config_refusal(three_d.options) == ""
+    assert config_refusal({**three_d.options, "placement_strategy": "DPP"}).startswith("smp refuses the config: ")
 
 
 @pytest.mark.single  # smp.init in this process (one process, no group)

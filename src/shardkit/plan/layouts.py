@@ -161,6 +161,18 @@ def smp_layouts(world_size: int, facts: SplitFacts, sharded: bool = False) -> tu
     return valid, refused
 
 
+def config_refusal(options: dict[str, Any]) -> str:
+    """smp's refusal of the config ``options`` (its first two lines: what and why), or "" when smp takes it."""
+    # start-up cost: smp imports shardkit.nn and torch._dynamo, which plans without the pipeline never need
+    import shardkit.modelparallel as smp
+
+    try:
+        smp.ModelParallelConfig.from_dict(options)
+    except ValueError as exc:
+        return "smp refuses the config: " + " ".join(line.strip() for line in str(exc).splitlines()[:2])
+    return ""
+
+
 def plan_layouts(
     work: Workload,
     world_sizes: Sequence[int],
@@ -180,6 +192,10 @@ def plan_layouts(
         failed += refused
         for layout in layouts:
             setting = layout.setting(work.batch_size)
+            refusal = config_refusal(setting.options)
+            if refusal:
+                failed.append(f"{layout.label} x{world_size}: {refusal}")
+                continue
             replica = replace(work, batch_size=work.batch_size * layout.pipeline)
             try:
                 est = estimate(
