@@ -21,10 +21,10 @@ from typing import Any, Callable, Optional
 import torch
 
 from shardkit.distributed import collectives as C
-from shardkit.modelparallel import checkpoint as ckpt
 from shardkit.modelparallel import state as smp_state
+from shardkit.modelparallel.checkpoints import checkpoint as ckpt
+from shardkit.modelparallel.checkpoints.sharded_state import ShardedOptimizerState
 from shardkit.modelparallel.optimizers import FusedLamb
-from shardkit.modelparallel.sharded_state import ShardedOptimizerState
 from shardkit.modelparallel.tp.layers import sliced_parameter_ids
 
 # One subclass per (optimizer class, sharded state), so wrapped optimizers of one class share a type.
