@@ -82,6 +82,8 @@ def test_command_plans_every_layout_with_memory_and_traffic(tmp_path: Path, caps
     rows = _estimates(out)
     assert set(rows) == {"pp1 x tp1 x dp2", "pp1 x tp2 x dp1", "pp2 x tp1 x dp1"}
     assert all(row["device"] == "meta" for row in rows.values())  # smp.nn's layers are built on the meta device
+    header = [cell.strip() for cell in text.splitlines()[0].split("|")]
+    assert header[4:10] == ["peak/rank", "params", "grads", "optimizer", "activations", "other"]
     assert all(label in text for label in rows) and "TP sent" in text and "world size 2: recommended" in text
     for tensor in (1, 2):  # each rank holds 1/t of the blocks' split parameters, the rest whole (fp32)
         params = rows[f"pp1 x tp{tensor} x dp{2 // tensor}"]["state_breakdown"]["parameters"]

@@ -2,7 +2,10 @@
 
 One line per planned layout (:mod:`shardkit.plan.layouts`), by world size, those that fit first, fastest predicted
 step first. Memory is the planned peak of the stage with the highest one and, at that peak, its parameters,
-gradients, optimizer state and activations (the micro-batches the schedule keeps in flight). Traffic is what one
+gradients, optimizer state and activations (the micro-batches the schedule keeps in flight), and ``other``: the rest
+of the peak (communication buffers, among them smp's gradient buckets and pipeline receive buffers, and
+temporaries, among them gradients still being accumulated when the peak falls inside the pipeline's
+forward/backward: the planner names them gradients once backward is over). Traffic is what one
 rank sends per step by collective kind, which in smp's layouts names its group: ``TP`` the all-gathers and
 reduce-scatters around each tensor-parallel block (the tensor-parallel group's batches in and out, without
 ``prescaled_batch``; sharded data parallelism's gathers and gradient reduce-scatters count here too), ``p2p`` the
@@ -36,7 +39,7 @@ def traffic(est: Estimate) -> dict[str, int]:
 
 def layout_table(results: Sequence[tuple[Setting, Estimate]], memory: int, host_memory: Optional[int] = None) -> str:
     """The layouts as a Markdown table (see the module docstring)."""
-    headings = ["world", "layout", "micro-batches", "peak/rank", *(h for h, _ in MEMORY)]
+    headings = ["world", "layout", "micro-batches", "peak/rank", *(h for h, _ in MEMORY), "other"]
     headings += [f"{h} sent" for h, _ in TRAFFIC] + ["step ms", "fits"]
     rows = []
 
@@ -53,6 +56,7 @@ def layout_table(results: Sequence[tuple[Setting, Estimate]], memory: int, host_
                 str(setting.options.get("microbatches", 1)),
                 format_bytes(est.peak_bytes),
                 *(format_bytes(est.peak_breakdown.get(category, 0)) for _, category in MEMORY),
+                format_bytes(est.peak_bytes - sum(est.peak_breakdown.get(category, 0) for _, category in MEMORY)),
                 *(format_bytes(sent[name]) for name, _ in TRAFFIC),
                 f"{est.step_seconds * 1e3:.2f}",
                 "yes" if est.fits(memory, host_memory) else "no",
