@@ -17,7 +17,9 @@ from shardkit.plan.measure import RealRank
 
 def test_the_3d_layout_is_compared_with_pipeline_x_data_at_the_same_world_size() -> None:
     assert SUITES["3d"] == "shardkit.bench.three_d"
-    assert layouts_for(8, is_quick=False) == [Layout(2, 2, 2), Layout(2, 1, 4), Layout(4, 1, 2)]
+    assert layouts_for(8, is_quick=False) == [
+        Layout(2, 2, 2), Layout(2, 2, 2, prescaled=True), Layout(2, 1, 4), Layout(4, 1, 2)
+    ]  # fmt: skip
     assert layouts_for(4, is_quick=True) == [Layout(2, 2, 1), Layout(2, 1, 2)]
     with pytest.raises(SystemExit, match="multiple of 4"):
         layouts_for(6, is_quick=False)
@@ -27,6 +29,8 @@ def test_the_3d_layout_is_compared_with_pipeline_x_data_at_the_same_world_size()
     work = s.workload(Layout(2, 2, 2))  # one replica feeds 2 ranks' sequences, cut into 4 micro-batches
     assert (work.kind, work.batch_size, work.strategy_options["microbatches"]) == ("smp_lm", 2 * s.batch, 4)
     assert work.strategy_options["tensor_parallel_degree"] == 2
+    shared = s.workload(Layout(2, 2, 2, prescaled=True))  # a tensor pair shares one batch: twice as many sequences
+    assert (shared.batch_size, shared.strategy_options["prescaled_batch"]) == (4 * s.batch, True)
 
 
 def _estimate(peak: int, state: int, sent: int) -> Estimate:

@@ -37,6 +37,10 @@ def test_layouts_are_the_factorisations_smps_rules_accept() -> None:
     assert len(valid) + len(refused) == 18  # every (pipeline, tensor) pair dividing 12, listed once
     sharded, _ = smp_layouts(12, FACTS, sharded=True)
     assert [x for x in sharded if x.sharded] == [Layout(p, t, d, True) for p, t, d, _ in expected if d > 1]
+    prescaled, _ = smp_layouts(12, FACTS, prescaled=True)  # the tensor ranks sharing one batch, where there are some
+    assert [x for x in prescaled if x.prescaled] == [
+        Layout(p, t, d, prescaled=True) for p, t, d, _ in expected if t > 1
+    ]
     assert "no nn.ModuleList" in SplitFacts(None).pipeline_problem(2) and not SplitFacts(None).pipeline_problem(1)
     unsplit, refused = smp_layouts(4, SplitFacts(4))  # nothing to split: no tensor degree above 1
     assert _shapes(unsplit) == [(1, 1, 4, False), (2, 1, 2, False), (4, 1, 1, False)]
@@ -52,6 +56,9 @@ def test_layout_options_are_smps_config_for_the_same_global_batch() -> None:
     assert Layout(4, 1, 1).options(batch_size=2) == {"partitions": 4, "microbatches": 8, "pipeline": "interleaved"}
     assert Layout(1, 2, 2, sharded=True).options(2)["sharded_data_parallel_degree"] == 2
     assert Layout(2, 2, 2, sharded=True).label == "pp2 x tp2 x dp2 (sharded)"
+    shared = Layout(2, 2, 2, prescaled=True).setting(batch_size=2)  # a tensor pair feeds one batch: the same global
+    assert shared.batch_ranks == 4 and shared.label == "pp2 x tp2 x dp2 (prescaled)"
+    assert shared.options == {**three_d.options, "microbatches": 4, "prescaled_batch": True}
     # a config smp refuses is listed with smp's reason before anything runs
     assert config_refusal(three_d.options) == ""
     assert config_refusal({**three_d.options, "placement_strategy": "DPP"}).startswith("smp refuses the config: ")
@@ -99,6 +106,7 @@ def test_command_plans_every_layout_with_memory_and_traffic(tmp_path: Path, caps
     ("argv", "match"),
     [
         (["--smp-sharded"], "give --smp-layouts too"),
+        (["--smp-prescaled"], "--smp-prescaled adds variants of smp's layouts: give --smp-layouts too"),
         (["--smp-layouts", "--tensor-parallel", "2"], "drop --tensor-parallel"),
         (["--smp-layouts", "--strategies", "ddp"], "drop --strategies"),
     ],

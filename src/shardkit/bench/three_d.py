@@ -2,10 +2,11 @@
 
 One run of ``--world-size`` gloo processes (8 by default) trains :func:`shardkit.models.smp_lm.smp_lm` (smp's
 ``DistributedTransformerLayer`` blocks) through smp's API in each layout, on the same global batch: pipeline 2 x
-tensor 2 x data ``W/4`` against pipeline 2 x data ``W/2`` and pipeline 4 x data ``W/4`` (``--quick``: the first two
-only). Reported per layout: the median step time of the slowest rank and its ratio to pipeline 2 x data, and the
-memory per rank (the rank with the highest peak) and bytes sent per step against ``shardkit plan``'s figures for
-the same layout (:mod:`shardkit.plan.layouts`, planned on the meta device for the gloo backend); see
+tensor 2 x data ``W/4`` (each rank feeding its own batch, and with ``prescaled_batch``, the tensor pair sharing one as
+AWS's GPT scripts set it) against pipeline 2 x data ``W/2`` and pipeline 4 x data ``W/4`` (``--quick``: the first
+and the third only). Reported per layout: the median step time of the slowest rank and its ratio to pipeline 2 x
+data, and the memory per rank (the rank with the highest peak) and bytes sent per step against ``shardkit plan``'s
+figures for the same layout (:mod:`shardkit.plan.layouts`, planned on the meta device for the gloo backend); see
 :mod:`shardkit.bench.three_d_measure` for how each is measured.
 
 Run it as ``shardkit bench 3d`` (options ``--world-size``, ``--steps``, ``--warmup``, ``--quick``, ``--json PATH``)
@@ -45,11 +46,15 @@ class Compared:
 
 
 def layouts_for(world_size: int, is_quick: bool) -> list[Layout]:
-    """The 3-D layout and the pipeline x data layouts it is compared with at ``world_size`` (a multiple of 4)."""
+    """The 3-D layouts and the pipeline x data layouts they are compared with at ``world_size`` (a multiple of 4)."""
     if world_size % 4:
         raise SystemExit(f"--world-size must be a multiple of 4 (pipeline 2 x tensor 2 x data), got {world_size}")
     out = [Layout(2, 2, world_size // 4), Layout(2, 1, world_size // 2)]
-    return out if is_quick else [*out, Layout(4, 1, world_size // 4)]
+    return (
+        out
+        if is_quick
+        else [out[0], Layout(2, 2, world_size // 4, prescaled=True), *out[1:], Layout(4, 1, world_size // 4)]
+    )
 
 
 def plan(s: ThreeDSettings, layout: Layout) -> Estimate:
@@ -83,8 +88,9 @@ def report(results: list[Compared], s: ThreeDSettings, world_size: int) -> str:
     header = (
         f"3d suite: smp_lm {s.layers} DistributedTransformerLayer blocks x width {s.dim}, {s.heads} heads, vocab "
         f"{s.vocab}, seq {s.seq}, {s.batch} sequences per rank (global batch {s.batch * world_size}); AdamW; smp "
-        f"1F1B, 2 x pipeline micro-batches; {s.rounds} rounds of {s.warmup} warm-up + {s.steps} timed steps per "
-        f"layout, alternating; gloo, CPU, 1 thread per rank, world {world_size}; load average {load:.2f} at the end"
+        f"1F1B, 2 x pipeline micro-batches per replica; {s.rounds} rounds of {s.warmup} warm-up + {s.steps} timed "
+        f"steps per layout, alternating; gloo, CPU, 1 thread per rank, world {world_size}; load average {load:.2f} "
+        "at the end"
     )
     base = next(r for r in results if r.label == f"pp2 x tp1 x dp{world_size // 2}")
     rows = [

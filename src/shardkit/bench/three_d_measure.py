@@ -32,8 +32,8 @@ class ThreeDSettings:
     heads: int = 4
     layers: int = 4
     seq: int = 64
-    #: Sequences per rank (one replica of ``p`` stages feeds ``p`` times this): every layout's global batch is
-    #: ``batch x world size``.
+    #: Sequences per rank (one replica of ``p`` stages feeds ``p`` times this, ``p x t`` with ``prescaled_batch`` over
+    #: ``t`` tensor ranks): every layout's global batch is ``batch x world size``.
     batch: int = 2
     steps: int = 4
     warmup: int = 1
@@ -43,7 +43,7 @@ class ThreeDSettings:
         """What one replica of ``layout`` trains (the planner plans the same)."""
         sizes = {"vocab": self.vocab, "dim": self.dim, "heads": self.heads, "layers": self.layers}
         return Workload.smp_lm(
-            overrides=sizes, batch_size=self.batch * layout.pipeline, seq_len=self.seq,
+            overrides=sizes, batch_size=self.batch * layout.replica_ranks, seq_len=self.seq,
             strategy_options=layout.options(self.batch),
         )  # fmt: skip
 

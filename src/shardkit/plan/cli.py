@@ -157,9 +157,8 @@ def _parser() -> argparse.ArgumentParser:
         help="list and plan smp's 3-D layouts (pipeline x tensor x data) of a model of smp.nn layers (--lm smp or a "
         "factory) instead of the strategies",
     )  # fmt: skip
-    p.add_argument(
-        "--smp-sharded", action="store_true", help="with --smp-layouts: also each layout with sharded data parallelism"
-    )
+    p.add_argument("--smp-sharded", action="store_true", help="with --smp-layouts: also with sharded data parallel")
+    p.add_argument("--smp-prescaled", action="store_true", help="with --smp-layouts: also with prescaled_batch")
     p.add_argument("--nprocs-per-node", type=int, default=None, help="ranks per node (intra/inter-node bytes)")
     p.add_argument("--strategies", default=None, help="comma-separated subset: ddp,oss_ddp,oss_sdp,fsdp,slowmo,smp")
     p.add_argument("--device-memory", type=parse_bytes, default=parse_bytes("80GiB"), help="memory per device")
@@ -366,8 +365,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             work = _workload(args, parser)
             loss = _loss(args, work)
             if args.smp_layouts:
-                sizes, sharded = args.world_sizes, args.smp_sharded
-                results, failed = plan_layouts(work, sizes, device, link, args.backend, loss, sharded)
+                variants = (args.smp_sharded, args.smp_prescaled)
+                results, failed = plan_layouts(work, args.world_sizes, device, link, args.backend, loss, *variants)
             else:
                 results, failed = plan_all(
                     work, args.world_sizes, settings, device, link, args.nprocs_per_node, args.backend, loss

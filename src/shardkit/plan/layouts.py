@@ -13,11 +13,14 @@ pipeline stage on the meta device; the stage with the highest peak is reported).
 - the pipeline degree is at most the number of layers (the longest ``nn.ModuleList``): smp cuts between them;
 - the data degree is what is left, ``W / (pipeline x tensor)`` (smp's reduced data parallelism; smp's ``dp_size``
   is ``data x tensor``); with ``sharded=True`` each layout with data > 1 is also planned with
-  ``sharded_data_parallel_degree = data`` (smp's ZeRO-3 over the reduced-data-parallel group).
+  ``sharded_data_parallel_degree = data`` (smp's ZeRO-3 over the reduced-data-parallel group); with
+  ``prescaled=True`` each layout with tensor > 1 is also planned with ``prescaled_batch`` (what AWS's GPT scripts set:
+  the ranks of a tensor-parallel group share one batch).
 
 Every layout trains the same global batch as the data-parallel settings (``--batch-size`` sequences per rank):
 without ``prescaled_batch`` each of smp's ``W / pipeline`` data-parallel ranks feeds its own batch, so one replica's
-batch is ``pipeline x batch-size``, cut into ``2 x pipeline`` micro-batches where it divides (else ``pipeline``).
+batch is ``pipeline x batch-size``; with it a tensor-parallel group feeds one, ``pipeline x tensor x batch-size``;
+cut into ``2 x pipeline`` micro-batches where it divides (else ``pipeline``).
 
 Example::
 
@@ -110,12 +113,14 @@ def read_split_facts(build: Any) -> SplitFacts:
 
 @dataclass(frozen=True)
 class Layout:
-    """One factorisation of the world: ``pipeline x tensor x data`` ranks, the data ranks sharded or not."""
+    """One factorisation of the world: ``pipeline x tensor x data`` ranks, the data ranks sharded or not, the
+    tensor-parallel ranks sharing one batch (``prescaled``) or not."""
 
     pipeline: int
     tensor: int
     data: int
     sharded: bool = False
+    prescaled: bool = False
 
     @property
     def world_size(self) -> int:
@@ -123,11 +128,17 @@ class Layout:
 
     @property
     def label(self) -> str:
-        return f"pp{self.pipeline} x tp{self.tensor} x dp{self.data}" + (" (sharded)" if self.sharded else "")
+        extras = [name for name, on in (("sharded", self.sharded), ("prescaled", self.prescaled)) if on]
+        return f"pp{self.pipeline} x tp{self.tensor} x dp{self.data}" + (f" ({', '.join(extras)})" if extras else "")
+
+    @property
+    def replica_ranks(self) -> int:
+        """Ranks whose batches one model replica trains together: its stages, and its tensor ranks if prescaled."""
+        return self.pipeline * (self.tensor if self.prescaled else 1)
 
     def options(self, batch_size: int) -> dict[str, Any]:
-        """smp's config for this layout, one replica's batch being ``pipeline x batch_size`` sequences."""
-        per_replica = batch_size * self.pipeline
+        """smp's config for this layout, one replica's batch being ``replica_ranks x batch_size`` sequences."""
+        per_replica = batch_size * self.replica_ranks
         micro = 2 * self.pipeline if per_replica % (2 * self.pipeline) == 0 else self.pipeline
         config: dict[str, Any] = {"partitions": self.pipeline, "microbatches": micro, "pipeline": "interleaved"}
         if self.tensor > 1:
@@ -136,14 +147,18 @@ class Layout:
             config["ddp"] = True
         if self.sharded:
             config["sharded_data_parallel_degree"] = self.data
+        if self.prescaled:
+            config["prescaled_batch"] = True
         return config
 
     def setting(self, batch_size: int) -> Setting:
-        """The planner's setting: strategy ``smp`` with :meth:`options`, over ``pipeline`` ranks' batches."""
-        return Setting(self.label, "smp", self.options(batch_size), batch_ranks=self.pipeline)
+        """The planner's setting: strategy ``smp`` with :meth:`options`, over ``replica_ranks`` ranks' batches."""
+        return Setting(self.label, "smp", self.options(batch_size), batch_ranks=self.replica_ranks)
 
 
-def smp_layouts(world_size: int, facts: SplitFacts, sharded: bool = False) -> tuple[list[Layout], list[str]]:
+def smp_layouts(
+    world_size: int, facts: SplitFacts, sharded: bool = False, prescaled: bool = False
+) -> tuple[list[Layout], list[str]]:
     """Every layout of ``world_size`` smp accepts for a model with ``facts`` (pipeline degree ascending, then tensor),
     and one ``"layout xW: why"`` line per factorisation it refuses."""
     valid: list[Layout] = []
@@ -158,6 +173,8 @@ def smp_layouts(world_size: int, facts: SplitFacts, sharded: bool = False) -> tu
             valid.append(layout)
             if sharded and layout.data > 1:
                 valid.append(replace(layout, sharded=True))
+            if prescaled and layout.tensor > 1:
+                valid.append(replace(layout, prescaled=True))
     return valid, refused
 
 
@@ -181,6 +198,7 @@ def plan_layouts(
     backend: str = "nccl",
     loss: Optional[LossFn] = None,
     sharded: bool = False,
+    prescaled: bool = False,
 ) -> tuple[list[tuple[Setting, Estimate]], list[str]]:
     """Plan every layout smp accepts at each world size (see the module docstring); the estimates, and one line per
     layout refused by smp's rules or by its real run."""
@@ -188,7 +206,7 @@ def plan_layouts(
     results: list[tuple[Setting, Estimate]] = []
     failed: list[str] = []
     for world_size in world_sizes:
-        layouts, refused = smp_layouts(world_size, facts, sharded)
+        layouts, refused = smp_layouts(world_size, facts, sharded, prescaled)
         failed += refused
         for layout in layouts:
             setting = layout.setting(work.batch_size)
@@ -196,7 +214,7 @@ def plan_layouts(
             if refusal:
                 failed.append(f"{layout.label} x{world_size}: {refusal}")
                 continue
-            replica = replace(work, batch_size=work.batch_size * layout.pipeline)
+            replica = replace(work, batch_size=work.batch_size * layout.replica_ranks)
             try:
                 est = estimate(
                     replica.build, replica.batch(), loss_fn=loss or work.loss, strategy="smp", world_size=world_size,
@@ -212,8 +230,9 @@ def plan_layouts(
 
 def check_layout_flags(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """``shardkit plan``: refuse flags that do not go with ``--smp-layouts`` (or need it), before planning."""
-    if args.smp_sharded and not args.smp_layouts:
-        parser.error("--smp-sharded plans smp's layouts with sharded data parallelism: give --smp-layouts too")
+    for flag, given in (("--smp-sharded", args.smp_sharded), ("--smp-prescaled", args.smp_prescaled)):
+        if given and not args.smp_layouts:
+            parser.error(f"{flag} adds variants of smp's layouts: give --smp-layouts too")
     if args.smp_layouts:
         clashing = [flag for flag, given in (("--strategies", args.strategies), ("--tensor-parallel",
                     args.tensor_parallel > 1), ("--nprocs-per-node", args.nprocs_per_node)) if given]  # fmt: skip

@@ -8,7 +8,8 @@ temporaries, among them gradients still being accumulated when the peak falls in
 forward/backward: the planner names them gradients once backward is over). Traffic is what one
 rank sends per step by collective kind, which in smp's layouts names its group: ``TP`` the all-gathers and
 reduce-scatters around each tensor-parallel block (the tensor-parallel group's batches in and out, without
-``prescaled_batch``; sharded data parallelism's gathers and gradient reduce-scatters count here too), ``p2p`` the
+``prescaled_batch``; with it the blocks' sums are all-reduces, counted under ``all-reduce``; sharded data
+parallelism's gathers and gradient reduce-scatters count under ``TP`` too), ``p2p`` the
 pipeline's activations and gradients between stages, ``all-reduce`` the gradient reduction over smp's
 data-parallel group (``data x tensor`` ranks: the unsplit parameters' gradients also sum over the tensor group).
 """
