@@ -60,6 +60,7 @@ class LayoutRun:
 def _time_steps(work: Workload, s: ThreeDSettings) -> list[float]:
     """``s.warmup`` untimed then ``s.steps`` timed steps of a freshly built model (smp initialised and reset)."""
     config = dict(work.strategy_options)
+    torch.manual_seed(0)  # the same weights on every rank, as a training script seeds them
     model = smp.DistributedModel(initialised_build(config, work.build))
     try:
         optimizer = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
