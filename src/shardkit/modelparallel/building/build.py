@@ -33,8 +33,9 @@ from shardkit.modelparallel.pipeline.runtime import StageRuntime
 from shardkit.modelparallel.pipeline.stage_groups import copy_groups
 from shardkit.modelparallel.pipeline.virtual_stages import VirtualStageExecution, check_chunks, chunked_runtime
 from shardkit.modelparallel.state import SMPState
-from shardkit.modelparallel.tp.distribute import split_parameter_ids, split_reduction
+from shardkit.modelparallel.tp.distribute import split_reduction
 from shardkit.modelparallel.tp.hf import split_model_parameter_ids
+from shardkit.modelparallel.tp.layers import sliced_parameter_ids
 
 
 def execution_device(state: SMPState, module: nn.Module) -> torch.device:
@@ -112,11 +113,13 @@ def _traces_beside_rank0(module: nn.Module, state: SMPState) -> bool:
 
 
 def split_by_tp(module: nn.Module, state: SMPState) -> Optional[tuple[frozenset[int], GroupLike]]:
-    """The split parameters and the group whose first member they start from (this process's reduced-data-parallel
-    group: each tensor-parallel rank keeps its own slice), None without tensor parallelism."""
+    """The sliced parameters and the group whose first member they start from (this process's reduced-data-parallel
+    group: each tensor-parallel rank keeps its own slice), None without tensor parallelism. The whole parameters of
+    the same blocks (layer norms, row-parallel biases) start from rank 0's, like every other parameter: ranks
+    whose random states differed when the model was built must not hold different copies of them."""
     if state.topology.tp_size == 1:
         return None
-    return split_parameter_ids(module), state.rdp_group
+    return sliced_parameter_ids(module), state.rdp_group
 
 
 def _check_same_delay(delayed: bool, state: SMPState) -> None:
