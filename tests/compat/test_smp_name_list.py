@@ -73,7 +73,6 @@ def test_every_public_name_is_listed() -> None:
 
 def test_refusing_names_raise_the_tensor_parallelism_error() -> None:
     refusing = [name for name, status in _listed().items() if status == "refuses"]
-    assert sorted(refusing) == ["nn.DistributedTransformerLMHead"], refusing
     for name in refusing:
         with pytest.raises(TensorParallelismNotSupported, match="not built in shardkit yet"):
             _lookup(name)(16, 16)
