@@ -1,18 +1,23 @@
 """smp tensor parallelism splits Hugging Face GPT-J, GPT-Neo, BERT and RoBERTa built inside
 ``smp.model_creation(tensor_parallelism=True)`` automatically, as it does GPT-2 (issue 34): at tensor_parallel_degree 2
 the split model's logits, one training step's loss and the logits after it equal the unsplit model's; a BERT's partial
-checkpoints resume bit-identically and its full checkpoint loads into a plain BERT."""
+checkpoints resume bit-identically and its full checkpoint loads into a plain BERT. What the split leaves whole, and
+the models it cannot split, are listed once, on rank 0."""
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
+import pytest
 import torch
 
 import shardkit.modelparallel as smp
 from shardkit.testing import run_distributed
 from testkit.hf_models import hf_batch, tiny_hf
+
+transformers = pytest.importorskip("transformers")
 
 TP2 = {"tensor_parallel_degree": 2, "ddp": True, "prescaled_batch": True}
 FAMILIES = ("gptj", "gpt_neo", "bert", "roberta")
@@ -112,3 +117,31 @@ def test_bert_tp2_partial_checkpoints_resume_bit_identically_and_the_full_one_lo
     for result in run_distributed(_bert_checkpoints, 2, str(tmp_path)):
         assert result["resumed"] == result["continued"], result  # bit-identical
         assert abs(result["plain_from_full"] - result["continued"][0]) < 1e-5, result
+
+
+def _logged_once(rank: int, world_size: int) -> list[str]:
+    """The smp log while wrapping a GPT-2 whose 127-token vocabulary TP 2 cannot split and one with 3 heads."""
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("shardkit.modelparallel").addHandler(handler)
+    for config in ({"vocab_size": 127}, {"n_head": 3, "n_embd": 48}):
+        smp.init(TP2)
+        try:
+            with smp.model_creation(tensor_parallelism=True):
+                net = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_positions=16, **config))
+            smp.DistributedModel(net)
+        finally:
+            smp.reset()
+    return records
+
+
+def test_what_tensor_parallelism_leaves_unsplit_is_listed_once_on_rank_0() -> None:
+    rank0, rank1 = run_distributed(_logged_once, 2)
+    assert rank1 == [], rank1
+    assert len(rank0) == 2, rank0  # one message per wrapped model
+    split, unsplit = rank0
+    assert "Hugging Face model <model> split by its gpt2 plan, left whole: " in split, split
+    assert "vocabulary transformer.wte/lm_head (2 does not divide the vocabulary (127))" in split, split
+    assert "h.*.ln_1 (x2)" in split and "wpe" in split, split
+    assert "marked module(s) left unsplit: <model> (" in unsplit and "3" in unsplit, unsplit

@@ -58,6 +58,17 @@ def unsplit_reason(module: nn.Module, tp_size: int) -> Optional[str]:
     return None
 
 
+def left_whole(module: nn.Module, tp_size: int) -> str:
+    """What the family's plan leaves whole on every rank of ``module`` split ``tp_size`` ways, in one line: the
+    vocabulary pair when it cannot be split (with why), then the other modules holding parameters."""
+    resolved = resolve_hf_plan(module, tp_size)
+    vocab = resolved.vocab
+    paths = [path for path in (vocab.embedding, vocab.output) if path]
+    whole = [f"vocabulary {'/'.join(paths)} ({vocab.reason})"] if paths and not vocab.split else []
+    whole += [f"{name} (x{count})" if count > 1 else name for name, count in resolved.unsplit if name not in paths]
+    return f"{resolved.plan.family} plan, left whole: {', '.join(whole) or 'none'}"
+
+
 def refuse_unbuilt(module: nn.Module, path: str, state: SMPState) -> None:
     """Raise (on every rank: every rank holds the same model and config) for what is not built yet."""
     where = f"smp tensor parallelism of the Hugging Face model {type(module).__name__} at '{path or '<model>'}'"
