@@ -1,7 +1,8 @@
 """``smp.nn.DistributedTransformerLMHead`` at tensor_parallel_degree 2 against an unsplit reference written from smp's
 tensor-parallel page (issue 34): word and position embeddings added, the transformer, the final layer norm of a
 pre-norm stack, and a bias-free LM head tied to the word embedding. Its logits, its loss and two SGD steps equal the
-reference's, with and without ``prescaled_batch``; the word embedding (and so the tied head) is split by vocabulary."""
+reference's, with and without ``prescaled_batch``; the word embedding (and so the tied head) is split by vocabulary.
+Token types, given positions and ``add_lm_head=False`` too."""
 
 from __future__ import annotations
 
@@ -60,20 +61,28 @@ class ReferenceLayer(nn.Module):
 class ReferenceLM(nn.Module):
     """The page's DistributedTransformerLMHead, unsplit, under smp's parameter names."""
 
-    def __init__(self) -> None:
+    def __init__(self, token_types: int = 0) -> None:
         super().__init__()
         self.word_embedding = nn.Embedding(VOCAB, HIDDEN)
         self.position_embedding = nn.Embedding(POSITIONS, HIDDEN)
+        if token_types:
+            self.token_type_embedding = nn.Embedding(token_types, HIDDEN)
         self.transformer = nn.Module()
         self.transformer.seq_layers = nn.ModuleList(ReferenceLayer() for _ in range(2))
         self.layernorm = nn.LayerNorm(HIDDEN)
 
-    def forward(self, ids: torch.Tensor, masked: torch.Tensor, labels: Any = None) -> torch.Tensor:
-        h = self.word_embedding(ids) + self.position_embedding(torch.arange(ids.shape[1]))
+    def hidden(self, ids: torch.Tensor, masked: torch.Tensor, types: Any = None, positions: Any = None) -> torch.Tensor:
+        positions = torch.arange(ids.shape[1]) if positions is None else positions
+        h = self.word_embedding(ids) + self.position_embedding(positions)
+        if types is not None:
+            h = h + self.token_type_embedding(types)
         mask = masked[:, None, None, :].float() * torch.finfo(torch.float32).min  # 1 marks a masked position
         for layer in self.transformer.seq_layers:
             h = layer.output(layer.attention(h, mask))
-        logits = self.layernorm(h) @ self.word_embedding.weight.t()  # the head is tied to the word embedding
+        return self.layernorm(h)
+
+    def forward(self, ids: torch.Tensor, masked: torch.Tensor, labels: Any = None) -> torch.Tensor:
+        logits = self.hidden(ids, masked) @ self.word_embedding.weight.t()  # the head is tied to the word embedding
         if labels is None:
             return logits
         return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
@@ -135,12 +144,51 @@ def _compare(prescaled: bool) -> dict[str, Any]:
         smp.reset()
 
 
-def _both(rank: int, world_size: int) -> dict[bool, dict[str, Any]]:
-    return {prescaled: _compare(prescaled) for prescaled in (True, False)}
+@smp.step
+def _hidden(model: smp.DistributedModel, *inputs: torch.Tensor) -> torch.Tensor:
+    out = model(inputs)
+    model.backward(out.square().mean())
+    return out
+
+
+def _token_types_without_head() -> dict[str, float]:
+    """``num_token_types``, ``position_ids`` and ``add_lm_head=False``: the hidden states and one step's gradients,
+    each rank on its own batch (no ``prescaled_batch``)."""
+    smp.init({"tensor_parallel_degree": 2, "ddp": True})
+    try:
+        torch.manual_seed(0)
+        model = smp.DistributedModel(smp.nn.DistributedTransformerLMHead(num_token_types=2, add_lm_head=False, **SIZES))
+        reference = ReferenceLM(token_types=2)
+        reference.load_state_dict(model.state_dict())
+        ids, masked, _ = _batch(3)
+        types, positions = (ids % 2), torch.arange(POSITIONS).flip(0).expand(4, -1)
+        optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0))
+        optimizer.zero_grad()
+        mine = [t.chunk(smp.dp_size())[smp.dp_rank()] for t in (ids, masked, types, positions)]
+        ours = _hidden(model, *mine).concat()
+        optimizer.step()
+        theirs = reference.hidden(ids, masked, types, positions)
+        theirs.square().mean().backward()
+        torch.optim.SGD(reference.parameters(), lr=1.0).step()
+        after = model.state_dict()
+        return {
+            "hidden": (ours - theirs.detach().chunk(smp.dp_size())[smp.dp_rank()]).abs().max().item(),
+            "weights": max((after[k] - v).abs().max().item() for k, v in reference.state_dict().items()),
+        }
+    finally:
+        smp.reset()
+
+
+def _both(rank: int, world_size: int) -> dict[Any, dict[str, Any]]:
+    out: dict[Any, dict[str, Any]] = {prescaled: _compare(prescaled) for prescaled in (True, False)}
+    out["token types"] = _token_types_without_head()
+    return out
 
 
 def test_lm_head_at_tp2_equals_the_unsplit_reference_with_and_without_prescaled_batch() -> None:
     for result in run_distributed(_both, 2):
+        extra = result.pop("token types")
+        assert extra["hidden"] < 1e-5 and extra["weights"] < 1e-5, extra
         for prescaled, got in result.items():
             assert got["local word rows"] == VOCAB // 2, (prescaled, got)
             assert got["logits"] < 1e-5, (prescaled, got)
