@@ -195,3 +195,38 @@ def test_lm_head_at_tp2_equals_the_unsplit_reference_with_and_without_prescaled_
             for ours, theirs in got["losses"]:
                 assert abs(ours - theirs) < 1e-5, (prescaled, got)
             assert got["weights"] < 1e-5, (prescaled, got)
+
+
+def _pipeline(rank: int, world_size: int) -> dict[str, Any]:
+    """TP 2 x pipeline 2: rank 0 traces the LM head alone to partition it, then two micro-batches run two steps."""
+    smp.init({"tensor_parallel_degree": 2, "partitions": 2, "microbatches": 2, "ddp": True, "prescaled_batch": True})
+    try:
+        torch.manual_seed(0)
+        model = smp.DistributedModel(smp.nn.DistributedTransformerLMHead(**SIZES))
+        reference = ReferenceLM()
+        reference.load_state_dict(model.state_dict())  # before the first step: the whole model on every stage
+        optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5))
+        plain = torch.optim.SGD(reference.parameters(), lr=0.5)
+        losses = []
+        for step in range(2):
+            batch = _batch(step)
+            optimizer.zero_grad()
+            ours = _train(model, *batch).reduce_mean().item()
+            optimizer.step()
+            plain.zero_grad()
+            # every row counts the same number of labels: the mean of the micro-batches' means is the batch mean
+            theirs = reference(*batch)
+            theirs.backward()
+            plain.step()
+            losses.append((ours, theirs.item()))
+        return {"losses": losses, "pp_rank": smp.pp_rank()}
+    finally:
+        smp.reset()
+
+
+def test_lm_head_at_tp2_x_pipeline2_trains_equal_to_the_reference() -> None:
+    results = run_distributed(_pipeline, 4)
+    assert sorted(r["pp_rank"] for r in results) == [0, 0, 1, 1], results
+    for result in results:
+        for ours, theirs in result["losses"]:
+            assert abs(ours - theirs) < 1e-5, result

@@ -7,10 +7,12 @@ slice, and the loss comes from the core's :func:`~shardkit.tensor_parallel.vocab
 are never gathered for it. The position (and token-type) embeddings and the final layer norm are small and whole on
 every rank.
 
-Without ``prescaled_batch`` each tensor-parallel rank holds its own batch: the ids are gathered over the group, looked
-up in the split table, and each rank keeps its own batch (:meth:`~.region.Region.own_batch`); the LM head runs on the
-group's batches the same way. Every parameter's gradient then covers the group's batches, as the transformer blocks'
-do (see :mod:`.layers` for how they are averaged).
+Without ``prescaled_batch`` each tensor-parallel rank holds its own batch: the ids are gathered over the group,
+each rank looks up its rows for all of them, and a reduce-scatter leaves each rank its own batch's embeddings; the
+LM head runs on the group's batches and each rank keeps its own batch's logits or loss
+(:meth:`~.region.Region.own_batch`). Every parameter's gradient then covers the group's batches, as the transformer
+blocks' do (see :mod:`.layers` for how they are averaged). The vocabulary-split table is read, never called as a
+module, so the forward rank 0 traces alone to partition a pipeline calls the same modules as the real one.
 """
 
 from __future__ import annotations
@@ -22,13 +24,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardkit.modelparallel import state as smp_state
-from shardkit.modelparallel.tp.layers import DistributedModule, tp_group_of_job
+from shardkit.modelparallel.tp.layers import DistributedModule, check_prescaled_input, tp_group_of_job
 from shardkit.modelparallel.tp.region import Region
 from shardkit.modelparallel.tp.transformer import DistributedTransformer
 from shardkit.tensor_parallel import (
     ShardSpec,
     VocabParallelEmbedding,
     gather_from_tp,
+    reduce_from_tp,
+    reduce_scatter_to_sequence,
     vocab_parallel_cross_entropy,
 )
 
@@ -138,20 +142,29 @@ class DistributedTransformerLMHead(DistributedModule):
     def _embed(
         self, ids: torch.Tensor, token_types: Optional[torch.Tensor], positions: Optional[torch.Tensor]
     ) -> torch.Tensor:
-        region = self.region
-        table = self.word_embedding
-        if not region.sliced:
-            words = table(ids)
-        elif region.group is None:  # rank 0 tracing alone: this rank's rows only, no collectives
-            words = F.embedding(ids.clamp(0, table.weight.shape[0] - 1), table.weight)
+        region, table = self.region, self.word_embedding
+        if isinstance(table, VocabParallelEmbedding):
+            words = self._split_lookup(table, ids)
         else:
-            words = region.own_batch(table(region.batches(ids)))
+            words = table(ids)
         if positions is None:
             positions = torch.arange(ids.shape[-1], device=ids.device).expand_as(ids)
         hidden = words + F.embedding(positions, region.shared(self.position_embedding.weight))
         if self.token_type_embedding is not None and token_types is not None:
             hidden = hidden + F.embedding(token_types, region.shared(self.token_type_embedding.weight))
         return self.dropout(hidden)
+
+    def _split_lookup(self, table: VocabParallelEmbedding, ids: torch.Tensor) -> torch.Tensor:
+        """The vocabulary-split table's lookup of this rank's ``ids`` (the table is read, never called as a module,
+        so the forward that rank 0 traces alone to partition calls the same modules as the real one)."""
+        group = self.region.group
+        if group is None:  # rank 0 tracing alone: this rank's rows only, no collectives
+            return table.partial(ids)
+        if self.region.prescaled:
+            check_prescaled_input(self, group, ids)
+            return reduce_from_tp(table.partial(ids), group.group)
+        # each rank its own batch: look up the group's ids, sum the parts and keep this rank's batch
+        return reduce_scatter_to_sequence(table.partial(self.region.batches(ids)), group.group, 0)
 
     def _head(self, hidden: torch.Tensor, labels: Optional[torch.Tensor]) -> torch.Tensor:
         region, weight = self.region, self.word_embedding.weight
