@@ -5,8 +5,8 @@ parent; its subtree is not visited further. A marked module that cannot be split
 module (no registered version, a size the degree does not divide, a weight shared with another module, constructor
 arguments not recorded) is listed once in the log with the reason, never skipped silently. A marked Hugging Face model
 of a family with a plan is split whole by the core's plan instead (see :mod:`~.hf`); the same one log message says
-what each such model's plan keeps whole on every rank. Every rank holds the same
-model structure (checked first), so every rank takes the same decisions.
+what each such model's plan keeps whole on every rank. Every rank holds the same model structure (checked first), so
+every rank takes the same decisions.
 """
 
 from __future__ import annotations
