@@ -107,9 +107,17 @@ def _helpers() -> dict[str, Any]:
     for kind in ["WORLD", "MP", "DP", "PP", "RDP", "TP"]:
         group = getattr(smp.CommGroup, kind if kind == "WORLD" else f"{kind}_GROUP")
         got[f"{kind}_GROUP"] = smp.allgather(smp.rank(), group)
-    for kind in ["world", "mp", "dp", "pp", "rdp", "tp"]:  # real groups: a sum over each names its members
+    groups = {
+        "world": smp.get_world_process_group(),
+        "mp": smp.get_mp_process_group(),
+        "dp": smp.get_dp_process_group(),
+        "pp": smp.get_pp_process_group(),
+        "rdp": smp.get_rdp_process_group(),
+        "tp": smp.get_tp_process_group(),
+    }
+    for kind, group in groups.items():  # real groups: a sum over each names its members
         total = torch.tensor([float(smp.rank())])
-        dist.all_reduce(total, group=getattr(smp, f"get_{kind}_process_group")())
+        dist.all_reduce(total, group=group)
         got[f"{kind}_sum"] = int(total.item())
     other = 1 - smp.tp_rank()  # the other tensor-parallel rank, addressed as smp's RankType.TP_RANK
     if smp.tp_rank() == 0:  # blocking sends: one side sends first
