@@ -72,6 +72,7 @@ def test_script_keys_are_accepted_and_noted_only_where_they_would_change_somethi
         ({"tensor_parallel_degree": 2.0}, TypeError, "'tensor_parallel_degree' must be an int, got 2.0"),
         ({"prescaled_batch": 1}, TypeError, "'prescaled_batch' must be True or False, got 1"),
         ({"tensor_parallel_seed": "x"}, ValueError, "'tensor_parallel_seed' .* must be an int"),
+        ({"active_microbatches": 0}, ValueError, "'active_microbatches' .* must be >= 1, got 0"),
         ({"placement_strategy": "DPX"}, ValueError, "'placement_strategy' must be one of 'cluster', 'spread', 'DPT'"),
         ({"optimize": "fast"}, ValueError, "'optimize' must be one of 'speed', 'memory'"),
         ({"prescaled_batch": True, "_prescaled_batch": False}, ValueError, "older name of prescaled_batch"),

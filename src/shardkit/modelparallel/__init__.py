@@ -34,7 +34,8 @@ object the schedule drives), :mod:`~.pipeline_parallel` (schedules; it imports n
 (``FusedLayerNorm``) and ``smp.optimizers`` (``FusedNovoGrad``, ``FusedLamb``), the Apex replacements smp ships,
 in plain torch.
 
-smp's common API beyond the seed: :mod:`~.config_sources` (where ``smp.init()`` finds its config, smp v1's keys),
+smp's common API beyond the seed: :mod:`~.config_sources` (where ``smp.init()`` finds its config, smp v1's keys)
+and :mod:`~.config_notes` (what shardkit does instead of the keys it accepts without acting on them),
 :mod:`~.groups` (``CommGroup``, ``RankType``, the tp/rdp/pp helpers), :mod:`~.comm` (``allgather``,
 ``broadcast``, ``send``, ``recv_from``, ``barrier``), :mod:`~.sharded_state` (``shard_optimizer_state``) and
 :mod:`~.tensor_parallel` and :mod:`~.tp` (smp's tensor parallelism over the core); ``__version__`` is the smp

@@ -12,7 +12,9 @@ smp v1 keys fall in four kinds, each listed below with its reason: the ones shar
 :class:`~shardkit.modelparallel.config.ModelParallelConfig` fields); the ones accepted with no effect here
 because nothing they change exists in shardkit's engine (:data:`NO_EFFECT`); the ones whose feature shardkit
 lacks, refused unless given their neutral value (:data:`UNSUPPORTED`); and unknown keys. Every unsupported and
-unknown key of a config is reported in one error.
+unknown key of a config is reported in one error, an unknown key with the nearest known one. Older spellings of a
+key are read as it (:data:`ALIASES`). What shardkit does instead of each no-effect key, when its value would change
+something in smp, is logged once at ``smp.init`` (:mod:`~.config_notes`).
 """
 
 from __future__ import annotations
@@ -79,6 +81,8 @@ NO_EFFECT |= {
 ALIASES: dict[str, str] = {"_prescaled_batch": "prescaled_batch"}
 #: Keys whose string value must be one of a few (smp's values; the notes say what each does here).
 CHOICES: dict[str, tuple[str, ...]] = {"ddp_dist_backend": ("auto", "nccl", "gloo", "smddp")}
+#: The smallest value of integer no-effect keys (a count, a horizon, a port).
+MINIMUM: dict[str, int] = {"active_microbatches": 1, "activation_loading_horizon": 1, "ddp_port": 1}
 
 #: smp v1 keys whose feature shardkit lacks: the neutral value (accepted), and what to do instead.
 UNSUPPORTED: dict[str, tuple[Any, str]] = {
@@ -203,6 +207,8 @@ def _no_effect(key: str, value: Any, source: str) -> Any:
         raise ValueError(
             f"smp config {key!r} from {source} must be one of {', '.join(map(repr, CHOICES[key]))}, got {value!r}"
         )
+    if key in MINIMUM and value < MINIMUM[key]:
+        raise ValueError(f"smp config {key!r} from {source} must be >= {MINIMUM[key]}, got {value}")
     return value
 
 
