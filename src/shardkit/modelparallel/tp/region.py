@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardkit.modelparallel.partitioning.trace import is_tracing
 from shardkit.modelparallel.tp.layers import check_prescaled_input
-from shardkit.modelparallel.trace import is_tracing
 from shardkit.tensor_parallel import (
     TPGroup,
     copy_to_tp,
