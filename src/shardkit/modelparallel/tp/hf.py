@@ -10,8 +10,9 @@ child holding parameters is.
 The core's split layers expect the same batch on every rank of a tensor-parallel group: that is smp's
 ``prescaled_batch: True`` (what AWS's GPT scripts set). Every parameter of a split model then has, on each
 tensor-parallel rank, the gradient of the one shared batch, so all of them are averaged over the reduced-data-parallel
-group (see :func:`split_model_parameter_ids`). ``prescaled_batch: False`` (each rank its own batch) is not built
-and is refused on every rank before anything changes.
+group (see :func:`split_model_parameter_ids`). Not built, and refused on every rank before anything changes:
+``prescaled_batch: False`` (each rank its own batch), and delayed initialisation of a model whose plan sums some
+whole modules' gradients over the ranks (Qwen3's ``q_norm``: the hooks would sit on the replaced meta tensors).
 
 With a pipeline, rank 0 traces the split model alone to partition it: the split layers' collectives complete
 locally there (:func:`~shardkit.distributed.rehearsal.local_rehearsal`). A model built for delayed parameter
@@ -77,6 +78,20 @@ def refuse_unbuilt(module: nn.Module, path: str, state: SMPState) -> None:
             f"{where}: its split layers need the same batch on every tensor-parallel rank; set 'prescaled_batch': "
             "True in smp.init and shard the data by smp.rdp_rank() / smp.rdp_size() (as AWS's GPT scripts do)"
         )
+    if is_delayed(module) and _gradient_sums(module, state.topology.tp_size):
+        # Their gradient hooks sit on the meta tensors, which delayed initialisation replaces: the sums would be lost.
+        raise NotImplementedError(
+            f"{where}: its plan leaves modules whole whose gradients are summed over the tensor-parallel ranks "
+            f"({', '.join(_gradient_sums(module, state.topology.tp_size))}); with delayed parameter initialization "
+            "that is not built yet: set 'delayed_parameter_initialization': False"
+        )
+
+
+def _gradient_sums(module: nn.Module, tp_size: int) -> tuple[str, ...]:
+    try:
+        return resolve_hf_plan(module, tp_size).grad_sums
+    except ValueError:  # left unsplit: listed by unsplit_reason
+        return ()
 
 
 def split_model(module: nn.Module, state: SMPState) -> None:
