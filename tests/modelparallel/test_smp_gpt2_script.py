@@ -47,18 +47,35 @@ class Layout:
     full_has_optimizer: bool = True
 
     @property
+    def settings(self) -> dict[str, Any]:
+        """The whole smp config: the script's defaults with this layout's settings."""
+        return {**AWS_GPT2_CONFIG, **self.config}
+
+    @property
+    def prescaled_batch(self) -> bool:
+        return bool(self.settings["prescaled_batch"])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the script creates the model in (its --fp16 / --bf16)."""
+        if self.settings["fp16"]:
+            return torch.float16
+        return torch.bfloat16 if self.settings["bf16"] else torch.get_default_dtype()
+
+    @property
     def replicas(self) -> int:
         """How many batches each step trains on: one per reduced-data-parallel rank (prescaled_batch) or per
         data-parallel rank (the script's data pipeline shards by the same)."""
-        settings = {**AWS_GPT2_CONFIG, **self.config}
-        model = settings["pipeline_parallel_degree"] * (
-            settings["tensor_parallel_degree"] if settings["prescaled_batch"] else 1
-        )
-        return self.world_size // model
+        tp = self.settings["tensor_parallel_degree"] if self.prescaled_batch else 1
+        return self.world_size // (self.settings["pipeline_parallel_degree"] * tp)
 
 
-#: The layouts the script is tested in (the smp settings it takes from its command line). Sharded data parallelism
-#: and fp16 are further entries here: their settings, their world size, their tolerance.
+#: The layouts the script is tested in (the smp settings it takes from its command line). Each further capability
+#: is one more entry: its settings over the script's defaults, its world size, its loss tolerance against the
+#: float32 reference, whether its full checkpoint holds the optimizer. For example sharded data parallelism,
+#: ``Layout({"sharded_data_parallel_degree": 2, "tensor_parallel_degree": 2, "prescaled_batch": True}, 4)``, or
+#: fp16, ``Layout({"pipeline_parallel_degree": 2, "fp16": True}, 2, tol=...)`` (the model is then created in
+#: float16, as the script does, and trained with the script's dynamic loss scaler).
 LAYOUTS = {
     "pp2": Layout({"pipeline_parallel_degree": 2}, 2),
     "tp2_x_pp2": Layout(
@@ -124,9 +141,9 @@ def _schedule(step: int) -> float:
 def _build(layout: Layout) -> tuple[Any, Any, Any, Any]:
     """The script's set-up: init, model_creation, DistributedModel, activation checkpointing, optimizer, scheduler."""
     torch.manual_seed(SEED)  # the script's set_seed(args.seed)
-    smp.init({**AWS_GPT2_CONFIG, **layout.config})
+    smp.init(layout.settings)
     config = _model_config()
-    with smp.model_creation(tensor_parallelism=smp.tp_size() > 1, dtype=torch.get_default_dtype(), fused_softmax=True):
+    with smp.model_creation(tensor_parallelism=smp.tp_size() > 1, dtype=layout.dtype, fused_softmax=True):
         net = transformers.AutoModelForCausalLM.from_config(config)
     torch.manual_seed(SEED + smp.tp_rank())  # the script's seed per tensor-parallel rank (without --same_seed)
     model = smp.DistributedModel(net, trace_device="gpu", backward_passes_per_step=1)
@@ -185,7 +202,7 @@ def _resumed(layout: Layout, folder: str, partial: bool) -> tuple[list[list[floa
         user_content = smp.resume_from_checkpoint(path, tag=tag, partial=partial)
     scheduler.load_state_dict(user_content["lr_scheduler"])
     start = user_content["start_batch_index"]
-    logged = _train(model, optimizer, scheduler, config, start, folder, False, _prescaled(layout))
+    logged = _train(model, optimizer, scheduler, config, start, folder, False, layout.prescaled_batch)
     seen = {
         "config_is_gpt2": type(user_content["model_config"]) is transformers.GPT2Config,
         "n_embd": user_content["model_config"].n_embd,
@@ -195,16 +212,12 @@ def _resumed(layout: Layout, folder: str, partial: bool) -> tuple[list[list[floa
     return logged, seen
 
 
-def _prescaled(layout: Layout) -> bool:
-    return bool({**AWS_GPT2_CONFIG, **layout.config}["prescaled_batch"])
-
-
 def _script(rank: int, world_size: int, layout: Layout, folder: str) -> dict[str, Any]:
     model, optimizer, scheduler, config = _build(layout)
     total = sum(p.numel() for p in model.module.parameters())  # before the partition: every shape (on meta)
-    logged = _train(model, optimizer, scheduler, config, 0, folder, True, _prescaled(layout))
+    logged = _train(model, optimizer, scheduler, config, 0, folder, True, layout.prescaled_batch)
     held = sum(p.numel() for p in model.local_parameters())
-    replica = smp.rdp_rank() if _prescaled(layout) else smp.dp_rank()
+    replica = smp.rdp_rank() if layout.prescaled_batch else smp.dp_rank()
     smp.reset()
     partial, seen = _resumed(layout, folder, partial=True)
     full, _ = _resumed(layout, folder, partial=False)
