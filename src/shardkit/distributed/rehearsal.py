@@ -9,7 +9,9 @@ leaves the tensor as it is, an all-gather repeats this rank's shard, a reduce-sc
 dtypes and devices are what a real run gives; values are not (a rehearsal measures work and sizes, never trains).
 
 A ``ContextVar``: it applies to the thread that opened it only (autograd's device threads and other ranks are not
-affected), and only while the block is open.
+affected), and only while the block is open. The planner's :func:`shardkit.plan.peerless.peerless_world` gives the
+same mirrored answers for a whole fake world without ``init_process_group``; a rehearsal is the switch for one
+thread inside a real world, whose groups stay untouched for every other caller.
 """
 
 from __future__ import annotations
