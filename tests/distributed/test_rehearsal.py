@@ -25,9 +25,13 @@ def test_collectives_complete_locally_with_real_shapes_inside_the_block_only() -
         C.barrier(group)
         on_meta = torch.empty(8, 3, device="meta")
         C.all_gather_into_tensor(on_meta, torch.empty(2, 3, device="meta"), group=group)  # nothing to send
+        columns = torch.empty(3, 4).t()  # a non-contiguous output
+        C.all_gather_into_tensor(columns, torch.arange(3.0), group=group)
+        C.all_gather_into_tensor(torch.empty(0), torch.empty(0), group=group)  # empty shards too
     assert torch.equal(total, shard)  # left as it is
     assert torch.equal(gathered, shard.repeat(4, 1))  # this rank's shard in every member's place
     assert piece.shape == (3,) and on_meta.shape == (8, 3)
+    assert torch.equal(columns, torch.arange(3.0).repeat(4).view(4, 3))
     assert not rehearsing()
     with pytest.raises(RuntimeError, match="only describes a sharding"):
         C.all_reduce(torch.ones(2), group=group)

@@ -210,7 +210,9 @@ def all_gather_into_tensor(
     """
     peers = _peers(group)
     if peers is None:  # one member: the shard itself; a rehearsal: the shard in every member's place
-        output.view(-1, shard.numel()).copy_(shard.reshape(1, -1))
+        if shard.numel():
+            copies = shard.reshape(1, -1).expand(output.numel() // shard.numel(), -1)
+            output.copy_(copies.reshape(output.shape))
         return Handle()
 
     def run() -> Any:
@@ -246,7 +248,7 @@ def reduce_scatter_tensor(
     """
     peers = _peers(group)
     if peers is None:  # one member: the whole input; a rehearsal: a chunk's worth of it
-        output.copy_(full.reshape(-1)[: output.numel()].view(output.shape))
+        output.copy_(full.reshape(-1)[: output.numel()].reshape(output.shape))
         return Handle()
     if by_sends and op != dist.ReduceOp.SUM:
         raise ValueError(f"reduce_scatter_tensor(by_sends=True) only sums, got op={op}")
