@@ -141,6 +141,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """
         if norm_type != 2.0:
             raise ValueError(f"clip_master_grads supports the 2-norm only, got norm_type={norm_type}")
+        sharded = self._sharded_stage()
+        if sharded is not None:  # the gradients are shards: the norm is summed over the sharding group
+            return sharded.clip(max_norm)
         params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
         device = params[0].grad.device if params else self._device_for_norm()
         norms = [torch.linalg.vector_norm(p.grad.detach(), 2.0).to(device) for p in params]
@@ -150,6 +153,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for p in params:
             p.grad.detach().mul_(coefficient.to(p.grad.device))
         return total
+
+    def _sharded_stage(self) -> Any:
+        """Under sharded data parallelism after the partition, the model's sharded stage; else None."""
+        model = self._smp_state.model
+        execution = model.stage_execution if model is not None else None
+        return execution.sharded if execution is not None else None
 
     def _device_for_norm(self) -> torch.device:
         model = self._smp_state.model
@@ -203,6 +212,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """State of every stage's parameters, gathered (collective over the replica's stages)."""
+        if self._sharded_stage() is not None:
+            raise ValueError(
+                "optimizer.state_dict(): under sharded data parallelism each rank holds the state of its shards only; "
+                "save optimizer.local_state_dict() per rank, or smp.save_checkpoint(..., partial=True)"
+            )
         partials = ckpt.gather_partials(self.local_state_dict(), self._smp_state.mp_group, "smp_optimizer_state_dict")
         return ckpt.merge_optimizer_partials(partials)
 
@@ -236,6 +250,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         then load a state dict given before the partition."""
         smp = self._smp_state
         model = smp.model
+        sharded = self._sharded_stage()
+        if sharded is not None:  # the script's parameters became shards: the optimizer steps those
+            sharded.adopt_optimizer(self)
         if smp.config.shard_optimizer_state and self._smp_sharded is None and model is not None:
             held = {id(p) for p in model.local_parameters()}
             inner = self._smp_inner

@@ -1,0 +1,102 @@
+"""Shard one stage's module over its sharding group, and point the script's optimizer at the shards.
+
+Applied right after the first step's partition plan is applied (``build.build_stage``), so rank 0's solitary
+tracing forward ran on the plain module. The stage's module becomes the one unit of a
+:class:`~shardkit.nn.FullyShardedDataParallel` with hybrid sharding: shards over the sharding group, replicas over
+the replica group (see :mod:`.groups`), ``flatten_parameters=False`` so each original parameter has exactly one shard
+and an optimizer's parameter groups (weight decay on some, not on others, as AWS's scripts build them) carry over
+one for one.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from shardkit.distributed.topology import Topology as NodeTopology
+from shardkit.modelparallel.sdp.groups import create_sdp_groups
+from shardkit.modelparallel.sdp.rules import KEY_MEANINGS, SdpSettings, settings_of
+from shardkit.modelparallel.sdp.sync import ShardedGradientSync
+from shardkit.modelparallel.state import SMPState
+from shardkit.nn.fsdp import FullyShardedDataParallel
+from shardkit.tensor_parallel.grad_norm import split_group
+
+logger = logging.getLogger("shardkit.modelparallel")
+
+
+class ShardedStage:
+    """The stage's module sharded over its sharding group: the unit to call, the gradient completion, and the
+    mapping from the script's parameters to their shards."""
+
+    def __init__(self, module: nn.Module, state: SMPState, device: torch.device, backward_passes_per_step: int) -> None:
+        settings = settings_of(state.config)
+        topo = state.topology
+        originals = dict(module.named_parameters())
+        shard_group, replica_group = create_sdp_groups(topo, settings.degree, state.owned_groups)
+        groups: Any = shard_group
+        if topo.rdp_size > settings.degree:  # sharding groups that replicate each other: hybrid sharding
+            groups = NodeTopology.from_groups(shard_group, replica_group, state.rdp_group)
+        self.settings: SdpSettings = settings
+        self.root = FullyShardedDataParallel(
+            module,
+            process_group=groups,
+            flatten_parameters=False,
+            bucket_cap_mb=max(1, round(settings.bucket_cap_mb)),
+            compute_device=device,
+        )
+        metas = self.root.flat_param_metas
+        #: id of each original parameter (every name of a tied one) -> its shard.
+        self.shard_of: dict[int, nn.Parameter] = {}
+        for meta, shard in zip(metas, self.root.flat_params):
+            for fqn in meta.fqns():
+                if fqn in originals:
+                    self.shard_of[id(originals[fqn])] = shard
+        split = [self._split_tp_group(handle) is not None for handle in self.root.fsdp_unit.group.handles]
+        self.sync = ShardedGradientSync(
+            self.root,
+            split,
+            state.tp_group if topo.tp_size > 1 else None,
+            topo.tp_size,
+            state.config.prescaled_batch,
+            backward_passes_per_step,
+        )
+        self._adopted: weakref.WeakSet[Any] = weakref.WeakSet()
+        if topo.rank == 0:
+            lines = "; ".join(f"{key}: {text}" for key, text in KEY_MEANINGS.items())
+            logger.info("smp sharded data parallelism (degree %d) on FSDP: %s", settings.degree, lines)
+
+    @staticmethod
+    def _split_tp_group(handle: Any) -> Optional[Any]:
+        groups = [split_group(module, attr) for module, attr in handle.locations]
+        return next((g for g in groups if g is not None), None)
+
+    def adopt_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Replace the script's parameters in ``optimizer`` by their shards (once), and have its ``step()`` clip
+        the gradients' global norm to ``sdp_gradient_clipping`` first, as smp's sharded data parallelism does.
+
+        Its ``_global_grad_norm`` then holds the norm before clipping (smp's attribute, read by AWS's scripts)."""
+        if optimizer in self._adopted:
+            return
+        for group in optimizer.param_groups:
+            seen: set[int] = set()
+            params = []
+            for p in group["params"]:
+                shard = self.shard_of.get(id(p), p)
+                if id(shard) not in seen:
+                    seen.add(id(shard))
+                    params.append(shard)
+            group["params"] = params
+        optimizer.register_step_pre_hook(self._clip_before_step)
+        self._adopted.add(optimizer)
+
+    def _clip_before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        norm = self.clip(self.settings.gradient_clipping)
+        optimizer.__dict__["_global_grad_norm"] = norm
+
+    def clip(self, max_norm: float) -> torch.Tensor:
+        """Clip every shard's gradient by the whole model's global 2-norm (collective over the stage's ranks)."""
+        return self.root.clip_grad_norm_(max_norm)
