@@ -161,3 +161,36 @@ def test_sharded_data_parallel_trains_and_resumes_like_one_process(tmp_path: Any
         assert result["resumed", False][0][0] == result["losses"][2][0]  # same weights before the third step
         plain = _net()
         plain.load_state_dict(result["resumed_final", False])  # a full checkpoint's model loads into a plain one
+
+
+def _sdp_on_four(rank: int, world_size: int) -> dict[str, Any]:
+    """On 4 processes: TP 2 x SDP 2 (each tensor-parallel rank's own batch, then one batch per tensor-parallel group)
+    and SDP 2 x 2 sharding groups that replicate each other; 3 steps of each."""
+    out: dict[str, Any] = {}
+    layouts = {
+        "tp": {**AWS_KEYS, "tensor_parallel_degree": 2},
+        "tp_prescaled": {**AWS_KEYS, "tensor_parallel_degree": 2, "prescaled_batch": True},
+        "replicas": AWS_KEYS,
+    }
+    for name, config in layouts.items():
+        model, optimizer = _build(config, tp=name != "replicas")
+        if name == "tp":
+            out["split"] = [type(m).__name__ for m in model.module]
+        parts, index = (smp.rdp_size(), smp.rdp_rank()) if name == "tp_prescaled" else (smp.dp_size(), smp.dp_rank())
+        out[name] = _smp_steps(model, optimizer, range(3), parts, index)
+        out[name, "final"] = model.state_dict()
+        smp.reset()
+    return out
+
+
+def test_sharded_data_parallel_with_tensor_parallelism_and_replicas_trains_like_one_process() -> None:
+    theirs, weights = _reference(3, AWS_KEYS["sdp_gradient_clipping"])
+    for result in run_distributed(_sdp_on_four, 4):
+        assert result["split"] == ["DistributedLinear", "LayerNorm", "Tanh", "DistributedLinear"]
+        for name in ("tp", "tp_prescaled", "replicas"):
+            for (loss, norm), (ref_loss, ref_norm) in zip(result[name], theirs):
+                assert abs(loss - ref_loss) < 1e-6 and abs(norm - ref_norm) < 1e-5, (name, result[name], theirs)
+            final = result[name, "final"]
+            assert set(final) == set(weights), (name, sorted(final))
+            for key, value in weights.items():
+                assert torch.allclose(final[key], value, atol=1e-6), (name, key, final[key], value)

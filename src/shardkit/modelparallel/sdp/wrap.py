@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -22,8 +22,8 @@ from shardkit.modelparallel.sdp.groups import create_sdp_groups
 from shardkit.modelparallel.sdp.rules import KEY_MEANINGS, SdpSettings, settings_of
 from shardkit.modelparallel.sdp.sync import ShardedGradientSync
 from shardkit.modelparallel.state import SMPState
+from shardkit.modelparallel.tp.distribute import split_parameter_ids
 from shardkit.nn.fsdp import FullyShardedDataParallel
-from shardkit.tensor_parallel.grad_norm import split_group
 
 logger = logging.getLogger("shardkit.modelparallel")
 
@@ -36,6 +36,8 @@ class ShardedStage:
         settings = settings_of(state.config)
         topo = state.topology
         originals = dict(module.named_parameters())
+        # Parameters of distributed modules (split or not) cover their tensor-parallel group's batches.
+        covering = split_parameter_ids(module) if topo.tp_size > 1 else frozenset()
         shard_group, replica_group = create_sdp_groups(topo, settings.degree, state.owned_groups)
         groups: Any = shard_group
         if topo.rdp_size > settings.degree:  # sharding groups that replicate each other: hybrid sharding
@@ -55,7 +57,9 @@ class ShardedStage:
             for fqn in meta.fqns():
                 if fqn in originals:
                     self.shard_of[id(originals[fqn])] = shard
-        split = [self._split_tp_group(handle) is not None for handle in self.root.fsdp_unit.group.handles]
+        split = [
+            any(id(originals.get(fqn)) in covering for fqn in meta.fqns() if fqn in originals) for meta in metas
+        ]
         self.sync = ShardedGradientSync(
             self.root,
             split,
@@ -68,11 +72,6 @@ class ShardedStage:
         if topo.rank == 0:
             lines = "; ".join(f"{key}: {text}" for key, text in KEY_MEANINGS.items())
             logger.info("smp sharded data parallelism (degree %d) on FSDP: %s", settings.degree, lines)
-
-    @staticmethod
-    def _split_tp_group(handle: Any) -> Optional[Any]:
-        groups = [split_group(module, attr) for module, attr in handle.locations]
-        return next((g for g in groups if g is not None), None)
 
     def adopt_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Replace the script's parameters in ``optimizer`` by their shards (once), and have its ``step()`` clip
