@@ -57,9 +57,7 @@ class ShardedStage:
             for fqn in meta.fqns():
                 if fqn in originals:
                     self.shard_of[id(originals[fqn])] = shard
-        split = [
-            any(id(originals.get(fqn)) in covering for fqn in meta.fqns() if fqn in originals) for meta in metas
-        ]
+        split = [any(id(originals.get(fqn)) in covering for fqn in meta.fqns() if fqn in originals) for meta in metas]
         self.sync = ShardedGradientSync(
             self.root,
             split,
