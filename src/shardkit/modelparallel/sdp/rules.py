@@ -31,12 +31,11 @@ SDP_DEFAULTS: dict[str, Any] = {
 KEY_MEANINGS: dict[str, str] = {
     "sdp_reduce_bucket_size": "the gradient reduce-scatter bucket (elements of float32, as FSDP's bucket_cap_mb)",
     "sdp_param_persistence_threshold": (
-        "modules holding at least this many parameters become their own sharded unit (gathered only while they "
-        "run); smaller tensors are sharded too, not kept whole as in smp (results are the same)"
+        "no effect: small tensors are sharded too, not kept whole on every rank as in smp (results are the same)"
     ),
     "sdp_max_live_parameters": (
-        "no effect: a unit's parameters are gathered for its forward and backward, one unit ahead at most "
-        "(results are the same)"
+        "no effect: the stage is one sharded unit, whose parameters are gathered whole for its forward and for its "
+        "backward (at rest parameters, gradients and optimizer state are sharded; results are the same)"
     ),
     "sdp_hierarchical_allgather": (
         "no effect: the all-gather runs over the sharding group's torch.distributed process group (results are the "
@@ -92,9 +91,10 @@ def check_sdp_config(cfg: Any) -> None:
     problems = []
     if not cfg.ddp:
         problems.append("it needs 'ddp': True (the sharding groups are data-parallel ranks)")
-    if cfg.partitions > 1:
+    if cfg.chunks > 1:
         problems.append(
-            f"smp does not support it with pipeline parallelism (partitions={cfg.partitions}): set partitions to 1, "
+            f"smp does not support it with pipeline parallelism (partitions={cfg.partitions}, pipeline="
+            f"{cfg.pipeline!r}, virtual_stages={cfg.virtual_stages}): set partitions to 1 with a one-chunk schedule, "
             "or train the pipeline with plain data parallelism (sharded_data_parallel_degree 1)"
         )
     if cfg.shard_optimizer_state:
