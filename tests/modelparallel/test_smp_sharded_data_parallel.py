@@ -194,3 +194,40 @@ def test_sharded_data_parallel_with_tensor_parallelism_and_replicas_trains_like_
             assert set(final) == set(weights), (name, sorted(final))
             for key, value in weights.items():
                 assert torch.allclose(final[key], value, atol=1e-6), (name, key, final[key], value)
+
+
+def _universal(rank: int, world_size: int, folder: str) -> dict[str, Any]:
+    """A universal checkpoint (``shardkit.checkpoint``) saved under SDP 2 after 2 steps, loaded before the first step
+    into plain smp data parallelism and into SDP 2 again; each then runs the third step."""
+    from shardkit.checkpoint import load_checkpoint, save_checkpoint
+
+    out: dict[str, Any] = {}
+    model, optimizer = _build(AWS_KEYS)
+    out["sdp"] = _smp_steps(model, optimizer, range(2), 2, smp.rdp_rank())
+    save_checkpoint(folder, step=2, model=model, optimizer=optimizer)
+    out["sdp"] += _smp_steps(model, optimizer, range(2, 3), 2, smp.rdp_rank())
+    smp.reset()
+    for degree in (1, 2):
+        model, optimizer = _build({**AWS_KEYS, "sharded_data_parallel_degree": degree})
+        load_checkpoint(folder, model=model, optimizer=optimizer)
+        if degree == 1:  # plain data parallelism: the script clips (smp only clips at step() under SDP)
+            x, y = _batch(2)
+            loss = _train(model, x.chunk(2)[smp.rdp_rank()], y.chunk(2)[smp.rdp_rank()]).reduce_mean()
+            norm = optimizer.clip_master_grads(AWS_KEYS["sdp_gradient_clipping"])
+            optimizer.step()
+            losses = smp.allgather(loss.item(), smp.DP_GROUP)
+            out[degree] = [(sum(losses) / len(losses), norm.item())]
+        else:
+            out[degree] = _smp_steps(model, optimizer, range(2, 3), 2, smp.rdp_rank())
+        out[degree, "final"] = model.state_dict()
+        smp.reset()
+    return out
+
+
+def test_a_universal_checkpoint_of_sdp_loads_into_plain_smp_and_back_into_sdp(tmp_path: Any) -> None:
+    for result in run_distributed(_universal, 2, str(tmp_path / "universal")):
+        (loss, norm), (plain_loss, plain_norm) = result["sdp"][2], result[1][0]
+        assert abs(loss - plain_loss) < 1e-6 and abs(norm - plain_norm) < 1e-5, (result["sdp"], result[1])
+        assert result[2] == result["sdp"][2:], (result[2], result["sdp"])  # the same layout: bit for bit
+        for key, value in result[1, "final"].items():
+            assert torch.allclose(result[2, "final"][key], value, atol=1e-6), key

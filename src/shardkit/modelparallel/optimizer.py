@@ -261,7 +261,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             )
         if self._smp_pending is not None:
             pending, self._smp_pending = self._smp_pending, None
-            self._load(pending)
+            self._load(pending if sharded is None else sharded.cut_whole_state(pending, self))
 
     def _load(self, full: dict[str, Any]) -> None:
         if self._smp_sharded is not None:

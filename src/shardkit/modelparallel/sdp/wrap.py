@@ -19,6 +19,7 @@ from torch import nn
 
 from shardkit.distributed.topology import Topology as NodeTopology
 from shardkit.modelparallel.sdp.groups import create_sdp_groups
+from shardkit.modelparallel.sdp.optim_state import shard_whole_state
 from shardkit.modelparallel.sdp.rules import KEY_MEANINGS, SdpSettings, settings_of
 from shardkit.modelparallel.sdp.sync import ShardedGradientSync
 from shardkit.modelparallel.state import SMPState
@@ -93,6 +94,13 @@ class ShardedStage:
     def _clip_before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         norm = self.clip(self.settings.gradient_clipping)
         optimizer.__dict__["_global_grad_norm"] = norm
+
+    def cut_whole_state(self, state_dict: dict[str, Any], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """An optimizer state dict given whole (before the partition) cut to this rank's shards (see
+        :mod:`.optim_state`); ``optimizer`` already steps the shards."""
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        meta_of = {id(shard): meta for meta, shard in zip(self.root.flat_param_metas, self.root.flat_params)}
+        return shard_whole_state(state_dict, params, meta_of)
 
     def clip(self, max_norm: float) -> torch.Tensor:
         """Clip every shard's gradient by the whole model's global 2-norm (collective over the stage's ranks)."""
