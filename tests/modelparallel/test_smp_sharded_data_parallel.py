@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from smp_testlib import tiny_gpt2_config
 from torch import nn
 
 import shardkit.modelparallel as smp
@@ -180,12 +181,50 @@ def _sdp_on_four(rank: int, world_size: int) -> dict[str, Any]:
         out[name] = _smp_steps(model, optimizer, range(3), parts, index)
         out[name, "final"] = model.state_dict()
         smp.reset()
+    out["hf"] = _hf_gpt2_tp_sdp()
     return out
+
+
+def _hf_gpt2_tp_sdp() -> list[float]:
+    """HF GPT-2 split by smp.tensor_parallelism (TP 2, prescaled_batch as AWS's scripts set it) x SDP 2: 2 steps."""
+    import transformers
+    from test_smp_gpt2_script import SEED, _param_groups, _tokens
+
+    from shardkit.modelparallel.delayed_init import materialize
+
+    torch.manual_seed(SEED)
+    smp.init({**AWS_KEYS, "tensor_parallel_degree": 2, "prescaled_batch": True, "sdp_gradient_clipping": 1.0})
+    net = transformers.AutoModelForCausalLM.from_config(tiny_gpt2_config(positions=8))
+    materialize(net, lambda name: True, torch.device("cpu"), SEED)  # the reference's initial weights
+    smp.set_tensor_parallelism(net, True)
+    model = smp.DistributedModel(net)
+    optimizer = smp.DistributedOptimizer(torch.optim.AdamW(_param_groups(model.module), lr=0.01, weight_decay=0.01))
+
+    @smp.step
+    def step(model: smp.DistributedModel, ids: torch.Tensor) -> torch.Tensor:
+        loss = model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids)["loss"]
+        model.backward(loss)
+        return loss
+
+    logged = []
+    for tokens in _tokens().chunk(4)[:2]:
+        optimizer.zero_grad(set_to_none=True)
+        loss = step(model, tokens.chunk(smp.rdp_size())[smp.rdp_rank()]).reduce_mean()
+        optimizer.step()
+        losses = smp.allgather(loss.item(), smp.RDP_GROUP)
+        logged.append(sum(losses) / len(losses))
+    smp.reset()
+    return logged
 
 
 def test_sharded_data_parallel_with_tensor_parallelism_and_replicas_trains_like_one_process() -> None:
     theirs, weights = _reference(3, AWS_KEYS["sdp_gradient_clipping"])
+    pytest.importorskip("transformers")
+    from test_smp_gpt2_script import _reference as gpt2_reference
+
+    gpt2 = [sum(losses) / len(losses) for losses in gpt2_reference()[:2]]
     for result in run_distributed(_sdp_on_four, 4):
+        assert max(abs(a - b) for a, b in zip(result["hf"], gpt2)) < 1e-6, (result["hf"], gpt2)
         assert result["split"] == ["DistributedLinear", "LayerNorm", "Tanh", "DistributedLinear"]
         for name in ("tp", "tp_prescaled", "replicas"):
             for (loss, norm), (ref_loss, ref_norm) in zip(result[name], theirs):
