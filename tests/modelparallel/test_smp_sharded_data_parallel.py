@@ -14,6 +14,7 @@ from smp_testlib import tiny_gpt2_config
 from torch import nn
 
 import shardkit.modelparallel as smp
+from shardkit.modelparallel.optimizers import FusedLamb
 from shardkit.modelparallel.sdp.groups import sharding_ranks
 from shardkit.testing import run_distributed
 
@@ -130,6 +131,12 @@ def _sdp_alone(rank: int, world_size: int, folder: str) -> dict[str, Any]:
     with pytest.warns(UserWarning, match="without the optimizer state"):
         smp.save_checkpoint(folder, "full", partial=False, model=model, optimizer=optimizer)
     out["losses"] += _smp_steps(model, optimizer, range(2, 3), 2, smp.rdp_rank())
+    with pytest.raises(ValueError, match=r"model.cpu\(\) under sharded data parallelism"):
+        model.cpu()
+    with pytest.raises(ValueError, match="FusedLamb's global gradient norm"):
+        smp.DistributedOptimizer(FusedLamb(model.parameters()))
+    with pytest.raises(ValueError, match="each rank holds the state of its shards only"):
+        optimizer.state_dict()
     out["final"] = model.state_dict()
     out["files"] = sorted(os.listdir(os.path.join(folder, "partial_partial")))
     smp.reset()

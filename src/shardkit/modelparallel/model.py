@@ -387,6 +387,11 @@ class DistributedModel(nn.Module):
 
     def cpu(self) -> Any:
         """Gather every stage's parameters and buffers so this rank holds the whole model, on the CPU."""
+        if self._sharded() is not None:
+            raise ValueError(
+                "model.cpu() under sharded data parallelism: the parameters are shards of the sharding group; take "
+                "the whole model with model.state_dict() (gathered on every rank) and load it into a plain model"
+            )
         self._holding.gather_to_cpu()
         if self._execution is not None:
             self._execution.runtime.device = self._holding.device

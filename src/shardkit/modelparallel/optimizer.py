@@ -89,10 +89,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._smp_pending: Optional[dict[str, Any]] = None
         self._smp_sharded: Optional[ShardedOptimizerState] = None
         if isinstance(self, FusedLamb):  # its global gradient norm spans every stage
-            if state.config.shard_optimizer_state:
+            if state.config.shard_optimizer_state or state.config.sharded_data_parallel_degree > 1:
                 raise ValueError(
                     "FusedLamb's global gradient norm needs every gradient of its parameters, which "
-                    "'shard_optimizer_state' spreads over the replicas: turn one of them off"
+                    "'shard_optimizer_state' and 'sharded_data_parallel_degree' spread over the replicas: use one of "
+                    "them or FusedLamb, not both"
                 )
             self.set_sum_of_squares(self._sum_over_stages)
         state.optimizer = self
