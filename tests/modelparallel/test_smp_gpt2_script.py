@@ -17,7 +17,7 @@ import torch
 from smp_testlib import AWS_GPT2_CONFIG, tiny_gpt2_config
 
 import shardkit.modelparallel as smp
-from shardkit.modelparallel.delayed_init import materialize
+from shardkit.modelparallel.building.delayed_init import materialize
 from shardkit.testing import run_distributed
 
 transformers = pytest.importorskip("transformers")

@@ -15,9 +15,9 @@ from smp_testlib import AWS_GPT2_CONFIG
 from torch import nn
 
 import shardkit.modelparallel as smp
+from shardkit.modelparallel.checkpoints.user_content import decode, encode
 from shardkit.modelparallel.partition import manual_assignment
 from shardkit.modelparallel.tp.registry import Mark, mark_of
-from shardkit.modelparallel.user_content import decode, encode
 
 #: The config AWS's GPT-2 script passes, with the keys train.py adds.
 SCRIPT_CONFIG: dict[str, Any] = {

@@ -197,7 +197,7 @@ def _hf_gpt2_tp_sdp() -> list[float]:
     import transformers
     from test_smp_gpt2_script import SEED, _param_groups, _tokens
 
-    from shardkit.modelparallel.delayed_init import materialize
+    from shardkit.modelparallel.building.delayed_init import materialize
 
     torch.manual_seed(SEED)
     smp.init({**AWS_KEYS, "tensor_parallel_degree": 2, "prescaled_batch": True, "sdp_gradient_clipping": 1.0})

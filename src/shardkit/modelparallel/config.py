@@ -13,8 +13,8 @@ from shardkit.modelparallel.config_sources import (
     read_config,
     translate,
 )
+from shardkit.modelparallel.schedules.virtual_schedules import V_PIPELINES, check_virtual_config
 from shardkit.modelparallel.sdp.rules import check_sdp_config
-from shardkit.modelparallel.virtual_schedules import V_PIPELINES, check_virtual_config
 
 __all__ = ["CONFIG_ENV_VAR", "SAGEMAKER_ENV_VAR", "ModelOptions", "ModelParallelConfig", "resolve_config"]
 

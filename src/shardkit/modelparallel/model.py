@@ -16,19 +16,19 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from shardkit.modelparallel import checkpoint as ckpt
 from shardkit.modelparallel import state as smp_state
-from shardkit.modelparallel.auto_partition import Placement
-from shardkit.modelparallel.build import build_stage, decide_plan
+from shardkit.modelparallel.building.build import build_stage, decide_plan
+from shardkit.modelparallel.building.holding import StageHolding
+from shardkit.modelparallel.checkpoints import checkpoint as ckpt
 from shardkit.modelparallel.config import ModelOptions
-from shardkit.modelparallel.execution import StageExecution
-from shardkit.modelparallel.holding import StageHolding
-from shardkit.modelparallel.pipeline_parallel import StepRun, StepStats
+from shardkit.modelparallel.partitioning.auto_partition import Placement
+from shardkit.modelparallel.partitioning.trace import to_device
+from shardkit.modelparallel.pipeline.execution import StageExecution
+from shardkit.modelparallel.pipeline.pipeline_parallel import StepRun, StepStats
 from shardkit.modelparallel.sdp import state_dicts as sdp_state_dicts
 from shardkit.modelparallel.sdp.wrap import ShardedStage
 from shardkit.modelparallel.tp.distribute import distribute_marked
 from shardkit.modelparallel.tp.state_dicts import cut_tp_slices, merge_tp_slices
-from shardkit.modelparallel.trace import to_device
 
 __all__ = ["DistributedModel"]
 

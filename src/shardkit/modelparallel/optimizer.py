@@ -21,10 +21,10 @@ from typing import Any, Callable, Optional
 import torch
 
 from shardkit.distributed import collectives as C
-from shardkit.modelparallel import checkpoint as ckpt
 from shardkit.modelparallel import state as smp_state
+from shardkit.modelparallel.checkpoints import checkpoint as ckpt
+from shardkit.modelparallel.checkpoints.sharded_state import ShardedOptimizerState
 from shardkit.modelparallel.optimizers import FusedLamb
-from shardkit.modelparallel.sharded_state import ShardedOptimizerState
 from shardkit.modelparallel.tp.layers import sliced_parameter_ids
 
 # One subclass per (optimizer class, sharded state), so wrapped optimizers of one class share a type.
@@ -258,7 +258,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
             held = {id(p) for p in model.local_parameters()}
             inner = self._smp_inner
             self._smp_sharded = ShardedOptimizerState(
-                self.param_groups, held, type(inner), dict(self.defaults), smp.dp_group
+                # Over the ranks holding the same tensors: under tensor parallelism smp's data-parallel group also
+                # holds the other slices of split parameters, which an owner's broadcast would overwrite.
+                self.param_groups,
+                held,
+                type(inner),
+                dict(self.defaults),
+                smp.rdp_group,
             )
         if self._smp_pending is not None:
             pending, self._smp_pending = self._smp_pending, None

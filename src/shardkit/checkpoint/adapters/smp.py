@@ -28,7 +28,7 @@ from shardkit.checkpoint.adapters.fsdp import FSDPSource
 from shardkit.checkpoint.adapters.full import FullStateAdapter
 from shardkit.checkpoint.adapters.registry import isinstance_of
 from shardkit.checkpoint.universal.source import Held, Span, UniversalSource
-from shardkit.modelparallel.checkpoint import state_key_map
+from shardkit.modelparallel.checkpoints.checkpoint import state_key_map
 
 _MODEL = ("shardkit.modelparallel.model", "DistributedModel")
 _OPTIMIZER = ("shardkit.modelparallel.optimizer", "DistributedOptimizer")

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from shardkit.modelparallel import checkpoint as ckpt
+from shardkit.modelparallel.checkpoints import checkpoint as ckpt
 from shardkit.modelparallel.sdp.wrap import ShardedStage
 
 

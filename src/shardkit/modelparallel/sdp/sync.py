@@ -5,9 +5,9 @@ the replica group during every backward, averaging over the reduced-data-paralle
 the shards across micro-batches and across ``backward_passes_per_step`` steps (a sum of reductions is the reduction
 of the sum). Under tensor parallelism one more step is needed where the ranks of a tensor-parallel group trained
 on different batches (``prescaled_batch`` False, smp's default), to give the same averages as smp's data parallelism
-(:mod:`~shardkit.modelparallel.grad_sync`): the shard of a parameter outside the distributed modules is averaged over
-the tensor-parallel group too, and that of a distributed module's parameter (split or not), whose gradient already
-covers the group's batches, is divided by its size.
+(:mod:`~shardkit.modelparallel.pipeline.grad_sync`): the shard of a parameter outside the distributed modules is
+averaged over the tensor-parallel group too, and that of a distributed module's parameter (split or not), whose
+gradient already covers the group's batches, is divided by its size.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from shardkit.distributed import collectives as C
 
 
 class ShardedGradientSync:
-    """The stage's gradient completion (the interface of :class:`~shardkit.modelparallel.grad_sync.GradientSync`
-    that a step's schedule calls)."""
+    """The stage's gradient completion: the interface of
+    :class:`~shardkit.modelparallel.pipeline.grad_sync.GradientSync` that a step's schedule calls."""
 
     def __init__(
         self,

@@ -1,6 +1,6 @@
 """Shard one stage's module over its sharding group, and point the script's optimizer at the shards.
 
-Applied right after the first step's partition plan is applied (``build.build_stage``), so rank 0's solitary
+Applied right after the first step's partition plan is applied (``building.build.build_stage``), so rank 0's solitary
 tracing forward ran on the plain module. The stage's module becomes the one unit of a
 :class:`~shardkit.nn.FullyShardedDataParallel` with hybrid sharding: shards over the sharding group, replicas over
 the replica group (see :mod:`.groups`), ``flatten_parameters=False`` so each original parameter has exactly one shard

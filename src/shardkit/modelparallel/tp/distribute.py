@@ -20,7 +20,7 @@ from torch import nn
 
 from shardkit.distributed.model_check import check_same_model
 from shardkit.modelparallel import state as smp_state
-from shardkit.modelparallel.grad_sync import SplitReduction
+from shardkit.modelparallel.pipeline.grad_sync import SplitReduction
 from shardkit.modelparallel.state import SMPState
 from shardkit.modelparallel.tp import hf
 from shardkit.modelparallel.tp.embedding import DistributedEmbedding

@@ -27,8 +27,8 @@ from torch import nn
 from torch.nn.utils import skip_init
 
 from shardkit.modelparallel import state as smp_state
+from shardkit.modelparallel.partitioning.trace import is_tracing
 from shardkit.modelparallel.tp.layers import DistributedModule, check_prescaled_input, tp_group_of_job
-from shardkit.modelparallel.trace import is_tracing
 from shardkit.tensor_parallel import (
     ShardSpec,
     TPGroup,

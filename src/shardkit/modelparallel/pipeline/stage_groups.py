@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardkit.distributed import GroupLike
-from shardkit.modelparallel.plan import PipelinePlan
+from shardkit.modelparallel.partitioning.plan import PipelinePlan
 from shardkit.modelparallel.state import SMPState
 
 

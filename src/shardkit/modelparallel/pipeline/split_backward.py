@@ -26,7 +26,7 @@ stage splits exactly, but every W call that reaches the checkpointed block recom
 given to ``smp.set_activation_checkpointing`` make their stage run unsplit instead (see ``StageExecution``).
 
 Memory. B keeps the graph for W, but where the forward ran under a
-:class:`~shardkit.modelparallel.saved_activations.SavedActivations`' hooks, the tensors only B needed are
+:class:`~shardkit.modelparallel.pipeline.saved_activations.SavedActivations`' hooks, the tensors only B needed are
 released as B ends; W holds on to the recorded boundary gradients until it runs.
 """
 
@@ -40,7 +40,7 @@ import torch
 from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
-from shardkit.modelparallel.saved_activations import SavedActivations
+from shardkit.modelparallel.pipeline.saved_activations import SavedActivations
 
 Grads = tuple[Optional[torch.Tensor], ...]
 

@@ -1,7 +1,7 @@
 """The pipeline simulator behind the zero-bubble schedules (Qi et al. 2024, arXiv 2401.10241): the checker of
 their lists, the source of the bench's and the planner's theoretical bubbles, and a greedy reference builder.
 
-The lists themselves are written out phase by phase in :mod:`~shardkit.modelparallel.pipeline_parallel`
+The lists themselves are written out phase by phase in :mod:`~shardkit.modelparallel.pipeline.pipeline_parallel`
 (warm-up forwards; then B, the W's due, F; then the cool-down's B's and W's; then the postponed W's), where
 the argument that they cannot deadlock is given. This module checks them:
 

@@ -31,8 +31,14 @@ from typing import Any, Callable, Optional
 import torch
 
 from shardkit.modelparallel import state as smp_state
-from shardkit.modelparallel.checkpoint_files import NEWEST, USER_CONTENT, newest_tag, read_checkpoint, stage_name
-from shardkit.modelparallel.user_content import encode
+from shardkit.modelparallel.checkpoints.checkpoint_files import (
+    NEWEST,
+    USER_CONTENT,
+    newest_tag,
+    read_checkpoint,
+    stage_name,
+)
+from shardkit.modelparallel.checkpoints.user_content import encode
 from shardkit.utils.tensors import to_cpu
 
 

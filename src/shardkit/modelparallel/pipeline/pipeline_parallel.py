@@ -4,7 +4,7 @@ A stage's schedule is a list of actions: ``F k`` runs the user's step function o
 forward computes this stage's units; ``model.backward`` only records the request) and ``B k`` runs that
 micro-batch's backward on this stage. In a schedule that also has ``W k`` actions, ``B k`` computes only the
 gradients of the stage's inputs (sent upstream at once) and ``W k`` the parameters' gradients
-(:mod:`~shardkit.modelparallel.split_backward`). Four schedules, all starting with ``F 0`` on every stage:
+(:mod:`~shardkit.modelparallel.pipeline.split_backward`). Four schedules, all starting with ``F 0`` on every stage:
 
 - ``simple`` (GPipe): every forward, then every backward.
 - ``interleaved`` (1F1B): a warm-up of ``num_stages - stage - 1`` forwards, a steady state alternating one
@@ -21,7 +21,7 @@ gradients of the stage's inputs (sent upstream at once) and ``W k`` the paramete
   ``(p-1)(F+B+W)`` (``(p-1)F`` at ``hold=p``). The later stages hold more micro-batches than under 1F1B,
   but less of each once B has run: on the bench LM the largest stage's peak activation stays within 1.05x
   of 1F1B's, which ``hold=p`` breaks at 4 stages
-  (:func:`~shardkit.modelparallel.zb_schedules.zero_bubble_h1_hold` has the numbers). ZB-H2 starts with
+  (:func:`~shardkit.modelparallel.schedules.zb_schedules.zero_bubble_h1_hold` has the numbers). ZB-H2 starts with
   ``n_s = 2(p - s) - 1`` forwards (up to ``2p - 1`` micro-batches on the first stage) and reaches ``(p-1)F``.
 
 Why none of them can deadlock. Only receives block (a send returns at once under gloo, and under NCCL it is
@@ -35,7 +35,7 @@ run. In ``s``'s list ``B j`` follows ``F 0 .. F(n_s + j - 1)``, so ``k >= n_s + 
 and has not run ``B j``, so ``F k`` comes before ``B j`` in its list: ``k < n_(s+1) + j``. Both hold only if
 ``n_(s+1) > n_s``. So lists in which no stage runs more forwards before its first B than the stage before it
 (``simple``: all of them; 1F1B: ``p - s``; ZB-H2: ``2(p - s) - 1``; all capped at ``m``) cannot deadlock,
-whatever the action times. :func:`~shardkit.modelparallel.zb_schedules.simulate` checks this for many shapes
+whatever the action times. :func:`~shardkit.modelparallel.schedules.zb_schedules.simulate` checks this for many shapes
 in the tests, and that a list breaking the condition does deadlock.
 """
 
@@ -47,11 +47,11 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Optional
 
-from shardkit.modelparallel.execution import StageExecution
-from shardkit.modelparallel.runtime import MicrobatchRecord
-from shardkit.modelparallel.step_outputs import OutputSharing, share_from_output_stage
-from shardkit.modelparallel.virtual_stages import ChunkedStep, ProbeFinished, VirtualStageExecution
-from shardkit.modelparallel.zb_schedules import zero_bubble_h1_hold
+from shardkit.modelparallel.pipeline.execution import StageExecution
+from shardkit.modelparallel.pipeline.runtime import MicrobatchRecord
+from shardkit.modelparallel.pipeline.step_outputs import OutputSharing, share_from_output_stage
+from shardkit.modelparallel.pipeline.virtual_stages import ChunkedStep, ProbeFinished, VirtualStageExecution
+from shardkit.modelparallel.schedules.zb_schedules import zero_bubble_h1_hold
 
 
 def _splits(execution: StageExecution) -> bool:
@@ -97,7 +97,7 @@ def one_f_one_b_schedule(stage: int, num_stages: int, microbatches: int) -> list
 def zero_bubble_h1_schedule(stage: int, num_stages: int, microbatches: int, hold: Optional[int] = None) -> list[Action]:
     """ZB-H1: 1F1B's forwards and input-gradient backwards, each stage postponing W's while it holds fewer than
     ``hold`` micro-batches between F and W (default
-    :func:`~shardkit.modelparallel.zb_schedules.zero_bubble_h1_hold`: ``p - 1``, at least 2).
+    :func:`~shardkit.modelparallel.schedules.zb_schedules.zero_bubble_h1_hold`: ``p - 1``, at least 2).
 
     With equal F, B and W times each stage idles ``(2p - 1 - hold) F`` per step, from 1F1B's memory
     (``hold=1``: every stage runs each W right after its B) down to ``(p-1)F`` at ``hold=p``.
@@ -202,7 +202,7 @@ class StepStats:
 class StepRun:
     """One call of an ``@smp.step`` function: its micro-batches, run in this stage's schedule order.
 
-    ``execution`` returns this rank's :class:`~shardkit.modelparallel.execution.StageExecution`, or None
+    ``execution`` returns this rank's :class:`~shardkit.modelparallel.pipeline.execution.StageExecution`, or None
     before the partition: the first step's first forward builds it (the model partitions itself then), so
     the schedule asks again after that forward. ``current`` is the micro-batch whose forward is running.
     """

@@ -5,7 +5,7 @@ once; cut in half (Sea AI Lab's "cut-in-half", published as DualPipeV in github.
 as torch's ``ScheduleDualPipeV``) it becomes a schedule on ZBV's placement: ``p`` ranks, ``2p`` chunks, rank
 ``r`` holding chunk ``r`` (on the way *down* the V) and chunk ``2p - 1 - r`` (on the way back *up*), the loss
 on rank 0. Every backward is split into B (input gradients, sent at once) and W (weight gradients), as under
-ZBV, and the lists run on ZBV's executor (:mod:`~shardkit.modelparallel.virtual_stages`); only the order
+ZBV, and the lists run on ZBV's executor (:mod:`~shardkit.modelparallel.pipeline.virtual_stages`); only the order
 differs. Rank ``r``'s list, in phases (``m >= 2p`` micro-batches):
 
 - warm-up: ``2(p-1-r)`` forwards of the down chunk; ``r+1`` rounds of a forward of each chunk; ``p-1-r``
@@ -25,8 +25,8 @@ A "whole" backward is B with its W right after. The order is DeepSeek's and torc
 tests compare it with torch's ``ScheduleDualPipeV`` lists, torch 2.11 to 2.14).
 
 Why it cannot deadlock. ZBV's executor posts, at every tick of the grid all ranks compute
-(:func:`~shardkit.modelparallel.virtual_schedules.tick_grid`), one group of sends and receives that is the same
-on both sides, so any lists that admit a tick grid run on any transport (``test_smp_virtual_p2p`` runs
+(:func:`~shardkit.modelparallel.schedules.virtual_schedules.tick_grid`), one group of sends and receives that is the
+same on both sides, so any lists that admit a tick grid run on any transport (``test_smp_virtual_p2p`` runs
 DualPipeV's grid over a fake transport whose sends block, as NCCL's do). Lists admit one when they never wait
 on each other in a cycle, and that holds for lists read off a timeline that puts every action after the
 actions it needs: of the ranks that would wait forever, the one whose next action is earliest on the
@@ -37,7 +37,7 @@ neighbouring rank at least a tick earlier; its only other idle ticks are in the 
 down chunk waits for the same micro-batch's B from rank ``r + 1``. The tick grid finds that timeline for
 every ``p`` in 2..6 and ``m`` in ``2p..4p``, where the tests check all of the above, and up to 10 ranks and
 ``6p + 3`` micro-batches, where they check the grid and its idle count: every rank idles exactly ``p - 1``
-ticks, so the bubble is ``(p-1) / (6m + p - 1)``, ZBV's on the same grid (:mod:`~shardkit.modelparallel.zbv`),
+ticks, so the bubble is ``(p-1) / (6m + p - 1)``, ZBV's on the same grid (:mod:`~shardkit.modelparallel.schedules.zbv`),
 against 1F1B's ``(p-1) / (m + p - 1)`` over ``p`` stages.
 No algebra here covers every ``p`` and ``m``; a shape whose lists did wait in a cycle would fail on every rank
 alike with ``tick_grid``'s error before the step's first action (every rank computes the grid before it runs
@@ -50,7 +50,7 @@ forwards (1F1B's first stage holds ``p`` micro-batches of two chunks' worth), on
 
 from __future__ import annotations
 
-from shardkit.modelparallel.chunk_action import ChunkAction, RankList
+from shardkit.modelparallel.schedules.chunk_action import ChunkAction, RankList
 
 
 def dualpipev_schedule(rank: int, num_ranks: int, microbatches: int) -> list[ChunkAction]:

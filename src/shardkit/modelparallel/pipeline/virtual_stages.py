@@ -1,6 +1,6 @@
 """Virtual stages at run time: ``v`` chunks per rank, each run as its own pipeline stage, on a common tick clock.
 
-The plan is made for ``p * v`` chunks (:mod:`~shardkit.modelparallel.virtual_schedules` places chunk ``c`` on
+The plan is made for ``p * v`` chunks (:mod:`~shardkit.modelparallel.schedules.virtual_schedules` places chunk ``c`` on
 rank ``c % p``; ``"zbv"`` and ``"dualpipev"`` place them in a V instead, see ``placement``). Two views of it are used:
 
 - the *chunk plan* drives the forward dispatch. A chunk's forward of micro-batch ``k`` is one call of the
@@ -13,15 +13,15 @@ rank ``c % p``; ``"zbv"`` and ``"dualpipev"`` place them in a V instead, see ``p
 - the *rank plan* (:func:`fold_plan`) is what everything else sees: which parameters this rank holds, which
   ranks share a tied parameter, where the outputs are real.
 
-Under the V schedules each backward is split (:mod:`~shardkit.modelparallel.split_backward`): B sends the input
+Under the V schedules each backward is split (:mod:`~shardkit.modelparallel.pipeline.split_backward`): B sends the input
 gradients, W computes the parameters' gradients later and sends nothing. Where a rank's W comes right after its
-B and no rank needs B's gradients sooner (:func:`~shardkit.modelparallel.virtual_schedules.fused_backwards`),
+B and no rank needs B's gradients sooner (:func:`~shardkit.modelparallel.schedules.virtual_schedules.fused_backwards`),
 the two run as one unsplit backward at B's tick: the split costs time (about a tenth of the backward on the
 bench LM on CPU) and buys nothing there; DualPipeV's paired steps are mostly such.
 
 Messages. A message between chunks is named by (F or B, source chunk, destination chunk, micro-batch,
 sequence number); messages between two chunks on one rank never leave it. Each step runs on the tick grid of
-:func:`~shardkit.modelparallel.virtual_schedules.schedule_grid`: at tick ``t`` a rank runs its action,
+:func:`~shardkit.modelparallel.schedules.virtual_schedules.schedule_grid`: at tick ``t`` a rank runs its action,
 then posts in one group (:meth:`ChunkLink.exchange`) the sends that action produced and the receives for
 every message its neighbours' tick-``t`` actions produce, both sorted by name. Deadlock-free on a transport
 whose sends block until received (NCCL) by construction: every rank posts exactly one group per tick, in tick
@@ -47,19 +47,19 @@ from typing import Any, Callable, NamedTuple, Optional, Protocol
 
 import torch
 
-from shardkit.modelparallel.execution import StageExecution
-from shardkit.modelparallel.plan import PipelinePlan, signature_of
-from shardkit.modelparallel.pp_communications import StageLink
-from shardkit.modelparallel.runtime import MicrobatchRecord, Shapes, StageRuntime, autocast_state
-from shardkit.modelparallel.topology import Topology
-from shardkit.modelparallel.virtual_p2p import ChunkLink, Expected, Key
-from shardkit.modelparallel.virtual_schedules import (
+from shardkit.modelparallel.partitioning.plan import PipelinePlan, signature_of
+from shardkit.modelparallel.pipeline.execution import StageExecution
+from shardkit.modelparallel.pipeline.pp_communications import StageLink
+from shardkit.modelparallel.pipeline.runtime import MicrobatchRecord, Shapes, StageRuntime, autocast_state
+from shardkit.modelparallel.pipeline.virtual_p2p import ChunkLink, Expected, Key
+from shardkit.modelparallel.schedules.virtual_schedules import (
     V_PIPELINES,
     ChunkAction,
     fused_backwards,
     placement,
     schedule_grid,
 )
+from shardkit.modelparallel.topology import Topology
 
 
 class StepDriver(Protocol):

@@ -1,7 +1,7 @@
-"""The unit of every schedule over chunks (:mod:`~shardkit.modelparallel.virtual_schedules`,
-:mod:`~shardkit.modelparallel.zbv`, :mod:`~shardkit.modelparallel.dualpipev`) and the builder the V schedules
-write their phases with, kept apart so that each schedule's file can build its lists without importing the
-others."""
+"""The unit of every schedule over chunks (:mod:`~shardkit.modelparallel.schedules.virtual_schedules`,
+:mod:`~shardkit.modelparallel.schedules.zbv`, :mod:`~shardkit.modelparallel.schedules.dualpipev`) and the builder
+the V schedules write their phases with, kept apart so that each schedule's file can build its lists without
+importing the others."""
 
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ from torch import nn
 from shardkit.distributed import GroupLike, all_gather_objects
 from shardkit.distributed.arrival import every_rank_calls
 from shardkit.modelparallel import state as smp_state
-from shardkit.modelparallel.checkpoint_files import (
+from shardkit.modelparallel.checkpoints.checkpoint_files import (
     MISSING,
     agree_on_problems,
     load_folder,

@@ -15,10 +15,10 @@ import torch
 from torch import nn
 
 from shardkit.distributed import GroupLike
-from shardkit.modelparallel import checkpoint as ckpt
-from shardkit.modelparallel.delayed_init import is_delayed
-from shardkit.modelparallel.plan import PipelinePlan
-from shardkit.modelparallel.startup import canonical_tensors
+from shardkit.modelparallel.building.delayed_init import is_delayed
+from shardkit.modelparallel.building.startup import canonical_tensors
+from shardkit.modelparallel.checkpoints import checkpoint as ckpt
+from shardkit.modelparallel.partitioning.plan import PipelinePlan
 
 
 class StageHolding:

@@ -1,8 +1,8 @@
 """One stage's share of a partitioned model, as the pipeline schedule drives it.
 
 :class:`StageExecution` is built when the partition plan is applied (the first ``@smp.step``) and handed to
-every later step's schedule (:class:`~shardkit.modelparallel.pipeline_parallel.StepRun`). It bundles what
-running the stage takes: the forward dispatch (:class:`~shardkit.modelparallel.runtime.StageRuntime`), the
+every later step's schedule (:class:`~shardkit.modelparallel.pipeline.pipeline_parallel.StepRun`). It bundles what
+running the stage takes: the forward dispatch (:class:`~shardkit.modelparallel.pipeline.runtime.StageRuntime`), the
 link to the other stages, the gradient reduction across replicas and the buffer broadcast, so the schedule
 needs no model class and the model exposes no internals to it.
 """
@@ -18,10 +18,10 @@ import torch
 
 from shardkit.distributed import GroupLike
 from shardkit.distributed import collectives as C
-from shardkit.modelparallel.grad_sync import GradientSync
-from shardkit.modelparallel.pp_communications import StageLink
-from shardkit.modelparallel.runtime import MicrobatchRecord, StageRuntime
-from shardkit.modelparallel.saved_activations import SavedActivations
+from shardkit.modelparallel.pipeline.grad_sync import GradientSync
+from shardkit.modelparallel.pipeline.pp_communications import StageLink
+from shardkit.modelparallel.pipeline.runtime import MicrobatchRecord, StageRuntime
+from shardkit.modelparallel.pipeline.saved_activations import SavedActivations
 from shardkit.modelparallel.sdp.sync import ShardedGradientSync
 
 

@@ -16,9 +16,9 @@ phases (``m >= 2p`` micro-batches):
 
 This is the paper's handcrafted V order, the one torch's ``ScheduleZBVZeroBubble`` builds too (the tests compare
 the lists action for action). A W right after its B runs as one whole backward where nothing waits between
-them (:func:`~shardkit.modelparallel.virtual_schedules.fused_backwards`): most of the steady state's.
+them (:func:`~shardkit.modelparallel.schedules.virtual_schedules.fused_backwards`): most of the steady state's.
 
-Why it cannot deadlock: as DualPipeV's lists (:mod:`~shardkit.modelparallel.dualpipev`), these are read off a
+Why it cannot deadlock: as DualPipeV's lists (:mod:`~shardkit.modelparallel.schedules.dualpipev`), these are read off a
 timeline that puts every action after the actions it needs (the paper's figure, one tick per F, B and W), so
 they admit a tick grid, on which the executor posts one identical group of messages per tick on both sides of
 every link. The tests check the grid for ``p`` in 2..6 and ``m`` in ``2p..4p`` (every action once, in order,
@@ -32,7 +32,7 @@ micro-batches of two chunks' worth).
 
 from __future__ import annotations
 
-from shardkit.modelparallel.chunk_action import ChunkAction, RankList
+from shardkit.modelparallel.schedules.chunk_action import ChunkAction, RankList
 
 
 def zbv_schedule(rank: int, num_ranks: int, microbatches: int) -> list[ChunkAction]:

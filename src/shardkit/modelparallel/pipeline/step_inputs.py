@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from shardkit.distributed import all_gather_objects
 from shardkit.distributed.device import current_cuda_device
-from shardkit.modelparallel.pp_communications import broadcast_tensors
+from shardkit.modelparallel.pipeline.pp_communications import broadcast_tensors
 from shardkit.modelparallel.state import SMPState
 from shardkit.utils._torch_private import tree_flatten, tree_unflatten
 

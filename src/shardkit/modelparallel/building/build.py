@@ -3,7 +3,7 @@
 :func:`decide_plan` checks that every rank holds the same model and inputs, broadcasts rank 0's weights, has
 rank 0 trace and plan, and hands the plan to every rank (an error on rank 0 is raised on every rank).
 :func:`build_stage` applies it on this rank and returns the
-:class:`~shardkit.modelparallel.execution.StageExecution` the pipeline schedule runs from then on.
+:class:`~shardkit.modelparallel.pipeline.execution.StageExecution` the pipeline schedule runs from then on.
 """
 
 from __future__ import annotations
@@ -19,24 +19,24 @@ from shardkit.distributed import GroupLike, all_gather_objects, broadcast_object
 from shardkit.distributed.device import current_cuda_device
 from shardkit.distributed.model_check import check_same_model
 from shardkit.modelparallel.activation_checkpointing import plan_checkpointing
-from shardkit.modelparallel.auto_partition import Placement
+from shardkit.modelparallel.building.delayed_init import check_delayable, is_delayed, materialize
+from shardkit.modelparallel.building.holding import StageHolding
+from shardkit.modelparallel.building.startup import broadcast_initial_state, check_same_inputs
 from shardkit.modelparallel.config import ModelOptions
-from shardkit.modelparallel.delayed_init import check_delayable, is_delayed, materialize
-from shardkit.modelparallel.execution import StageExecution
-from shardkit.modelparallel.grad_sync import GradientSync
-from shardkit.modelparallel.holding import StageHolding
-from shardkit.modelparallel.partitioner import check_plan, plan_partition
-from shardkit.modelparallel.plan import PipelinePlan
-from shardkit.modelparallel.pp_communications import StageLink
-from shardkit.modelparallel.runtime import StageRuntime
+from shardkit.modelparallel.partitioning.auto_partition import Placement
+from shardkit.modelparallel.partitioning.partitioner import check_plan, plan_partition
+from shardkit.modelparallel.partitioning.plan import PipelinePlan
+from shardkit.modelparallel.pipeline.execution import StageExecution
+from shardkit.modelparallel.pipeline.grad_sync import GradientSync
+from shardkit.modelparallel.pipeline.pp_communications import StageLink
+from shardkit.modelparallel.pipeline.runtime import StageRuntime
+from shardkit.modelparallel.pipeline.stage_groups import copy_groups
+from shardkit.modelparallel.pipeline.virtual_stages import VirtualStageExecution, check_chunks, chunked_runtime
 from shardkit.modelparallel.sdp.sync import ShardedGradientSync
 from shardkit.modelparallel.sdp.wrap import ShardedStage
-from shardkit.modelparallel.stage_groups import copy_groups
-from shardkit.modelparallel.startup import broadcast_initial_state, check_same_inputs
 from shardkit.modelparallel.state import SMPState
 from shardkit.modelparallel.tp.distribute import split_parameter_ids, split_reduction
 from shardkit.modelparallel.tp.hf import split_model_parameter_ids
-from shardkit.modelparallel.virtual_stages import VirtualStageExecution, check_chunks, chunked_runtime
 
 
 def execution_device(state: SMPState, module: nn.Module) -> torch.device:

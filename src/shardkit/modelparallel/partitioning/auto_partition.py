@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from shardkit.modelparallel.trace import ModuleCost
+from shardkit.modelparallel.partitioning.trace import ModuleCost
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 A message is named by :data:`Key`; a chunk's sends and receives name only the other chunk, and the running
 action supplies the rest. Messages between two chunks of one rank never leave it. Why one group per tick makes
 the exchange deadlock-free on a transport whose sends block (NCCL) is said in
-:mod:`~shardkit.modelparallel.virtual_stages`.
+:mod:`~shardkit.modelparallel.pipeline.virtual_stages`.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from typing import Any, NamedTuple, Optional
 import torch
 
 from shardkit.distributed import collectives as C
-from shardkit.modelparallel.pp_communications import Message, P2PTransport, StageLink
+from shardkit.modelparallel.pipeline.pp_communications import Message, P2PTransport, StageLink
+from shardkit.modelparallel.schedules.virtual_schedules import ChunkAction
 from shardkit.modelparallel.topology import Topology
-from shardkit.modelparallel.virtual_schedules import ChunkAction
 
 #: (direction "F"/"B", source chunk, destination chunk, micro-batch, sequence number between the two chunks).
 Key = tuple[str, int, int, int, int]

@@ -36,7 +36,7 @@ from torch.nn.modules.module import (
     register_module_parameter_registration_hook,
 )
 
-from shardkit.modelparallel.startup import canonical_tensors
+from shardkit.modelparallel.building.startup import canonical_tensors
 
 
 @contextlib.contextmanager

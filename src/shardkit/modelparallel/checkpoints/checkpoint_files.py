@@ -19,7 +19,7 @@ import torch
 from shardkit.distributed import all_gather_objects
 from shardkit.distributed.arrival import every_rank_calls
 from shardkit.modelparallel import state as smp_state
-from shardkit.modelparallel.user_content import decode
+from shardkit.modelparallel.checkpoints.user_content import decode
 
 MISSING = "no file"
 """Words every missing-file problem contains (they make :func:`agree_on_problems` raise FileNotFoundError)."""

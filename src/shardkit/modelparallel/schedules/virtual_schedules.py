@@ -21,9 +21,9 @@ rank runs at most one action, and an action runs at the first tick after every a
 chunk's forward of the same micro-batch, the next chunk's backward) ran. Every rank computes the same grid,
 so it knows which actions its neighbours run at every tick, hence which messages they produce then.
 
-ZBV (:mod:`~shardkit.modelparallel.zbv`): two chunks per rank in a V (rank ``r`` holds chunks ``r`` and
+ZBV (:mod:`~shardkit.modelparallel.schedules.zbv`): two chunks per rank in a V (rank ``r`` holds chunks ``r`` and
 ``2p - 1 - r``), every backward split into B and W (run whole where nothing waits for the split:
-:func:`fused_backwards`); needs ``microbatches >= 2p``. DualPipeV (:mod:`~shardkit.modelparallel.dualpipev`)
+:func:`fused_backwards`); needs ``microbatches >= 2p``. DualPipeV (:mod:`~shardkit.modelparallel.schedules.dualpipev`)
 runs the same V in another order, under the same checks.
 """
 
@@ -31,9 +31,9 @@ from __future__ import annotations
 
 from typing import Optional
 
-from shardkit.modelparallel.chunk_action import ChunkAction
-from shardkit.modelparallel.dualpipev import dualpipev_schedules
-from shardkit.modelparallel.zbv import zbv_schedules
+from shardkit.modelparallel.schedules.chunk_action import ChunkAction
+from shardkit.modelparallel.schedules.dualpipev import dualpipev_schedules
+from shardkit.modelparallel.schedules.zbv import zbv_schedules
 
 V_PIPELINES = ("zbv", "dualpipev")
 """The schedules with two chunks per rank in a V, every backward split into B and W (see :func:`fused_backwards`)."""

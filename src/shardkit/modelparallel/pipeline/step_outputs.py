@@ -23,7 +23,7 @@ from typing import Any, Optional
 import torch
 
 from shardkit.distributed import GroupLike, all_gather_objects, broadcast_object, group_rank
-from shardkit.modelparallel.pp_communications import broadcast_tensors
+from shardkit.modelparallel.pipeline.pp_communications import broadcast_tensors
 from shardkit.utils._torch_private import TreeSpec, tree_flatten, tree_unflatten
 
 

@@ -12,11 +12,11 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
-from shardkit.modelparallel.auto_partition import Placement, auto_assignment, describe
-from shardkit.modelparallel.meta_values import MetaValues, to_meta_with_values
 from shardkit.modelparallel.partition import manual_assignment
-from shardkit.modelparallel.plan import PipelinePlan, build_plan, derive_units
-from shardkit.modelparallel.trace import to_device, trace_costs, traced_on
+from shardkit.modelparallel.partitioning.auto_partition import Placement, auto_assignment, describe
+from shardkit.modelparallel.partitioning.meta_values import MetaValues, to_meta_with_values
+from shardkit.modelparallel.partitioning.plan import PipelinePlan, build_plan, derive_units
+from shardkit.modelparallel.partitioning.trace import to_device, trace_costs, traced_on
 from shardkit.utils._torch_private import tree_leaves
 
 

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from shardkit.modelparallel.trace import side_effect_free
+from shardkit.modelparallel.partitioning.trace import side_effect_free
 from shardkit.utils._torch_private import TreeSpec, tree_flatten, tree_leaves
 
 Source = tuple[int, int]  # (unit call index, output leaf index)

@@ -27,10 +27,10 @@ import torch
 from torch import nn
 
 from shardkit.modelparallel._torch_private import is_compiled_module
-from shardkit.modelparallel.plan import LeafSpec, PipelinePlan, UnitCall, signature_of
-from shardkit.modelparallel.pp_communications import StageLink
-from shardkit.modelparallel.saved_activations import SavedActivations
-from shardkit.modelparallel.split_backward import WeightGradients, backward_input
+from shardkit.modelparallel.partitioning.plan import LeafSpec, PipelinePlan, UnitCall, signature_of
+from shardkit.modelparallel.pipeline.pp_communications import StageLink
+from shardkit.modelparallel.pipeline.saved_activations import SavedActivations
+from shardkit.modelparallel.pipeline.split_backward import WeightGradients, backward_input
 from shardkit.utils._torch_private import tree_flatten, tree_map, tree_unflatten
 
 Shapes = tuple[tuple[Optional[LeafSpec], ...], ...]
