@@ -171,9 +171,10 @@ def test_sharded_data_parallel_trains_and_resumes_like_one_process(tmp_path: Any
         plain.load_state_dict(result["resumed_final", False])  # a full checkpoint's model loads into a plain one
 
 
-def _sdp_on_four(rank: int, world_size: int) -> dict[str, Any]:
+def _sdp_on_four(rank: int, world_size: int, folder: str) -> dict[str, Any]:
     """On 4 processes: TP 2 x SDP 2 (each tensor-parallel rank's own batch, then one batch per tensor-parallel group)
-    and SDP 2 x 2 sharding groups that replicate each other; 3 steps of each."""
+    and SDP 2 x 2 sharding groups that replicate each other; 3 steps of each. At TP 2 x SDP 2 a partial and a full
+    checkpoint after the second step, and resumes from each that redo the third."""
     out: dict[str, Any] = {}
     layouts = {
         "tp": {**AWS_KEYS, "tensor_parallel_degree": 2},
@@ -185,8 +186,19 @@ def _sdp_on_four(rank: int, world_size: int) -> dict[str, Any]:
         if name == "tp":
             out["split"] = [type(m).__name__ for m in model.module]
         parts, index = (smp.rdp_size(), smp.rdp_rank()) if name == "tp_prescaled" else (smp.dp_size(), smp.dp_rank())
-        out[name] = _smp_steps(model, optimizer, range(3), parts, index)
+        out[name] = _smp_steps(model, optimizer, range(2), parts, index)
+        if name == "tp":
+            smp.save_checkpoint(folder, "partial", partial=True, model=model, optimizer=optimizer)
+            smp.save_checkpoint(folder, "full", partial=False, model=model)  # as AWS's scripts save full models
+        out[name] += _smp_steps(model, optimizer, range(2, 3), parts, index)
         out[name, "final"] = model.state_dict()
+        smp.reset()
+    out["files"] = sorted(os.listdir(os.path.join(folder, "partial_partial")))
+    for partial in (True, False):
+        model, optimizer = _build(layouts["tp"], tp=True)
+        tag = "partial" if partial else "full"
+        smp.resume_from_checkpoint(folder, tag=tag, partial=partial, load_optimizer=partial)
+        out["resumed", partial] = _smp_steps(model, optimizer, range(2, 3), smp.dp_size(), smp.dp_rank())
         smp.reset()
     out["hf"] = _hf_gpt2_tp_sdp()
     return out
@@ -224,14 +236,18 @@ def _hf_gpt2_tp_sdp() -> list[float]:
     return logged
 
 
-def test_sharded_data_parallel_with_tensor_parallelism_and_replicas_trains_like_one_process() -> None:
+def test_sharded_data_parallel_with_tensor_parallelism_and_replicas_trains_like_one_process(tmp_path: Any) -> None:
     theirs, weights = _reference(3, AWS_KEYS["sdp_gradient_clipping"])
     pytest.importorskip("transformers")
     from test_smp_gpt2_script import _reference as gpt2_reference
 
     gpt2 = [sum(losses) / len(losses) for losses in gpt2_reference()[:2]]
-    for result in run_distributed(_sdp_on_four, 4):
+    for result in run_distributed(_sdp_on_four, 4, str(tmp_path)):
         assert max(abs(a - b) for a, b in zip(result["hf"], gpt2)) < 1e-6, (result["hf"], gpt2)
+        assert result["files"] == [f"{kind}_0_{tp}_{shard}.pt" for kind in ("model", "optimizer") for tp in (0, 1)
+                                   for shard in (0, 1)] + ["user_content.pt"]  # fmt: skip
+        assert result["resumed", True] == result["tp"][2:]  # a partial checkpoint: bit for bit
+        assert abs(result["resumed", False][0][0] - result["tp"][2][0]) < 1e-7  # a full one: the same weights
         assert result["split"] == ["DistributedLinear", "LayerNorm", "Tanh", "DistributedLinear"]
         for name in ("tp", "tp_prescaled", "replicas"):
             for (loss, norm), (ref_loss, ref_norm) in zip(result[name], theirs):
