@@ -139,6 +139,12 @@ def _sdp_alone(rank: int, world_size: int, folder: str) -> dict[str, Any]:
         optimizer.state_dict()
     out["final"] = model.state_dict()
     out["files"] = sorted(os.listdir(os.path.join(folder, "partial_partial")))
+    local = model.local_state_dict()  # smp.save/load of a partial state dict: one file per shard
+    smp.save(local, os.path.join(folder, "local.pt"), partial=True)
+    smp.barrier()
+    loaded = smp.load(os.path.join(folder, "local.pt"), partial=True)
+    same = {k: torch.equal(torch.as_tensor(v), torch.as_tensor(loaded[k])) for k, v in local.items()}
+    out["save_load"] = sorted(k for k, equal in same.items() if not equal)
     smp.reset()
     for partial in (True, False):
         model, optimizer = _build(config)
@@ -161,6 +167,7 @@ def test_sharded_data_parallel_trains_and_resumes_like_one_process(tmp_path: Any
         assert shard < whole * 0.75, result["shard_numel"]  # each rank holds about half of each parameter
         for name, value in weights.items():
             assert torch.allclose(result["final"][name], value, atol=1e-6), name
+        assert result["save_load"] == [], result["save_load"]
         assert result["files"] == ["model_0_0_0.pt", "model_0_0_1.pt", "optimizer_0_0_0.pt", "optimizer_0_0_1.pt",
                                    "user_content.pt"]  # fmt: skip
         # A partial checkpoint resumes bit for bit; a full one restores the weights (not the optimizer state).
