@@ -73,6 +73,7 @@ def _script(rank: int, world_size: int, folder: str) -> dict[str, Any]:
     out: dict[str, Any] = {"logged": _train(model, optimizer, scheduler, 0, folder, save=True)}
     total = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(model.module.config).parameters())
     out["held"] = (sum(p.numel() for p in model.local_parameters()), total)
+    out["units"] = len(model.sharded_module.fsdp_units())  # the root and each transformer block
     smp.reset()
     for partial in (True, False):
         model, optimizer, scheduler = _build()
@@ -92,5 +93,6 @@ def test_gpt2_script_with_sharded_data_parallelism_equals_plain_torch(tmp_path: 
         assert r[True] == r["logged"][SAVE_AT:], (rank, r[True], r["logged"])  # partial: bitwise
         # full: the weights, not the optimizer state (sharded; smp's full checkpoints hold the model only)
         assert abs(r[False][0] - r["logged"][SAVE_AT]) <= 1e-6, (rank, r[False], r["logged"])
+        assert r["units"] == 3, r["units"]
         held, total = r["held"]
         assert held <= total // 2 + 64, r["held"]  # each rank holds half of every parameter (padding aside)

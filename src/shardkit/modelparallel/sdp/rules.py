@@ -34,8 +34,9 @@ KEY_MEANINGS: dict[str, str] = {
         "no effect: small tensors are sharded too, not kept whole on every rank as in smp (results are the same)"
     ),
     "sdp_max_live_parameters": (
-        "no effect: the stage is one sharded unit, whose parameters are gathered whole for its forward and for its "
-        "backward (at rest parameters, gradients and optimizer state are sharded; results are the same)"
+        "no effect: each module held in an nn.ModuleList (a transformer's layers) is its own sharded unit, gathered "
+        "only while it runs, the rest of the stage one more unit (under tensor parallelism the whole stage is one "
+        "unit); results are the same"
     ),
     "sdp_hierarchical_allgather": (
         "no effect: the all-gather runs over the sharding group's torch.distributed process group (results are the "

@@ -24,15 +24,14 @@ class ShardedGradientSync:
 
     def __init__(
         self,
-        root: Any,
-        split: Sequence[bool],
+        shards: Sequence[tuple[Any, bool]],
         tp_group: Optional[Any],
         tp_size: int,
         prescaled: bool,
         backward_passes_per_step: int = 1,
     ) -> None:
-        self.root = root
-        self.split = list(split)
+        #: Every shard of the stage, and whether its parameter belongs to a distributed module.
+        self.shards = list(shards)
         self.tp_group = tp_group
         self.tp_size = tp_size
         self.prescaled = prescaled
@@ -51,8 +50,8 @@ class ShardedGradientSync:
         self._passes += 1
         if self._passes % self.backward_passes_per_step or self.tp_group is None or self.prescaled:
             return
-        for handle, is_split in zip(self.root.fsdp_unit.group.handles, self.split):
-            grad = handle.shard.grad
+        for shard, is_split in self.shards:
+            grad = shard.grad
             if grad is None:
                 continue
             if not is_split:

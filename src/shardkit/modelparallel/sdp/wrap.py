@@ -1,11 +1,12 @@
 """Shard one stage's module over its sharding group, and point the script's optimizer at the shards.
 
 Applied right after the first step's partition plan is applied (``building.build.build_stage``), so rank 0's solitary
-tracing forward ran on the plain module. The stage's module becomes the one unit of a
-:class:`~shardkit.nn.FullyShardedDataParallel` with hybrid sharding: shards over the sharding group, replicas over
-the replica group (see :mod:`.groups`), ``flatten_parameters=False`` so each original parameter has exactly one shard
-and an optimizer's parameter groups (weight decay on some, not on others, as AWS's scripts build them) carry over
-one for one.
+tracing forward ran on the plain module. The stage's module is wrapped in
+:class:`~shardkit.nn.FullyShardedDataParallel` units with hybrid sharding: shards over the sharding group, replicas
+over the replica group (see :mod:`.groups`); each module held in an ``nn.ModuleList`` (a transformer's layers) is its
+own unit, gathered only while it runs (not under tensor parallelism, where the split layers keep their names).
+``flatten_parameters=False`` gives each original parameter exactly one shard, so an optimizer's parameter groups
+(weight decay on some, not on others, as AWS's scripts build them) carry over one for one.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from shardkit.modelparallel.sdp.sync import ShardedGradientSync
 from shardkit.modelparallel.state import SMPState
 from shardkit.modelparallel.tp.distribute import split_parameter_ids
 from shardkit.nn.fsdp import FullyShardedDataParallel
+from shardkit.nn.fsdp.flat_param import FlatParamMeta
+from shardkit.nn.fsdp.shard_layout import layout
 
 logger = logging.getLogger("shardkit.modelparallel")
 
@@ -44,24 +47,28 @@ class ShardedStage:
         if topo.rdp_size > settings.degree:  # sharding groups that replicate each other: hybrid sharding
             groups = NodeTopology.from_groups(shard_group, replica_group, state.rdp_group)
         self.settings: SdpSettings = settings
-        self.root = FullyShardedDataParallel(
-            module,
-            process_group=groups,
-            flatten_parameters=False,
-            bucket_cap_mb=max(1, round(settings.bucket_cap_mb)),
-            compute_device=device,
-        )
-        metas = self.root.flat_param_metas
+        unit_args = {
+            "process_group": groups,
+            "flatten_parameters": False,
+            "bucket_cap_mb": max(1, round(settings.bucket_cap_mb)),
+            "compute_device": device,
+        }
+        if topo.tp_size == 1:  # under TP the split layers' names must stay as they are (their slices are merged)
+            for parent, name, block in _blocks(module):
+                setattr(parent, name, FullyShardedDataParallel(block, **unit_args))
+        self.root = FullyShardedDataParallel(module, **unit_args)
+        flats = layout(self.root).flats
         #: id of each original parameter (every name of a tied one) -> its shard.
         self.shard_of: dict[int, nn.Parameter] = {}
-        for meta, shard in zip(metas, self.root.flat_params):
-            for fqn in meta.fqns():
+        #: Each shard, with its layout (names from the stage's module, padding, this rank's place).
+        self.metas: dict[int, FlatParamMeta] = {id(flat.shard): flat.meta for flat in flats}
+        for flat in flats:
+            for fqn in flat.fqns:
                 if fqn in originals:
-                    self.shard_of[id(originals[fqn])] = shard
-        split = [any(id(originals.get(fqn)) in covering for fqn in meta.fqns() if fqn in originals) for meta in metas]
+                    self.shard_of[id(originals[fqn])] = flat.shard
+        shards = [(flat.shard, any(id(originals.get(fqn)) in covering for fqn in flat.fqns)) for flat in flats]
         self.sync = ShardedGradientSync(
-            self.root,
-            split,
+            shards,
             state.tp_group if topo.tp_size > 1 else None,
             topo.tp_size,
             state.config.prescaled_batch,
@@ -99,9 +106,23 @@ class ShardedStage:
         """An optimizer state dict given whole (before the partition) cut to this rank's shards (see
         :mod:`.optim_state`); ``optimizer`` already steps the shards."""
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        meta_of = {id(shard): meta for meta, shard in zip(self.root.flat_param_metas, self.root.flat_params)}
-        return shard_whole_state(state_dict, params, meta_of)
+        return shard_whole_state(state_dict, params, self.metas)
 
     def clip(self, max_norm: float) -> torch.Tensor:
         """Clip every shard's gradient by the whole model's global 2-norm (collective over the stage's ranks)."""
         return self.root.clip_grad_norm_(max_norm)
+
+
+def _blocks(module: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
+    """``(parent, name, block)`` for each module held in an ``nn.ModuleList`` that has parameters, outermost only
+    (a transformer's layers): each becomes its own sharded unit, gathered only while it runs."""
+    found: list[tuple[nn.Module, str, nn.Module]] = []
+    inside: set[int] = set()
+    for parent in module.modules():
+        if id(parent) in inside or not isinstance(parent, nn.ModuleList):
+            continue
+        for name, block in parent.named_children():
+            if any(True for _ in block.parameters()):
+                found.append((parent, name, block))
+                inside.update(id(m) for m in block.modules())
+    return found
