@@ -49,6 +49,12 @@ CORE_KINDS: dict[str, type] = {
     "delayed_parameter_initialization": bool,
     "tensor_parallel_degree": int,
     "prescaled_batch": bool,
+    "sharded_data_parallel_degree": int,  # with its sdp_* keys: see modelparallel/sdp/rules.py
+    "sdp_reduce_bucket_size": float,
+    "sdp_param_persistence_threshold": float,
+    "sdp_max_live_parameters": float,
+    "sdp_hierarchical_allgather": bool,
+    "sdp_gradient_clipping": float,
 }
 
 #: smp v1 keys accepted with no effect: their type, and why nothing changes here.
@@ -64,11 +70,6 @@ NO_EFFECT: dict[str, tuple[type, str]] = {
     "ddp_dist_backend": (str, "the backend is the torch.distributed process group's (gloo or NCCL)"),
     "fp16_params": (bool, "distributed modules take the dtype of the module they replace (or torch's default)"),
     "contiguous": (bool, "TensorFlow only"),
-    "sdp_reduce_bucket_size": (float, "configures sharded data parallelism, which is off"),
-    "sdp_param_persistence_threshold": (float, "configures sharded data parallelism, which is off"),
-    "sdp_max_live_parameters": (float, "configures sharded data parallelism, which is off"),
-    "sdp_hierarchical_allgather": (bool, "configures sharded data parallelism, which is off"),
-    "sdp_gradient_clipping": (float, "configures sharded data parallelism, which is off"),
 }
 # ---- keys AWS's large-model scripts pass beside the documented ones (issue 34; their notes: config_notes) ------
 NO_EFFECT |= {
@@ -86,11 +87,6 @@ MINIMUM: dict[str, int] = {"active_microbatches": 1, "activation_loading_horizon
 
 #: smp v1 keys whose feature shardkit lacks: the neutral value (accepted), and what to do instead.
 UNSUPPORTED: dict[str, tuple[Any, str]] = {
-    "sharded_data_parallel_degree": (
-        1,
-        "smp's sharded data parallelism is not supported yet (not built in shardkit yet: issue 34); 1 is accepted, "
-        "set shard_optimizer_state, or train with shardkit.nn.FullyShardedDataParallel",
-    ),
     "horovod": (False, "Horovod data parallelism (TensorFlow) is not supported; use 'ddp': true"),
     "load_partition": (False, "loading a saved partition decision is not supported; the partition is recomputed"),
     "partition_file": (None, "loading a saved partition decision is not supported; the partition is recomputed"),

@@ -22,6 +22,7 @@ from shardkit.distributed import DummyProcessGroup, GroupLike, all_gather_object
 from shardkit.distributed.groups import torch_group
 from shardkit.modelparallel.config import ConfigLike, ModelParallelConfig, config_differences, resolve_config
 from shardkit.modelparallel.config_notes import log_notes
+from shardkit.modelparallel.sdp.rules import check_sdp_layout
 from shardkit.modelparallel.topology import Topology
 from shardkit.tensor_parallel import ParallelState, build_parallel_state, set_current_state
 
@@ -156,6 +157,7 @@ def init(config: ConfigLike = None) -> None:
                 f"{asked} needs {model} processes: launch with torchrun --nproc-per-node {model} (or initialise "
                 "torch.distributed first)"
             )
+        check_sdp_layout(cfg.sharded_data_parallel_degree, 1, 1)
         dummy = DummyProcessGroup(0, 1)
         topo = Topology(1, 0, 1, cfg.placement_strategy)
         PROCESS.install(SMPState(cfg, topo, dummy, dummy, dummy, dummy, 0, 1))
@@ -164,6 +166,7 @@ def init(config: ConfigLike = None) -> None:
     # Every rank checks the same config against the same world size, so a bad layout fails everywhere, before
     # any group exists.
     topo = Topology(world_size, rank, cfg.partitions, cfg.placement_strategy, cfg.tensor_parallel_degree)
+    check_sdp_layout(cfg.sharded_data_parallel_degree, topo.rdp_size, topo.tp_size)
     if topo.dp_size > 1 and not cfg.ddp:
         raise ValueError(
             f"{world_size} processes with partitions={cfg.partitions} make {topo.dp_size} model "

@@ -9,7 +9,7 @@ rank 0 trace and plan, and hands the plan to every rank (an error on rank 0 is r
 from __future__ import annotations
 
 import warnings
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,8 @@ from shardkit.modelparallel.pipeline.pp_communications import StageLink
 from shardkit.modelparallel.pipeline.runtime import StageRuntime
 from shardkit.modelparallel.pipeline.stage_groups import copy_groups
 from shardkit.modelparallel.pipeline.virtual_stages import VirtualStageExecution, check_chunks, chunked_runtime
+from shardkit.modelparallel.sdp.sync import ShardedGradientSync
+from shardkit.modelparallel.sdp.wrap import ShardedStage
 from shardkit.modelparallel.state import SMPState
 from shardkit.modelparallel.tp.distribute import split_parameter_ids, split_reduction
 from shardkit.modelparallel.tp.hf import whole_module_of
@@ -171,23 +173,15 @@ def build_stage(
         left = materialize(holding.module, holds, device, seed, whole_module_of)
         _agree_initialised(left, state)
     named = holding.take(plan, stage, device)
-    params = {n: t for n, t in named.items() if isinstance(t, nn.Parameter)}
-    local_params = [p for n, p in params.items() if holding.holds(n)]
-    copies = copy_groups(plan, params, state)
-    sync = GradientSync(
-        local_params,
-        state.dp_group,
-        topo.dp_size,
-        copies,
-        options.bucket_cap_mb,
-        options.overlapping_allreduce,
-        options.backward_passes_per_step,
-        device,
-        options.gradient_as_bucket_view,
-        split_reduction(holding.module, state),
-    )
+    sharded: Optional[ShardedStage] = None
+    sync: Union[GradientSync, ShardedGradientSync]
+    if state.config.sharded_data_parallel_degree > 1:  # after the plan: no sharded collective in rank 0's trace
+        sharded = ShardedStage(holding.module, state, device, options.backward_passes_per_step)
+        sync = sharded.sync
+    else:
+        sync = _gradient_sync(holding, plan, named, state, options, device)
     make = VirtualStageExecution if state.config.chunks > topo.mp_size else StageExecution
-    return make(
+    execution = make(
         runtime,
         sync,
         pipeline=state.config.pipeline,
@@ -199,6 +193,33 @@ def build_stage(
         buffers=lambda: (buf for _, buf in holding.local_named_buffers()),
         joining=joining,
         checkpointed=_checkpointed_on(holding.module, checkpointing, plan, stage),
+    )
+    execution.sharded = sharded
+    return execution
+
+
+def _gradient_sync(
+    holding: StageHolding,
+    plan: PipelinePlan,
+    named: dict[str, Any],
+    state: SMPState,
+    options: ModelOptions,
+    device: torch.device,
+) -> GradientSync:
+    """The data-parallel (and tied-copy) gradient reduction of this rank's stage."""
+    params = {n: t for n, t in named.items() if isinstance(t, nn.Parameter)}
+    local_params = [p for n, p in params.items() if holding.holds(n)]
+    return GradientSync(
+        local_params,
+        state.dp_group,
+        state.topology.dp_size,
+        copy_groups(plan, params, state),
+        options.bucket_cap_mb,
+        options.overlapping_allreduce,
+        options.backward_passes_per_step,
+        device,
+        options.gradient_as_bucket_view,
+        split_reduction(holding.module, state),
     )
 
 
