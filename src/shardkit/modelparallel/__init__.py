@@ -23,7 +23,8 @@ Example::
         optimizer.step()
 
 Where things are. The public face, at the top: :mod:`~.config`, :mod:`~.config_sources` and :mod:`~.topology`
-(settings, where ``smp.init()`` finds them, rank arithmetic), :mod:`~.state` (``init``, rank helpers, the one
+(settings, where ``smp.init()`` finds them, rank arithmetic), :mod:`~.config_notes` (what shardkit does instead of
+the keys it accepts without acting on them), :mod:`~.state` (``init``, rank helpers, the one
 process-wide state object), :mod:`~.groups` and :mod:`~.comm` (``CommGroup``, ``RankType``, the tp/rdp/pp helpers;
 ``allgather``, ``broadcast``, ``send``, ``recv_from``, ``barrier``), :mod:`~.model` (``DistributedModel``: the
 public wrapper), :mod:`~.step` (``step``, ``StepOutput``), :mod:`~.optimizer`, :mod:`~.amp`, :mod:`~.partition`

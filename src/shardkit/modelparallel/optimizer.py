@@ -89,10 +89,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._smp_pending: Optional[dict[str, Any]] = None
         self._smp_sharded: Optional[ShardedOptimizerState] = None
         if isinstance(self, FusedLamb):  # its global gradient norm spans every stage
-            if state.config.shard_optimizer_state:
+            if state.config.shard_optimizer_state or state.config.sharded_data_parallel_degree > 1:
                 raise ValueError(
                     "FusedLamb's global gradient norm needs every gradient of its parameters, which "
-                    "'shard_optimizer_state' spreads over the replicas: turn one of them off"
+                    "'shard_optimizer_state' and 'sharded_data_parallel_degree' spread over the replicas: use one of "
+                    "them or FusedLamb, not both"
                 )
             self.set_sum_of_squares(self._sum_over_stages)
         state.optimizer = self
@@ -141,6 +142,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """
         if norm_type != 2.0:
             raise ValueError(f"clip_master_grads supports the 2-norm only, got norm_type={norm_type}")
+        sharded = self._sharded_stage()
+        if sharded is not None:  # the gradients are shards: the norm is summed over the sharding group
+            return sharded.clip(max_norm)
         params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
         device = params[0].grad.device if params else self._device_for_norm()
         norms = [torch.linalg.vector_norm(p.grad.detach(), 2.0).to(device) for p in params]
@@ -150,6 +154,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for p in params:
             p.grad.detach().mul_(coefficient.to(p.grad.device))
         return total
+
+    def _sharded_stage(self) -> Any:
+        """Under sharded data parallelism after the partition, the model's sharded stage; else None."""
+        model = self._smp_state.model
+        execution = model.stage_execution if model is not None else None
+        return execution.sharded if execution is not None else None
 
     def _device_for_norm(self) -> torch.device:
         model = self._smp_state.model
@@ -203,6 +213,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """State of every stage's parameters, gathered (collective over the replica's stages)."""
+        if self._sharded_stage() is not None:
+            raise ValueError(
+                "optimizer.state_dict(): under sharded data parallelism each rank holds the state of its shards only; "
+                "save optimizer.local_state_dict() per rank, or smp.save_checkpoint(..., partial=True)"
+            )
         partials = ckpt.gather_partials(self.local_state_dict(), self._smp_state.mp_group, "smp_optimizer_state_dict")
         return ckpt.merge_optimizer_partials(partials)
 
@@ -236,15 +251,24 @@ class DistributedOptimizer(torch.optim.Optimizer):
         then load a state dict given before the partition."""
         smp = self._smp_state
         model = smp.model
+        sharded = self._sharded_stage()
+        if sharded is not None:  # the script's parameters became shards: the optimizer steps those
+            sharded.adopt_optimizer(self)
         if smp.config.shard_optimizer_state and self._smp_sharded is None and model is not None:
             held = {id(p) for p in model.local_parameters()}
             inner = self._smp_inner
             self._smp_sharded = ShardedOptimizerState(
-                self.param_groups, held, type(inner), dict(self.defaults), smp.dp_group
+                # Over the ranks holding the same tensors: under tensor parallelism smp's data-parallel group also
+                # holds the other slices of split parameters, which an owner's broadcast would overwrite.
+                self.param_groups,
+                held,
+                type(inner),
+                dict(self.defaults),
+                smp.rdp_group,
             )
         if self._smp_pending is not None:
             pending, self._smp_pending = self._smp_pending, None
-            self._load(pending)
+            self._load(pending if sharded is None else sharded.cut_whole_state(pending, self))
 
     def _load(self, full: dict[str, Any]) -> None:
         if self._smp_sharded is not None:

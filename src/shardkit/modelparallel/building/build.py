@@ -9,7 +9,7 @@ rank 0 trace and plan, and hands the plan to every rank (an error on rank 0 is r
 from __future__ import annotations
 
 import warnings
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -18,6 +18,7 @@ from torch import nn
 from shardkit.distributed import GroupLike, all_gather_objects, broadcast_object
 from shardkit.distributed.device import current_cuda_device
 from shardkit.distributed.model_check import check_same_model
+from shardkit.distributed.rehearsal import local_rehearsal
 from shardkit.modelparallel.activation_checkpointing import plan_checkpointing
 from shardkit.modelparallel.building.delayed_init import check_delayable, is_delayed, materialize
 from shardkit.modelparallel.building.holding import StageHolding
@@ -32,9 +33,11 @@ from shardkit.modelparallel.pipeline.pp_communications import StageLink
 from shardkit.modelparallel.pipeline.runtime import StageRuntime
 from shardkit.modelparallel.pipeline.stage_groups import copy_groups
 from shardkit.modelparallel.pipeline.virtual_stages import VirtualStageExecution, check_chunks, chunked_runtime
+from shardkit.modelparallel.sdp.sync import ShardedGradientSync
+from shardkit.modelparallel.sdp.wrap import ShardedStage
 from shardkit.modelparallel.state import SMPState
 from shardkit.modelparallel.tp.distribute import split_reduction
-from shardkit.modelparallel.tp.hf import split_model_parameter_ids
+from shardkit.modelparallel.tp.hf import whole_module_of
 from shardkit.modelparallel.tp.layers import sliced_parameter_ids
 
 
@@ -68,33 +71,33 @@ def decide_plan(
     if delayed:
         device = torch.device("meta")  # plan on shapes alone: no process ever holds the whole model
     payload: tuple[Any, Any, Optional[str]] = (None, None, None)
-    if topo.rank == 0 or _traces_beside_rank0(module, state):
+    if topo.rank == 0:
         try:
-            plan, placement = plan_partition(
-                module,
-                args,
-                kwargs,
-                partitions=cfg.chunks,
-                auto_partition=cfg.auto_partition,
-                default_partition=cfg.default_partition,
-                memory_weight=cfg.effective_memory_weight,
-                measure_time=options.trace_execution_times,
-                measure_memory=options.trace_memory_usage,
-                # "gpu" traces where this rank computes: a CPU-only run (gloo, CPU parameters) on the CPU
-                trace_device=torch.device("cpu") if options.trace_device == "cpu" and not delayed else device,
-            )
+            # Alone: tensor-parallel layers' collectives complete locally (their peers are not tracing).
+            with local_rehearsal():
+                plan, placement = plan_partition(
+                    module,
+                    args,
+                    kwargs,
+                    partitions=cfg.chunks,
+                    auto_partition=cfg.auto_partition,
+                    default_partition=cfg.default_partition,
+                    memory_weight=cfg.effective_memory_weight,
+                    measure_time=options.trace_execution_times,
+                    measure_memory=options.trace_memory_usage,
+                    # "gpu" traces where this rank computes: a CPU-only run (gloo, CPU parameters) on the CPU
+                    trace_device=torch.device("cpu") if options.trace_device == "cpu" and not delayed else device,
+                )
             check_plan(plan)
             if cfg.chunks > cfg.partitions:
                 check_chunks(plan, cfg.partitions, cfg.chunks // cfg.partitions, cfg.auto_partition)
             payload = (plan, placement, None)
         except Exception as exc:
-            if topo.rank == 0:
-                if not (state.distributed and topo.world_size > 1):
-                    raise
-                payload = (None, None, f"{type(exc).__name__}: {exc}")
-                broadcast_object(payload, 0, state.world_group, "smp_partition_plan")
+            if not (state.distributed and topo.world_size > 1):
                 raise
-            # another tracing rank: rank 0 traced the same model on the same batch and sends its error to all
+            payload = (None, None, f"{type(exc).__name__}: {exc}")
+            broadcast_object(payload, 0, state.world_group, "smp_partition_plan")
+            raise
     if state.distributed and topo.world_size > 1:
         with warnings.catch_warnings():  # unpickling the outputs' tree specs warns about a torch deprecation
             warnings.simplefilter("ignore", FutureWarning)
@@ -103,13 +106,6 @@ def decide_plan(
     if error is not None:
         raise RuntimeError(f"smp could not partition the model (error on rank 0): {error}")
     return plan, placement
-
-
-def _traces_beside_rank0(module: nn.Module, state: SMPState) -> bool:
-    """Whether this rank runs rank 0's tracing forward with it: the ranks of rank 0's tensor-parallel group do when
-    the model holds a split Hugging Face model, whose layers run collectives over that group (with the same batch
-    on each rank, as ``prescaled_batch`` promises). Only rank 0's plan is used."""
-    return 0 in state.topology.group_ranks("tensor") and bool(split_model_parameter_ids(module))
 
 
 def split_by_tp(module: nn.Module, state: SMPState) -> Optional[tuple[frozenset[int], GroupLike]]:
@@ -176,26 +172,19 @@ def build_stage(
     runtime.install(holding.module, below=checkpointing)
     if is_delayed(holding.module):
         seed = all_gather_objects(torch.initial_seed(), state.world_group, "smp_delayed_init_seed")[0]
-        left = materialize(holding.module, lambda name: stage in plan.holders.get(name, ()), device, seed)
+        holds = lambda name: stage in plan.holders.get(name, ())  # noqa: E731
+        left = materialize(holding.module, holds, device, seed, whole_module_of)
         _agree_initialised(left, state)
     named = holding.take(plan, stage, device)
-    params = {n: t for n, t in named.items() if isinstance(t, nn.Parameter)}
-    local_params = [p for n, p in params.items() if holding.holds(n)]
-    copies = copy_groups(plan, params, state)
-    sync = GradientSync(
-        local_params,
-        state.dp_group,
-        topo.dp_size,
-        copies,
-        options.bucket_cap_mb,
-        options.overlapping_allreduce,
-        options.backward_passes_per_step,
-        device,
-        options.gradient_as_bucket_view,
-        split_reduction(holding.module, state),
-    )
+    sharded: Optional[ShardedStage] = None
+    sync: Union[GradientSync, ShardedGradientSync]
+    if state.config.sharded_data_parallel_degree > 1:  # after the plan: no sharded collective in rank 0's trace
+        sharded = ShardedStage(holding.module, state, device, options.backward_passes_per_step)
+        sync = sharded.sync
+    else:
+        sync = _gradient_sync(holding, plan, named, state, options, device)
     make = VirtualStageExecution if state.config.chunks > topo.mp_size else StageExecution
-    return make(
+    execution = make(
         runtime,
         sync,
         pipeline=state.config.pipeline,
@@ -207,6 +196,33 @@ def build_stage(
         buffers=lambda: (buf for _, buf in holding.local_named_buffers()),
         joining=joining,
         checkpointed=_checkpointed_on(holding.module, checkpointing, plan, stage),
+    )
+    execution.sharded = sharded
+    return execution
+
+
+def _gradient_sync(
+    holding: StageHolding,
+    plan: PipelinePlan,
+    named: dict[str, Any],
+    state: SMPState,
+    options: ModelOptions,
+    device: torch.device,
+) -> GradientSync:
+    """The data-parallel (and tied-copy) gradient reduction of this rank's stage."""
+    params = {n: t for n, t in named.items() if isinstance(t, nn.Parameter)}
+    local_params = [p for n, p in params.items() if holding.holds(n)]
+    return GradientSync(
+        local_params,
+        state.dp_group,
+        state.topology.dp_size,
+        copy_groups(plan, params, state),
+        options.bucket_cap_mb,
+        options.overlapping_allreduce,
+        options.backward_passes_per_step,
+        device,
+        options.gradient_as_bucket_view,
+        split_reduction(holding.module, state),
     )
 
 

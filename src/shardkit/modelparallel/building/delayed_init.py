@@ -20,6 +20,12 @@ equal those of the whole model built normally and reset module by module that wa
 stages, replicas and tied copies agree without any broadcast. A module that owns parameters or buffers but has
 no ``reset_parameters()`` cannot be recreated (values its ``__init__`` computed were never stored) and is
 refused at the partition, naming it.
+
+Layers split across tensor-parallel ranks (smp tensor parallelism on a delayed model) hold slices, which no
+initialisation of their own could make equal to the unsplit model's. ``materialize`` initialises each through the
+whole module it replaced (a :class:`WholeModule`): the whole module takes the layer's place in the model for the
+call, is created and initialised at full size exactly as above (same name, same seed, same ancestors), and the layer
+keeps its slices of the result. One whole module at a time exists, for the length of its initialisation.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import zlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -123,18 +130,38 @@ def initialization_seed(base: int, name: str) -> int:
     return (base + zlib.crc32(name.encode())) % (2**63)
 
 
+def _direct_named_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+
+
 def _direct_tensors(module: nn.Module) -> list[torch.Tensor]:
-    return [t for _, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]]
+    return [t for _, t in _direct_named_tensors(module)]
 
 
-def materialize(module: nn.Module, holds: Callable[[str], bool], device: torch.device, base_seed: int) -> list[str]:
+@dataclass(frozen=True)
+class WholeModule:
+    """The unsplit module a tensor-parallel layer replaced (its tensors on the meta device), and ``cut(name, full)``:
+    this rank's slice of the whole tensor ``name`` (the layer's tensors have the whole module's names)."""
+
+    module: nn.Module
+    cut: Callable[[str, torch.Tensor], torch.Tensor]
+
+
+def materialize(
+    module: nn.Module,
+    holds: Callable[[str], bool],
+    device: torch.device,
+    base_seed: int,
+    whole_of: Callable[[nn.Module], Optional[WholeModule]] = lambda _: None,
+) -> list[str]:
     """Create on ``device`` the tensors this stage holds (``holds(canonical_name)``) and initialise them.
 
     Runs before the stage releases what it does not hold. Every module owning a held tensor is reset (seeded per
     :func:`initialization_seed`); its tensors this stage does not hold exist only during that call, so a tied
     tensor gets the value the last module resetting it gives it, on every stage that holds it, as in the
-    unpartitioned model. Returns the modules whose held floating-point tensors nothing initialised (empty when
-    all is well; the caller raises on every rank).
+    unpartitioned model. A module for which ``whole_of`` gives a :class:`WholeModule` is initialised through it
+    (see the module docstring). Returns the modules whose held floating-point tensors nothing initialised (empty
+    when all is well; the caller raises on every rank).
     """
     canonical = {id(t): name for name, t in canonical_tensors(module).items()}
     modules = dict(module.named_modules())
@@ -144,19 +171,58 @@ def materialize(module: nn.Module, holds: Callable[[str], bool], device: torch.d
             direct = _direct_tensors(sub)
             if not any(holds(canonical[id(t)]) for t in direct):
                 continue
-            for t in direct:
-                if t.is_meta:
-                    _replace(t, _unset(torch.empty(t.shape, dtype=t.dtype, device=device)))
-            # The user's random streams continue as if nothing was drawn (the CUDA one too when initialising there).
-            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-                torch.manual_seed(initialization_seed(base_seed, name))
-                _initialise(module, modules, name, sub)
+            whole = whole_of(sub)
+            if whole is None:
+                for t in direct:
+                    if t.is_meta:
+                        _replace(t, _unset(torch.empty(t.shape, dtype=t.dtype, device=device)))
+                _seeded_initialise(module, modules, name, sub, device, base_seed)
+            else:
+                _initialise_through(module, modules, name, whole, device, base_seed)
             if any(_still_unset(t) for t in direct):
                 uninitialised.append(f"{name or '<root>'} ({type(sub).__name__})")
             for t in direct:
                 if not holds(canonical[id(t)]) and not t.is_meta:
                     _replace(t, torch.empty(t.shape, dtype=t.dtype, device="meta"))
     return uninitialised
+
+
+def _seeded_initialise(
+    root: nn.Module, modules: dict[str, nn.Module], name: str, sub: nn.Module, device: torch.device, base_seed: int
+) -> None:
+    """:func:`_initialise` under module ``name``'s seed; the user's random streams continue as if nothing was drawn
+    (the CUDA one too when initialising there)."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(initialization_seed(base_seed, name))
+        _initialise(root, modules, name, sub)
+
+
+def _initialise_through(
+    root: nn.Module, modules: dict[str, nn.Module], name: str, whole: WholeModule, device: torch.device, seed: int
+) -> None:
+    """Initialise the split layer at ``name`` through ``whole``: in the layer's place, created at full size and
+    initialised as the unsplit model's module; the layer keeps its slices; the whole module back on meta."""
+    layer = modules[name]
+    parent_name, _, child = name.rpartition(".")
+    parent = modules[parent_name]
+    full = dict(_direct_named_tensors(whole.module))
+    setattr(parent, child, whole.module)
+    try:
+        for t in full.values():
+            _replace(t, _unset(torch.empty(t.shape, dtype=t.dtype, device=device)))
+        _seeded_initialise(root, {**modules, name: whole.module}, name, whole.module, device, seed)
+        for tensor_name, t in _direct_named_tensors(layer):
+            piece = whole.cut(tensor_name, full[tensor_name])
+            if piece.shape != t.shape:
+                raise ValueError(
+                    f"delayed initialisation of the split layer '{name}': the slice of '{tensor_name}' has shape "
+                    f"{tuple(piece.shape)}, the layer holds {tuple(t.shape)}"
+                )
+            _replace(t, piece.to(dtype=t.dtype).clone())
+    finally:
+        setattr(parent, child, layer)
+        for t in full.values():
+            _replace(t, torch.empty(t.shape, dtype=t.dtype, device="meta"))
 
 
 def _unset(t: torch.Tensor) -> torch.Tensor:

@@ -38,9 +38,9 @@ def _stage_and_tp() -> tuple[int, int, int]:
 def stage_files(name: str) -> tuple[str, ...]:
     """This rank's file of a partial checkpoint ``name``: in the seed's layout (``<f>_<mp_rank>``) and in smp
     v1.10+'s (``<f>_<pp_rank>_<tp_rank>.pt``); under tensor parallelism only the latter (it names the slice)."""
-    stage, tp_rank, tp_size = _stage_and_tp()
-    if tp_size > 1:
-        return (f"{name}_{stage}_{tp_rank}.pt",)
+    stage, _, tp_size = _stage_and_tp()
+    if tp_size > 1 or sdp_shard_rank() is not None:  # the name says which slice (and shard) it holds
+        return (stage_name(name),)
     return f"{name}_{stage}", f"{name}_{stage}_0.pt"
 
 
@@ -103,9 +103,20 @@ def load_weights(path: str, map_location: Any = None, **kwargs: Any) -> Any:
 
 
 def stage_name(prefix: str) -> str:
-    """``<prefix>_<pp_rank>_<tp_rank>.pt`` for this rank (smp's partial file of one stage's tensor-parallel slice)."""
+    """``<prefix>_<pp_rank>_<tp_rank>.pt`` for this rank (smp's partial file of one stage's tensor-parallel slice);
+    under sharded data parallelism ``<prefix>_<pp_rank>_<tp_rank>_<shard>.pt``, one file per shard."""
     stage, tp_rank, _ = _stage_and_tp()
-    return f"{prefix}_{stage}_{tp_rank}.pt"
+    shard = sdp_shard_rank()
+    return f"{prefix}_{stage}_{tp_rank}.pt" if shard is None else f"{prefix}_{stage}_{tp_rank}_{shard}.pt"
+
+
+def sdp_shard_rank() -> Optional[int]:
+    """This rank's place in its sharding group under sharded data parallelism, else None."""
+    if not smp_state.is_initialized():
+        return None
+    state = smp_state.current()
+    degree = state.config.sharded_data_parallel_degree
+    return state.topology.rdp_rank % degree if degree > 1 else None
 
 
 def newest_tag(path: str) -> Optional[str]:

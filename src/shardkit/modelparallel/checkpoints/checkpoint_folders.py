@@ -86,7 +86,9 @@ def save_checkpoint(
         raise ValueError(f"num_kept_partial_checkpoints must be at least 1, got {num_kept_partial_checkpoints}")
     user_content = to_cpu(encode(user_content))
     _check_user_content(user_content)
-    first_replica = smp_state.current().topology.rdp_rank == 0  # each tensor-parallel rank writes its slices
+    # Each tensor-parallel rank writes its slices; under sharded data parallelism each rank of the first sharding
+    # group writes its shards.
+    first_replica = smp_state.current().topology.rdp_rank < smp_state.current().config.sharded_data_parallel_degree
     if partial:
         folder = os.path.join(path, f"{tag}_partial")
         if first_replica:
@@ -118,7 +120,16 @@ def save_checkpoint(
 def _tp_slices_optimizer() -> bool:
     """Under tensor parallelism the optimizer state is sliced like the weights and a full checkpoint holds the
     merged model only (as smp's): warn that the optimizer is not in it."""
-    tp_size = smp_state.current().topology.tp_size
+    state = smp_state.current()
+    if state.config.sharded_data_parallel_degree > 1:
+        warnings.warn(
+            "smp.save_checkpoint(partial=False) with sharded_data_parallel_degree="
+            f"{state.config.sharded_data_parallel_degree} saves the gathered model without the optimizer state (it is "
+            "sharded over the sharding group); save a partial checkpoint to resume the optimizer too",
+            stacklevel=3,
+        )
+        return True
+    tp_size = state.topology.tp_size
     if tp_size > 1:
         warnings.warn(
             f"smp.save_checkpoint(partial=False) with tensor_parallel_degree={tp_size} saves the merged model without "

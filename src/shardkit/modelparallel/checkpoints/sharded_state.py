@@ -2,9 +2,11 @@
 
 Built right after the partition (the stage must know which parameters it holds): a
 :class:`~shardkit.optim.OSS` over this stage's parameters, with the user's optimizer class and param groups,
-sharded over the data-parallel group. The replicas' gradients are already averaged by the model's all-reduce, so
-each replica updates the parameters it owns and broadcasts them to the others; every replica ends the step with
-the same parameters as unsharded training, and holds about ``1 / dp_size`` of the stage's optimizer state.
+sharded over the reduced-data-parallel group (the ranks holding the same tensors: smp's data-parallel group
+without tensor parallelism; with it, the ranks of the same tensor-parallel slice). The replicas' gradients are
+already averaged by the model's all-reduce, so each replica updates the parameters it owns and broadcasts them to
+the others; every replica ends the step with the same parameters as unsharded training, and holds about
+``1 / rdp_size`` of the stage's optimizer state.
 
 The ``DistributedOptimizer`` keeps its own ``param_groups`` as the place schedulers and users edit
 hyper-parameters; they are copied into the shards before every step. Its ``state`` stays empty: the state lives

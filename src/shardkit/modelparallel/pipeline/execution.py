@@ -12,7 +12,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterable
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 
@@ -22,6 +22,7 @@ from shardkit.modelparallel.pipeline.grad_sync import GradientSync
 from shardkit.modelparallel.pipeline.pp_communications import StageLink
 from shardkit.modelparallel.pipeline.runtime import MicrobatchRecord, StageRuntime
 from shardkit.modelparallel.pipeline.saved_activations import SavedActivations
+from shardkit.modelparallel.sdp.sync import ShardedGradientSync
 
 
 class StageExecution:
@@ -36,7 +37,7 @@ class StageExecution:
     def __init__(
         self,
         runtime: StageRuntime,
-        sync: GradientSync,
+        sync: Union[GradientSync, ShardedGradientSync],
         *,
         pipeline: str,
         num_stages: int,
@@ -65,6 +66,8 @@ class StageExecution:
         """This stage's saved tensors, in slots a split backward empties after B (and their bytes)."""
         self.measure_activations = False
         """Count saved tensors under every schedule, not only split ones (the benchmark's memory step)."""
+        self.sharded: Optional[Any] = None
+        """Under sharded data parallelism, the stage's sharded module (an ``sdp.wrap.ShardedStage``), else None."""
         self._dp_group = dp_group
         self._broadcast_buffers = broadcast_buffers
         self._buffers = buffers
