@@ -83,11 +83,24 @@ def _estimates(path: Path) -> dict[str, dict[str, Any]]:
 @pytest.mark.single  # the planner's peerless world is a process group in this process
 def test_command_plans_every_layout_with_memory_and_traffic(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "layouts.json"
-    argv = ["--lm", "smp", "--smp-layouts", "--world-sizes", "2", "--batch-size", "2", "--seq-len", "16"]
+    argv = [
+        "--lm",
+        "smp",
+        "--smp-layouts",
+        "--smp-sharded",
+        "--world-sizes",
+        "2",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "16",
+    ]
     assert main([*argv, "--backend", "gloo", "--json", str(out)]) == 0
     text = capsys.readouterr().out
     rows = _estimates(out)
-    assert set(rows) == {"pp1 x tp1 x dp2", "pp1 x tp2 x dp1", "pp2 x tp1 x dp1"}
+    assert set(rows) == {"pp1 x tp1 x dp2", "pp1 x tp1 x dp2 (sharded)", "pp1 x tp2 x dp1", "pp2 x tp1 x dp1"}
+    sharded = rows["pp1 x tp1 x dp2 (sharded)"]["state_breakdown"]["parameters"]
+    assert sharded == rows["pp1 x tp1 x dp2"]["state_breakdown"]["parameters"] // 2  # smp's ZeRO-3 over 2 ranks
     assert all(row["device"] == "meta" for row in rows.values())  # smp.nn's layers are built on the meta device
     header = [cell.strip() for cell in text.splitlines()[0].split("|")]
     assert header[4:10] == ["peak/rank", "params", "grads", "optimizer", "activations", "other"]
