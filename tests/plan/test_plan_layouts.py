@@ -1,6 +1,6 @@
 """``shardkit plan --smp-layouts``: smp's 3-D layouts of a model (which factorisations smp's rules accept, planned
-by running each one's real code), their per-rank memory and traffic, and the plan of pipeline 2 x tensor 2 x data 2
-against a real 8-process run."""
+by running each one's real code), their per-rank memory and traffic, and the plans of pipeline 2 x tensor 2 x data 2
+(8 processes), tensor 2 x sharded data 2 and pipeline 2 x tensor 2 with prescaled_batch against real runs."""
 
 from __future__ import annotations
 
@@ -133,10 +133,14 @@ def test_layout_flags_that_do_not_go_together_are_refused(
 
 
 @pytest.mark.multi
-def test_plan_of_pipeline_2_tensor_2_data_2_matches_a_real_8_process_run() -> None:
-    layout = Layout(2, 2, 2)
+@pytest.mark.parametrize(
+    "layout",
+    [Layout(2, 2, 2), Layout(1, 2, 2, sharded=True), Layout(2, 2, 1, prescaled=True)],
+    ids=["pp2_tp2_dp2", "tp2_sdp2", "pp2_tp2_prescaled"],
+)
+def test_plan_of_a_layout_matches_a_real_run(layout: Layout) -> None:
     work = Workload.smp_lm(
-        overrides={"vocab": 64, "dim": 32, "heads": 4, "layers": 4}, batch_size=2 * layout.pipeline, seq_len=16,
+        overrides={"vocab": 64, "dim": 32, "heads": 4, "layers": 4}, batch_size=2 * layout.replica_ranks, seq_len=16,
         strategy_options=layout.options(batch_size=2),
     )  # fmt: skip
     (row,) = compare(work, ["smp"], layout.world_size)
