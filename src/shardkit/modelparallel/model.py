@@ -22,6 +22,7 @@ from shardkit.modelparallel.auto_partition import Placement
 from shardkit.modelparallel.build import build_stage, decide_plan
 from shardkit.modelparallel.config import ModelOptions
 from shardkit.modelparallel.execution import StageExecution
+from shardkit.modelparallel.fp16_optimizer import cast_inputs, cast_model, cast_outputs
 from shardkit.modelparallel.holding import StageHolding
 from shardkit.modelparallel.pipeline_parallel import StepRun, StepStats
 from shardkit.modelparallel.tp.distribute import distribute_marked
@@ -111,6 +112,7 @@ class DistributedModel(nn.Module):
         )
         if state.topology.tp_size > 1:
             distribute_marked(module, state)
+        cast_model(module, state.config)  # "fp16"/"bf16": the model trains in that dtype (smp's FP16_Module)
         super().__init__()
         self.module = module
         self.options = options
@@ -167,6 +169,7 @@ class DistributedModel(nn.Module):
         run = self._active_run("call the DistributedModel")
         record = run.current
         assert record is not None
+        args, kwargs = cast_inputs((args, kwargs), self._smp.config)  # "fp16"/"bf16": floating inputs in that dtype
         if self._execution is None:
             first = next(iter(self.module.parameters()), None)
             on = first.device if first is not None and not first.is_meta else torch.device("cpu")
@@ -175,7 +178,7 @@ class DistributedModel(nn.Module):
         assert self._execution is not None
         args, kwargs = to_device((args, kwargs), self._holding.device)
         with self._execution.runtime.invocation(record, (args, kwargs), first_microbatch=record.index == 0):
-            return self.module(*args, **kwargs)
+            return cast_outputs(self.module(*args, **kwargs), self._smp.config)
 
     def backward(
         self,
@@ -189,7 +192,8 @@ class DistributedModel(nn.Module):
         Only inside ``@smp.step``; it runs when the schedule reaches this micro-batch's backward. Every stage
         runs the step function, but only the output stage (where the model's outputs are real) starts the
         backward from ``tensors``; the others start from the gradients later stages send them. So every rank
-        must call it the same way. ``retain_graph``/``create_graph`` are not supported.
+        must call it the same way. ``retain_graph``/``create_graph`` are not supported. Under ``"fp16": true``
+        the tensors are multiplied (in FP32) by the optimizer's loss scale first.
         """
         run = self._active_run("call model.backward")
         record = run.current
@@ -204,6 +208,11 @@ class DistributedModel(nn.Module):
         for t, g in zip(ts, gs):
             if g is None and t.numel() != 1:
                 raise ValueError(f"model.backward needs grad_tensors for a non-scalar tensor of shape {tuple(t.shape)}")
+        optimizer = self._smp.optimizer
+        scale = optimizer.loss_scale if optimizer is not None else 1.0
+        if scale != 1.0:  # in FP32: the scaled loss of an FP16 model would overflow
+            ts = [t.float() * scale for t in ts]
+            gs = [g if g is None else g.float() for g in gs]
         record.backward.append((ts, gs))
         record.backward_requested = True
 
@@ -351,7 +360,10 @@ class DistributedModel(nn.Module):
         """
         if not ckpt.is_partial(state_dict):
             state_dict = cut_tp_slices(state_dict, self.module)
-        return self._holding.load_state_dict(state_dict, strict)
+        result = self._holding.load_state_dict(state_dict, strict)
+        if self._smp.optimizer is not None:  # fp16/bf16: the FP32 masters take the loaded weights
+            self._smp.optimizer.reload_model_params()
+        return result
 
     def cpu(self) -> Any:
         """Gather every stage's parameters and buffers so this rank holds the whole model, on the CPU."""
