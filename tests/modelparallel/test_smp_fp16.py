@@ -83,7 +83,7 @@ def test_bad_loss_scaling_arguments_are_refused() -> None:
 
 
 @contextlib.contextmanager
-def _one_thread() -> Iterator[None]:
+def one_thread() -> Iterator[None]:
     """One intra-op thread, as the harness's ranks run: CPU kernels split reductions by thread (LayerNorm's weight
     gradient in FP16 differs in its last bit between one and two threads), so bitwise parity needs the same count."""
     threads = torch.get_num_threads()
@@ -98,7 +98,7 @@ def _reference(
     dtype: torch.dtype, microbatches: int, clip: Optional[float], inject: bool, steps: int = STEPS
 ) -> dict[str, Any]:
     """Train a ``dtype`` copy of :func:`_net` with FP32 masters under Adam, as smp's FP16 optimizer should."""
-    with _one_thread():
+    with one_thread():
         return _reference_run(dtype, microbatches, clip, inject, steps)
 
 
@@ -226,7 +226,7 @@ def _single(rank: int, world_size: int, dtype: torch.dtype) -> dict[str, Any]:
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_one_process_trains_bitwise_like_fp32_masters_by_hand(dtype: torch.dtype) -> None:
-    with _one_thread():
+    with one_thread():
         ours = _single(0, 1, dtype)
     fp16 = dtype == torch.float16
     theirs = _reference(dtype, microbatches=2, clip=None, inject=fp16)  # bf16 checks nothing: no inf there
@@ -345,3 +345,31 @@ def test_tensor_parallel2_fp16_skips_on_both_ranks_clips_exactly_and_bf16_trains
             assert run["norms"] == pytest.approx(theirs["norms"], rel=ulp), (run["norms"], theirs["norms"])
             losses = [loss for step in run["losses"] for loss in step]
             assert losses == pytest.approx([loss for step in theirs["losses"] for loss in step], rel=ulp)
+
+
+def _on_replica1() -> bool:
+    return smp.dp_rank() == 1
+
+
+def _data_parallel(rank: int, world_size: int) -> dict[str, Any]:
+    """Two replicas, each on half the batch: fp16 with an inf on replica 1 alone (after the gradient all-reduce)."""
+    smp.init(_config(torch.float16, ddp=True))
+    try:
+        model, optimizer = _build(torch.float16)
+        return _train(model, optimizer, range(STEPS), _on_replica1, NO_CLIP)
+    finally:
+        smp.reset()
+
+
+def test_data_parallel2_fp16_skips_on_both_replicas() -> None:
+    results = run_distributed(_data_parallel, 2)
+    theirs = _reference(torch.float16, microbatches=4, clip=NO_CLIP, inject=True)  # the replicas' 4 micro-batches
+    for replica, run in enumerate(results):
+        assert run["skipped"] == theirs["skipped"] == [s == INJECT_AT for s in range(STEPS)], run
+        assert run["scales"] == SCALES
+        # The replicas' FP16 gradients are averaged by an FP16 all-reduce, the reference's summed over the 4
+        # micro-batches in one process: one more rounding, about one unit in FP16's last place (2**-11).
+        assert run["norms"] == pytest.approx(theirs["norms"], rel=2.0**-11), (run["norms"], theirs["norms"])
+        mine = [loss for step in run["losses"] for loss in step]
+        expected = [loss for step in theirs["losses"] for loss in step[2 * replica : 2 * replica + 2]]
+        assert mine == pytest.approx(expected, rel=2.0**-11), (mine, expected)

@@ -59,7 +59,7 @@ NO_EFFECT: dict[str, tuple[type, str]] = {
     "deterministic_server": (bool, "execution here is always in the same order on every replica"),
     "ddp_port": (int, "replicas communicate over the torch.distributed process group"),
     "ddp_dist_backend": (str, "the backend is the torch.distributed process group's (gloo or NCCL)"),
-    "fp16_params": (bool, "only applies to smp.nn.Distributed* modules (tensor parallelism)"),
+    "fp16_params": (bool, "smp.DistributedModel casts the model under 'fp16' anyway; only memory before that differs"),
     "contiguous": (bool, "TensorFlow only"),
     "sdp_reduce_bucket_size": (float, "configures sharded data parallelism, which is off"),
     "sdp_param_persistence_threshold": (float, "configures sharded data parallelism, which is off"),

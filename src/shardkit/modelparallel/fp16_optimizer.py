@@ -104,7 +104,7 @@ class MasterWeights:
                 if held is None or id(param) in held:
                     master.data = param.detach().to(torch.float32, copy=True)
                 else:
-                    master.data = torch.empty(0, dtype=torch.float32, device=param.device)
+                    master.data = torch.empty(0, dtype=torch.float32, device=master.device)
                 master.grad = None
         self.filled = True
 
