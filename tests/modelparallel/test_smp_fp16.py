@@ -196,6 +196,7 @@ def _train(
         out["skipped"].append(optimizer.overflow)
         if save is not None and step == 2:
             smp.save_checkpoint(save, tag="step3", partial=True, model=model, optimizer=optimizer)
+            smp.save_checkpoint(save, tag="full3", partial=False, model=model, optimizer=optimizer)
     out["masters"] = [p.detach().clone() for group in optimizer.fp32_from_fp16_groups for p in group]
     out["weights"] = [p.detach().clone() for p in model.module.parameters()]
     out["scaler"] = optimizer.state_dict().get("loss_scaler")
@@ -256,7 +257,8 @@ def _never() -> bool:
 
 
 def _pipeline(rank: int, world_size: int, folder: str) -> dict[str, Any]:
-    """Pipeline 2: fp16 with an inf on stage 0 alone, clipped, saved at step 3 and resumed from there; bf16."""
+    """Pipeline 2: fp16 with an inf on stage 0 alone, saved at step 3 (partial and full) and resumed from there;
+    bf16."""
     out: dict[str, Any] = {}
     for dtype in (torch.float16, torch.bfloat16):
         fp16 = dtype == torch.float16
@@ -268,13 +270,14 @@ def _pipeline(rank: int, world_size: int, folder: str) -> dict[str, Any]:
             out[str(dtype)] = {**run, "pp_rank": smp.pp_rank()}
         finally:
             smp.reset()
-    smp.init(_config(torch.float16, partitions=2))
-    try:
-        model, optimizer = _build(torch.float16)
-        smp.resume_from_checkpoint(folder, tag="step3")
-        out["resumed"] = _train(model, optimizer, range(3, STEPS), _never, NO_CLIP)
-    finally:
-        smp.reset()
+    for tag, partial in (("step3", True), ("full3", False)):
+        smp.init(_config(torch.float16, partitions=2))
+        try:
+            model, optimizer = _build(torch.float16)
+            smp.resume_from_checkpoint(folder, tag=tag, partial=partial)
+            out[tag] = _train(model, optimizer, range(3, STEPS), _never, NO_CLIP)
+        finally:
+            smp.reset()
     return out
 
 
@@ -294,8 +297,9 @@ def test_pipeline2_fp16_skips_on_every_stage_clips_resumes_bitwise_and_bf16_trai
         masters, weights = _merged([run["masters"] for run in runs]), _merged([run["weights"] for run in runs])
         assert all(torch.equal(a, b) for a, b in zip(masters, theirs["masters"]))
         assert all(torch.equal(a, b) for a, b in zip(weights, theirs["weights"]))
-    for result in results:  # resumed at step 3 from the partial checkpoint: bitwise the uninterrupted run
-        whole, resumed = result[str(torch.float16)], result["resumed"]
+    for result, tag in ((r, tag) for r in results for tag in ("step3", "full3")):
+        # resumed at step 3 from the partial and the full checkpoint: bitwise the uninterrupted run
+        whole, resumed = result[str(torch.float16)], result[tag]
         assert resumed["losses"] == whole["losses"][3:] and resumed["scales"] == whole["scales"][3:]
         assert resumed["scaler"] == whole["scaler"]
         assert all(torch.equal(a, b) for a, b in zip(resumed["masters"], whole["masters"]))
