@@ -310,8 +310,9 @@ def _on_tp_rank1() -> bool:
     return smp.tp_rank() == 1
 
 
-def _tensor_parallel(rank: int, world_size: int) -> dict[str, Any]:
-    """Tensor parallel 2 (both ranks on the whole batch): fp16 with an inf on TP rank 1 alone, clipped; bf16."""
+def _tensor_parallel(rank: int, world_size: int, folder: str) -> dict[str, Any]:
+    """Tensor parallel 2 (both ranks on the whole batch): fp16 with an inf on TP rank 1 alone, clipped, resumed
+    from step 3; bf16."""
     out: dict[str, Any] = {}
     for dtype in (torch.float16, torch.bfloat16):
         fp16 = dtype == torch.float16
@@ -320,14 +321,21 @@ def _tensor_parallel(rank: int, world_size: int) -> dict[str, Any]:
             model, optimizer = _build(dtype)
             assert isinstance(model.module[0], smp.nn.DistributedLinear)
             inject = _on_tp_rank1 if fp16 else _never
-            out[str(dtype)] = _train(model, optimizer, range(STEPS), inject, 0.5, prescaled=True)
+            out[str(dtype)] = _train(model, optimizer, range(STEPS), inject, 0.5, folder if fp16 else None, True)
         finally:
             smp.reset()
+    smp.init(_config(torch.float16, tensor_parallel_degree=2, ddp=True, prescaled_batch=True))
+    try:  # each TP rank's partial checkpoint holds its slices of the masters
+        model, optimizer = _build(torch.float16)
+        smp.resume_from_checkpoint(folder, tag="step3")
+        out["resumed"] = _train(model, optimizer, range(3, STEPS), _never, 0.5, prescaled=True)
+    finally:
+        smp.reset()
     return out
 
 
-def test_tensor_parallel2_fp16_skips_on_both_ranks_clips_exactly_and_bf16_trains() -> None:
-    results = run_distributed(_tensor_parallel, 2)
+def test_tensor_parallel2_fp16_skips_on_both_ranks_clips_exactly_resumes_and_bf16_trains(tmp_path: Any) -> None:
+    results = run_distributed(_tensor_parallel, 2, os.fspath(tmp_path))
     for dtype in (torch.float16, torch.bfloat16):
         fp16 = dtype == torch.float16
         theirs = _reference(dtype, microbatches=2, clip=0.5, inject=fp16)
@@ -349,6 +357,11 @@ def test_tensor_parallel2_fp16_skips_on_both_ranks_clips_exactly_and_bf16_trains
             assert run["norms"] == pytest.approx(theirs["norms"], rel=ulp), (run["norms"], theirs["norms"])
             losses = [loss for step in run["losses"] for loss in step]
             assert losses == pytest.approx([loss for step in theirs["losses"] for loss in step], rel=ulp)
+    for result in results:  # the partial checkpoint of each TP rank resumes bitwise
+        whole, resumed = result[str(torch.float16)], result["resumed"]
+        assert resumed["losses"] == whole["losses"][3:] and resumed["norms"] == whole["norms"][3:]
+        assert all(torch.equal(a, b) for a, b in zip(resumed["masters"], whole["masters"]))
+        assert all(torch.equal(a, b) for a, b in zip(resumed["weights"], whole["weights"]))
 
 
 def _on_replica1() -> bool:
@@ -361,6 +374,18 @@ def _data_parallel(rank: int, world_size: int) -> dict[str, Any]:
     try:
         model, optimizer = _build(torch.float16)
         return _train(model, optimizer, range(STEPS), _on_replica1, NO_CLIP)
+    finally:
+        smp.reset()
+
+
+def test_fp16_with_sharded_optimizer_state_is_refused_before_anything_changes() -> None:
+    smp.init(_config(torch.float16, ddp=True, shard_optimizer_state=True))
+    try:
+        model = smp.DistributedModel(_net())
+        inner = torch.optim.Adam(model.parameters(), lr=LR)
+        with pytest.raises(ValueError, match="'fp16': true with 'shard_optimizer_state': true is not supported"):
+            smp.DistributedOptimizer(inner, static_loss_scale=None, dynamic_loss_scale=True)
+        assert all(p.dtype == torch.float16 for p in inner.param_groups[0]["params"])  # no masters swapped in
     finally:
         smp.reset()
 
