@@ -67,11 +67,12 @@ def cast_outputs(outputs: Any, config: Any) -> Any:
 class MasterWeights:
     """FP32 masters of the low-precision parameters in ``param_groups``, which hold the masters from then on.
 
-    Made when the optimizer is wrapped, possibly before the partition: each master starts empty and takes its
-    parameter's value in :meth:`fill` (after the partition, for the parameters this stage holds).
+    Made when the optimizer is wrapped, possibly before the partition: each master starts empty on ``device`` (where
+    the stage computes: its parameters are there after the partition) and takes its parameter's value in
+    :meth:`fill` (after the partition, for the parameters this stage holds).
     """
 
-    def __init__(self, param_groups: list[dict[str, Any]], low: torch.dtype) -> None:
+    def __init__(self, param_groups: list[dict[str, Any]], low: torch.dtype, device: torch.device) -> None:
         self._model_of: dict[int, torch.Tensor] = {}
         self.groups: list[list[tuple[torch.Tensor, nn.Parameter]]] = []
         """Per parameter group, (model parameter, its master) pairs."""
@@ -79,7 +80,6 @@ class MasterWeights:
             pairs = []
             for i, param in enumerate(group["params"]):
                 if param.dtype == low:
-                    device = torch.device("cpu") if param.is_meta else param.device
                     master = nn.Parameter(torch.empty(0, dtype=torch.float32, device=device))
                     group["params"][i] = master
                     self._model_of[id(master)] = param
@@ -102,7 +102,7 @@ class MasterWeights:
         with torch.no_grad():
             for param, master in self.pairs():
                 if held is None or id(param) in held:
-                    master.data = param.detach().to(torch.float32, copy=True)
+                    master.data = param.detach().to(device=master.device, dtype=torch.float32, copy=True)
                 else:
                     master.data = torch.empty(0, dtype=torch.float32, device=master.device)
                 master.grad = None
@@ -124,7 +124,7 @@ class MasterWeights:
             elif master.grad is not None and master.grad.shape == grad.shape:
                 master.grad.copy_(grad)
             else:
-                master.grad = grad.detach().to(torch.float32, copy=True)
+                master.grad = grad.detach().to(device=master.device, dtype=torch.float32, copy=True)
 
     def zero_model_grads(self, set_to_none: bool) -> None:
         """Clear the model parameters' gradients (the masters' are the optimizer's to clear)."""
@@ -145,10 +145,15 @@ class MixedPrecision:
     """
 
     def __init__(
-        self, param_groups: list[dict[str, Any]], low: torch.dtype, options: LossScaleOptions, group: GroupLike
+        self,
+        param_groups: list[dict[str, Any]],
+        low: torch.dtype,
+        options: LossScaleOptions,
+        group: GroupLike,
+        device: torch.device,
     ) -> None:
         self.low = low
-        self.masters = MasterWeights(param_groups, low)
+        self.masters = MasterWeights(param_groups, low, device)
         self.scaler: Optional[LossScaler] = LossScaler(options) if low == torch.float16 else None
         self.group = group
         self.overflow = False

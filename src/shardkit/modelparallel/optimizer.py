@@ -22,6 +22,7 @@ import torch
 from shardkit.distributed import collectives as C
 from shardkit.modelparallel import checkpoint as ckpt
 from shardkit.modelparallel import state as smp_state
+from shardkit.modelparallel.build import execution_device
 from shardkit.modelparallel.fp16_optimizer import SCALER_KEY, MixedPrecision, low_precision_dtype
 from shardkit.modelparallel.loss_scaler import LossScaleOptions
 from shardkit.modelparallel.optimizers import FusedLamb
@@ -101,10 +102,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._smp_inner = optimizer
         self._smp_pending: Optional[dict[str, Any]] = None
         self._smp_sharded: Optional[ShardedOptimizerState] = None
-        low = low_precision_dtype(state.config)
-        self._smp_mixed = None if low is None else MixedPrecision(self.param_groups, low, options, state.world_group)
-        if self._smp_mixed is not None and state.model is not None and state.model.partitioned:
-            self._smp_mixed.masters.fill({id(p) for p in state.model.local_parameters()})
+        low, model = low_precision_dtype(state.config), state.model
+        self._smp_mixed: Optional[MixedPrecision] = None
+        if low is not None:  # _check_precision made sure the model exists: the masters live where it computes
+            assert model is not None
+            device = model.execution_device if model.partitioned else execution_device(state, model.module)
+            self._smp_mixed = MixedPrecision(self.param_groups, low, options, state.world_group, device)
+            if model.partitioned:
+                self._smp_mixed.masters.fill({id(p) for p in model.local_parameters()})
         if isinstance(self, FusedLamb):  # its global gradient norm spans every stage
             if state.config.shard_optimizer_state:
                 raise ValueError(
