@@ -6,10 +6,13 @@ of the optimizer's own class (same name) that shares the optimizer's attributes 
 schedulers, ``GradScaler.step``, ``add_param_group`` and step hooks work unchanged; the original object and the
 returned one are two views of one optimizer (no copy of any state). Overridden: ``state_dict``,
 ``load_state_dict`` and ``local_state_dict``; ``step`` and ``zero_grad`` are the optimizer's own (parameters a
-stage released have no gradient, so the optimizer skips them and never builds state for them).
+stage released have no gradient, so the optimizer skips them and never builds state for them), except under
+``"fp16"``/``"bf16"``, where they also move gradients into the FP32 masters and the masters into the model (see
+:mod:`~.fp16_optimizer`; ``param_groups`` then hold the masters, so the original object updates the masters only).
 
 State dicts use the torch format (parameters by index in ``param_groups`` order), so a full one loads into a
-plain optimizer built over the unwrapped model's parameters in the same order.
+plain optimizer built over the unwrapped model's parameters in the same order. Under fp16/bf16 each parameter's
+entry also holds its FP32 master (``"fp32_master_param"``) and a top-level ``"loss_scaler"`` the scale.
 """
 
 from __future__ import annotations
