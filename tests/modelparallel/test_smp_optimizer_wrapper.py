@@ -201,6 +201,7 @@ def test_fp16_config_refuses_what_it_would_silently_get_wrong() -> None:
         assert [p.dtype for p in optimizer.param_groups[0]["params"]] == [torch.float32] * 2  # the FP32 masters
         assert optimizer.fp16_groups[0][0] is model.module.weight
         with pytest.raises(ValueError, match=r"smp\.amp\.GradScaler with 'fp16': true"):
-            smp.amp.GradScaler().unscale_(optimizer)  # a second scaler would unscale masters without gradients
+            smp.amp.GradScaler()  # a second scaler would unscale masters without gradients
+        smp.amp.GradScaler(enabled=False).unscale_(optimizer)  # a disabled one (enabled=args.amp) does nothing
     finally:
         smp.reset()

@@ -48,11 +48,14 @@ class GradScaler(torch.amp.GradScaler):
         enabled: bool = True,
     ) -> None:
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if enabled:
+            _refuse_with_fp16_optimizer(None)
         super().__init__(device, init_scale, growth_factor, backoff_factor, growth_interval, enabled)
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Unscale this rank's gradients, then agree on overflow with every other rank."""
-        _refuse_with_fp16_optimizer(optimizer)
+        if self.is_enabled():
+            _refuse_with_fp16_optimizer(optimizer)
         super().unscale_(optimizer)
         if not self.is_enabled():
             return
@@ -70,10 +73,11 @@ class GradScaler(torch.amp.GradScaler):
             flag.copy_(found.to(flag.device))
 
 
-def _refuse_with_fp16_optimizer(optimizer: torch.optim.Optimizer) -> None:
+def _refuse_with_fp16_optimizer(optimizer: Optional[torch.optim.Optimizer]) -> None:
     """Under ``"fp16"``/``"bf16"`` smp's own FP16 optimizer scales the loss and owns FP32 master weights: a second
-    scaler over its masters would unscale gradients they do not hold yet."""
-    if isinstance(optimizer, DistributedOptimizer) and smp_state.is_initialized():
+    scaler over its masters would unscale gradients they do not hold yet. Checked when the scaler is made (None)
+    and when it unscales an smp optimizer."""
+    if (optimizer is None or isinstance(optimizer, DistributedOptimizer)) and smp_state.is_initialized():
         config = smp_state.current().config
         if config.fp16 or config.bf16:
             key = "fp16" if config.fp16 else "bf16"
