@@ -27,6 +27,7 @@ from torch import nn
 
 from shardkit.distributed import GroupLike
 from shardkit.distributed import collectives as C
+from shardkit.modelparallel._torch_private import foreach_mul_, foreach_norm
 from shardkit.modelparallel.loss_scaler import LossScaleOptions, LossScaler
 from shardkit.nn.fsdp.input_cast import unit_input_caster
 from shardkit.utils._torch_private import tree_map
@@ -173,7 +174,7 @@ class MixedPrecision:
         self.masters.grads_to_masters()
         grads = [p.grad for group in param_groups for p in group["params"] if p.grad is not None]
         if self.loss_scale != 1.0 and grads:
-            torch._foreach_mul_(grads, 1.0 / self.loss_scale)
+            foreach_mul_(grads, 1.0 / self.loss_scale)
         self.overflow = False
         if self.scaler is not None and self.scaler.dynamic:
             self.overflow = self._any_rank_overflows(grads, device)
@@ -181,9 +182,15 @@ class MixedPrecision:
         return self.overflow
 
     def _any_rank_overflows(self, grads: list[torch.Tensor], device: torch.device) -> bool:
-        """Whether a gradient of any rank holds an inf or NaN (all-reduce of one flag over ``group``)."""
-        bad = [(~torch.isfinite(g)).any().to(device) for g in grads]
-        found = torch.stack(bad).any().to(torch.float32) if bad else torch.zeros((), device=device)
+        """Whether a gradient of any rank holds an inf or NaN (all-reduce of one flag over ``group``).
+
+        Read from each gradient's 2-norm, which an inf or NaN makes non-finite: one fused pass over the gradients
+        (an elementwise ``isfinite`` costs several times more on CPU). A finite gradient whose norm exceeds FP32's
+        range (above ~1e19 per element after unscaling) also counts, as it would wreck the update anyway.
+        """
+        norms = foreach_norm(grads) if grads else []
+        finite = torch.stack([n.to(device) for n in norms]).isfinite().all() if norms else None
+        found = (~finite).to(torch.float32) if finite is not None else torch.zeros((), device=device)
         C.all_reduce(found.reshape(1), op=dist.ReduceOp.MAX, group=self.group, label="smp_fp16_overflow")
         return bool(found.item())
 
