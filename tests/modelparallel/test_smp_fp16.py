@@ -335,32 +335,35 @@ def _on_replica1() -> bool:
     return smp.dp_rank() == 1
 
 
-def _data_parallel(rank: int, world_size: int) -> dict[str, Any]:
-    """Two replicas, each on half the batch: fp16 with an inf on replica 1 alone (after the gradient all-reduce)."""
-    smp.init(_config(torch.float16, ddp=True))
-    try:
-        model, optimizer = _build(torch.float16)
-        return _train(model, optimizer, range(STEPS), _on_replica1, NO_CLIP)
-    finally:
-        smp.reset()
+def _data_parallel(rank: int, world_size: int) -> dict[bool, Any]:
+    """Two replicas, each on half the batch: fp16 with an inf on replica 1 alone (after the gradient all-reduce),
+    without and with shard_optimizer_state (each replica updates half the masters, then shares them)."""
+    out = {}
+    for sharded in (False, True):
+        smp.init(_config(torch.float16, ddp=True, shard_optimizer_state=sharded))
+        try:
+            model, optimizer = _build(torch.float16)
+            out[sharded] = _train(model, optimizer, range(STEPS), _on_replica1, NO_CLIP)
+            out[sharded]["state"] = optimizer.local_state_dict()["state"]  # gathered from the shards
+            out[sharded]["kept"] = len(optimizer.state)  # sharded: the state lives in the shards
+        finally:
+            smp.reset()
+    return out
 
 
-def test_fp16_with_sharded_optimizer_state_is_refused_before_anything_changes() -> None:
-    smp.init(_config(torch.float16, ddp=True, shard_optimizer_state=True))
-    try:
-        model = smp.DistributedModel(_net())
-        inner = torch.optim.Adam(model.parameters(), lr=LR)
-        with pytest.raises(ValueError, match="'fp16': true with 'shard_optimizer_state': true is not supported"):
-            smp.DistributedOptimizer(inner, static_loss_scale=None, dynamic_loss_scale=True)
-        assert all(p.dtype == torch.float16 for p in inner.param_groups[0]["params"])  # no masters swapped in
-    finally:
-        smp.reset()
-
-
-def test_data_parallel2_fp16_skips_on_both_replicas() -> None:
+def test_data_parallel2_fp16_skips_on_both_replicas_with_and_without_sharded_state() -> None:
     results = run_distributed(_data_parallel, 2)
     theirs = _reference(torch.float16, microbatches=4, clip=NO_CLIP, inject=True)  # the replicas' 4 micro-batches
-    for replica, run in enumerate(results):
+    for replica, result in enumerate(results):
+        run, sharded = result[False], result[True]
+        # the same Adam update of the same masters, each by the replica that owns it: bitwise the same run
+        assert sharded["kept"] == 0 and run["kept"] == len(run["masters"])
+        assert sharded["losses"] == run["losses"] and sharded["skipped"] == run["skipped"]
+        assert all(torch.equal(a, b) for a, b in zip(sharded["masters"], run["masters"]))
+        assert all(torch.equal(a, b) for a, b in zip(sharded["weights"], run["weights"]))
+        assert sorted(sharded["state"]) == sorted(run["state"]) == list(range(len(run["masters"])))
+        for index, entry in run["state"].items():
+            assert all(torch.equal(value, sharded["state"][index][key]) for key, value in entry.items())
         assert run["skipped"] == theirs["skipped"] == [s == INJECT_AT for s in range(STEPS)], run
         assert run["scales"] == SCALES
         # The replicas' FP16 gradients are averaged by an FP16 all-reduce, the reference's summed over the 4

@@ -81,7 +81,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         sub = _SUBCLASSES.get((base, sharded, mixed))
         if sub is None:
             namespace = {"__module__": base.__module__, "__qualname__": base.__qualname__, "__doc__": base.__doc__}
-            step_class = (_ShardedStep,) if sharded else (_MixedPrecisionStep,) if mixed else ()
+            step_class = (_MixedPrecisionStep,) if mixed else (_ShardedStep,) if sharded else ()
             bases = (*step_class, DistributedOptimizer, base)
             sub = _SUBCLASSES[(base, sharded, mixed)] = type(base.__name__, bases, namespace)
         wrapped: DistributedOptimizer = object.__new__(sub)
@@ -312,7 +312,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         model = smp.model
         self.reload_model_params()  # the masters take the partitioned model's weights (broadcast from rank 0)
         if smp.config.shard_optimizer_state and self._smp_sharded is None and model is not None:
-            held = {id(p) for p in model.local_parameters()}
+            held_params = {id(p) for p in model.local_parameters()}  # under fp16/bf16 the shards are of the masters
+            held = {id(p) for p, q in zip(self._params(), self._model_params()) if id(q) in held_params}
             inner = self._smp_inner
             self._smp_sharded = ShardedOptimizerState(
                 self.param_groups, held, type(inner), dict(self.defaults), smp.dp_group
@@ -322,16 +323,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._load(pending)
 
     def _load(self, full: dict[str, Any]) -> None:
-        if self._smp_sharded is not None:
-            self._load_hyperparameters(full["param_groups"])
-            self._smp_sharded.load(full)
-            return
         held = self._held_indices()
         state = full["state"] if held is None else {i: v for i, v in full["state"].items() if int(i) in held}
         masters: dict[int, torch.Tensor] = {}
         if self._smp_mixed is not None:
             state, masters = self._smp_mixed.take_masters(state)
-        super().load_state_dict({"state": state, "param_groups": full["param_groups"]})
+        if self._smp_sharded is not None:
+            self._load_hyperparameters(full["param_groups"])
+            self._smp_sharded.load({"state": state, "param_groups": full["param_groups"]})
+        else:
+            super().load_state_dict({"state": state, "param_groups": full["param_groups"]})
         if self._smp_mixed is not None:
             self._smp_mixed.load_masters(self._params(), masters)
 
@@ -359,11 +360,6 @@ def _check_precision(state: Any) -> None:
     low = "fp16" if config.fp16 else "bf16" if config.bf16 else None
     if low is None:
         return  # smp applies the loss-scaling options only under fp16/bf16: no effect, as there
-    if config.shard_optimizer_state:
-        raise ValueError(
-            f"'{low}': true with 'shard_optimizer_state': true is not supported yet (the FP32 master weights are "
-            "not sharded over the replicas); turn one of them off"
-        )
     if state.model is None:
         raise ValueError(
             f"under '{low}': true, create smp.DistributedModel before smp.DistributedOptimizer: the model is cast to "
@@ -378,6 +374,9 @@ def _mixed_step(self: DistributedOptimizer, closure: Optional[Callable[[], Any]]
     assert mixed is not None
     if closure is not None:
         raise ValueError("smp's FP16 optimizer does not take a closure in step(); run the step function, then step()")
+    sharded = self._smp_sharded
+    if sharded is not None:  # shard_optimizer_state: each replica updates the masters it owns, then shares them
+        return mixed.step(self.param_groups, self._device_for_norm(), lambda: sharded.step(self.param_groups, None))
     base_step = super(DistributedOptimizer, self).step  # the user's optimizer's (hooked) step
     return mixed.step(self.param_groups, self._device_for_norm(), lambda: base_step(**kwargs))
 
