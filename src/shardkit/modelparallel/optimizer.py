@@ -374,9 +374,8 @@ def _mixed_step(self: DistributedOptimizer, closure: Optional[Callable[[], Any]]
     assert mixed is not None
     if closure is not None:
         raise ValueError("smp's FP16 optimizer does not take a closure in step(); run the step function, then step()")
-    sharded = self._smp_sharded
-    if sharded is not None:  # shard_optimizer_state: each replica updates the masters it owns, then shares them
-        return mixed.step(self.param_groups, self._device_for_norm(), lambda: sharded.step(self.param_groups, None))
+    if self._smp_sharded is not None:  # shard_optimizer_state: each replica updates the masters it owns, shares them
+        return mixed.step(self.param_groups, self._device_for_norm(), lambda: _ShardedStep.step(self, **kwargs))
     base_step = super(DistributedOptimizer, self).step  # the user's optimizer's (hooked) step
     return mixed.step(self.param_groups, self._device_for_norm(), lambda: base_step(**kwargs))
 
