@@ -11,9 +11,10 @@ What smp v1.10+ does under these keys, and what this module provides for ``Distr
   rounded into the model;
 - under fp16, ``model.backward(loss)`` multiplies the loss (in FP32) by the loss scale; before the update the
   gradients are copied into the masters and divided by it; a dynamic scale checks them for inf/NaN, agreed by
-  every rank (all pipeline stages, tensor-parallel ranks and replicas), and an overflow skips the step everywhere
-  (:class:`MixedPrecision`, the scale rules in :mod:`~.loss_scaler`). bf16 has FP16's exponent range problem
-  solved by its 8-bit exponent: no scale, no check.
+  the replica's ranks (all pipeline stages and tensor-parallel ranks; replicas hold the same gradients after their
+  all-reduce, so they agree too; every rank with ``shard_optimizer_state``, as smp), and an overflow skips the step
+  on all of them (:class:`MixedPrecision`, the scale rules in :mod:`~.loss_scaler`). bf16 has FP16's exponent
+  range problem solved by its 8-bit exponent: no scale, no check.
 """
 
 from __future__ import annotations

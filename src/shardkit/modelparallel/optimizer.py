@@ -110,7 +110,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if low is not None:  # _check_precision made sure the model exists: the masters live where it computes
             assert model is not None
             device = model.execution_device if model.partitioned else execution_device(state, model.module)
-            self._smp_mixed = MixedPrecision(self.param_groups, low, options, state.world_group, device)
+            # Overflows are agreed over the replica (stages and TP ranks; the replicas' gradients are equal after
+            # their all-reduce), over every rank with sharded state (each replica updates its own masters): smp's.
+            group = state.world_group if state.config.shard_optimizer_state else smp_state.get_mp_process_group()
+            self._smp_mixed = MixedPrecision(self.param_groups, low, options, group, device)
             if model.partitioned:
                 self._smp_mixed.masters.fill({id(p) for p in model.local_parameters()})
         if isinstance(self, FusedLamb):  # its global gradient norm spans every stage
