@@ -14,7 +14,7 @@ from shardkit.bench.pipeline_report import Row, best_line, paired_ratio, print_r
 from shardkit.bench.pipeline_smp import bubble_floor, predicted_bubble
 from shardkit.bench.pipeline_theory import bubble_theory, torch_bubble_theory
 from shardkit.bench.pipeline_torch import chunk_ranks, chunks_per_rank, even_cut, smp_cut
-from shardkit.modelparallel.auto_partition import Placement
+from shardkit.modelparallel.partitioning.auto_partition import Placement
 
 
 def test_bubble_theory_formulas() -> None:

@@ -70,7 +70,7 @@ def test_fsdp_offload_computes_on_the_ranks_gpu(monkeypatch: pytest.MonkeyPatch)
 
 
 def test_smp_execution_device_is_the_ranks_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    from shardkit.modelparallel import build
+    from shardkit.modelparallel.building import build
 
     fake = FakeCuda(monkeypatch, visible=4)
     monkeypatch.setenv("LOCAL_RANK", "1")

@@ -400,3 +400,43 @@ def tiny_gpt2_config(positions: int = 16) -> Any:
         bos_token_id=0,
         eos_token_id=0,
     )
+
+
+def split_linears_run(
+    optimizer_cls: type[torch.optim.Optimizer], lr: float, shard_by_rdp: bool, steps: int = 3
+) -> dict[str, list[Any]]:
+    """Train three ``nn.Linear``s made distributed by ``smp.tensor_parallelism()`` beside plain torch on the whole
+    batch, under the config ``smp.init`` was given (call it between ``smp.init`` and ``smp.reset``).
+
+    Each rank takes its share of the batch by ``rdp_rank`` (``prescaled_batch``) or ``dp_rank``. Returns per step
+    ``losses``, the data-parallel group's step losses (their mean is smp's loss), and ``theirs``, plain torch's
+    (the mean of the micro-batches' mean losses over the whole batch).
+    """
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+    torch.manual_seed(0)
+    with smp.tensor_parallelism():
+        net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+    model = smp.DistributedModel(net)
+    optimizer = smp.DistributedOptimizer(optimizer_cls(model.parameters(), lr=lr))  # type: ignore[call-arg]
+    plain = optimizer_cls(reference.parameters(), lr=lr)  # type: ignore[call-arg]
+
+    losses, theirs = [], []
+    rank, size = (smp.rdp_rank(), smp.rdp_size()) if shard_by_rdp else (smp.dp_rank(), smp.dp_size())
+    parts = size * smp.state.current().config.microbatches
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(step)
+        x, y = torch.randn(8, 8, generator=gen), torch.randn(8, 4, generator=gen)
+        optimizer.zero_grad()
+        losses.append(
+            smp.allgather(
+                train_step(model, "mlp", x.chunk(size)[rank], y.chunk(size)[rank]).reduce_mean().item(), smp.DP_GROUP
+            )
+        )
+        optimizer.step()
+        plain.zero_grad()
+        ref_loss = sum(F.mse_loss(reference(a), b) for a, b in zip(x.chunk(parts), y.chunk(parts))) / parts
+        ref_loss.backward()
+        plain.step()
+        theirs.append(ref_loss.item())
+    return {"losses": losses, "theirs": theirs}

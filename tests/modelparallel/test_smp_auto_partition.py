@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 import shardkit.modelparallel as smp
-from shardkit.modelparallel.auto_partition import balanced_cut
-from shardkit.modelparallel.partitioner import plan_partition
+from shardkit.modelparallel.partitioning.auto_partition import balanced_cut
+from shardkit.modelparallel.partitioning.partitioner import plan_partition
 from shardkit.testing.models import LMConfig, TransformerLM
 
 

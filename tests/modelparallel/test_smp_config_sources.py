@@ -79,15 +79,15 @@ def test_malformed_sagemaker_variable_names_it(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_unsupported_and_unknown_keys_in_one_error() -> None:
-    values = {"sharded_data_parallel_degree": 4, "micro_batches": 4, "horovod": True}
+    values = {"load_partition": True, "micro_batches": 4, "horovod": True}
     with pytest.raises(ValueError) as info:
         ModelParallelConfig.from_dict(values)
     message = str(info.value)
-    assert "sharded_data_parallel_degree=4: smp's sharded data parallelism is not supported yet" in message
+    assert "load_partition=True: loading a saved partition decision is not supported" in message
     assert "'micro_batches': not an smp config key" in message
     assert "horovod=True" in message
     # Their neutral values are fine.
-    neutral = {"tensor_parallel_degree": 1, "sharded_data_parallel_degree": "1", "horovod": False}
+    neutral = {"tensor_parallel_degree": 1, "load_partition": "false", "horovod": False}
     assert ModelParallelConfig.from_dict(neutral) == ModelParallelConfig()
 
 
@@ -104,9 +104,7 @@ def test_no_effect_keys_are_accepted_and_recorded() -> None:
         ModelParallelConfig.from_dict({"activation_loading_horizon": "soon"})
     with pytest.raises(TypeError, match=r"'skip_tracing' from a dict must be a bool, got 1"):
         ModelParallelConfig.from_dict({"skip_tracing": 1})
-    assert dict(ModelParallelConfig.from_dict({"sdp_max_live_parameters": 1000000000}).accepted) == {
-        "sdp_max_live_parameters": 1000000000
-    }
+    assert dict(ModelParallelConfig.from_dict({"ddp_port": 29600}).accepted) == {"ddp_port": 29600}
 
 
 def test_placement_permutations_and_precision_keys() -> None:

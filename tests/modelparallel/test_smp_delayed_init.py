@@ -255,6 +255,6 @@ def test_disabled_context_builds_normally() -> None:
     with pytest.raises(ValueError, match="part of the model"):
         with smp.delay_param_initialization():
             meta = nn.Linear(2, 2)
-        from shardkit.modelparallel.delayed_init import check_delayable
+        from shardkit.modelparallel.building.delayed_init import check_delayable
 
         check_delayable(nn.Sequential(meta, nn.Linear(2, 2)))

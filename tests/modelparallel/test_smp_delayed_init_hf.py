@@ -12,7 +12,7 @@ from smp_testlib import tiny_gpt2_config
 from torch import nn
 
 import shardkit.modelparallel as smp
-from shardkit.modelparallel.delayed_init import materialize
+from shardkit.modelparallel.building.delayed_init import materialize
 
 transformers = pytest.importorskip("transformers")
 

@@ -10,8 +10,8 @@ from smp_testlib import peak_held
 from torch.distributed.pipelining import schedules as torch_schedules
 
 import shardkit.modelparallel as smp
-from shardkit.modelparallel.dualpipev import dualpipev_schedule, dualpipev_schedules
-from shardkit.modelparallel.virtual_schedules import (
+from shardkit.modelparallel.schedules.dualpipev import dualpipev_schedule, dualpipev_schedules
+from shardkit.modelparallel.schedules.virtual_schedules import (
     ChunkAction,
     bubble_fraction,
     fused_backwards,
@@ -19,7 +19,7 @@ from shardkit.modelparallel.virtual_schedules import (
     schedule_grid,
     tick_grid,
 )
-from shardkit.modelparallel.zbv import zbv_schedule
+from shardkit.modelparallel.schedules.zbv import zbv_schedule
 
 SHAPES = [(p, m) for p in range(2, 7) for m in range(2 * p, 4 * p + 1)]
 

@@ -18,10 +18,10 @@ import pytest
 import torch
 from smp_testlib import AWS_GPT2_CONFIG
 from test_smp_fp16 import one_thread
-from test_smp_gpt2_script import BATCH, SEED, _dataloader, _model_config, _param_groups, _schedule, _tokens, _train_step
+from test_smp_gpt2_script import SEED, _dataloader, _model_config, _param_groups, _schedule, _tokens, _train_step
 
 import shardkit.modelparallel as smp
-from shardkit.modelparallel.delayed_init import materialize
+from shardkit.modelparallel.building.delayed_init import materialize
 from shardkit.testing import run_distributed
 
 transformers = pytest.importorskip("transformers")
@@ -46,7 +46,7 @@ def _script(rank: int, world_size: int) -> dict[str, Any]:
         )
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule)
         logged, skipped, scales = [], [], []
-        for input_ids, attention_mask in _dataloader():
+        for input_ids, attention_mask in _dataloader(prescaled_batch=False):
             optimizer.zero_grad(set_to_none=True)
             scales.append(optimizer.loss_scale)
             loss_mb = _train_step(model, optimizer, input_ids, attention_mask, None)
@@ -80,7 +80,7 @@ def _reference() -> dict[str, Any]:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule)
     scale, tolerated = SCALE_ARGS["init_scale"], SCALE_ARGS["delayed_shift"] - 1
     logged, skipped, scales = [], [], []
-    for tokens in _tokens().split(BATCH):
+    for tokens in _tokens(1)[:, 0]:  # one replica: each step's batch
         scales.append(scale)
         for p in params:
             p.grad = None

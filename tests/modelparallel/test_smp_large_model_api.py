@@ -15,10 +15,9 @@ from smp_testlib import AWS_GPT2_CONFIG
 from torch import nn
 
 import shardkit.modelparallel as smp
+from shardkit.modelparallel.checkpoints.user_content import decode, encode
 from shardkit.modelparallel.partition import manual_assignment
 from shardkit.modelparallel.tp.registry import Mark, mark_of
-from shardkit.modelparallel.user_content import decode, encode
-from shardkit.testing import run_distributed
 
 #: The config AWS's GPT-2 script passes, with the keys train.py adds.
 SCRIPT_CONFIG: dict[str, Any] = {
@@ -48,14 +47,6 @@ def test_the_scripts_config_is_accepted(delayed: bool) -> None:
         with smp.model_creation(tensor_parallelism=smp.tp_size() > 1, dtype=torch.float32):
             layer = nn.Linear(2, 2)
         assert layer.weight.is_meta == delayed
-
-
-@pytest.mark.parametrize("key", ["sharded_data_parallel_degree"])
-def test_degrees_above_one_are_refused_as_not_built_yet(key: str) -> None:
-    smp.reset()
-    with pytest.raises(ValueError, match=f"{key}=2: .*not built in shardkit yet: issue 34"):
-        smp.init({**SCRIPT_CONFIG, key: 2})
-    assert not smp.is_initialized()
 
 
 def test_model_creation_applies_the_dtype_and_marks_for_tensor_parallelism() -> None:
@@ -163,19 +154,3 @@ def test_user_content_with_a_config_and_numpy_values_round_trips(single: None, t
     assert decode(encoded)["model_config"].n_embd == 32
     with pytest.raises(TypeError, match="user_content must hold only"):
         smp.save_checkpoint(str(tmp_path), tag="bad", partial=False, model=model, user_content={"f": object()})
-
-
-def _init_with_degree(rank: int, world_size: int, key: str) -> str:
-    try:
-        smp.init({**SCRIPT_CONFIG, "pipeline_parallel_degree": 1, key: world_size})
-    except ValueError as exc:
-        return str(exc)
-    finally:
-        smp.reset()
-    return "accepted"
-
-
-@pytest.mark.parametrize("key", ["sharded_data_parallel_degree"])
-def test_degrees_above_one_are_refused_on_every_rank(key: str) -> None:
-    for message in run_distributed(_init_with_degree, 2, key):
-        assert f"{key}=2: " in message and "not built in shardkit yet" in message, message

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardkit.modelparallel.meta_values import VALUE, MetaValues, to_meta_with_values
+from shardkit.modelparallel.partitioning.meta_values import VALUE, MetaValues, to_meta_with_values
 
 
 def test_values_computed_from_inputs_stay_known_and_parameters_stay_meta() -> None:

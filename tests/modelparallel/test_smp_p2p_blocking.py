@@ -18,8 +18,8 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from shardkit.modelparallel.pipeline_parallel import one_f_one_b_schedule
-from shardkit.modelparallel.pp_communications import Message, StageLink
+from shardkit.modelparallel.pipeline.pipeline_parallel import one_f_one_b_schedule
+from shardkit.modelparallel.pipeline.pp_communications import Message, StageLink
 from testkit.blocking_transport import Deadlock, FakeTransport, RendezvousWorld
 
 

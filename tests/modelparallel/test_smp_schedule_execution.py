@@ -10,10 +10,10 @@ from typing import Any, Optional
 import pytest
 import torch
 
-import shardkit.modelparallel.pipeline_parallel as pipeline_parallel
+import shardkit.modelparallel.pipeline.pipeline_parallel as pipeline_parallel
 from shardkit.distributed import DummyProcessGroup
-from shardkit.modelparallel.pipeline_parallel import StepRun
-from shardkit.modelparallel.runtime import MicrobatchRecord
+from shardkit.modelparallel.pipeline.pipeline_parallel import StepRun
+from shardkit.modelparallel.pipeline.runtime import MicrobatchRecord
 
 
 class _Link:

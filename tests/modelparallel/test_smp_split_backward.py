@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from shardkit.modelparallel.saved_activations import SavedActivations
-from shardkit.modelparallel.split_backward import backward_input
+from shardkit.modelparallel.pipeline.saved_activations import SavedActivations
+from shardkit.modelparallel.pipeline.split_backward import backward_input
 
 
 class Tied(nn.Module):

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from smp_testlib import split_linears_run
 from torch import nn
 
 import shardkit.modelparallel as smp
@@ -404,36 +405,8 @@ def _pipeline_and_tensor(rank: int, world_size: int) -> dict[str, Any]:
     """TP 2 x pipeline 2 ("cluster" = "DPT"): two micro-batches through two stages of split layers."""
     smp.init({"tensor_parallel_degree": 2, "partitions": 2, "microbatches": 2, "ddp": True})
     try:
-        torch.manual_seed(0)
-        reference = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
-        torch.manual_seed(0)
-        with smp.tensor_parallelism():
-            net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
-        model = smp.DistributedModel(net)
-        optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.3))
-        plain = torch.optim.SGD(reference.parameters(), lr=0.3)
-
-        @smp.step
-        def train(model: smp.DistributedModel, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            loss = F.mse_loss(model(x), y)
-            model.backward(loss)
-            return loss
-
-        losses, theirs = [], []
-        for step in range(3):
-            gen = torch.Generator().manual_seed(step)
-            x, y = torch.randn(8, 8, generator=gen), torch.randn(8, 4, generator=gen)
-            optimizer.zero_grad()
-            shard = [t.chunk(smp.dp_size())[smp.dp_rank()] for t in (x, y)]
-            losses.append(smp.allgather(train(model, *shard).reduce_mean().item(), smp.DP_GROUP))
-            optimizer.step()
-            plain.zero_grad()
-            # smp's loss: the mean of the micro-batches' means, averaged over the data-parallel ranks
-            ref_loss = sum(F.mse_loss(reference(a), b) for a, b in zip(x.chunk(4), y.chunk(4))) / 4
-            ref_loss.backward()
-            plain.step()
-            theirs.append(ref_loss.item())
-        return {"pp_rank": smp.pp_rank(), "tp_rank": smp.tp_rank(), "losses": losses, "theirs": theirs}
+        run = split_linears_run(torch.optim.SGD, 0.3, shard_by_rdp=False)
+        return {"pp_rank": smp.pp_rank(), "tp_rank": smp.tp_rank(), **run}
     finally:
         smp.reset()
 

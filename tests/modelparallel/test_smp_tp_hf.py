@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -26,22 +26,35 @@ def _gpt2() -> Any:
     return transformers.GPT2LMHeadModel(config)
 
 
-def _refused_without_prescaled_batch() -> str:
-    smp.init({"tensor_parallel_degree": 2, "ddp": True})
+def _refusal(config: dict[str, Any], build: Callable[[], Any], first_layer: Callable[[Any], Any]) -> str:
+    """The error ``smp.DistributedModel`` raises for the model ``build`` makes inside ``smp.model_creation(
+    tensor_parallelism=True)`` under ``config`` (checking the model's ``first_layer`` was not split)."""
+    smp.init({"tensor_parallel_degree": 2, "ddp": True, **config})
     try:
         with smp.model_creation(tensor_parallelism=True):
-            net = _gpt2()
+            net = build()
         smp.DistributedModel(net)
     except NotImplementedError as exc:
-        assert type(net.transformer.h[0].attn.c_attn).__name__ == "Conv1D"  # nothing was changed
+        assert "ParallelLinear" not in type(first_layer(net)).__name__  # nothing was changed
         return str(exc)
     finally:
         smp.reset()
     return "accepted"
 
 
+def _qwen3() -> Any:
+    """Qwen3's plan sums q_norm's and k_norm's gradients over the ranks, by hooks delayed initialisation would lose."""
+    config = transformers.Qwen3Config(
+        num_hidden_layers=1, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+        head_dim=8, vocab_size=64, max_position_embeddings=16, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    return transformers.Qwen3ForCausalLM(config)
+
+
 def _train_gpt2(rank: int, world_size: int) -> dict[str, Any]:
-    refusal = _refused_without_prescaled_batch()
+    refusal = _refusal({}, _gpt2, lambda net: net.transformer.h[0].attn.c_attn)
+    delayed = {"prescaled_batch": True, "delayed_parameter_initialization": True}
+    qwen3 = _refusal(delayed, _qwen3, lambda net: net.model.layers[0].self_attn.q_proj) if world_size == 2 else "-"
     smp.init({"tensor_parallel_degree": 2, "ddp": True, "prescaled_batch": True})
     try:
         reference = _gpt2()
@@ -70,7 +83,7 @@ def _train_gpt2(rank: int, world_size: int) -> dict[str, Any]:
             ref_loss.backward()
             plain.step()
             theirs.append(ref_loss.item())
-        return {"split": split, "losses": losses, "theirs": theirs, "refusal": refusal}
+        return {"split": split, "losses": losses, "theirs": theirs, "refusal": refusal, "qwen3": qwen3}
     finally:
         smp.reset()
 
@@ -81,6 +94,8 @@ def test_gpt2_at_tp2_is_split_by_its_plan_and_trains_equal_to_plain_torch(world_
     for result in run_distributed(_train_gpt2, world_size):
         assert result["split"] == "Conv1DColumnParallel", result
         assert "set 'prescaled_batch': True" in result["refusal"], result
+        qwen3 = result["qwen3"]
+        assert ("q_norm" in qwen3 and "delayed" in qwen3) if world_size == 2 else qwen3 == "-", result
         for mine, theirs in zip(result["losses"], result["theirs"]):
             assert abs(mine - theirs) < 1e-5, result
 

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import shardkit.modelparallel as smp
-from shardkit.modelparallel.partitioner import plan_partition
-from shardkit.modelparallel.trace import trace_costs
+from shardkit.modelparallel.partitioning.partitioner import plan_partition
+from shardkit.modelparallel.partitioning.trace import trace_costs
 from shardkit.testing import run_distributed
 from testkit import regression_batch
 from testkit.smp import mse_step

@@ -9,7 +9,7 @@ import torch
 
 from shardkit.modelparallel import StepOutput
 from shardkit.modelparallel.config import ModelParallelConfig, config_differences
-from shardkit.modelparallel.pipeline_parallel import Action, one_f_one_b_schedule, simple_schedule
+from shardkit.modelparallel.pipeline.pipeline_parallel import Action, one_f_one_b_schedule, simple_schedule
 from shardkit.modelparallel.step import split_microbatch
 from shardkit.modelparallel.topology import Topology
 

@@ -10,9 +10,9 @@ import threading
 import pytest
 import torch
 
+from shardkit.modelparallel.pipeline.virtual_p2p import ChunkLink, Expected
+from shardkit.modelparallel.schedules.virtual_schedules import ChunkAction, placement, schedule_grid
 from shardkit.modelparallel.topology import Topology
-from shardkit.modelparallel.virtual_p2p import ChunkLink, Expected
-from shardkit.modelparallel.virtual_schedules import ChunkAction, placement, schedule_grid
 from testkit.blocking_transport import FakeTransport, RendezvousWorld
 
 CPU = torch.device("cpu")

@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.pipelining import schedules as torch_schedules
 
 import shardkit.modelparallel as smp
-from shardkit.modelparallel.virtual_schedules import (
+from shardkit.modelparallel.schedules.virtual_schedules import (
     ChunkAction,
     bubble_fraction,
     interleaved_grid,
@@ -22,7 +22,7 @@ from shardkit.modelparallel.virtual_schedules import (
     placement,
     schedule_grid,
 )
-from shardkit.modelparallel.zbv import zbv_schedule
+from shardkit.modelparallel.schedules.zbv import zbv_schedule
 from shardkit.testing import run_distributed
 from shardkit.testing.models import LMConfig, TransformerLM
 from testkit import max_state_diff as max_diff

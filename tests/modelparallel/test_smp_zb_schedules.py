@@ -8,14 +8,14 @@ import random
 import pytest
 from smp_testlib import peak_held
 
-from shardkit.modelparallel.pipeline_parallel import (
+from shardkit.modelparallel.pipeline.pipeline_parallel import (
     Action,
     one_f_one_b_schedule,
     schedule_for,
     split_backward_schedule,
     zero_bubble_h1_schedule,
 )
-from shardkit.modelparallel.zb_schedules import ZB_CAPS, build_schedules, simulate
+from shardkit.modelparallel.schedules.zb_schedules import ZB_CAPS, build_schedules, simulate
 
 SHAPES = [(p, m) for p in (1, 2, 3, 4, 6, 8) for m in (1, 2, 3, 4, 5, 8, 13, 16)]
 

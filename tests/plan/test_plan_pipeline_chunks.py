@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardkit.modelparallel.virtual_schedules import bubble_fraction, schedule_grid
+from shardkit.modelparallel.schedules.virtual_schedules import bubble_fraction, schedule_grid
 from shardkit.models.reference import LMConfig, TransformerLM
 from shardkit.plan.api import estimate
 from shardkit.plan.cli import pipeline_settings

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shardkit.modelparallel.pp_communications import Message
+from shardkit.modelparallel.pipeline.pp_communications import Message
 
 
 class Deadlock(RuntimeError):

@@ -20,7 +20,7 @@ from shardkit.bench.pipeline_smp import bubble_floor, predicted_bubble
 from shardkit.bench.pipeline_theory import bubble_theory, torch_bubble_theory
 from shardkit.bench.pipeline_torch import TORCH_SCHEDULES, chunks_per_rank
 from shardkit.bench.pipeline_torch_meters import P2P_MISSING
-from shardkit.modelparallel.virtual_schedules import V_PIPELINES
+from shardkit.modelparallel.schedules.virtual_schedules import V_PIPELINES
 from shardkit.utils.report import format_table, ratio
 
 

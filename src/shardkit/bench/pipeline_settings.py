@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shardkit.modelparallel.virtual_schedules import V_PIPELINES
+from shardkit.modelparallel.schedules.virtual_schedules import V_PIPELINES
 from shardkit.models import LMConfig
 from shardkit.utils.checks import at_least, positive
 

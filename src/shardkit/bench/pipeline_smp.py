@@ -5,7 +5,7 @@ stage's parameters and optimizer state, swapped in (outside the timed region) be
 schedule trains from the same start on the same batches as if it ran alone, and their losses can be compared.
 
 Activation memory is measured by the stage's own saved-tensor slots
-(:class:`~shardkit.modelparallel.saved_activations.SavedActivations`, turned on for every schedule during one
+(:class:`~shardkit.modelparallel.pipeline.saved_activations.SavedActivations`, turned on for every schedule during one
 extra step): the bytes of the tensors autograd keeps for backward (parameters excluded, each storage counted
 once) plus, under a split backward, the gradients kept for W, live at the same time on this stage, at their
 peak over the step. It is what a schedule's order decides (how many micro-batches hold their activations at
@@ -25,8 +25,8 @@ from typing import Any, Callable
 import torch
 
 import shardkit.modelparallel as smp
-from shardkit.modelparallel.pipeline_parallel import schedule_for
-from shardkit.modelparallel.zb_schedules import simulate
+from shardkit.modelparallel.pipeline.pipeline_parallel import schedule_for
+from shardkit.modelparallel.schedules.zb_schedules import simulate
 from shardkit.models import TransformerLM
 
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Optional
 
-from shardkit.modelparallel.pipeline_parallel import schedule_for
-from shardkit.modelparallel.virtual_schedules import V_PIPELINES, bubble_fraction, schedule_grid
-from shardkit.modelparallel.zb_schedules import simulate
+from shardkit.modelparallel.pipeline.pipeline_parallel import schedule_for
+from shardkit.modelparallel.schedules.virtual_schedules import V_PIPELINES, bubble_fraction, schedule_grid
+from shardkit.modelparallel.schedules.zb_schedules import simulate
 
 
 def bubble_theory(schedule: str, stages: int, microbatches: int, virtual_stages: int = 1) -> float:

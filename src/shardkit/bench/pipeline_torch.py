@@ -20,7 +20,7 @@ from torch import nn
 
 from shardkit.bench.pipeline_torch_meters import TorchStepMeters, peak_saved_bytes
 from shardkit.distributed import collectives
-from shardkit.modelparallel.virtual_schedules import placement as chunk_placement
+from shardkit.modelparallel.schedules.virtual_schedules import placement as chunk_placement
 from shardkit.models import TransformerLM
 from shardkit.utils.torch_compat import step_takes_return_outputs, v_schedules_run_on_gloo
 

@@ -9,7 +9,7 @@ same quantities it reads from smp's stage link for smp's rows.
   batch may also hold sends (1F1B posts its send and its next receive together), as smp's receive waits may
   include the sends posted with them; waits on batches of sends alone are left out, as smp leaves them out.
 * **Peak activation memory**: the bytes autograd saves for backward, at their peak over one extra step, with
-  the saved-tensor meter smp's rows use (:class:`~shardkit.modelparallel.saved_activations.SavedActivations`)
+  the saved-tensor meter smp's rows use (:class:`~shardkit.modelparallel.pipeline.saved_activations.SavedActivations`)
   around the schedule's whole step on this rank (every chunk of it).
 
 The helpers are replaced only inside the bench's step, in the bench's own processes; where the installed torch
@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from shardkit.bench._torch_private import pipelining_p2p, pipelining_p2p_replaced
-from shardkit.modelparallel.saved_activations import SavedActivations
+from shardkit.modelparallel.pipeline.saved_activations import SavedActivations
 
 #: Why torch's rows have no bytes sent or measured bubble on this torch.
 P2P_MISSING = (

@@ -46,5 +46,6 @@ def source_for(model: nn.Module, optimizer: Optional[Any]) -> Optional[Universal
     cls = getattr(importlib.import_module(entry[0]), entry[1], None)
     if cls is None:
         return None
-    source: UniversalSource = cls(model, optimizer)
+    # A source class may pick another source for some states of its strategy (``for_model``).
+    source: UniversalSource = getattr(cls, "for_model", cls)(model, optimizer)
     return source

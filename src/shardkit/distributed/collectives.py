@@ -31,6 +31,7 @@ from shardkit.distributed.groups import (
 from shardkit.distributed.health import explain_failure
 from shardkit.distributed.instrumentation import CommMeter, blocking_call
 from shardkit.distributed.labelled import Handle, Works, comm_delay, count_comm_bytes, custom_collective, tensor_nbytes
+from shardkit.distributed.rehearsal import rehearsing
 
 # The labelling machinery lives in shardkit.distributed.labelled; its names stay importable from here.
 __all__ = [
@@ -56,7 +57,10 @@ __all__ = [
 
 
 def _peers(group: Optional[GroupLike]) -> Optional[dist.ProcessGroup]:
-    """The resolved group, or None when it has a single member (every collective is then the identity)."""
+    """The resolved group, or None when it has a single member or this thread rehearses alone (every collective is
+    then the identity; see :mod:`shardkit.distributed.rehearsal`)."""
+    if rehearsing():
+        return None
     group = resolve_group(group)
     if isinstance(group, DummyProcessGroup):
         if group.size() != 1:
@@ -205,8 +209,10 @@ def all_gather_into_tensor(
     12 MiB flat parameters (gloo implements the collective through generic, copying paths).
     """
     peers = _peers(group)
-    if peers is None:
-        output.copy_(shard.reshape(output.shape))
+    if peers is None:  # one member: the shard itself; a rehearsal: the shard in every member's place
+        if shard.numel():
+            copies = shard.reshape(1, -1).expand(output.numel() // shard.numel(), -1)
+            output.copy_(copies.reshape(output.shape))
         return Handle()
 
     def run() -> Any:
@@ -241,8 +247,8 @@ def reduce_scatter_tensor(
     for the bench LM's 12 MiB flat gradients.
     """
     peers = _peers(group)
-    if peers is None:
-        output.copy_(full.reshape(output.shape))
+    if peers is None:  # one member: the whole input; a rehearsal: a chunk's worth of it
+        output.copy_(full.reshape(-1)[: output.numel()].reshape(output.shape))
         return Handle()
     if by_sends and op != dist.ReduceOp.SUM:
         raise ValueError(f"reduce_scatter_tensor(by_sends=True) only sums, got op={op}")

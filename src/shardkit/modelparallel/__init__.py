@@ -22,48 +22,41 @@ Example::
         loss = train_step(model, x, y).reduce_mean()
         optimizer.step()
 
-Pieces: :mod:`~.config` and :mod:`~.topology` (settings, rank arithmetic), :mod:`~.state` (``init``, rank
-helpers, the one process-wide state object), :mod:`~.model` (``DistributedModel``: the public wrapper) over
-:mod:`~.holding` (what a stage holds: local views, state dicts) and :mod:`~.build` (the partition: decide the
-plan, build the stage), :mod:`~.step` (``step``, ``StepOutput``), :mod:`~.partition` (``smp.partition``),
-:mod:`~.trace`, :mod:`~.auto_partition` and :mod:`~.partitioner` (deciding the placement), :mod:`~.plan` and
-:mod:`~.runtime` (how a partitioned forward runs on every stage), :mod:`~.execution` (the stage-execution
-object the schedule drives), :mod:`~.pipeline_parallel` (schedules; it imports no model class) beside
-:mod:`~.pp_communications` (send/recv), :mod:`~.grad_sync` and :mod:`~.stage_groups` (gradient reduction),
-:mod:`~.startup`, :mod:`~.optimizer`, :mod:`~shardkit.modelparallel.checkpoint`, :mod:`~.amp`; ``smp.nn``
-(``FusedLayerNorm``) and ``smp.optimizers`` (``FusedNovoGrad``, ``FusedLamb``), the Apex replacements smp ships,
-in plain torch.
+Where things are. The public face, at the top: :mod:`~.config`, :mod:`~.config_sources` and :mod:`~.topology`
+(settings, where ``smp.init()`` finds them, rank arithmetic), :mod:`~.config_notes` (what shardkit does instead of
+the keys it accepts without acting on them), :mod:`~.state` (``init``, rank helpers, the one
+process-wide state object), :mod:`~.groups` and :mod:`~.comm` (``CommGroup``, ``RankType``, the tp/rdp/pp helpers;
+``allgather``, ``broadcast``, ``send``, ``recv_from``, ``barrier``), :mod:`~.model` (``DistributedModel``: the
+public wrapper), :mod:`~.step` (``step``, ``StepOutput``), :mod:`~.optimizer`, :mod:`~.amp`, :mod:`~.partition`
+(``smp.partition``), :mod:`~.model_creation` (dtype and delayed initialisation in one context),
+:mod:`~.activation_checkpointing` (``set_activation_checkpointing``) and :mod:`~.tensor_parallel` (smp's
+tensor-parallel face). Beneath it, one room per job:
 
-smp's common API beyond the seed: :mod:`~.config_sources` (where ``smp.init()`` finds its config, smp v1's keys),
-:mod:`~.groups` (``CommGroup``, ``RankType``, the tp/rdp/pp helpers), :mod:`~.comm` (``allgather``,
-``broadcast``, ``send``, ``recv_from``, ``barrier``), :mod:`~.sharded_state` (``shard_optimizer_state``) and
-:mod:`~.tensor_parallel` and :mod:`~.tp` (smp's tensor parallelism over the core); ``__version__`` is the smp
-release whose API this follows.
+- :mod:`~.schedules`: the pipeline schedules as data (per-rank action lists, the simulator that checks them);
+- :mod:`~.pipeline`: running a step through them (the executors, the forward routing, send/recv between stages,
+  the split backward, virtual stages, gradient reduction, what a step takes and returns on each stage);
+- :mod:`~.partitioning`: deciding the partition (trace, automatic and manual placement, the plan);
+- :mod:`~.building`: building this rank's stage from the plan at the first step (what a stage holds, the initial
+  broadcast, ``delay_param_initialization``);
+- :mod:`~.checkpoints`: ``smp.save``/``smp.load``, ``save_checkpoint``/``resume_from_checkpoint`` and their files,
+  ``user_content``, ``shard_optimizer_state``;
+- :mod:`~.tp`: smp's tensor parallelism over the core ``shardkit.tensor_parallel``.
 
-Script-facing calls of smp v1.10: :mod:`~.step_outputs` (what a step returns: every micro-batch's value, the output
-stage's on every rank), :mod:`~.checkpoint_folders` (``save_checkpoint``, ``resume_from_checkpoint``) over
-:mod:`~.checkpoint_files` (reading both partial layouts and the folders, weights-only, problems agreed on every
-rank),
-:mod:`~.activation_checkpointing` (``set_activation_checkpointing``, applied below the routing at the partition) and
-:mod:`~.delayed_init` (``delay_param_initialization``: build on meta, each stage creates its share).
+Users import only the top and the two packages smp ships: ``smp.nn`` (``FusedLayerNorm``, the distributed
+transformer modules, ``smp.nn.huggingface`` state-dict translations) and ``smp.optimizers`` (``FusedNovoGrad``,
+``FusedLamb``), the Apex replacements, in plain torch. ``__version__`` is the smp release whose API this follows.
 
-smp v1.6+ names of AWS's large-model scripts, without tensor parallelism: :mod:`~.model_creation`
-(``model_creation``: dtype and delayed initialisation in one context), :mod:`~.step_inputs` (empty placeholder
-arguments on the stages after the first take the first stage's), :mod:`~.user_content` (configs and NumPy values in
-checkpoints), ``set_partition``, ``get_tp_group``, ``smp.nn.huggingface.gpt2`` (state-dict translation).
-
-Layering, bottom up: config/topology -> state -> plan/runtime/pp_communications/step_outputs -> execution ->
-pipeline_parallel -> activation_checkpointing/delayed_init -> holding/build -> model -> step; checkpoint_files
-under checkpoint and checkpoint_folders; no module imports one above it.
+Layering, bottom up: config/topology -> state -> schedules -> partitioning -> pipeline -> tp -> building ->
+model -> step; checkpoints over state only. No room imports one above it.
 """
 
 from shardkit.modelparallel import amp, nn, optimizers
-from shardkit.modelparallel.auto_partition import Placement
-from shardkit.modelparallel.checkpoint import load, save
+from shardkit.modelparallel.checkpoints.checkpoint import load, save
 from shardkit.modelparallel.config import ModelParallelConfig
 from shardkit.modelparallel.model import DistributedModel
 from shardkit.modelparallel.optimizer import DistributedOptimizer
 from shardkit.modelparallel.partition import partition
+from shardkit.modelparallel.partitioning.auto_partition import Placement
 from shardkit.modelparallel.state import (
     dp_rank,
     dp_size,
@@ -109,19 +102,19 @@ from shardkit.modelparallel.groups import (
     tp_rank,
     tp_size,
 )
+from shardkit.modelparallel.partitioning.trace import is_tracing
 from shardkit.modelparallel.tensor_parallel import (
     set_tensor_parallelism,
     tensor_parallelism,
     tp_register,
     tp_register_with_module,
 )
-from shardkit.modelparallel.trace import is_tracing
 
 # isort: split
 # ---- smp v1.10+ checkpoints, activation checkpointing, delayed initialisation (issue 21, items 5 and 6) ----
 from shardkit.modelparallel.activation_checkpointing import set_activation_checkpointing
-from shardkit.modelparallel.checkpoint_folders import resume_from_checkpoint, save_checkpoint
-from shardkit.modelparallel.delayed_init import delay_param_initialization, delayed_parameter_initialization
+from shardkit.modelparallel.building.delayed_init import delay_param_initialization, delayed_parameter_initialization
+from shardkit.modelparallel.checkpoints.checkpoint_folders import resume_from_checkpoint, save_checkpoint
 
 # isort: split
 # ---- smp v1.6+ names AWS's large-model scripts use without tensor parallelism (issue 34) ----------------------

@@ -13,7 +13,8 @@ from shardkit.modelparallel.config_sources import (
     read_config,
     translate,
 )
-from shardkit.modelparallel.virtual_schedules import V_PIPELINES, check_virtual_config
+from shardkit.modelparallel.schedules.virtual_schedules import V_PIPELINES, check_virtual_config
+from shardkit.modelparallel.sdp.rules import check_sdp_config
 
 __all__ = ["CONFIG_ENV_VAR", "SAGEMAKER_ENV_VAR", "ModelOptions", "ModelParallelConfig", "resolve_config"]
 
@@ -87,6 +88,15 @@ class ModelParallelConfig:
     #: by ``rdp_rank``); False (smp's default) when each gets its own (shard by ``dp_rank``), and the distributed
     #: modules then run on the batches of the whole group, each rank keeping its slice of the features.
     prescaled_batch: bool = False
+    #: smp v1.11+: shard parameters, gradients and optimizer state over this many reduced-data-parallel ranks
+    #: (ZeRO-3 on shardkit's FSDP; needs ``ddp``, composes with tensor parallelism, not with ``partitions`` > 1 nor
+    #: ``shard_optimizer_state``, as in smp). The ``sdp_*`` keys tune it: see ``modelparallel/sdp/rules.py``.
+    sharded_data_parallel_degree: int = 1
+    sdp_reduce_bucket_size: float = 5e8
+    sdp_param_persistence_threshold: float = 1e6
+    sdp_max_live_parameters: float = 1e9
+    sdp_hierarchical_allgather: bool = True
+    sdp_gradient_clipping: float = 1.0
     #: smp v1 keys given that have no effect here, as (key, value) pairs (see ``config_sources.NO_EFFECT``).
     accepted: tuple[tuple[str, Any], ...] = ()
 
@@ -122,6 +132,7 @@ class ModelParallelConfig:
             raise ValueError(f"smp config memory_weight must be a number in [0, 1], got {self.memory_weight!r}")
         if self.fp16 and self.bf16:
             raise ValueError("smp config has both fp16 and bf16 set to true; choose one")
+        check_sdp_config(self)
         if self.tensor_parallel_degree > 1 and not self.ddp:
             raise ValueError(
                 f"smp config tensor_parallel_degree={self.tensor_parallel_degree} needs 'ddp': True (smp's rule: the "

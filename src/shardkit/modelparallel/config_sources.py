@@ -12,11 +12,14 @@ smp v1 keys fall in four kinds, each listed below with its reason: the ones shar
 :class:`~shardkit.modelparallel.config.ModelParallelConfig` fields); the ones accepted with no effect here
 because nothing they change exists in shardkit's engine (:data:`NO_EFFECT`); the ones whose feature shardkit
 lacks, refused unless given their neutral value (:data:`UNSUPPORTED`); and unknown keys. Every unsupported and
-unknown key of a config is reported in one error.
+unknown key of a config is reported in one error, an unknown key with the nearest known one. Older spellings of a
+key are read as it (:data:`ALIASES`). What shardkit does instead of each no-effect key, when its value would change
+something in smp, is logged once at ``smp.init`` (:mod:`~.config_notes`).
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 from collections.abc import Mapping
@@ -46,6 +49,12 @@ CORE_KINDS: dict[str, type] = {
     "delayed_parameter_initialization": bool,
     "tensor_parallel_degree": int,
     "prescaled_batch": bool,
+    "sharded_data_parallel_degree": int,  # with its sdp_* keys: see modelparallel/sdp/rules.py
+    "sdp_reduce_bucket_size": float,
+    "sdp_param_persistence_threshold": float,
+    "sdp_max_live_parameters": float,
+    "sdp_hierarchical_allgather": bool,
+    "sdp_gradient_clipping": float,
 }
 
 #: smp v1 keys accepted with no effect: their type, and why nothing changes here.
@@ -59,25 +68,37 @@ NO_EFFECT: dict[str, tuple[type, str]] = {
     "deterministic_server": (bool, "execution here is always in the same order on every replica"),
     "ddp_port": (int, "replicas communicate over the torch.distributed process group"),
     "ddp_dist_backend": (str, "the backend is the torch.distributed process group's (gloo or NCCL)"),
-    "fp16_params": (bool, "smp.DistributedModel casts the model under 'fp16' anyway; only memory before that differs"),
+    "fp16_params": (
+        bool,
+        "distributed modules take the dtype of the module they replace (or torch's default); under 'fp16' "
+        "smp.DistributedModel casts the whole model anyway",
+    ),
     "contiguous": (bool, "TensorFlow only"),
-    "sdp_reduce_bucket_size": (float, "configures sharded data parallelism, which is off"),
-    "sdp_param_persistence_threshold": (float, "configures sharded data parallelism, which is off"),
-    "sdp_max_live_parameters": (float, "configures sharded data parallelism, which is off"),
-    "sdp_hierarchical_allgather": (bool, "configures sharded data parallelism, which is off"),
-    "sdp_gradient_clipping": (float, "configures sharded data parallelism, which is off"),
 }
+# ---- keys AWS's large-model scripts pass beside the documented ones (issue 34; their notes: config_notes) ------
+NO_EFFECT |= {
+    "tensor_parallel_seed": (int, "dropout in the distributed modules draws from torch's random state"),
+    "_match_weights": (bool, "replaced nn.Linear / nn.Embedding / Hugging Face modules always keep their weights"),
+    "_fp32_grad_accumulation": (bool, "gradients accumulate in the parameters' dtype"),
+    "checkpoint_attentions": (bool, "memory only: use smp.set_activation_checkpointing on the transformer layers"),
+}
+#: Older spellings of implemented keys, and the key each stands for.
+ALIASES: dict[str, str] = {"_prescaled_batch": "prescaled_batch"}
+#: Keys whose string value must be one of a few (smp's values; the notes say what each does here).
+CHOICES: dict[str, tuple[str, ...]] = {"ddp_dist_backend": ("auto", "nccl", "gloo", "smddp")}
+#: The smallest value of integer no-effect keys (a count, a horizon, a port).
+MINIMUM: dict[str, int] = {"active_microbatches": 1, "activation_loading_horizon": 1, "ddp_port": 1}
 
 #: smp v1 keys whose feature shardkit lacks: the neutral value (accepted), and what to do instead.
 UNSUPPORTED: dict[str, tuple[Any, str]] = {
-    "sharded_data_parallel_degree": (
-        1,
-        "smp's sharded data parallelism is not supported yet (not built in shardkit yet: issue 34); 1 is accepted, "
-        "set shard_optimizer_state, or train with shardkit.nn.FullyShardedDataParallel",
-    ),
     "horovod": (False, "Horovod data parallelism (TensorFlow) is not supported; use 'ddp': true"),
     "load_partition": (False, "loading a saved partition decision is not supported; the partition is recomputed"),
     "partition_file": (None, "loading a saved partition decision is not supported; the partition is recomputed"),
+    "predefined_hooks": (
+        True,
+        "Hugging Face models inside smp.tensor_parallelism() are always split by shardkit's plans; keep one whole "
+        "with smp.tensor_parallelism(enabled=False) around its creation instead",
+    ),
 }
 
 #: ``placement_strategy`` may be a permutation of D (reduced data), P (pipeline), T (tensor), slowest first.
@@ -136,19 +157,19 @@ def translate(values: Mapping[str, Any], source: str) -> tuple[dict[str, Any], d
     core: dict[str, Any] = {}
     accepted: dict[str, Any] = {}
     problems: list[str] = []
-    for key, value in values.items():
+    for key, value in _resolve_aliases(values, source).items():
         if key in CORE_KINDS:
             core[key] = coerce(key, value, CORE_KINDS[key], source)
         elif key in NO_EFFECT:
-            accepted[key] = _typed(key, coerce(key, value, NO_EFFECT[key][0], source), NO_EFFECT[key][0], source)
+            accepted[key] = _no_effect(key, value, source)
         elif key in UNSUPPORTED:
             neutral, reason = UNSUPPORTED[key]
             kind = type(neutral) if neutral is not None else str
-            given = coerce(key, value, kind, source) if value is not None else None
+            given = coerce(key, value, kind, source) if value is not None else neutral  # None: smp's default
             if given != neutral:
                 problems.append(f"  {key}={value!r}: {reason}")
         else:
-            problems.append(f"  {key!r}: not an smp config key")
+            problems.append(f"  {key!r}: not an smp config key{_did_you_mean(key)}")
     if problems:
         raise ValueError(
             f"the smp config (from {source}) asks for what shardkit does not support:\n"
@@ -159,6 +180,42 @@ def translate(values: Mapping[str, Any], source: str) -> tuple[dict[str, Any], d
     if "placement_strategy" in core:
         core["placement_strategy"] = _placement(core["placement_strategy"])
     return core, accepted
+
+
+def _resolve_aliases(values: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """``values`` with older spellings under their key; both spellings with different values is an error."""
+    resolved = {key: value for key, value in values.items() if key not in ALIASES}
+    for old, new in ALIASES.items():
+        if old not in values:
+            continue
+        if new in values and values[new] != values[old]:
+            raise ValueError(
+                f"the smp config (from {source}) has {new}={values[new]!r} and {old}={values[old]!r}; {old} is an "
+                f"older name of {new}: give one"
+            )
+        resolved[new] = values[old]
+    return resolved
+
+
+def _no_effect(key: str, value: Any, source: str) -> Any:
+    """A no-effect key's value, typed (``None`` stands for smp's default) and, for a few, one of smp's values."""
+    if value is None:
+        return None
+    kind = NO_EFFECT[key][0]
+    value = _typed(key, coerce(key, value, kind, source), kind, source)
+    if key in CHOICES and value not in CHOICES[key]:
+        raise ValueError(
+            f"smp config {key!r} from {source} must be one of {', '.join(map(repr, CHOICES[key]))}, got {value!r}"
+        )
+    if key in MINIMUM and value < MINIMUM[key]:
+        raise ValueError(f"smp config {key!r} from {source} must be >= {MINIMUM[key]}, got {value}")
+    return value
+
+
+def _did_you_mean(key: str) -> str:
+    known = [*CORE_KINDS, *NO_EFFECT, *UNSUPPORTED, *ALIASES]
+    close = difflib.get_close_matches(key, known, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def _placement(value: Any) -> Any:

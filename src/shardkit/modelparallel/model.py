@@ -16,18 +16,20 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from shardkit.modelparallel import checkpoint as ckpt
 from shardkit.modelparallel import state as smp_state
-from shardkit.modelparallel.auto_partition import Placement
-from shardkit.modelparallel.build import build_stage, decide_plan
+from shardkit.modelparallel.building.build import build_stage, decide_plan
+from shardkit.modelparallel.building.holding import StageHolding
+from shardkit.modelparallel.checkpoints import checkpoint as ckpt
 from shardkit.modelparallel.config import ModelOptions
-from shardkit.modelparallel.execution import StageExecution
 from shardkit.modelparallel.fp16_optimizer import cast_inputs, cast_model, cast_outputs
-from shardkit.modelparallel.holding import StageHolding
-from shardkit.modelparallel.pipeline_parallel import StepRun, StepStats
+from shardkit.modelparallel.partitioning.auto_partition import Placement
+from shardkit.modelparallel.partitioning.trace import to_device
+from shardkit.modelparallel.pipeline.execution import StageExecution
+from shardkit.modelparallel.pipeline.pipeline_parallel import StepRun, StepStats
+from shardkit.modelparallel.sdp import state_dicts as sdp_state_dicts
+from shardkit.modelparallel.sdp.wrap import ShardedStage
 from shardkit.modelparallel.tp.distribute import distribute_marked
 from shardkit.modelparallel.tp.state_dicts import cut_tp_slices, merge_tp_slices
-from shardkit.modelparallel.trace import to_device
 
 __all__ = ["DistributedModel"]
 
@@ -125,6 +127,7 @@ class DistributedModel(nn.Module):
         self._run: Optional[StepRun] = None
         self._hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
         self._joining = False
+        self._sdp_pending: Optional[Mapping[str, Any]] = None
         state.model = self
         state.on_reset.append(self._release)
 
@@ -177,8 +180,10 @@ class DistributedModel(nn.Module):
             self._partition(args, kwargs)
         assert self._execution is not None
         args, kwargs = to_device((args, kwargs), self._holding.device)
+        sharded = self._execution.sharded
+        call = self.module if sharded is None else sharded.root  # gathers the shards around the module's forward
         with self._execution.runtime.invocation(record, (args, kwargs), first_microbatch=record.index == 0):
-            return cast_outputs(self.module(*args, **kwargs), self._smp.config)
+            return cast_outputs(call(*args, **kwargs), self._smp.config)
 
     def backward(
         self,
@@ -228,6 +233,12 @@ class DistributedModel(nn.Module):
         plan, placement = decide_plan(self.module, args, kwargs, state, self.options)
         self._execution = build_stage(self._holding, plan, state, self.options, self._joining)
         self._placement = placement
+        sharded = self._execution.sharded
+        if sharded is not None:  # its shards are parameters of this model from now on
+            self.sharded_module = sharded.root
+            if self._sdp_pending is not None:
+                pending, self._sdp_pending = self._sdp_pending, None
+                sdp_state_dicts.load_into(sharded, pending)
         self._holding.load_pending()
         if state.optimizer is not None:
             state.optimizer.load_pending_state()
@@ -301,12 +312,16 @@ class DistributedModel(nn.Module):
         return self._holding.device
 
     def local_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        """(name, parameter) for the parameters this stage holds (all of them before the partition)."""
+        """(name, parameter) for the parameters this stage holds (all of them before the partition; under sharded
+        data parallelism, this rank's shards after it)."""
+        sharded = self._sharded()
+        if sharded is not None:
+            return sharded.root.named_parameters()
         return self._holding.local_named_parameters()
 
     def local_parameters(self) -> Iterator[nn.Parameter]:
         """The parameters this stage holds."""
-        return (param for _, param in self._holding.local_named_parameters())
+        return (param for _, param in self.local_named_parameters())
 
     def local_named_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, buffer) for the buffers this stage holds."""
@@ -339,8 +354,16 @@ class DistributedModel(nn.Module):
         return self._holding.holding_stages(name)
 
     def local_state_dict(self) -> dict[str, Any]:
-        """This stage's parameters and buffers by their module names, marked ``_smp_is_partial``."""
+        """This stage's parameters and buffers by their module names, marked ``_smp_is_partial`` (under sharded data
+        parallelism, this rank's shards)."""
+        sharded = self._sharded()
+        if sharded is not None:
+            return sdp_state_dicts.local_state_dict(sharded)
         return self._holding.local_state_dict()
+
+    def _sharded(self) -> Optional[ShardedStage]:
+        """The stage's sharded module once the partition applied sharded data parallelism, else None."""
+        return None if self._execution is None else self._execution.sharded
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]  # gathered over stages
         """The whole model's state dict (keys of the unwrapped module), gathered from every stage.
@@ -348,6 +371,9 @@ class DistributedModel(nn.Module):
         Collective over the replica's stages and tensor-parallel ranks: call it on every rank of the mp group. Under
         tensor parallelism the ranks' slices are merged into whole tensors (a plain model of the same class loads it).
         """
+        sharded = self._sharded()
+        if sharded is not None:
+            return merge_tp_slices(sdp_state_dicts.full_state_dict(sharded), self.module)
         if not self._holding.partitioned:
             return merge_tp_slices(self.module.state_dict(*args, **kwargs), self.module)
         return merge_tp_slices(self._holding.full_state_dict(), self.module)
@@ -360,6 +386,12 @@ class DistributedModel(nn.Module):
         """
         if not ckpt.is_partial(state_dict):
             state_dict = cut_tp_slices(state_dict, self.module)
+        if self._smp.config.sharded_data_parallel_degree > 1:  # the shards exist from the partition on
+            sharded = self._sharded()
+            if sharded is None:
+                self._sdp_pending = state_dict
+                return None
+            return sdp_state_dicts.load_into(sharded, state_dict, strict)
         result = self._holding.load_state_dict(state_dict, strict)
         if self._smp.optimizer is not None:  # fp16/bf16: the FP32 masters take the loaded weights
             self._smp.optimizer.reload_model_params()
@@ -367,6 +399,11 @@ class DistributedModel(nn.Module):
 
     def cpu(self) -> Any:
         """Gather every stage's parameters and buffers so this rank holds the whole model, on the CPU."""
+        if self._sharded() is not None:
+            raise ValueError(
+                "model.cpu() under sharded data parallelism: the parameters are shards of the sharding group; take "
+                "the whole model with model.state_dict() (gathered on every rank) and load it into a plain model"
+            )
         self._holding.gather_to_cpu()
         if self._execution is not None:
             self._execution.runtime.device = self._holding.device

@@ -16,7 +16,7 @@ from typing import Any, Optional
 import torch
 
 from shardkit.modelparallel import state as smp_state
-from shardkit.modelparallel.delayed_init import delay_param_initialization
+from shardkit.modelparallel.building.delayed_init import delay_param_initialization
 from shardkit.modelparallel.tp.registry import tensor_parallelism as mark_tensor_parallel
 
 
@@ -26,7 +26,7 @@ def model_creation(
 ) -> Iterator[None]:
     """Create the model inside: in ``dtype`` (floating point; torch's default when None), on the meta device
     when the smp config sets ``delayed_parameter_initialization`` (each stage creates its share after the
-    partition, see :func:`~shardkit.modelparallel.delayed_init.delay_param_initialization`).
+    partition, see :func:`~shardkit.modelparallel.building.delayed_init.delay_param_initialization`).
 
     ``tensor_parallelism=True`` marks the modules created inside for tensor parallelism (``smp.DistributedModel``
     replaces them); the other keyword arguments are smp's tensor-parallel options, unused without it.

@@ -23,13 +23,13 @@ from typing import Any, Callable, Optional
 import torch
 
 from shardkit.distributed import collectives as C
-from shardkit.modelparallel import checkpoint as ckpt
 from shardkit.modelparallel import state as smp_state
-from shardkit.modelparallel.build import execution_device
+from shardkit.modelparallel.building.build import execution_device
+from shardkit.modelparallel.checkpoints import checkpoint as ckpt
+from shardkit.modelparallel.checkpoints.sharded_state import ShardedOptimizerState
 from shardkit.modelparallel.fp16_optimizer import SCALER_KEY, MixedPrecision, low_precision_dtype
 from shardkit.modelparallel.loss_scaler import LossScaleOptions
 from shardkit.modelparallel.optimizers import FusedLamb
-from shardkit.modelparallel.sharded_state import ShardedOptimizerState
 from shardkit.modelparallel.tp.layers import sliced_parameter_ids
 
 # One subclass per (optimizer class, sharded state, FP16/BF16 masters), so wrapped optimizers of one class share a
@@ -117,10 +117,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if model.partitioned:
                 self._smp_mixed.masters.fill({id(p) for p in model.local_parameters()})
         if isinstance(self, FusedLamb):  # its global gradient norm spans every stage
-            if state.config.shard_optimizer_state:
+            if state.config.shard_optimizer_state or state.config.sharded_data_parallel_degree > 1:
                 raise ValueError(
                     "FusedLamb's global gradient norm needs every gradient of its parameters, which "
-                    "'shard_optimizer_state' spreads over the replicas: turn one of them off"
+                    "'shard_optimizer_state' and 'sharded_data_parallel_degree' spread over the replicas: use one of "
+                    "them or FusedLamb, not both"
                 )
             self.set_sum_of_squares(self._sum_over_stages)
         state.optimizer = self
@@ -190,6 +191,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """
         if norm_type != 2.0:
             raise ValueError(f"clip_master_grads supports the 2-norm only, got norm_type={norm_type}")
+        sharded = self._sharded_stage()
+        if sharded is not None:  # the gradients are shards: the norm is summed over the sharding group
+            return sharded.clip(max_norm)
         if self._smp_mixed is not None and self._smp_mixed.unscale(self.param_groups, self._device_for_norm()):
             return torch.tensor(-1.0)
         params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
@@ -201,6 +205,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for p in params:
             p.grad.detach().mul_(coefficient.to(p.grad.device))
         return total
+
+    def _sharded_stage(self) -> Any:
+        """Under sharded data parallelism after the partition, the model's sharded stage; else None."""
+        model = self._smp_state.model
+        execution = model.stage_execution if model is not None else None
+        return execution.sharded if execution is not None else None
 
     def _device_for_norm(self) -> torch.device:
         model = self._smp_state.model
@@ -273,6 +283,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """State of every stage's parameters, gathered (collective over the replica's stages)."""
+        if self._sharded_stage() is not None:
+            raise ValueError(
+                "optimizer.state_dict(): under sharded data parallelism each rank holds the state of its shards only; "
+                "save optimizer.local_state_dict() per rank, or smp.save_checkpoint(..., partial=True)"
+            )
         partials = ckpt.gather_partials(self.local_state_dict(), self._smp_state.mp_group, "smp_optimizer_state_dict")
         merged = ckpt.merge_optimizer_partials(partials)
         if SCALER_KEY in partials[0]:  # the same on every rank: overflows are agreed by all
@@ -314,16 +329,25 @@ class DistributedOptimizer(torch.optim.Optimizer):
         smp = self._smp_state
         model = smp.model
         self.reload_model_params()  # the masters take the partitioned model's weights (broadcast from rank 0)
+        sharded = self._sharded_stage()
+        if sharded is not None:  # the script's parameters became shards: the optimizer steps those
+            sharded.adopt_optimizer(self)
         if smp.config.shard_optimizer_state and self._smp_sharded is None and model is not None:
             held_params = {id(p) for p in model.local_parameters()}  # under fp16/bf16 the shards are of the masters
             held = {id(p) for p, q in zip(self._params(), self._model_params()) if id(q) in held_params}
             inner = self._smp_inner
             self._smp_sharded = ShardedOptimizerState(
-                self.param_groups, held, type(inner), dict(self.defaults), smp.dp_group
+                # Over the ranks holding the same tensors: under tensor parallelism smp's data-parallel group also
+                # holds the other slices of split parameters, which an owner's broadcast would overwrite.
+                self.param_groups,
+                held,
+                type(inner),
+                dict(self.defaults),
+                smp.rdp_group,
             )
         if self._smp_pending is not None:
             pending, self._smp_pending = self._smp_pending, None
-            self._load(pending)
+            self._load(pending if sharded is None else sharded.cut_whole_state(pending, self))
 
     def _load(self, full: dict[str, Any]) -> None:
         held = self._held_indices()

@@ -21,6 +21,8 @@ from shardkit import restarts
 from shardkit.distributed import DummyProcessGroup, GroupLike, all_gather_objects
 from shardkit.distributed.groups import torch_group
 from shardkit.modelparallel.config import ConfigLike, ModelParallelConfig, config_differences, resolve_config
+from shardkit.modelparallel.config_notes import log_notes
+from shardkit.modelparallel.sdp.rules import check_sdp_layout
 from shardkit.modelparallel.topology import Topology
 from shardkit.tensor_parallel import ParallelState, build_parallel_state, set_current_state
 
@@ -138,8 +140,13 @@ def init(config: ConfigLike = None) -> None:
     """
     if is_initialized():
         raise RuntimeError("smp.init() was already called in this process; call it once at the start of the script")
-    cfg = resolve_config(config)
+    try:
+        cfg: Optional[ModelParallelConfig] = resolve_config(config)
+        problem: Optional[Exception] = None
+    except (TypeError, ValueError) as exc:  # agreed on below, so a config bad on one rank fails on every rank
+        cfg, problem = None, exc
     _ensure_process_group()
+    cfg = _agreed_config(cfg, problem)
     if not dist.is_initialized():
         model = cfg.partitions * cfg.tensor_parallel_degree
         if model != 1:
@@ -150,15 +157,16 @@ def init(config: ConfigLike = None) -> None:
                 f"{asked} needs {model} processes: launch with torchrun --nproc-per-node {model} (or initialise "
                 "torch.distributed first)"
             )
+        check_sdp_layout(cfg.sharded_data_parallel_degree, 1, 1)
         dummy = DummyProcessGroup(0, 1)
         topo = Topology(1, 0, 1, cfg.placement_strategy)
         PROCESS.install(SMPState(cfg, topo, dummy, dummy, dummy, dummy, 0, 1))
         return
     world_size, rank = dist.get_world_size(), dist.get_rank()
-    _check_same_config(cfg, world_size)
     # Every rank checks the same config against the same world size, so a bad layout fails everywhere, before
     # any group exists.
     topo = Topology(world_size, rank, cfg.partitions, cfg.placement_strategy, cfg.tensor_parallel_degree)
+    check_sdp_layout(cfg.sharded_data_parallel_degree, topo.rdp_size, topo.tp_size)
     if topo.dp_size > 1 and not cfg.ddp:
         raise ValueError(
             f"{world_size} processes with partitions={cfg.partitions} make {topo.dp_size} model "
@@ -246,17 +254,31 @@ def _ensure_process_group() -> None:
     restarts.init_process_group(backend, timedelta(minutes=30))  # restart-safe under torchrun --max-restarts
 
 
-def _check_same_config(cfg: ModelParallelConfig, world_size: int) -> None:
-    if world_size == 1:
-        return
-    world = dist.group.WORLD
-    assert world is not None
-    gathered = all_gather_objects(cfg.to_dict(), world, "smp_init_config")
-    diffs = config_differences(gathered)
-    if diffs:
-        raise ValueError(
-            "smp.init got a different config on different ranks; pass the same config everywhere:\n" + "\n".join(diffs)
-        )
+def _agreed_config(cfg: Optional[ModelParallelConfig], problem: Optional[Exception]) -> ModelParallelConfig:
+    """``cfg`` once every rank has read the same valid config (one all-gather over the world); else an error on
+    every rank: the failing ranks re-raise their own, the others name them. Rank 0 then logs the config's notes."""
+    world = dist.group.WORLD if dist.is_initialized() else None
+    if world is not None and dist.get_world_size() > 1:
+        report = (cfg.to_dict(), None) if cfg is not None else (None, f"{type(problem).__name__}: {problem}")
+        gathered = all_gather_objects(report, world, "smp_init_config")
+        failed = [(r, error) for r, (_, error) in enumerate(gathered) if error is not None]
+        if failed and problem is None:
+            raise ValueError(
+                f"smp.init failed on rank(s) {', '.join(str(r) for r, _ in failed)} (every rank must read a valid "
+                "config):\n" + "\n".join(f"  rank {r}: {error}" for r, error in failed)
+            )
+        diffs = [] if failed else config_differences([values for values, _ in gathered])
+        if diffs:
+            raise ValueError(
+                "smp.init got a different config on different ranks; pass the same config everywhere:\n"
+                + "\n".join(diffs)
+            )
+    if problem is not None:
+        raise problem
+    assert cfg is not None
+    if world is None or dist.get_rank() == 0:
+        log_notes(cfg, dist.get_backend() if world is not None else "none: one process")
+    return cfg
 
 
 # ---- rank helpers -------------------------------------------------------------------------------------------

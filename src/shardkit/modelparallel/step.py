@@ -18,9 +18,9 @@ from typing import Any, Callable, Optional, Union, overload
 import torch
 
 from shardkit.modelparallel import state as smp_state
-from shardkit.modelparallel.pipeline_parallel import StepRun
-from shardkit.modelparallel.step_inputs import StageInputs
-from shardkit.modelparallel.step_outputs import OutputSharing, StepOutput, gather_microbatch_outputs
+from shardkit.modelparallel.pipeline.pipeline_parallel import StepRun
+from shardkit.modelparallel.pipeline.step_inputs import StageInputs
+from shardkit.modelparallel.pipeline.step_outputs import OutputSharing, StepOutput, gather_microbatch_outputs
 
 __all__ = ["StepOutput", "gather_microbatch_outputs", "split_microbatch", "step"]
 

@@ -68,15 +68,15 @@ def pipeline_bubble(pipeline: str, partitions: int, microbatches: int, virtual_s
     overlapped)."""
     if pipeline in V_SCHEDULES or virtual_stages > 1:
         # start-up cost: smp imports shardkit.nn and torch._dynamo, which plans without the pipeline never need
-        from shardkit.modelparallel.virtual_schedules import bubble_fraction, schedule_grid
+        from shardkit.modelparallel.schedules.virtual_schedules import bubble_fraction, schedule_grid
 
         chunks_per_rank = 2 if pipeline in V_SCHEDULES else virtual_stages
         return bubble_fraction(schedule_grid(pipeline, partitions, chunks_per_rank, microbatches))
     # start-up cost: smp imports shardkit.nn and torch._dynamo, which plans without the pipeline never need
-    from shardkit.modelparallel.pipeline_parallel import schedule_for
+    from shardkit.modelparallel.pipeline.pipeline_parallel import schedule_for
 
     # start-up cost: as above
-    from shardkit.modelparallel.zb_schedules import simulate
+    from shardkit.modelparallel.schedules.zb_schedules import simulate
 
     lists = [schedule_for(pipeline, s, partitions, microbatches) for s in range(partitions)]
     return simulate(lists).mean_bubble()
@@ -94,7 +94,7 @@ def chunk_problem(pipeline: str, partitions: int, virtual_stages: int, microbatc
     that do not split into equal chunks (the longest chunk would pace every tick, and the predicted bubble
     would not hold)."""
     # start-up cost: smp imports shardkit.nn and torch._dynamo, which plans without the pipeline never need
-    from shardkit.modelparallel.virtual_schedules import check_virtual_config
+    from shardkit.modelparallel.schedules.virtual_schedules import check_virtual_config
 
     try:
         check_virtual_config(partitions, virtual_stages, microbatches, pipeline)

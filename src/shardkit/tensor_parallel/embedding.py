@@ -98,13 +98,18 @@ class VocabParallelEmbedding(_Embedding):
         once_check_same_input(self, input_)
         if self.tp.size == 1:
             return self._lookup(input_, self.padding_idx)
+        return reduce_from_tp(self.partial(input_), self.tp.group)
+
+    def partial(self, input_: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the lookup, no communication: the rows of the tokens in this rank's range, zeros for
+        the others. The ranks' parts sum to the whole lookup (``forward`` all-reduces them; a caller whose ranks hold
+        different batches can reduce-scatter them instead)."""
         outside = (input_ < self.vocab_start_index) | (input_ >= self.vocab_end_index)
         local_ids = (input_ - self.vocab_start_index).masked_fill(outside, 0)
         pad = self.padding_idx
         mine = pad is not None and self.vocab_start_index <= pad < self.vocab_end_index
         local_pad = pad - self.vocab_start_index if mine and pad is not None else None
-        found = self._lookup(local_ids, local_pad).masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_tp(found, self.tp.group)
+        return self._lookup(local_ids, local_pad).masked_fill(outside.unsqueeze(-1), 0.0)
 
 
 class ParallelEmbedding(_Embedding):

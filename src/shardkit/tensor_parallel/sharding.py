@@ -73,7 +73,8 @@ def split_size(who: str, argument: str, size: int, tp_size: int, stride: int = 1
     parts = f" x stride {stride}" if stride > 1 else ""
     raise ValueError(
         f"{who}: {argument}={size} does not split across {tp_size} tensor-parallel ranks{parts}; tensor-parallel "
-        f"sizes that divide it: {fitting}. Choose one of those for initialize_model_parallel, or change the size."
+        f"sizes that divide it: {fitting}. Choose one of those as the tensor-parallel degree (smp's "
+        "'tensor_parallel_degree', fairscale's initialize_model_parallel), or change the size."
     )
 
 

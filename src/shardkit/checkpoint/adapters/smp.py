@@ -24,10 +24,11 @@ import shardkit.modelparallel as smp
 from shardkit.checkpoint import validate
 from shardkit.checkpoint._collectives import rank_and_size
 from shardkit.checkpoint.adapters.base import named_parameter_ids
+from shardkit.checkpoint.adapters.fsdp import FSDPSource
 from shardkit.checkpoint.adapters.full import FullStateAdapter
 from shardkit.checkpoint.adapters.registry import isinstance_of
 from shardkit.checkpoint.universal.source import Held, Span, UniversalSource
-from shardkit.modelparallel.checkpoint import state_key_map
+from shardkit.modelparallel.checkpoints.checkpoint import state_key_map
 
 _MODEL = ("shardkit.modelparallel.model", "DistributedModel")
 _OPTIMIZER = ("shardkit.modelparallel.optimizer", "DistributedOptimizer")
@@ -123,6 +124,18 @@ class SMPSource(UniversalSource):
     def handles(model: nn.Module, optimizer: Optional[Any]) -> bool:
         """An smp DistributedModel."""
         return isinstance_of(model, *_MODEL)
+
+    @classmethod
+    def for_model(cls, model: Any, optimizer: Optional[Any]) -> UniversalSource:
+        """The source of ``model``: once sharded data parallelism has sharded its stage, FSDP's source over it (the
+        shards and the optimizer stepping them, under the unwrapped module's names); else an :class:`SMPSource`."""
+        execution = model.stage_execution
+        sharded = execution.sharded if execution is not None else None
+        if sharded is None:
+            return cls(model, optimizer)
+        if optimizer is not None and not isinstance_of(optimizer, *_OPTIMIZER):
+            raise TypeError(f"an smp.DistributedModel is saved with its smp.DistributedOptimizer, got {optimizer!r}")
+        return FSDPSource(sharded.root, optimizer.optimizer if optimizer is not None else None)
 
     def _replicas(self, name: str) -> tuple[int, int]:
         """Which of the ranks holding ``name`` this one is, and how many hold it."""

@@ -4,8 +4,9 @@ The outermost module of a marked subtree whose class is registered (see :mod:`~.
 parent; its subtree is not visited further. A marked module that cannot be split is kept as it is, and every such
 module (no registered version, a size the degree does not divide, a weight shared with another module, constructor
 arguments not recorded) is listed once in the log with the reason, never skipped silently. A marked Hugging Face model
-of a family with a plan is split whole by the core's plan instead (see :mod:`~.hf`). Every rank holds the same
-model structure (checked first), so every rank takes the same decisions.
+of a family with a plan is split whole by the core's plan instead (see :mod:`~.hf`); the same one log message says
+what each such model's plan keeps whole on every rank. Every rank holds the same model structure (checked first), so
+every rank takes the same decisions.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from torch import nn
 
 from shardkit.distributed.model_check import check_same_model
 from shardkit.modelparallel import state as smp_state
-from shardkit.modelparallel.grad_sync import SplitReduction
+from shardkit.modelparallel.pipeline.grad_sync import SplitReduction
 from shardkit.modelparallel.state import SMPState
 from shardkit.modelparallel.tp import hf
 from shardkit.modelparallel.tp.embedding import DistributedEmbedding
@@ -41,13 +42,18 @@ class Distribution:
     hf_models: list[str] = field(default_factory=list)
     """The Hugging Face models split whole by their family's plan."""
     unsplit: list[tuple[str, str]] = field(default_factory=list)
+    hf_whole: list[tuple[str, str]] = field(default_factory=list)
+    """Per split Hugging Face model, what its plan leaves whole on every rank (see :func:`~.hf.left_whole`)."""
 
     def report(self) -> Optional[str]:
-        """One log message listing the modules left unsplit (None when there are none)."""
-        if not self.unsplit:
-            return None
-        lines = "; ".join(f"{name or '<model>'} ({why})" for name, why in self.unsplit)
-        return f"smp.tensor_parallelism: {len(self.unsplit)} marked module(s) left unsplit: {lines}"
+        """One log message listing the modules left unsplit, and what the split Hugging Face models keep whole
+        (None when there is neither)."""
+        parts = []
+        if self.unsplit:
+            lines = "; ".join(f"{name or '<model>'} ({why})" for name, why in self.unsplit)
+            parts.append(f"{len(self.unsplit)} marked module(s) left unsplit: {lines}")
+        parts += [f"Hugging Face model {name or '<model>'} split by its {whole}" for name, whole in self.hf_whole]
+        return f"smp.tensor_parallelism: {' | '.join(parts)}" if parts else None
 
 
 def distribute(root: nn.Module, state: Optional[SMPState] = None) -> Distribution:
@@ -85,6 +91,7 @@ def _take_hf_model(
     if why is None:
         models.append(module)
         done.hf_models.append(path)
+        done.hf_whole.append((path, hf.left_whole(module, job.topology.tp_size)))
     else:
         done.unsplit.append((path, why))
     return True

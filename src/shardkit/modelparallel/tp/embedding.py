@@ -17,13 +17,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardkit.modelparallel import state as smp_state
+from shardkit.modelparallel.partitioning.trace import is_tracing
 from shardkit.modelparallel.tp.layers import (
     DistributedModule,
     check_prescaled_input,
     merge_from,
     tp_group_of_job,
 )
-from shardkit.modelparallel.trace import is_tracing
 from shardkit.tensor_parallel import ShardSpec, gather_from_sequence, gather_from_tp, split_size
 
 

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardkit.modelparallel import state as smp_state
-from shardkit.modelparallel.trace import is_tracing
+from shardkit.modelparallel.partitioning.trace import is_tracing
 from shardkit.tensor_parallel import (
     ShardSpec,
     TensorParallelModule,

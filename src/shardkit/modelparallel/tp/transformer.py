@@ -14,6 +14,11 @@ Parameter names follow the reference (``query``, ``key``, ``value``, ``dense``, 
 ``pre_layernorm``, ``layernorm``), each holding this rank's slice. Dropout is applied as the reference does, with
 torch's random state (not the core's model-parallel RNG tracker): training with dropout is not reproducible
 across degrees.
+
+One departure from the appendix's text: with ``post_layernorm=False`` a block returns ``input + output`` (the appendix
+returns the output alone). The appendix's code is abridged there; the pre-norm stacks smp distributes with that
+setting (GPT-2: ``pre_layernorm=True, post_layernorm=False``, the layout ``smp.nn.huggingface.gpt2`` translates to)
+keep their residual connections, and without them a translated GPT-2 would not compute GPT-2.
 """
 
 from __future__ import annotations
@@ -27,78 +32,12 @@ from torch import nn
 from torch.nn.utils import skip_init
 
 from shardkit.modelparallel import state as smp_state
-from shardkit.modelparallel.tp.layers import DistributedModule, check_prescaled_input, tp_group_of_job
-from shardkit.modelparallel.trace import is_tracing
-from shardkit.tensor_parallel import (
-    ShardSpec,
-    TPGroup,
-    copy_to_tp,
-    gather_from_sequence,
-    reduce_from_tp,
-    reduce_scatter_to_sequence,
-    split_size,
-)
+from shardkit.modelparallel.tp.layers import DistributedModule, tp_group_of_job
+from shardkit.modelparallel.tp.region import Region
+from shardkit.tensor_parallel import ShardSpec, split_size
 
 
-class _Region:
-    """The communication of one block: entering (the group's batches, or the shared one), leaving (sum the
-    partial results, keep this rank's batch) and using a replicated parameter (its gradient summed over the group
-    when the ranks hold different batches). At degree one, and in the forward rank 0 traces alone to partition
-    (the right shapes, partial values), every step is the identity."""
-
-    def __init__(self, group: Optional[TPGroup], prescaled: bool) -> None:
-        self._group, self.prescaled = group, prescaled
-
-    @property
-    def group(self) -> Optional[TPGroup]:
-        return None if is_tracing() else self._group
-
-    @property
-    def sliced(self) -> bool:
-        """Whether the block's split parameters differ between ranks (degree above one)."""
-        return self._group is not None and self._group.size > 1
-
-    @property
-    def rank_and_size(self) -> tuple[int, int]:
-        return (self._group.rank, self._group.size) if self._group is not None else (0, 1)
-
-    def enter(self, x: torch.Tensor, owner: nn.Module) -> torch.Tensor:
-        if self.group is None:
-            return x
-        if self.prescaled:
-            check_prescaled_input(owner, self.group, x)
-            return copy_to_tp(x, self.group.group)
-        return gather_from_sequence(x, self.group.group, 0)
-
-    def batches(self, x: torch.Tensor) -> torch.Tensor:
-        """A tensor without gradient (a mask) over the same batches as :meth:`enter`."""
-        if self.group is None or self.prescaled:
-            return x
-        return gather_from_sequence(x, self.group.group, 0).detach()
-
-    def leave(self, partial: torch.Tensor) -> torch.Tensor:
-        if self.group is None:
-            return partial
-        if self.prescaled:
-            return reduce_from_tp(partial, self.group.group)
-        return reduce_scatter_to_sequence(partial, self.group.group, 0)
-
-    def shared(self, param: torch.Tensor) -> torch.Tensor:
-        if self.group is None or self.prescaled:
-            return param
-        return copy_to_tp(param, self.group.group)
-
-    def add_bias(self, out: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        """``out`` plus a row-parallel layer's whole bias (added once, after the sum)."""
-        return out if bias is None else out + self.shared(bias)
-
-    def layer_norm(self, norm: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
-        weight = self.shared(norm.weight) if norm.weight is not None else None
-        bias = self.shared(norm.bias) if norm.bias is not None else None
-        return F.layer_norm(x, norm.normalized_shape, weight, bias, norm.eps)
-
-
-def _split_linear(full: nn.Linear, dim: int, region: _Region) -> nn.Linear:
+def _split_linear(full: nn.Linear, dim: int, region: Region) -> nn.Linear:
     """A linear holding this rank's part of ``full``: output features (``dim`` 0, column-parallel, bias split too)
     or input features (``dim`` 1, row-parallel, bias whole)."""
     rank, size = region.rank_and_size
@@ -124,7 +63,7 @@ def _reference_linear(in_features: int, out_features: int, normal_std: Optional[
 
 class _Block(DistributedModule):
     def _setup(self, who: str, pre_layernorm: bool, post_layernorm: bool, hidden_size: int, eps: float) -> None:
-        self.region = _Region(tp_group_of_job(who), smp_state.current().config.prescaled_batch)
+        self.region = Region(tp_group_of_job(who), smp_state.current().config.prescaled_batch)
         self.use_pre_layernorm, self.use_post_layernorm = pre_layernorm, post_layernorm
         self.pre_layernorm = nn.LayerNorm(hidden_size, eps=eps) if pre_layernorm else None
         self.layernorm = nn.LayerNorm(hidden_size, eps=eps) if post_layernorm else None
@@ -133,14 +72,14 @@ class _Block(DistributedModule):
         return self.region.layer_norm(self.pre_layernorm, x) if self.pre_layernorm is not None else x
 
     def _post(self, residual: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        if self.layernorm is None:
-            return out
+        if self.layernorm is None:  # a pre-norm block (GPT-2's): the residual stream, not normalised here
+            return residual + out
         return self.region.layer_norm(self.layernorm, residual + out)
 
 
 class DistributedTransformerOutputLayer(_Block):
     """smp's feed-forward block: ``dense1`` (hidden -> intermediate), the activation, ``dense2`` (back to hidden),
-    dropout, then the residual and ``layernorm`` when ``post_layernorm``; the intermediate features are split.
+    dropout, then the residual, and ``layernorm`` when ``post_layernorm``; the intermediate features are split.
 
     Example::
 
@@ -183,7 +122,7 @@ class DistributedTransformerOutputLayer(_Block):
         hidden = F.gelu(hidden) if self.activation == "gelu" else F.relu(hidden)
         out = self.region.leave(F.linear(hidden, self.dense2.weight))
         out = self.dropout(self.region.add_bias(out, self.dense2.bias))
-        if self.fp32_residual_addition and self.layernorm is not None:
+        if self.fp32_residual_addition:
             return self._post(inp.float(), out.float()).to(inp.dtype)
         return self._post(inp, out)
 
@@ -191,7 +130,7 @@ class DistributedTransformerOutputLayer(_Block):
 class DistributedAttentionLayer(_Block):
     """smp's self-attention block: ``query``/``key``/``value`` projections, scaled dot-product attention with the
     additive ``attention_mask`` (and a causal mask when ``causal_mask_size`` is set), ``dense``, dropout, then the
-    residual and ``layernorm`` when ``post_layernorm``; the heads are split. ``forward((hidden_states,
+    residual, and ``layernorm`` when ``post_layernorm``; the heads are split. ``forward((hidden_states,
     attention_mask))`` with ``hidden_states`` ``(N, S, H)`` and ``attention_mask`` ``(N, 1, 1, S)``. Cross attention is
     not built yet."""
 

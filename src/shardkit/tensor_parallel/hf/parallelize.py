@@ -129,13 +129,17 @@ class _GradSum:
 
 
 def _fingerprint(model: nn.Module) -> list[list[float]]:
-    """Sum and 2-norm of every parameter, in float64 without copying it, read back in one transfer."""
+    """Sum and 2-norm of every parameter, in float64 without copying it, read back in one transfer. A parameter on
+    the meta device (a model built for delayed initialisation) has no values yet: it counts as zeros."""
+    params = list(model.parameters())
     with torch.no_grad():
         stats = [
             torch.stack([p.sum(dtype=torch.float64), torch.linalg.vector_norm(p, dtype=torch.float64)])
-            for p in model.parameters()
+            for p in params
+            if not p.is_meta
         ]
-        return torch.stack(stats).cpu().tolist() if stats else []
+        real = iter(torch.stack(stats).cpu().tolist() if stats else [])
+    return [[0.0, 0.0] if p.is_meta else next(real) for p in params]
 
 
 def _check_same_values(model: nn.Module, tp: TPGroup) -> None:

@@ -31,6 +31,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from shardkit.modelparallel.nn.huggingface.layout import check_positions, refuse_unknown
+
 __all__ = [
     "translate_hf_state_dict_to_smdistributed",
     "translate_hf_state_dict_to_smdistributed_gpt2",
@@ -64,7 +66,7 @@ def translate_hf_state_dict_to_smdistributed_gpt2(
 
     ``max_seq_len``, when given, must not exceed the position embedding's rows. Unknown keys raise ``KeyError``.
     """
-    _check_positions(state_dict, "transformer.wpe.weight", max_seq_len)
+    check_positions(state_dict, "transformer.wpe.weight", max_seq_len)
     out: dict[str, torch.Tensor] = {}
     unknown = []
     for key, value in state_dict.items():
@@ -87,7 +89,7 @@ def translate_hf_state_dict_to_smdistributed_gpt2(
                 unknown.append(key)
         else:
             unknown.append(key)
-    _refuse_unknown(unknown, "Hugging Face GPT-2")
+    refuse_unknown(unknown, "Hugging Face GPT-2")
     return out
 
 
@@ -103,7 +105,7 @@ def translate_state_dict_to_hf_gpt2(
     With ``max_seq_len``, the causal-mask buffers of transformers versions that keep them are added, so that
     ``load_state_dict`` is strict-clean there. Unknown keys raise ``KeyError``.
     """
-    _check_positions(state_dict, "position_embedding.weight", max_seq_len)
+    check_positions(state_dict, "position_embedding.weight", max_seq_len)
     back = {smp: hf for hf, smp in _TOP.items()}
     out: dict[str, torch.Tensor] = {}
     layers: dict[str, dict[str, torch.Tensor]] = {}
@@ -118,7 +120,7 @@ def translate_state_dict_to_hf_gpt2(
             unknown.append(key)
     for layer, tensors in sorted(layers.items(), key=lambda item: int(item[0])):
         unknown += _block_to_hf(layer, tensors, out)
-    _refuse_unknown(unknown, "smp GPT-2")
+    refuse_unknown(unknown, "smp GPT-2")
     if "transformer.wte.weight" in out:
         out["lm_head.weight"] = out["transformer.wte.weight"]
     if max_seq_len is not None and _hf_keeps_mask_buffers():
@@ -145,23 +147,6 @@ def _block_to_hf(layer: str, tensors: dict[str, torch.Tensor], out: dict[str, to
             if value is not None:
                 out[f"{prefix}{hf_module}.{kind}"] = value.t().contiguous() if transpose and kind == "weight" else value
     return [_LAYER.format(layer) + rest for rest in tensors]
-
-
-def _check_positions(state_dict: Mapping[str, torch.Tensor], key: str, max_seq_len: Optional[int]) -> None:
-    if max_seq_len is None:
-        return
-    if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 1:
-        raise ValueError(f"max_seq_len must be a positive int, got {max_seq_len!r}")
-    rows = state_dict[key].shape[0] if key in state_dict else None
-    if rows is not None and max_seq_len > rows:
-        raise ValueError(f"max_seq_len={max_seq_len} exceeds the {rows} positions of {key!r}")
-
-
-def _refuse_unknown(keys: list[str], what: str) -> None:
-    if keys:
-        raise KeyError(
-            f"not part of a {what} state dict: {', '.join(map(repr, keys[:5]))}{'...' if len(keys) > 5 else ''}"
-        )
 
 
 def _hf_keeps_mask_buffers() -> bool:
