@@ -383,3 +383,24 @@ def test_data_parallel2_fp16_skips_on_both_replicas_with_and_without_sharded_sta
         mine = [loss for step in run["losses"] for loss in step]
         expected = [loss for step in theirs["losses"] for loss in step[2 * replica : 2 * replica + 2]]
         assert mine == pytest.approx(expected, rel=2.0**-11, nan_ok=True), (mine, expected)
+
+
+def _uneven(rank: int, world_size: int) -> tuple[int, bool]:
+    """Replica 1 runs out of data a step early, inside model.join(): replica 0's last step must not wait for it."""
+    smp.init(_config(torch.float16, ddp=True))
+    try:
+        model, optimizer = _build(torch.float16)
+        steps = 3 if smp.dp_rank() == 0 else 2
+        with model.join():
+            for step in range(steps):
+                x, y = (t.chunk(2)[smp.dp_rank()] for t in _batch(step))
+                optimizer.zero_grad()
+                _train_step(model, x, y)
+                optimizer.step()  # the overflow check spans this replica's ranks, not the one that left
+        return steps, optimizer.overflow
+    finally:
+        smp.reset()
+
+
+def test_fp16_with_join_and_uneven_inputs_finishes() -> None:
+    assert run_distributed(_uneven, 2, timeout_s=120) == [(3, False), (2, False)]
