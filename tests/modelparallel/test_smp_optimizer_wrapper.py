@@ -187,17 +187,21 @@ def test_hooks_param_groups_and_grad_scaler(single: None) -> None:
     assert max_state_diff(model.state_dict(), reference.state_dict()) < 1e-5
 
 
-def test_fp16_config_refuses_what_it_would_silently_skip() -> None:
+def test_fp16_config_refuses_what_it_would_silently_get_wrong() -> None:
     smp.init({"partitions": 1, "fp16": True})
     try:
-        half = torch.nn.Linear(4, 4).half()
-        with pytest.raises(ValueError, match=r"'fp16': true and the optimizer holds torch\.float16 parameters"):
-            smp.DistributedOptimizer(torch.optim.SGD(half.parameters(), lr=0.1))
-        full = torch.nn.Linear(4, 4)
-        with pytest.raises(ValueError, match="loss-scaling options are not supported with 'fp16': true"):
-            smp.DistributedOptimizer(torch.optim.SGD(full.parameters(), lr=0.1), dynamic_loss_scale=True)
-        with pytest.warns(UserWarning, match="parameters and optimizer state stay FP32"):
-            optimizer = smp.DistributedOptimizer(torch.optim.SGD(full.parameters(), lr=0.1))  # FP32 + autocast
-        assert isinstance(optimizer, torch.optim.SGD)
+        with pytest.raises(ValueError, match=r"create smp\.DistributedModel before smp\.DistributedOptimizer"):
+            smp.DistributedOptimizer(torch.optim.SGD(torch.nn.Linear(4, 4).parameters(), lr=0.1))
+        model = smp.DistributedModel(torch.nn.Linear(4, 4))
+        assert model.module.weight.dtype == torch.float16  # smp's FP16_Module: the model trains in FP16
+        with pytest.raises(ValueError, match=r"unknown dynamic_loss_args \['window'\]"):
+            smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), dynamic_loss_scale=True, window=2)
+        optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), static_loss_scale=8.0)
+        assert isinstance(optimizer, torch.optim.SGD) and optimizer.loss_scale == 8.0
+        assert [p.dtype for p in optimizer.param_groups[0]["params"]] == [torch.float32] * 2  # the FP32 masters
+        assert optimizer.fp16_groups[0][0] is model.module.weight
+        with pytest.raises(ValueError, match=r"smp\.amp\.GradScaler with 'fp16': true"):
+            smp.amp.GradScaler()  # a second scaler would unscale masters without gradients
+        smp.amp.GradScaler(enabled=False).unscale_(optimizer)  # a disabled one (enabled=args.amp) does nothing
     finally:
         smp.reset()

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from shardkit.distributed import DummyProcessGroup
 from shardkit.distributed import collectives as C
 from shardkit.modelparallel import state as smp_state
+from shardkit.modelparallel.optimizer import DistributedOptimizer
 from shardkit.utils._torch_private import scaler_optimizer_state, scaler_scale
 
 
@@ -47,10 +48,14 @@ class GradScaler(torch.amp.GradScaler):
         enabled: bool = True,
     ) -> None:
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if enabled:
+            _refuse_with_fp16_optimizer(None)
         super().__init__(device, init_scale, growth_factor, backoff_factor, growth_interval, enabled)
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Unscale this rank's gradients, then agree on overflow with every other rank."""
+        if self.is_enabled():
+            _refuse_with_fp16_optimizer(optimizer)
         super().unscale_(optimizer)
         if not self.is_enabled():
             return
@@ -66,3 +71,18 @@ class GradScaler(torch.amp.GradScaler):
             C.all_reduce(found, op=dist.ReduceOp.MAX, group=group, label="smp_amp_found_inf")
         for flag in flags:
             flag.copy_(found.to(flag.device))
+
+
+def _refuse_with_fp16_optimizer(optimizer: Optional[torch.optim.Optimizer]) -> None:
+    """Under ``"fp16"``/``"bf16"`` smp's own FP16 optimizer scales the loss and owns FP32 master weights: a second
+    scaler over its masters would unscale gradients they do not hold yet. Checked when the scaler is made (None)
+    and when it unscales an smp optimizer."""
+    if (optimizer is None or isinstance(optimizer, DistributedOptimizer)) and smp_state.is_initialized():
+        config = smp_state.current().config
+        if config.fp16 or config.bf16:
+            key = "fp16" if config.fp16 else "bf16"
+            raise ValueError(
+                f"smp.amp.GradScaler with '{key}': true: smp.DistributedOptimizer already keeps FP32 masters and "
+                "(fp16) scales the loss itself; drop the GradScaler (call model.backward(loss) and optimizer.step()), "
+                f"or set '{key}': false and train under torch.autocast with the GradScaler"
+            )

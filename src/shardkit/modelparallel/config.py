@@ -66,11 +66,10 @@ class ModelParallelConfig:
     #: ``"spread"`` (= ``"TPD"``): as far apart as possible; or any permutation of D (reduced data parallelism),
     #: P (pipeline) and T (tensor), slowest first: the right-most letter varies fastest over the global ranks.
     placement_strategy: str = "cluster"
-    #: smp trains an FP16 copy of the model with FP32 master weights. shardkit keeps parameters in the dtype the
-    #: model was built in (mixed precision comes from ``torch.autocast`` in the step and ``smp.amp.GradScaler``);
-    #: ``DistributedOptimizer`` refuses FP16 parameters under this key rather than train them without masters.
+    #: smp's FP16 path: ``DistributedModel`` casts the model to float16, ``DistributedOptimizer`` keeps FP32 master
+    #: weights and scales the loss (static or dynamic); see :mod:`~.fp16_optimizer`.
     fp16: bool = False
-    #: As ``fp16``, for bfloat16.
+    #: As ``fp16``, in bfloat16 and without a loss scale.
     bf16: bool = False
     #: Shard the optimizer state across the data-parallel replicas of each stage (ZeRO-1, ``shardkit.optim.OSS``).
     shard_optimizer_state: bool = False

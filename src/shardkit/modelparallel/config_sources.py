@@ -68,7 +68,11 @@ NO_EFFECT: dict[str, tuple[type, str]] = {
     "deterministic_server": (bool, "execution here is always in the same order on every replica"),
     "ddp_port": (int, "replicas communicate over the torch.distributed process group"),
     "ddp_dist_backend": (str, "the backend is the torch.distributed process group's (gloo or NCCL)"),
-    "fp16_params": (bool, "distributed modules take the dtype of the module they replace (or torch's default)"),
+    "fp16_params": (
+        bool,
+        "distributed modules take the dtype of the module they replace (or torch's default); under 'fp16' "
+        "smp.DistributedModel casts the whole model anyway",
+    ),
     "contiguous": (bool, "TensorFlow only"),
 }
 # ---- keys AWS's large-model scripts pass beside the documented ones (issue 34; their notes: config_notes) ------

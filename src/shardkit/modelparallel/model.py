@@ -21,6 +21,7 @@ from shardkit.modelparallel.building.build import build_stage, decide_plan
 from shardkit.modelparallel.building.holding import StageHolding
 from shardkit.modelparallel.checkpoints import checkpoint as ckpt
 from shardkit.modelparallel.config import ModelOptions
+from shardkit.modelparallel.fp16_optimizer import cast_inputs, cast_model, cast_outputs
 from shardkit.modelparallel.partitioning.auto_partition import Placement
 from shardkit.modelparallel.partitioning.trace import to_device
 from shardkit.modelparallel.pipeline.execution import StageExecution
@@ -113,6 +114,7 @@ class DistributedModel(nn.Module):
         )
         if state.topology.tp_size > 1:
             distribute_marked(module, state)
+        cast_model(module, state.config)  # "fp16"/"bf16": the model trains in that dtype (smp's FP16_Module)
         super().__init__()
         self.module = module
         self.options = options
@@ -170,6 +172,7 @@ class DistributedModel(nn.Module):
         run = self._active_run("call the DistributedModel")
         record = run.current
         assert record is not None
+        args, kwargs = cast_inputs((args, kwargs), self._smp.config)  # "fp16"/"bf16": floating inputs in that dtype
         if self._execution is None:
             first = next(iter(self.module.parameters()), None)
             on = first.device if first is not None and not first.is_meta else torch.device("cpu")
@@ -180,7 +183,7 @@ class DistributedModel(nn.Module):
         sharded = self._execution.sharded
         call = self.module if sharded is None else sharded.root  # gathers the shards around the module's forward
         with self._execution.runtime.invocation(record, (args, kwargs), first_microbatch=record.index == 0):
-            return call(*args, **kwargs)
+            return cast_outputs(call(*args, **kwargs), self._smp.config)
 
     def backward(
         self,
@@ -194,7 +197,8 @@ class DistributedModel(nn.Module):
         Only inside ``@smp.step``; it runs when the schedule reaches this micro-batch's backward. Every stage
         runs the step function, but only the output stage (where the model's outputs are real) starts the
         backward from ``tensors``; the others start from the gradients later stages send them. So every rank
-        must call it the same way. ``retain_graph``/``create_graph`` are not supported.
+        must call it the same way. ``retain_graph``/``create_graph`` are not supported. Under ``"fp16": true``
+        the tensors are multiplied (in FP32) by the optimizer's loss scale first.
         """
         run = self._active_run("call model.backward")
         record = run.current
@@ -209,6 +213,11 @@ class DistributedModel(nn.Module):
         for t, g in zip(ts, gs):
             if g is None and t.numel() != 1:
                 raise ValueError(f"model.backward needs grad_tensors for a non-scalar tensor of shape {tuple(t.shape)}")
+        optimizer = self._smp.optimizer
+        scale = optimizer.loss_scale if optimizer is not None else 1.0
+        if scale != 1.0:  # in FP32: the scaled loss of an FP16 model would overflow
+            ts = [t.float() * scale for t in ts]
+            gs = [g if g is None else g.float() for g in gs]
         record.backward.append((ts, gs))
         record.backward_requested = True
 
@@ -383,7 +392,10 @@ class DistributedModel(nn.Module):
                 self._sdp_pending = state_dict
                 return None
             return sdp_state_dicts.load_into(sharded, state_dict, strict)
-        return self._holding.load_state_dict(state_dict, strict)
+        result = self._holding.load_state_dict(state_dict, strict)
+        if self._smp.optimizer is not None:  # fp16/bf16: the FP32 masters take the loaded weights
+            self._smp.optimizer.reload_model_params()
+        return result
 
     def cpu(self) -> Any:
         """Gather every stage's parameters and buffers so this rank holds the whole model, on the CPU."""

@@ -6,15 +6,17 @@ of the optimizer's own class (same name) that shares the optimizer's attributes 
 schedulers, ``GradScaler.step``, ``add_param_group`` and step hooks work unchanged; the original object and the
 returned one are two views of one optimizer (no copy of any state). Overridden: ``state_dict``,
 ``load_state_dict`` and ``local_state_dict``; ``step`` and ``zero_grad`` are the optimizer's own (parameters a
-stage released have no gradient, so the optimizer skips them and never builds state for them).
+stage released have no gradient, so the optimizer skips them and never builds state for them), except under
+``"fp16"``/``"bf16"``, where they also move gradients into the FP32 masters and the masters into the model (see
+:mod:`~.fp16_optimizer`; ``param_groups`` then hold the masters, so the original object updates the masters only).
 
 State dicts use the torch format (parameters by index in ``param_groups`` order), so a full one loads into a
-plain optimizer built over the unwrapped model's parameters in the same order.
+plain optimizer built over the unwrapped model's parameters in the same order. Under fp16/bf16 each parameter's
+entry also holds its FP32 master (``"fp32_master_param"``) and a top-level ``"loss_scaler"`` the scale.
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from typing import Any, Callable, Optional
 
@@ -22,13 +24,17 @@ import torch
 
 from shardkit.distributed import collectives as C
 from shardkit.modelparallel import state as smp_state
+from shardkit.modelparallel.building.build import execution_device
 from shardkit.modelparallel.checkpoints import checkpoint as ckpt
 from shardkit.modelparallel.checkpoints.sharded_state import ShardedOptimizerState
+from shardkit.modelparallel.fp16_optimizer import SCALER_KEY, MixedPrecision, low_precision_dtype
+from shardkit.modelparallel.loss_scaler import LossScaleOptions
 from shardkit.modelparallel.optimizers import FusedLamb
 from shardkit.modelparallel.tp.layers import sliced_parameter_ids
 
-# One subclass per (optimizer class, sharded state), so wrapped optimizers of one class share a type.
-_SUBCLASSES: dict[tuple[type, bool], type] = {}
+# One subclass per (optimizer class, sharded state, FP16/BF16 masters), so wrapped optimizers of one class share a
+# type.
+_SUBCLASSES: dict[tuple[type, bool, bool], type] = {}
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -37,10 +43,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
     Returns the optimizer itself under a subclass of its class (see the module docstring): it is an instance of
     that class, of ``torch.optim.Optimizer`` and of ``smp.DistributedOptimizer``.
 
-    ``static_loss_scale``, ``dynamic_loss_scale`` and ``dynamic_loss_args`` are smp's FP16 loss-scaling options;
-    smp applies them only with ``"fp16": true``. shardkit scales losses with ``smp.amp.GradScaler`` instead, so
-    the defaults are accepted and any other value with ``fp16``/``bf16`` is refused (it would otherwise be
-    silently ignored). A :class:`~shardkit.modelparallel.optimizers.FusedLamb` gets its global gradient norm
+    With ``"fp16": true`` or ``"bf16": true`` in the smp config it is smp's FP16 optimizer (see
+    :mod:`~.fp16_optimizer`): ``param_groups`` hold FP32 master copies of the model's low-precision parameters
+    (``fp16_groups`` lists those), ``step()`` updates the masters and rounds them into the model, and under fp16
+    the loss is scaled: ``static_loss_scale``, or ``dynamic_loss_scale=True`` with smp's ``dynamic_loss_args``
+    (``init_scale``, ``scale_factor``, ``scale_window``, ``min_scale``, ``delayed_shift``,
+    ``consecutive_hysteresis``; given as keywords or as one ``dynamic_loss_args={...}`` dict). A step with an
+    inf/NaN gradient on any rank is skipped on every rank (``overflow`` is then True) and the scale lowered. Without
+    these keys the loss-scaling options have no effect, as in smp. Create the ``DistributedModel`` first (it casts
+    the model), and call ``step()`` on every rank. A :class:`~shardkit.modelparallel.optimizers.FusedLamb` gets its
+    global gradient norm
     summed over the replica's stages (each parameter counted once), so its clipping matches single-process
     training; every rank must then call ``step()``.
 
@@ -64,12 +76,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"smp.DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
         base = type(optimizer)
-        sharded = smp_state.current().config.shard_optimizer_state
-        sub = _SUBCLASSES.get((base, sharded))
+        config = smp_state.current().config
+        sharded, mixed = config.shard_optimizer_state, low_precision_dtype(config) is not None
+        sub = _SUBCLASSES.get((base, sharded, mixed))
         if sub is None:
             namespace = {"__module__": base.__module__, "__qualname__": base.__qualname__, "__doc__": base.__doc__}
-            bases = (_ShardedStep, DistributedOptimizer, base) if sharded else (DistributedOptimizer, base)
-            sub = _SUBCLASSES[(base, sharded)] = type(base.__name__, bases, namespace)
+            step_class = (_MixedPrecisionStep,) if mixed else (_ShardedStep,) if sharded else ()
+            bases = (*step_class, DistributedOptimizer, base)
+            sub = _SUBCLASSES[(base, sharded, mixed)] = type(base.__name__, bases, namespace)
         wrapped: DistributedOptimizer = object.__new__(sub)
         wrapped.__dict__ = optimizer.__dict__  # one optimizer, two views: nothing is copied
         return wrapped
@@ -83,11 +97,25 @@ class DistributedOptimizer(torch.optim.Optimizer):
     ) -> None:
         # Optimizer.__init__ is not called: the attributes are the wrapped optimizer's own (shared __dict__).
         state = smp_state.current()
-        _check_precision(self, state.config, static_loss_scale, dynamic_loss_scale, dynamic_loss_args)
+        nested = dynamic_loss_args.pop("dynamic_loss_args", None)  # smp's examples pass the options as one dict
+        scale_args = {**(nested or {}), **dynamic_loss_args}
+        options = LossScaleOptions.from_smp(static_loss_scale, dynamic_loss_scale, scale_args)
+        _check_precision(state)
         self._smp_state = state
         self._smp_inner = optimizer
         self._smp_pending: Optional[dict[str, Any]] = None
         self._smp_sharded: Optional[ShardedOptimizerState] = None
+        low, model = low_precision_dtype(state.config), state.model
+        self._smp_mixed: Optional[MixedPrecision] = None
+        if low is not None:  # _check_precision made sure the model exists: the masters live where it computes
+            assert model is not None
+            device = model.execution_device if model.partitioned else execution_device(state, model.module)
+            # Overflows are agreed over the replica (stages and TP ranks; the replicas' gradients are equal after
+            # their all-reduce), over every rank with sharded state (each replica updates its own masters): smp's.
+            group = state.world_group if state.config.shard_optimizer_state else smp_state.get_mp_process_group()
+            self._smp_mixed = MixedPrecision(self.param_groups, low, options, group, device)
+            if model.partitioned:
+                self._smp_mixed.masters.fill({id(p) for p in model.local_parameters()})
         if isinstance(self, FusedLamb):  # its global gradient norm spans every stage
             if state.config.shard_optimizer_state or state.config.sharded_data_parallel_degree > 1:
                 raise ValueError(
@@ -119,32 +147,55 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def optimizer(self, value: Any) -> None:
         self.__dict__["optimizer"] = value
 
-    # ---- smp's FP16-optimizer names, at their meaning without FP16 master weights ---------------------------
+    # ---- smp's FP16-optimizer names ----------------------------------------------------------------------------
 
     @property
     def fp16_groups(self) -> list[list[torch.Tensor]]:
-        """smp's FP16 optimizer lists the model parameters of each parameter group here; shardkit keeps no
-        separate master copies, so these are the parameters the optimizer updates, group by group."""
+        """The model's parameters of each parameter group: under fp16/bf16 the low-precision ones (whose FP32
+        masters the optimizer updates), otherwise every parameter (the optimizer updates them directly)."""
+        if self._smp_mixed is not None:
+            return [[param for param, _ in pairs] for pairs in self._smp_mixed.masters.groups]
         return [list(group["params"]) for group in self.param_groups]
 
     @property
+    def fp32_from_fp16_groups(self) -> list[list[torch.Tensor]]:
+        """The FP32 masters of ``fp16_groups``, group by group (the parameters themselves without fp16/bf16)."""
+        if self._smp_mixed is not None:
+            return [[master for _, master in pairs] for pairs in self._smp_mixed.masters.groups]
+        return self.fp16_groups
+
+    @property
     def overflow(self) -> bool:
-        """smp: True when the last ``step()`` was skipped for an FP16 gradient overflow. shardkit's optimizer does
-        no loss scaling (``smp.amp.GradScaler`` skips steps itself), so this is always False."""
-        return False
+        """True when the last ``step()`` was skipped because a gradient of some rank was inf or NaN (fp16 with
+        ``dynamic_loss_scale=True`` only; always False otherwise)."""
+        return self._smp_mixed is not None and self._smp_mixed.overflow
+
+    @property
+    def loss_scale(self) -> float:
+        """The factor ``model.backward`` multiplies the loss by (fp16; 1.0 otherwise)."""
+        return self._smp_mixed.loss_scale if self._smp_mixed is not None else 1.0
+
+    def reload_model_params(self) -> None:
+        """Take the FP32 masters from the model's current weights (after loading weights into the model only;
+        ``DistributedModel.load_state_dict`` calls it). Nothing to do without fp16/bf16."""
+        model = self._smp_state.model
+        if self._smp_mixed is not None and (model is None or model.partitioned):
+            self._smp_mixed.masters.fill(None if model is None else {id(p) for p in model.local_parameters()})
 
     def clip_master_grads(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale the gradients so that their norm over the whole model (every stage, each parameter once) is at
         most ``max_norm``, as ``torch.nn.utils.clip_grad_norm_`` over the unpartitioned model; returns that norm.
 
-        smp clips its FP32 master gradients; here the parameters are the masters. Collective over the replica's
-        stages: call it on every rank.
+        Under fp16/bf16 these are the FP32 master gradients, unscaled (an overflow returns -1 and clips nothing, as
+        smp's); otherwise the parameters' own. Collective over the replica's stages: call it on every rank.
         """
         if norm_type != 2.0:
             raise ValueError(f"clip_master_grads supports the 2-norm only, got norm_type={norm_type}")
         sharded = self._sharded_stage()
         if sharded is not None:  # the gradients are shards: the norm is summed over the sharding group
             return sharded.clip(max_norm)
+        if self._smp_mixed is not None and self._smp_mixed.unscale(self.param_groups, self._device_for_norm()):
+            return torch.tensor(-1.0)
         params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
         device = params[0].grad.device if params else self._device_for_norm()
         norms = [torch.linalg.vector_norm(p.grad.detach(), 2.0).to(device) for p in params]
@@ -173,6 +224,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         topo = smp.topology
         if model is None or not model.partitioned or topo.mp_size * topo.tp_size == 1 or not smp.distributed:
             return squares.sum()
+        if self._smp_mixed is not None:  # masters count as the parameters they stand for
+            params = [self._smp_mixed.masters.model_param(p) for p in params]
         mask = torch.tensor(model.first_holder_mask(params), dtype=torch.bool, device=squares.device)
         counted = torch.where(mask, squares, torch.zeros_like(squares))
         if topo.tp_size > 1:  # split slices summed over the TP group; replicated parameters, equal there, once
@@ -193,8 +246,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if model is None or not model.partitioned:
             return None
         held = {id(p) for p in model.local_parameters()}
-        params = [p for group in self.param_groups for p in group["params"]]
+        params = self._model_params()
         return {i for i, p in enumerate(params) if id(p) in held}
+
+    def _params(self) -> list[torch.Tensor]:
+        """The optimizer's parameters (masters under fp16/bf16), in ``param_groups`` order."""
+        return [p for group in self.param_groups for p in group["params"]]
+
+    def _model_params(self) -> list[torch.Tensor]:
+        """The model parameters of :meth:`_params`, in the same order."""
+        if self._smp_mixed is None:
+            return self._params()
+        return [self._smp_mixed.masters.model_param(p) for p in self._params()]
 
     def local_state_dict(self) -> dict[str, Any]:
         """State of the parameters this stage holds, marked ``_smp_is_partial``.
@@ -208,8 +271,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
             full["state"] = self._smp_sharded.gathered_state()
         elif held is not None:
             full["state"] = {i: v for i, v in full["state"].items() if i in held}
+        self._add_fp16_state(full, held)
         full[ckpt.PARTIAL_KEY] = True
         return full
+
+    def _add_fp16_state(self, full: dict[str, Any], held: Optional[set[int]]) -> None:
+        """Under fp16/bf16: each held parameter's FP32 master in its state entry, the loss scaler beside."""
+        if self._smp_mixed is not None:
+            self._smp_mixed.add_masters(full["state"], self._params(), held)
+            full[SCALER_KEY] = self._smp_mixed.state_dict()
 
     def state_dict(self) -> dict[str, Any]:
         """State of every stage's parameters, gathered (collective over the replica's stages)."""
@@ -219,7 +289,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "save optimizer.local_state_dict() per rank, or smp.save_checkpoint(..., partial=True)"
             )
         partials = ckpt.gather_partials(self.local_state_dict(), self._smp_state.mp_group, "smp_optimizer_state_dict")
-        return ckpt.merge_optimizer_partials(partials)
+        merged = ckpt.merge_optimizer_partials(partials)
+        if SCALER_KEY in partials[0]:  # the same on every rank: overflows are agreed by all
+            merged[SCALER_KEY] = partials[0][SCALER_KEY]
+        return merged
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a full or partial (gathered first: collective) state dict; waits for the partition if needed."""
@@ -230,12 +303,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
             full = {"state": state_dict["state"], "param_groups": state_dict["param_groups"]}
         model = self._smp_state.model
         if model is not None and not model.partitioned:
-            # The state waits for the partition (it must know which stage holds what); the hyper-parameters do
-            # not, and an LR scheduler stepped or read before the first step must see the loaded ones.
+            # The state waits for the partition (it must know which stage holds what); the hyper-parameters and
+            # the loss scale do not, and an LR scheduler or a log read before the first step must see the loaded ones.
             self._load_hyperparameters(full["param_groups"])
+            if self._smp_mixed is not None:
+                self._smp_mixed.load_state_dict(state_dict.get(SCALER_KEY))
             self._smp_pending = full
             return
         self._load(full)
+        if self._smp_mixed is not None:
+            self._smp_mixed.load_state_dict(state_dict.get(SCALER_KEY))
 
     def _load_hyperparameters(self, saved_groups: list[dict[str, Any]]) -> None:
         if len(saved_groups) != len(self.param_groups):
@@ -251,11 +328,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         then load a state dict given before the partition."""
         smp = self._smp_state
         model = smp.model
+        self.reload_model_params()  # the masters take the partitioned model's weights (broadcast from rank 0)
         sharded = self._sharded_stage()
         if sharded is not None:  # the script's parameters became shards: the optimizer steps those
             sharded.adopt_optimizer(self)
         if smp.config.shard_optimizer_state and self._smp_sharded is None and model is not None:
-            held = {id(p) for p in model.local_parameters()}
+            held_params = {id(p) for p in model.local_parameters()}  # under fp16/bf16 the shards are of the masters
+            held = {id(p) for p, q in zip(self._params(), self._model_params()) if id(q) in held_params}
             inner = self._smp_inner
             self._smp_sharded = ShardedOptimizerState(
                 # Over the ranks holding the same tensors: under tensor parallelism smp's data-parallel group also
@@ -271,13 +350,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._load(pending if sharded is None else sharded.cut_whole_state(pending, self))
 
     def _load(self, full: dict[str, Any]) -> None:
-        if self._smp_sharded is not None:
-            self._load_hyperparameters(full["param_groups"])
-            self._smp_sharded.load(full)
-            return
         held = self._held_indices()
         state = full["state"] if held is None else {i: v for i, v in full["state"].items() if int(i) in held}
-        super().load_state_dict({"state": state, "param_groups": full["param_groups"]})
+        masters: dict[int, torch.Tensor] = {}
+        if self._smp_mixed is not None:
+            state, masters = self._smp_mixed.take_masters(state)
+        if self._smp_sharded is not None:
+            self._load_hyperparameters(full["param_groups"])
+            self._smp_sharded.load({"state": state, "param_groups": full["param_groups"]})
+        else:
+            super().load_state_dict({"state": state, "param_groups": full["param_groups"]})
+        if self._smp_mixed is not None:
+            self._smp_mixed.load_masters(self._params(), masters)
 
 
 def _sharded_step(self: DistributedOptimizer, closure: Optional[Callable[[], Any]] = None, **kwargs: Any) -> Any:
@@ -297,35 +381,40 @@ class _ShardedStep:
     setattr(step, "hooked", True)  # noqa: B010  (what torch's own step wrapper sets: never wrap it again)
 
 
-def _check_precision(
-    optimizer: torch.optim.Optimizer,
-    config: Any,
-    static_loss_scale: Optional[float],
-    dynamic_loss_scale: bool,
-    dynamic_loss_args: dict[str, Any],
-) -> None:
-    """Refuse what smp's FP16 optimizer would do and shardkit would silently not (see the class docstring)."""
+def _check_precision(state: Any) -> None:
+    """Refuse what the FP16 optimizer cannot do right (before anything is changed; the same on every rank)."""
+    config = state.config
     low = "fp16" if config.fp16 else "bf16" if config.bf16 else None
     if low is None:
         return  # smp applies the loss-scaling options only under fp16/bf16: no effect, as there
-    if dynamic_loss_scale or static_loss_scale not in (1.0, None) or dynamic_loss_args:
+    if state.model is None:
         raise ValueError(
-            f"smp.DistributedOptimizer's loss-scaling options are not supported with '{low}': true; scale the loss "
-            "with smp.amp.GradScaler (scaler.scale(loss) in the step, scaler.step(optimizer) after it)"
+            f"under '{low}': true, create smp.DistributedModel before smp.DistributedOptimizer: the model is cast to "
+            f"{low} when it is wrapped, and the optimizer keeps FP32 masters of its {low} parameters (smp's order)"
         )
-    halves = [p.dtype for group in optimizer.param_groups for p in group["params"] if p.dtype in _LOW_DTYPES]
-    if halves:
-        raise ValueError(
-            f"the smp config sets '{low}': true and the optimizer holds {halves[0]} parameters: smp would keep FP32 "
-            "master weights for them, shardkit does not. Build the model in float32 and run the step under "
-            "torch.autocast with smp.amp.GradScaler (parameters and optimizer state stay FP32)"
-        )
-    warnings.warn(
-        f"smp config '{low}': true does not convert the model in shardkit: parameters and optimizer state stay FP32, "
-        "and the step computes in the precision the script asks for (use torch.autocast with smp.amp.GradScaler "
-        "for mixed precision)",
-        stacklevel=3,
-    )
 
 
-_LOW_DTYPES = (torch.float16, torch.bfloat16)
+def _mixed_step(self: DistributedOptimizer, closure: Optional[Callable[[], Any]] = None, **kwargs: Any) -> Any:
+    """Under fp16/bf16: unscale the gradients into the FP32 masters, skip the step on an overflow (every rank),
+    else update the masters with the optimizer's own step and round them into the model."""
+    mixed = self._smp_mixed
+    assert mixed is not None
+    if closure is not None:
+        raise ValueError("smp's FP16 optimizer does not take a closure in step(); run the step function, then step()")
+    if self._smp_sharded is not None:  # shard_optimizer_state: each replica updates the masters it owns, shares them
+        return mixed.step(self.param_groups, self._device_for_norm(), lambda: _ShardedStep.step(self, **kwargs))
+    base_step = super(DistributedOptimizer, self).step  # the user's optimizer's (hooked) step
+    return mixed.step(self.param_groups, self._device_for_norm(), lambda: base_step(**kwargs))
+
+
+class _MixedPrecisionStep:
+    """``step`` and ``zero_grad`` of a DistributedOptimizer with FP32 masters (see :mod:`~.fp16_optimizer`)."""
+
+    step = _mixed_step
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the masters' gradients (the optimizer's own ``zero_grad``) and the model's."""
+        assert isinstance(self, DistributedOptimizer)
+        super(DistributedOptimizer, self).zero_grad(set_to_none)
+        assert self._smp_mixed is not None
+        self._smp_mixed.zero_grad(set_to_none)

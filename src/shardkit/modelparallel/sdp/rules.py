@@ -103,6 +103,11 @@ def check_sdp_config(cfg: Any) -> None:
             "smp does not support it with shard_optimizer_state (the optimizer state is sharded already): remove "
             "shard_optimizer_state"
         )
+    if cfg.fp16 or cfg.bf16:  # smp's FP16 optimizer keeps whole FP32 masters; the shards would need their own
+        problems.append(
+            f"'{'fp16' if cfg.fp16 else 'bf16'}': true is not supported with it yet (the FP32 master weights are not "
+            "sharded with the parameters): train the sharded model in FP32, or without sharding in fp16/bf16"
+        )
     if problems:
         raise ValueError(f"smp config sharded_data_parallel_degree={degree}: " + "; ".join(problems))
 
