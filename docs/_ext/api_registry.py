@@ -107,6 +107,7 @@ INTERNAL: Dict[str, str] = {
     "shardkit.modelparallel.building": "how smp.DistributedModel builds this rank's stage at the first step",
     "shardkit.modelparallel.checkpoints": "smp's checkpoint files; users call smp.save, smp.load, smp.save_checkpoint",
     "shardkit.modelparallel.sdp": "smp's sharded data parallelism on FSDP; turned on by sharded_data_parallel_degree",
+    "shardkit.modelparallel.precision": "smp's fp16/bf16 masters and loss scaler; turned on by the fp16 and bf16 keys",
     "shardkit.utils": "internal helpers; shardkit.utils.testing is fairscale's path (registered)",
     "shardkit.experimental": "fairscale's path prefix; the modules with names in them are registered",
     "shardkit.experimental.nn": "fairscale's path prefix",

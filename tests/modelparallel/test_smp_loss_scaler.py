@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 import shardkit.modelparallel as smp
-from shardkit.modelparallel.loss_scaler import LossScaleOptions, LossScaler
+from shardkit.modelparallel.precision.loss_scaler import LossScaleOptions, LossScaler
 
 SCALE_ARGS = {"init_scale": 2.0**10, "scale_window": 2, "min_scale": 1, "delayed_shift": 1}
 

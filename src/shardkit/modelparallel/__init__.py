@@ -41,6 +41,8 @@ tensor-parallel face). Beneath it, one room per job:
 - :mod:`~.checkpoints`: ``smp.save``/``smp.load``, ``save_checkpoint``/``resume_from_checkpoint`` and their files,
   ``user_content``, ``shard_optimizer_state``;
 - :mod:`~.tp`: smp's tensor parallelism over the core ``shardkit.tensor_parallel``.
+- :mod:`~.sdp`: smp's sharded data parallelism on shardkit's FSDP (``sharded_data_parallel_degree``);
+- :mod:`~.precision`: ``fp16``/``bf16``: the FP32 masters the optimizer keeps, and smp's loss scaler.
 
 Users import only the top and the two packages smp ships: ``smp.nn`` (``FusedLayerNorm``, the distributed
 transformer modules, ``smp.nn.huggingface`` state-dict translations) and ``smp.optimizers`` (``FusedNovoGrad``,

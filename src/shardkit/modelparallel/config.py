@@ -67,7 +67,7 @@ class ModelParallelConfig:
     #: P (pipeline) and T (tensor), slowest first: the right-most letter varies fastest over the global ranks.
     placement_strategy: str = "cluster"
     #: smp's FP16 path: ``DistributedModel`` casts the model to float16, ``DistributedOptimizer`` keeps FP32 master
-    #: weights and scales the loss (static or dynamic); see :mod:`~.fp16_optimizer`.
+    #: weights and scales the loss (static or dynamic); see :mod:`~.precision.fp16_optimizer`.
     fp16: bool = False
     #: As ``fp16``, in bfloat16 and without a loss scale.
     bf16: bool = False

@@ -21,11 +21,11 @@ from shardkit.modelparallel.building.build import build_stage, decide_plan
 from shardkit.modelparallel.building.holding import StageHolding
 from shardkit.modelparallel.checkpoints import checkpoint as ckpt
 from shardkit.modelparallel.config import ModelOptions
-from shardkit.modelparallel.fp16_optimizer import cast_inputs, cast_model, cast_outputs
 from shardkit.modelparallel.partitioning.auto_partition import Placement
 from shardkit.modelparallel.partitioning.trace import to_device
 from shardkit.modelparallel.pipeline.execution import StageExecution
 from shardkit.modelparallel.pipeline.pipeline_parallel import StepRun, StepStats
+from shardkit.modelparallel.precision.fp16_optimizer import cast_inputs, cast_model, cast_outputs
 from shardkit.modelparallel.sdp import state_dicts as sdp_state_dicts
 from shardkit.modelparallel.sdp.wrap import ShardedStage
 from shardkit.modelparallel.tp.distribute import distribute_marked

@@ -8,7 +8,8 @@ returned one are two views of one optimizer (no copy of any state). Overridden: 
 ``load_state_dict`` and ``local_state_dict``; ``step`` and ``zero_grad`` are the optimizer's own (parameters a
 stage released have no gradient, so the optimizer skips them and never builds state for them), except under
 ``"fp16"``/``"bf16"``, where they also move gradients into the FP32 masters and the masters into the model (see
-:mod:`~.fp16_optimizer`; ``param_groups`` then hold the masters, so the original object updates the masters only).
+:mod:`~.precision.fp16_optimizer`; ``param_groups`` then hold the masters, so the original object updates the
+masters only).
 
 State dicts use the torch format (parameters by index in ``param_groups`` order), so a full one loads into a
 plain optimizer built over the unwrapped model's parameters in the same order. Under fp16/bf16 each parameter's
@@ -27,9 +28,14 @@ from shardkit.modelparallel import state as smp_state
 from shardkit.modelparallel.building.build import execution_device
 from shardkit.modelparallel.checkpoints import checkpoint as ckpt
 from shardkit.modelparallel.checkpoints.sharded_state import ShardedOptimizerState
-from shardkit.modelparallel.fp16_optimizer import SCALER_KEY, MixedPrecision, low_precision_dtype
-from shardkit.modelparallel.loss_scaler import LossScaleOptions
 from shardkit.modelparallel.optimizers import FusedLamb
+from shardkit.modelparallel.precision.fp16_optimizer import (
+    SCALER_KEY,
+    MixedPrecision,
+    check_precision,
+    low_precision_dtype,
+)
+from shardkit.modelparallel.precision.loss_scaler import LossScaleOptions
 from shardkit.modelparallel.tp.layers import sliced_parameter_ids
 
 # One subclass per (optimizer class, sharded state, FP16/BF16 masters), so wrapped optimizers of one class share a
@@ -44,7 +50,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     that class, of ``torch.optim.Optimizer`` and of ``smp.DistributedOptimizer``.
 
     With ``"fp16": true`` or ``"bf16": true`` in the smp config it is smp's FP16 optimizer (see
-    :mod:`~.fp16_optimizer`): ``param_groups`` hold FP32 master copies of the model's low-precision parameters
+    :mod:`~.precision.fp16_optimizer`): ``param_groups`` hold FP32 master copies of the model's low-precision parameters
     (``fp16_groups`` lists those), ``step()`` updates the masters and rounds them into the model, and under fp16
     the loss is scaled: ``static_loss_scale``, or ``dynamic_loss_scale=True`` with smp's ``dynamic_loss_args``
     (``init_scale``, ``scale_factor``, ``scale_window``, ``min_scale``, ``delayed_shift``,
@@ -100,14 +106,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         nested = dynamic_loss_args.pop("dynamic_loss_args", None)  # smp's examples pass the options as one dict
         scale_args = {**(nested or {}), **dynamic_loss_args}
         options = LossScaleOptions.from_smp(static_loss_scale, dynamic_loss_scale, scale_args)
-        _check_precision(state)
+        check_precision(state)
         self._smp_state = state
         self._smp_inner = optimizer
         self._smp_pending: Optional[dict[str, Any]] = None
         self._smp_sharded: Optional[ShardedOptimizerState] = None
         low, model = low_precision_dtype(state.config), state.model
         self._smp_mixed: Optional[MixedPrecision] = None
-        if low is not None:  # _check_precision made sure the model exists: the masters live where it computes
+        if low is not None:  # check_precision made sure the model exists: the masters live where it computes
             assert model is not None
             device = model.execution_device if model.partitioned else execution_device(state, model.module)
             # Overflows are agreed over the replica (stages and TP ranks; the replicas' gradients are equal after
@@ -381,19 +387,6 @@ class _ShardedStep:
     setattr(step, "hooked", True)  # noqa: B010  (what torch's own step wrapper sets: never wrap it again)
 
 
-def _check_precision(state: Any) -> None:
-    """Refuse what the FP16 optimizer cannot do right (before anything is changed; the same on every rank)."""
-    config = state.config
-    low = "fp16" if config.fp16 else "bf16" if config.bf16 else None
-    if low is None:
-        return  # smp applies the loss-scaling options only under fp16/bf16: no effect, as there
-    if state.model is None:
-        raise ValueError(
-            f"under '{low}': true, create smp.DistributedModel before smp.DistributedOptimizer: the model is cast to "
-            f"{low} when it is wrapped, and the optimizer keeps FP32 masters of its {low} parameters (smp's order)"
-        )
-
-
 def _mixed_step(self: DistributedOptimizer, closure: Optional[Callable[[], Any]] = None, **kwargs: Any) -> Any:
     """Under fp16/bf16: unscale the gradients into the FP32 masters, skip the step on an overflow (every rank),
     else update the masters with the optimizer's own step and round them into the model."""
@@ -408,7 +401,7 @@ def _mixed_step(self: DistributedOptimizer, closure: Optional[Callable[[], Any]]
 
 
 class _MixedPrecisionStep:
-    """``step`` and ``zero_grad`` of a DistributedOptimizer with FP32 masters (see :mod:`~.fp16_optimizer`)."""
+    """``step`` and ``zero_grad`` of a DistributedOptimizer with FP32 masters (:mod:`~.precision.fp16_optimizer`)."""
 
     step = _mixed_step
 

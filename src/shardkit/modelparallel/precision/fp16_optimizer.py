@@ -29,7 +29,7 @@ from torch import nn
 from shardkit.distributed import GroupLike
 from shardkit.distributed import collectives as C
 from shardkit.modelparallel._torch_private import foreach_mul_, foreach_norm
-from shardkit.modelparallel.loss_scaler import LossScaleOptions, LossScaler
+from shardkit.modelparallel.precision.loss_scaler import LossScaleOptions, LossScaler
 from shardkit.nn.fsdp.input_cast import unit_input_caster
 from shardkit.utils._torch_private import tree_map
 
@@ -257,3 +257,16 @@ class MixedPrecision:
         """Resume the loss scaler (a state dict saved without one keeps the current scale)."""
         if self.scaler is not None and saved is not None:
             self.scaler.load_state_dict(saved)
+
+
+def check_precision(state: Any) -> None:
+    """Refuse what the FP16 optimizer cannot do right (before anything is changed; the same on every rank)."""
+    config = state.config
+    low = "fp16" if config.fp16 else "bf16" if config.bf16 else None
+    if low is None:
+        return  # smp applies the loss-scaling options only under fp16/bf16: no effect, as there
+    if state.model is None:
+        raise ValueError(
+            f"under '{low}': true, create smp.DistributedModel before smp.DistributedOptimizer: the model is cast to "
+            f"{low} when it is wrapped, and the optimizer keeps FP32 masters of its {low} parameters (smp's order)"
+        )
