@@ -364,7 +364,10 @@ class DistributedModel(nn.Module):
         """
         sharded = self._sharded()
         if sharded is not None:
-            return merge_tp_slices(sdp_state_dicts.full_state_dict(sharded), self.module)
+            stage = sdp_state_dicts.full_state_dict(sharded)
+            if self._smp.topology.mp_size > 1:  # each stage's tensors, gathered over the pipeline
+                stage = self._holding.merge_stages(stage)
+            return merge_tp_slices(stage, self.module)
         if not self._holding.partitioned:
             return merge_tp_slices(self.module.state_dict(*args, **kwargs), self.module)
         return merge_tp_slices(self._holding.full_state_dict(), self.module)

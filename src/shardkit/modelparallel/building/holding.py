@@ -118,7 +118,14 @@ class StageHolding:
 
     def full_state_dict(self) -> dict[str, Any]:
         """The whole model's state dict after the partition, gathered from every stage (collective)."""
-        partials = ckpt.gather_partials(self.local_state_dict(), self.mp_group, "smp_model_state_dict")
+        return self.merge_stages(self.module.state_dict())
+
+    def merge_stages(self, stage_state: Mapping[str, Any]) -> dict[str, Any]:
+        """The whole model's state dict from each stage's state dict of its module (what it does not hold is left
+        out), gathered over the replica's stages (collective)."""
+        held: dict[str, Any] = {k: v for k, v in stage_state.items() if self._key_map.get(k, k) in self._held}
+        held[ckpt.PARTIAL_KEY] = True
+        partials = ckpt.gather_partials(held, self.mp_group, "smp_model_state_dict")
         return ckpt.merge_model_partials(partials, list(self._key_map))
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool) -> Any:
