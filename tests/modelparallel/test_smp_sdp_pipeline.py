@@ -20,20 +20,12 @@ from shardkit.testing import run_distributed
 
 transformers = pytest.importorskip("transformers")
 
-SEED = 3
-BATCH = 8
-SEQ = 8
-VOCAB = 64
-MICROBATCHES = 2
+# The same model, batches and tolerance as the 3-D layouts without sharding.
+from test_smp_tp_hf_layouts import MICROBATCHES, SEED, SEQ, TOL, _tokens  # noqa: E402
+
 CLIP = 0.5
-#: float32 sums in another order (the 4-process pairs of the 3-D layout without SDP measure 4.8e-7 on losses).
-TOL = 2e-6
 #: Reduced-data-parallel replicas in both layouts (PP 2 on 4 processes, PP 2 x TP 2 on 8).
 REPLICAS = 2
-
-
-def _tokens(step: int) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(100 + step))
 
 
 def _gpt2(tied: bool = False) -> Any:
