@@ -106,6 +106,7 @@ INTERNAL: Dict[str, str] = {
     "shardkit.modelparallel.partitioning": "how smp.DistributedModel decides its partition (trace, placement, plan)",
     "shardkit.modelparallel.building": "how smp.DistributedModel builds this rank's stage at the first step",
     "shardkit.modelparallel.checkpoints": "smp's checkpoint files; users call smp.save, smp.load, smp.save_checkpoint",
+    "shardkit.modelparallel.sdp": "smp's sharded data parallelism on FSDP; turned on by sharded_data_parallel_degree",
     "shardkit.utils": "internal helpers; shardkit.utils.testing is fairscale's path (registered)",
     "shardkit.experimental": "fairscale's path prefix; the modules with names in them are registered",
     "shardkit.experimental.nn": "fairscale's path prefix",

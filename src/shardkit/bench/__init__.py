@@ -29,6 +29,7 @@ SUITES: dict[str, str] = {
     "plan-time": "shardkit.bench.plan_time",
     "checkpoint": "shardkit.bench.checkpoint",
     "tp": "shardkit.bench.tp",
+    "3d": "shardkit.bench.three_d",
 }
 
 

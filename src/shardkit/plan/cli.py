@@ -7,6 +7,7 @@ Examples::
     shardkit plan mypkg.models:build --batch-shape 8,512 --loss mypkg.models:loss_fn
     shardkit plan --hf ./my-model/config.json num_hidden_layers=48 --world-sizes 64,128
     shardkit plan --lm bench --world-sizes 2,4,8 --plot memory.png
+    shardkit plan --lm smp --smp-layouts --world-sizes 8,16     # smp's pipeline x tensor x data layouts
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import torch
 
 from shardkit.plan.api import Estimate, estimate
 from shardkit.plan.cost import DeviceSpec, LinkSpec
+from shardkit.plan.layouts import check_layout_flags, plan_layouts
+from shardkit.plan.layouts_report import layout_table
 from shardkit.plan.losses import LOSS_HELP, import_attribute, resolve_loss
 from shardkit.plan.once import each_warning_once
 from shardkit.plan.pipeline import V_SCHEDULES, chunk_problem, model_blocks, pipeline_bubble
@@ -135,7 +138,7 @@ def _parser() -> argparse.ArgumentParser:
         metavar=("TYPE", "KEY=VALUE,..."),
         help="transformers model type (or a local config.json, or a model folder holding one) + config overrides",
     )
-    p.add_argument("--lm", choices=("bench", "demo"), help="shardkit's bench or demo LM")
+    p.add_argument("--lm", choices=("bench", "demo", "smp"), help="shardkit's bench or demo LM, or the smp.nn LM")
     p.add_argument("--batch-shape", type=_ints, help="one rank's token batch for a factory model, e.g. 8,512")
     p.add_argument("--batch-size", type=_positive, default=8, help="sequences per rank (--hf, --lm)")
     p.add_argument("--seq-len", type=_positive, default=None, help="tokens per sequence (--hf default 2048)")
@@ -149,6 +152,13 @@ def _parser() -> argparse.ArgumentParser:
         "--tensor-parallel", type=_positive, default=1,
         help="tensor-parallel degree: the factory model builds shardkit.tensor_parallel layers (default 1)",
     )  # fmt: skip
+    p.add_argument(
+        "--smp-layouts", action="store_true",
+        help="list and plan smp's 3-D layouts (pipeline x tensor x data) of a model of smp.nn layers (--lm smp or a "
+        "factory) instead of the strategies",
+    )  # fmt: skip
+    p.add_argument("--smp-sharded", action="store_true", help="with --smp-layouts: also with sharded data parallel")
+    p.add_argument("--smp-prescaled", action="store_true", help="with --smp-layouts: also with prescaled_batch")
     p.add_argument("--nprocs-per-node", type=int, default=None, help="ranks per node (intra/inter-node bytes)")
     p.add_argument("--strategies", default=None, help="comma-separated subset: ddp,oss_ddp,oss_sdp,fsdp,slowmo,smp")
     p.add_argument("--device-memory", type=parse_bytes, default=parse_bytes("80GiB"), help="memory per device")
@@ -216,7 +226,7 @@ def _model_workload(args: argparse.Namespace, parser: argparse.ArgumentParser) -
         overrides = _overrides(args.hf[1]) if len(args.hf) > 1 else {}
         return Workload.hf(args.hf[0], overrides, batch_size=args.batch_size, seq_len=args.seq_len or 2048)
     if args.lm:
-        maker = Workload.bench_lm if args.lm == "bench" else Workload.demo_lm
+        maker = {"bench": Workload.bench_lm, "demo": Workload.demo_lm, "smp": Workload.smp_lm}[args.lm]
         work = maker(batch_size=args.batch_size)
         return replace(work, seq_len=args.seq_len) if args.seq_len else work
     if ":" not in args.model:
@@ -339,6 +349,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         parser.error(f"--nprocs-per-node {args.nprocs_per_node} must be positive and divide every world size above it")
     settings = _settings(args, parser)
     _check_output_paths(args, parser)
+    check_layout_flags(args, parser)
     device = DeviceSpec(
         flops_per_s=args.device_tflops * 1e12,
         memory_bytes=args.device_memory,
@@ -353,9 +364,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         with each_warning_once():
             work = _workload(args, parser)
             loss = _loss(args, work)
-            results, failed = plan_all(
-                work, args.world_sizes, settings, device, link, args.nprocs_per_node, args.backend, loss
-            )
+            if args.smp_layouts:
+                variants = (args.smp_sharded, args.smp_prescaled)
+                results, failed = plan_layouts(work, args.world_sizes, device, link, args.backend, loss, *variants)
+            else:
+                results, failed = plan_all(
+                    work, args.world_sizes, settings, device, link, args.nprocs_per_node, args.backend, loss
+                )
     except (ValueError, TypeError, NotImplementedError) as exc:  # PlanError and OptionError are ValueErrors
         print(f"shardkit plan: {exc}", file=sys.stderr)
         return 2
@@ -363,9 +378,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         print_failures(failed)
         print("shardkit plan: no setting could be planned (reasons above)", file=sys.stderr)
         return 2
-    print(table(results, args.device_memory, args.host_memory))
+    shown = layout_table if args.smp_layouts else table
+    print(shown(results, args.device_memory, args.host_memory))
     print_failures(failed)
-    if not args.nprocs_per_node:
+    if not args.nprocs_per_node and not args.smp_layouts:
         print("not planned here: hybrid sharding (give --nprocs-per-node)")
     for ws in args.world_sizes:
         planned = any(est.world_size == ws for _, est in results)

@@ -28,7 +28,7 @@ from shardkit.distributed.spawn import run_distributed
 from shardkit.memory import MemoryTracker
 from shardkit.memory.meter import training_memory
 from shardkit.plan._torch_private import mem_tracker
-from shardkit.plan.pipeline import builder, pipeline_forward_backward, smp_config
+from shardkit.plan.pipeline import builder, initialised_build, pipeline_forward_backward, smp_config
 from shardkit.plan.runner import call_model, warmup_steps
 from shardkit.plan.strategies import PIPELINE, get
 from shardkit.plan.tensor_parallel import data_group, tensor_parallel_state
@@ -106,7 +106,9 @@ def _buffer_bytes(model: torch.nn.Module) -> int:
     return sum(storages.values())
 
 
-def _measure_one(workload: Workload, strategy: str, topology: Optional[Topology]) -> RealRank:
+def measure_rank(workload: Workload, strategy: str, topology: Optional[Topology] = None) -> RealRank:
+    """This rank of a real run of ``workload`` under ``strategy`` (every rank calls it): its peak, its state after
+    the reported step and its bytes sent (see the module docstring)."""
     torch.manual_seed(0)
     options, optim_options = dict(workload.strategy_options), dict(workload.optimizer_options)
     world_size = dist.get_world_size()
@@ -115,11 +117,13 @@ def _measure_one(workload: Workload, strategy: str, topology: Optional[Topology]
         # Made while tracked: a real run holds its batch in device memory, as the planner counts it (for images a
         # visible share of a small model's peak).
         batch = workload.batch()
-        model = workload.build()
-        if strategy == PIPELINE:
-            build = builder(smp_config(options, world_size), workload.optimizer, optim_options)
+        if strategy == PIPELINE:  # smp first: smp.nn's tensor-parallel layers read the layout when built
+            config = smp_config(options, world_size)
+            model = initialised_build(config, workload.build)
+            build = builder(config, workload.optimizer, optim_options)
             wrapped, optimizer, after_step = build(model, topology)
         else:
+            model = workload.build()
             spec = OptimizerSpec(workload.optimizer, optim_options)
             wrapped, optimizer, after_step = get(strategy).build(model, spec, data_group(), options, topology)
         tracker.watch(wrapped, optimizer)
@@ -155,7 +159,7 @@ def _worker(rank: int, world_size: int, workload: Workload, strategies: list[str
         topology = Topology.from_env(nprocs_per_node=workload.nprocs_per_node)
         set_topology(topology)  # the meter's view of the nodes, as the planner sets it
     with tensor_parallel_state(workload.tensor_parallel):  # the planner's layout: tensor ranks consecutive
-        return {name: _measure_one(workload, name, topology) for name in strategies}
+        return {name: measure_rank(workload, name, topology) for name in strategies}
 
 
 def measure_real(workload: Workload, strategies: Sequence[str], world_size: int) -> dict[str, list[RealRank]]:
@@ -167,4 +171,4 @@ def measure_real(workload: Workload, strategies: Sequence[str], world_size: int)
     return {name: [ranks[name] for ranks in per_rank] for name in strategies}
 
 
-__all__ = ["RealRank", "measure_real"]
+__all__ = ["RealRank", "measure_rank", "measure_real"]

@@ -129,13 +129,37 @@ def builder(config: Mapping[str, Any], optimizer: type, optimizer_options: Mappi
         # start-up cost: smp imports shardkit.nn and torch._dynamo, which plans without the pipeline never need
         import shardkit.modelparallel as smp
 
-        smp.init(dict(config))
+        if not smp.is_initialized():  # a model of smp.nn layers was built after smp.init (see initialised_build)
+            smp.init(dict(config))
         wrapped = smp.DistributedModel(model, trace_device="gpu")  # "gpu": trace where the parameters are (meta)
         opt = smp.DistributedOptimizer(optimizer(wrapped.parameters(), **optimizer_options))
         # Not a torch Optimizer subclass, but it has what the runner uses: step, zero_grad, param_groups, state.
         return wrapped, cast(torch.optim.Optimizer, opt), lambda: None
 
     return build
+
+
+def initialised_build(config: Mapping[str, Any], model_fn: Callable[[], nn.Module]) -> nn.Module:
+    """``smp.init(config)``, then ``model_fn()``: smp's tensor-parallel layers (``smp.nn``) read the layout when
+    they are built, so under ``tensor_parallel_degree`` a script builds its model after ``smp.init``."""
+    # start-up cost: smp imports shardkit.nn and torch._dynamo, which plans without the pipeline never need
+    import shardkit.modelparallel as smp
+
+    smp.init(dict(config))
+    return model_fn()
+
+
+def stage_rank(config: Mapping[str, Any], world_size: int, stage: int) -> int:
+    """The global rank holding pipeline ``stage`` in the first model replica (tensor-parallel rank 0, reduced data
+    rank 0), under the config's ``placement_strategy``."""
+    # start-up cost: as above
+    from shardkit.modelparallel.topology import Topology
+
+    topology = Topology(
+        world_size, 0, int(config["partitions"]), str(config.get("placement_strategy", "cluster")),
+        int(config.get("tensor_parallel_degree", 1)),
+    )  # fmt: skip
+    return topology.rank_of(stage, 0)
 
 
 def plan_stages(
@@ -157,24 +181,22 @@ def plan_stages(
 
     config = smp_config(options, world_size)
     partitions = int(config["partitions"])
-    spread = config.get("placement_strategy", "cluster") == "spread"
     runs: list[RankRun] = []
     mailbox = Mailbox()  # stage s receives what stages before it sent (activation shapes, shared objects)
     stages = sorted({0, 1, partitions - 1}) if partitions > 3 else list(range(partitions))
     for stage in stages:
-        rank = stage * (world_size // partitions) if spread else stage  # where replica 0 holds this stage
         try:
             runs.append(
                 run_rank(
                     device,
-                    model_fn,
+                    functools.partial(initialised_build, config, model_fn),
                     builder(config, optimizer, optimizer_options),
                     batch,
                     loss_fn,
                     world_size,
                     host_limit,
                     nprocs_per_node,
-                    rank=rank,
+                    rank=stage_rank(config, world_size, stage),
                     forward_backward=pipeline_forward_backward,
                     mailbox=mailbox,
                     warmup=warmup_steps(PIPELINE),
@@ -194,9 +216,11 @@ __all__ = [
     "V_SCHEDULES",
     "builder",
     "chunk_problem",
+    "initialised_build",
     "model_blocks",
     "pipeline_bubble",
     "pipeline_forward_backward",
     "plan_stages",
     "smp_config",
+    "stage_rank",
 ]

@@ -28,13 +28,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardkit.models import LMConfig, TransformerLM
+from shardkit.models.smp_lm import SMPLMConfig, smp_lm
 from shardkit.plan.hf_tasks import ATTENTION, TASKS, build_hf, hf_batch, hf_loss, task_of
 from shardkit.plan.runner import PlanError
 from shardkit.plan.strategies import block_classes
 from shardkit.utils.checks import at_least
 
 #: Model kinds a workload can name.
-KINDS = ("bench_lm", "demo_lm", "hf", "factory")
+KINDS = ("bench_lm", "demo_lm", "smp_lm", "hf", "factory")
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,12 @@ class Workload:
         return cls("demo_lm", seq_len=32, **kwargs)
 
     @classmethod
+    def smp_lm(cls, **kwargs: Any) -> Workload:
+        """The LM of smp's tensor-parallel blocks (:func:`shardkit.models.smp_lm.smp_lm`; built after ``smp.init``,
+        so planned with the ``smp`` strategy), sequence 64; ``overrides`` are its keyword arguments."""
+        return cls("smp_lm", **{"seq_len": 64, **kwargs})
+
+    @classmethod
     def hf(cls, model_type: str, overrides: Mapping[str, Any], **kwargs: Any) -> Workload:
         """A transformers model of ``model_type`` (or of a local ``config.json``, or a folder holding one) with
         config ``overrides``; random weights, nothing downloaded. Its head is the config's ``architectures`` entry
@@ -112,6 +119,8 @@ class Workload:
             return self._lm_config().vocab_size
         if self.kind == "hf":
             return int(getattr(self.hf_config(), "vocab_size", 2))
+        if self.kind == "smp_lm":
+            return int(self.overrides.get("vocab", SMPLMConfig.vocab))
         return 2  # token ids 0 and 1 are valid for any factory model's embedding
 
     def _lm_config(self) -> Any:
@@ -157,6 +166,8 @@ class Workload:
     def _build_model(self) -> nn.Module:
         if self.kind in ("bench_lm", "demo_lm"):
             return TransformerLM(self._lm_config())
+        if self.kind == "smp_lm":
+            return smp_lm(**{"seq": self.seq_len, **self.overrides})
         if self.kind == "hf":
             return build_hf(self.hf_config(), self.task, self.attention)
         module_name, _, attr = self.name.partition(":")

@@ -37,8 +37,9 @@ from shardkit.modelparallel.sdp.rules import check_no_stage_ties
 from shardkit.modelparallel.sdp.sync import ShardedGradientSync
 from shardkit.modelparallel.sdp.wrap import ShardedStage
 from shardkit.modelparallel.state import SMPState
-from shardkit.modelparallel.tp.distribute import split_parameter_ids, split_reduction
+from shardkit.modelparallel.tp.distribute import split_reduction
 from shardkit.modelparallel.tp.hf import whole_module_of
+from shardkit.modelparallel.tp.layers import sliced_parameter_ids
 
 
 def execution_device(state: SMPState, module: nn.Module) -> torch.device:
@@ -109,11 +110,13 @@ def decide_plan(
 
 
 def split_by_tp(module: nn.Module, state: SMPState) -> Optional[tuple[frozenset[int], GroupLike]]:
-    """The split parameters and the group whose first member they start from (this process's reduced-data-parallel
-    group: each tensor-parallel rank keeps its own slice), None without tensor parallelism."""
+    """The sliced parameters and the group whose first member they start from (this process's reduced-data-parallel
+    group: each tensor-parallel rank keeps its own slice), None without tensor parallelism. The whole parameters of
+    the same blocks (layer norms, row-parallel biases) start from rank 0's, like every other parameter: ranks
+    whose random states differed when the model was built must not hold different copies of them."""
     if state.topology.tp_size == 1:
         return None
-    return split_parameter_ids(module), state.rdp_group
+    return sliced_parameter_ids(module), state.rdp_group
 
 
 def _check_same_delay(delayed: bool, state: SMPState) -> None:

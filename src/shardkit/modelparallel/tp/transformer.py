@@ -43,8 +43,9 @@ def _split_linear(full: nn.Linear, dim: int, region: Region) -> nn.Linear:
     rank, size = region.rank_and_size
     spec = ShardSpec(dim)
     weight = spec.shard(full.weight.detach(), rank, size) if size > 1 else full.weight.detach()
-    # skip_init: the random state stays where the reference left it, so the next layers match it too
-    local = skip_init(nn.Linear, weight.shape[1], weight.shape[0], bias=full.bias is not None)
+    # skip_init: the random state stays where the reference left it, so the next layers match it too; on the
+    # reference's device (skip_init's own default is the CPU, whatever device the model is built under)
+    local = skip_init(nn.Linear, weight.shape[1], weight.shape[0], bias=full.bias is not None, device=weight.device)
     with torch.no_grad():
         local.weight.copy_(weight)
         if full.bias is not None and local.bias is not None:
