@@ -126,7 +126,8 @@ def _differences(mine: list[Any], state: dict[str, Any], replica: int, theirs: d
 
 
 def _case(tp: int, pipeline: str, checkpoint: bool, accumulate: int, folder: Optional[str]) -> dict[str, Any]:
-    """Train 2 optimizer steps (3 with a checkpoint ``folder``: saved after the second, resumed to redo the third)."""
+    """Train 2 optimizer steps (3 with a checkpoint ``folder``: partial and full ones saved after the second, each
+    resumed to redo the third)."""
     config = _config(tp, pipeline)
     steps = (3 if folder else 2) * accumulate
     model, optimizer, runs = _build(config, checkpoint, accumulate)
@@ -137,6 +138,7 @@ def _case(tp: int, pipeline: str, checkpoint: bool, accumulate: int, folder: Opt
     out["shard"] = (sum(p.numel() for p in model.local_parameters()), sum(p.numel() for p in _gpt2().parameters()))
     if folder:
         smp.save_checkpoint(folder, "partial", partial=True, model=model, optimizer=optimizer)
+        smp.save_checkpoint(folder, "full", partial=False, model=model)  # the whole model, gathered over the stages
         mine += _steps(model, optimizer, range(2 * accumulate, steps), accumulate)
     state = model.state_dict()
     replica = smp.rdp_rank()
@@ -149,6 +151,12 @@ def _case(tp: int, pipeline: str, checkpoint: bool, accumulate: int, folder: Opt
         out["resumed"] = again == mine[2 * accumulate :]
         resumed_state = model.state_dict()
         out["resumed_weights"] = all(torch.equal(resumed_state[k], v) for k, v in state.items())
+        smp.reset()
+        # a full checkpoint restores the weights (not the optimizer): the third step's losses again
+        model, optimizer, _ = _build(config, checkpoint, accumulate)
+        smp.resume_from_checkpoint(folder, tag="full", partial=False, load_optimizer=False)
+        first = _steps(model, optimizer, range(2 * accumulate, 2 * accumulate + 1), accumulate)
+        out["resumed_full"] = first[0][0] == mine[2 * accumulate][0]
         smp.reset()
     return out
 
@@ -188,7 +196,7 @@ def test_pp2_x_sdp2_equals_plain_torch_and_resumes_bit_identically(tmp_path: Any
         assert "used on several stages" in result[0]["refused"], result[0]
         for case in result[1:]:
             _check(case)
-        assert result[2]["resumed"] and result[2]["resumed_weights"], result[2]
+        assert result[2]["resumed"] and result[2]["resumed_weights"] and result[2]["resumed_full"], result[2]
     assert max(result[1]["runs"] for result in results) == 1  # the block ran (and was recomputed) on its stage
 
 
