@@ -9,12 +9,14 @@ gradient norm and the final weights equal one plain-torch process training the s
 
 from __future__ import annotations
 
+import os
 from typing import Any, Optional
 
 import pytest
 import torch
 from smp_testlib import tiny_gpt2_config
 
+import shardkit.checkpoint as universal
 import shardkit.modelparallel as smp
 from shardkit.testing import run_distributed
 
@@ -139,6 +141,8 @@ def _case(tp: int, pipeline: str, checkpoint: bool, accumulate: int, folder: Opt
     if folder:
         smp.save_checkpoint(folder, "partial", partial=True, model=model, optimizer=optimizer)
         smp.save_checkpoint(folder, "full", partial=False, model=model)  # the whole model, gathered over the stages
+        with pytest.raises(ValueError, match=r"not supported yet: use smp\.save_checkpoint"):  # on every rank
+            universal.save_checkpoint(os.path.join(folder, "universal"), step=2, model=model, optimizer=optimizer)
         mine += _steps(model, optimizer, range(2 * accumulate, steps), accumulate)
     state = model.state_dict()
     replica = smp.rdp_rank()
