@@ -238,7 +238,7 @@ class DistributedModel(nn.Module):
             self.sharded_module = sharded.root
             if self._sdp_pending is not None:
                 pending, self._sdp_pending = self._sdp_pending, None
-                sdp_state_dicts.load_into(sharded, pending)
+                self._load_sharded(sharded, pending)
         self._holding.load_pending()
         if state.optimizer is not None:
             state.optimizer.load_pending_state()
@@ -373,7 +373,10 @@ class DistributedModel(nn.Module):
         """
         sharded = self._sharded()
         if sharded is not None:
-            return merge_tp_slices(sdp_state_dicts.full_state_dict(sharded), self.module)
+            stage = sdp_state_dicts.full_state_dict(sharded)
+            if self._smp.topology.mp_size > 1:  # each stage's tensors, gathered over the pipeline
+                stage = self._holding.merge_stages(stage)
+            return merge_tp_slices(stage, self.module)
         if not self._holding.partitioned:
             return merge_tp_slices(self.module.state_dict(*args, **kwargs), self.module)
         return merge_tp_slices(self._holding.full_state_dict(), self.module)
@@ -391,11 +394,17 @@ class DistributedModel(nn.Module):
             if sharded is None:
                 self._sdp_pending = state_dict
                 return None
-            return sdp_state_dicts.load_into(sharded, state_dict, strict)
+            return self._load_sharded(sharded, state_dict, strict)
         result = self._holding.load_state_dict(state_dict, strict)
         if self._smp.optimizer is not None:  # fp16/bf16: the FP32 masters take the loaded weights
             self._smp.optimizer.reload_model_params()
         return result
+
+    def _load_sharded(self, sharded: ShardedStage, state_dict: Mapping[str, Any], strict: bool = True) -> Any:
+        """Load into the stage's shards; of a whole model's state dict, the part this stage holds."""
+        if not ckpt.is_partial(state_dict) and self._smp.topology.mp_size > 1:
+            state_dict = self._holding.as_stage_sees_it(state_dict)
+        return sdp_state_dicts.load_into(sharded, state_dict, strict)
 
     def cpu(self) -> Any:
         """Gather every stage's parameters and buffers so this rank holds the whole model, on the CPU."""

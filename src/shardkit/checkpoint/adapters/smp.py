@@ -135,6 +135,12 @@ class SMPSource(UniversalSource):
             return cls(model, optimizer)
         if optimizer is not None and not isinstance_of(optimizer, *_OPTIMIZER):
             raise TypeError(f"an smp.DistributedModel is saved with its smp.DistributedOptimizer, got {optimizer!r}")
+        if smp.pp_size() > 1:  # each stage's unit shards part of the model over part of the job
+            raise ValueError(
+                f"universal checkpoints of sharded data parallelism with a pipeline (pipeline degree {smp.pp_size()}) "
+                "are not supported yet: use smp.save_checkpoint (partial=True resumes at the same layout; a full "
+                "checkpoint, partial=False, loads into any layout) and smp.resume_from_checkpoint"
+            )
         return FSDPSource(sharded.root, optimizer.optimizer if optimizer is not None else None)
 
     def _replicas(self, name: str) -> tuple[int, int]:

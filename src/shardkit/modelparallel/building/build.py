@@ -33,6 +33,7 @@ from shardkit.modelparallel.pipeline.pp_communications import StageLink
 from shardkit.modelparallel.pipeline.runtime import StageRuntime
 from shardkit.modelparallel.pipeline.stage_groups import copy_groups
 from shardkit.modelparallel.pipeline.virtual_stages import VirtualStageExecution, check_chunks, chunked_runtime
+from shardkit.modelparallel.sdp.rules import check_no_stage_ties
 from shardkit.modelparallel.sdp.sync import ShardedGradientSync
 from shardkit.modelparallel.sdp.wrap import ShardedStage
 from shardkit.modelparallel.state import SMPState
@@ -167,6 +168,9 @@ def build_stage(
         plan = runtime.rank_runtime.plan
     else:
         runtime = StageRuntime(plan, stage, StageLink(state.p2p_group, topo, state.mp_group), device)
+    if state.config.sharded_data_parallel_degree > 1 and topo.mp_size > 1:  # before anything changes
+        names = [name for name, _ in holding.module.named_parameters(remove_duplicate=False)]
+        check_no_stage_ties(plan.holders, names)
     checkpointing = plan_checkpointing(holding.module, list(plan.units), manual=not state.config.auto_partition)
     # First: it refuses a module it cannot route before anything changes.
     runtime.install(holding.module, below=checkpointing)

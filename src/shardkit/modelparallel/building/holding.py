@@ -118,7 +118,28 @@ class StageHolding:
 
     def full_state_dict(self) -> dict[str, Any]:
         """The whole model's state dict after the partition, gathered from every stage (collective)."""
-        partials = ckpt.gather_partials(self.local_state_dict(), self.mp_group, "smp_model_state_dict")
+        return self.merge_stages(self.module.state_dict())
+
+    def held_part(self, state_dict: Mapping[str, Any]) -> dict[str, Any]:
+        """The entries of a whole model's ``state_dict`` this stage holds (after the partition)."""
+        return {k: v for k, v in state_dict.items() if self._key_map.get(k, k) in self._held}
+
+    def as_stage_sees_it(self, state_dict: Mapping[str, Any]) -> dict[str, Any]:
+        """A whole model's ``state_dict`` as this stage's module holds it after the partition: the tensors it does
+        not hold as empty ones (the shape of their placeholders); keys that name nothing in the model kept (so a
+        strict load still reports them)."""
+        out = dict(state_dict)
+        for k, v in state_dict.items():
+            if k in self._key_map and self._key_map[k] not in self._held and isinstance(v, torch.Tensor):
+                out[k] = v.new_empty(0)
+        return out
+
+    def merge_stages(self, stage_state: Mapping[str, Any]) -> dict[str, Any]:
+        """The whole model's state dict from each stage's state dict of its module (what it does not hold is left
+        out), gathered over the replica's stages (collective)."""
+        held = self.held_part(stage_state)
+        held[ckpt.PARTIAL_KEY] = True
+        partials = ckpt.gather_partials(held, self.mp_group, "smp_model_state_dict")
         return ckpt.merge_model_partials(partials, list(self._key_map))
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool) -> Any:

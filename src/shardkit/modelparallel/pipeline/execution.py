@@ -121,6 +121,8 @@ class StageExecution:
     def backward(self, record: MicrobatchRecord, microbatches: int) -> None:
         """Backward of one micro-batch on this stage (the loss gradient scaled per ``average_grads``)."""
         scale = 1.0 / microbatches if self.average_grads else 1.0
+        if self.sharded is not None:  # a stage's backward may start from what it sent, not from its outputs
+            self.sharded.hook_backward_roots(t for t, _ in record.sent)
         self.runtime.backward(record, scale)
 
     def backward_input(self, record: MicrobatchRecord, microbatches: int) -> None:

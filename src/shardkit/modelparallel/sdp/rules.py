@@ -8,7 +8,9 @@ and the v1.11 / v1.15 release notes) say:
   under tensor parallelism), and their example configs set ``"ddp": True``;
 - sharded data parallelism composes with tensor parallelism (v1.15), FP16/BF16, activation checkpointing and
   ``backward_passes_per_step``; it is not compatible with pipeline parallelism nor with optimizer state sharding
-  ("set tensor and pipeline parallelism degrees to 1, and turn off optimizer state sharding");
+  ("set tensor and pipeline parallelism degrees to 1, and turn off optimizer state sharding"). shardkit keeps the
+  second refusal and lifts the first (see :data:`SDP_PIPELINES`): each stage is sharded over its own sharding
+  group; rank 0 logs that smp itself would refuse the config;
 - when it is on, ``optimizer.step()`` clips the gradients' global L2 norm to ``sdp_gradient_clipping`` (default
   1.0) itself: scripts do not call a clipping utility.
 """
@@ -26,6 +28,12 @@ SDP_DEFAULTS: dict[str, Any] = {
     "sdp_hierarchical_allgather": True,
     "sdp_gradient_clipping": 1.0,
 }
+
+#: The pipeline schedules sharded data parallelism runs under (a shardkit extension: smp refuses any pipeline).
+#: Each forward and each backward of a micro-batch gathers the stage's shards and frees them after; each
+#: micro-batch's backward reduce-scatters its gradients into the shards, where they accumulate. Split backwards
+#: (zero-bubble) and several chunks per rank are refused: untested with the sharded units.
+SDP_PIPELINES = ("interleaved", "simple")
 
 #: What each tuning key does here, logged once when sharded data parallelism starts (COMPATIBILITY.md has them).
 KEY_MEANINGS: dict[str, str] = {
@@ -92,11 +100,12 @@ def check_sdp_config(cfg: Any) -> None:
     problems = []
     if not cfg.ddp:
         problems.append("it needs 'ddp': True (the sharding groups are data-parallel ranks)")
-    if cfg.chunks > 1:
+    if cfg.chunks > 1 and (cfg.chunks > cfg.partitions or cfg.pipeline not in SDP_PIPELINES):
         problems.append(
-            f"smp does not support it with pipeline parallelism (partitions={cfg.partitions}, pipeline="
-            f"{cfg.pipeline!r}, virtual_stages={cfg.virtual_stages}): set partitions to 1 with a one-chunk schedule, "
-            "or train the pipeline with plain data parallelism (sharded_data_parallel_degree 1)"
+            f"shardkit supports it with a pipeline of one chunk per rank under the {' or '.join(SDP_PIPELINES)} "
+            f"schedule only (got pipeline={cfg.pipeline!r}, virtual_stages={cfg.virtual_stages}): use one of "
+            "those with virtual_stages 1, or train the pipeline with plain data parallelism "
+            "(sharded_data_parallel_degree 1)"
         )
     if cfg.shard_optimizer_state:
         problems.append(
@@ -128,3 +137,17 @@ def _check_number(key: str, value: Any, minimum: float, strict: bool = False) ->
         raise TypeError(f"smp config {key!r} must be a number, got {value!r}")
     if value < minimum or (strict and value == minimum):
         raise ValueError(f"smp config {key!r} must be {'>' if strict else '>='} {minimum:g}, got {value!r}")
+
+
+def check_no_stage_ties(holders: dict[str, tuple[int, ...]], parameter_names: list[str]) -> None:
+    """Raise when the partition plan puts a parameter on several pipeline stages (weights tied across stages, as a
+    language model's input embedding and output head): each stage would shard and step its own copy, and the
+    copies would drift apart. Every rank holds the same plan, so every rank raises."""
+    tied = sorted(name for name in parameter_names if len(holders.get(name, ())) > 1)
+    if tied:
+        raise ValueError(
+            f"sharded_data_parallel_degree > 1 with a pipeline: the parameters {tied} are used on several stages "
+            f"({sorted({holders[name] for name in tied})}), which sharded data parallelism does not support yet; untie "
+            "them (e.g. tie_word_embeddings=False for a Hugging Face model), keep their users on one stage with "
+            "smp.set_partition, or use sharded_data_parallel_degree 1"
+        )

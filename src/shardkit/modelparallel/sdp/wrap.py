@@ -11,13 +11,17 @@ own unit, gathered only while it runs (not under tensor parallelism, where the s
 
 from __future__ import annotations
 
+import functools
 import logging
+import math
 import weakref
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
+from shardkit.distributed import collectives as C
 from shardkit.distributed.topology import Topology as NodeTopology
 from shardkit.modelparallel.sdp.groups import create_sdp_groups
 from shardkit.modelparallel.sdp.optim_state import shard_whole_state
@@ -75,9 +79,32 @@ class ShardedStage:
             backward_passes_per_step,
         )
         self._adopted: weakref.WeakSet[Any] = weakref.WeakSet()
+        #: The pipeline's stages (the global norm sums over them), None without a pipeline.
+        self._pipeline: Optional[Any] = state.mp_group if topo.mp_size > 1 else None
         if topo.rank == 0:
             lines = "; ".join(f"{key}: {text}" for key, text in KEY_MEANINGS.items())
             logger.info("smp sharded data parallelism (degree %d) on FSDP: %s", settings.degree, lines)
+            if topo.mp_size > 1:
+                logger.warning(
+                    "sharded_data_parallel_degree=%d with pipeline_parallel_degree=%d is a shardkit extension: smp "
+                    "itself refuses sharded data parallelism with a pipeline, so this script would not run on "
+                    "SageMaker's smp",
+                    settings.degree,
+                    topo.mp_size,
+                )
+
+    def hook_backward_roots(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Have a micro-batch's backward gather the stage's outermost unit first when it starts from ``tensors``.
+
+        Under a pipeline a stage that is not the last one starts its backward from the activations it sent on,
+        not from its module's outputs (placeholders there, outside autograd), so the unit's own hook on those
+        outputs never fires; its parameters (gathered for the forward and freed after it) are gathered again here
+        before autograd needs them (an activation-checkpointed layer recomputing inside the unit, a layer whose
+        backward reads its weight)."""
+        unit = self.root.fsdp_unit
+        for tensor in tensors:
+            if tensor.requires_grad:
+                tensor.register_hook(functools.partial(_gather_first, unit))
 
     def adopt_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Replace the script's parameters in ``optimizer`` by their shards (once), and have its ``step()`` clip
@@ -109,8 +136,24 @@ class ShardedStage:
         return shard_whole_state(state_dict, params, self.metas)
 
     def clip(self, max_norm: float) -> torch.Tensor:
-        """Clip every shard's gradient by the whole model's global 2-norm (collective over the stage's ranks)."""
-        return self.root.clip_grad_norm_(max_norm)
+        """Clip every shard's gradient by the whole model's global 2-norm (collective over the stage's ranks, and
+        over the pipeline's stages when there are several)."""
+        if self._pipeline is None:
+            return self.root.clip_grad_norm_(max_norm)
+        # This stage's norm (an infinite bound leaves the gradients as they are), then the sum of the stages' squares.
+        squares = self.root.clip_grad_norm_(math.inf).to(torch.float32) ** 2
+        C.all_reduce(squares, group=self._pipeline, label="smp_sdp_pipeline_grad_norm")
+        total = squares.sqrt()
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for shard, _ in self.sync.shards:
+            if shard.grad is not None:
+                shard.grad.detach().mul_(coef.to(shard.grad.device, shard.grad.dtype))
+        return total
+
+
+def _gather_first(unit: Any, grad: torch.Tensor) -> torch.Tensor:
+    unit.pre_backward()
+    return grad
 
 
 def _blocks(module: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
