@@ -22,12 +22,13 @@ from torch import nn
 
 import shardkit.modelparallel as smp
 from shardkit.checkpoint import validate
-from shardkit.checkpoint._collectives import rank_and_size
 from shardkit.checkpoint.adapters.base import named_parameter_ids
 from shardkit.checkpoint.adapters.fsdp import FSDPSource
 from shardkit.checkpoint.adapters.full import FullStateAdapter
 from shardkit.checkpoint.adapters.registry import isinstance_of
 from shardkit.checkpoint.universal.source import Held, Span, UniversalSource
+from shardkit.checkpoint.universal.split import Split, split_of
+from shardkit.modelparallel.tp.layers import split_specs
 from shardkit.modelparallel.checkpoints.checkpoint import state_key_map
 
 _MODEL = ("shardkit.modelparallel.model", "DistributedModel")
@@ -42,6 +43,18 @@ def _refuse_sharded_state(optimizer: Optional[Any]) -> None:
             "shardkit checkpoints of an smp optimizer with 'shard_optimizer_state' are not supported yet: save "
             "optimizer.state_dict() (gathered from the shards, on every rank) with smp.save instead"
         )
+
+
+def smp_tp_splits(module: nn.Module) -> dict[str, Split]:
+    """This rank's :class:`Split` of every parameter of ``module`` that smp's tensor parallelism slices, by state-dict
+    name: the core's layers (``smp.nn.DistributedLinear``, a Hugging Face model split by its plan) and smp's
+    distributed modules naming their slices themselves (``DistributedEmbedding``, the transformer blocks), all over
+    smp's one tensor-parallel group. Empty at degree one."""
+    size = smp.tp_size()
+    if size == 1:
+        return {}
+    rank = smp.tp_rank()
+    return {name: Split(spec.dim, rank, size, spec.stride) for name, spec in split_specs(module).items()}
 
 
 class SMPAdapter(FullStateAdapter):
@@ -137,28 +150,35 @@ class SMPSource(UniversalSource):
             raise TypeError(f"an smp.DistributedModel is saved with its smp.DistributedOptimizer, got {optimizer!r}")
         return FSDPSource(sharded.root, optimizer.optimizer if optimizer is not None else None)
 
-    def _replicas(self, name: str) -> tuple[int, int]:
-        """Which of the ranks holding ``name`` this one is, and how many hold it."""
+    def _replicas(self, name: str, split: Optional[Split]) -> tuple[int, int]:
+        """Which of the ranks holding the same elements of ``name`` this one is, and how many hold them.
 
+        A whole tensor is held alike by its stages' whole data-parallel group (smp's, which includes the
+        tensor-parallel ranks); a tensor-parallel slab only by the ranks of the same tensor-parallel rank, the
+        reduced-data-parallel group. Before the partition every stage holds every tensor."""
         stages = self.model.holding_stages(name)
-        if stages is None:  # not partitioned yet: every rank holds everything
-            return rank_and_size()
-        return stages.index(smp.pp_rank()) * smp.dp_size() + smp.dp_rank(), len(stages) * smp.dp_size()
+        if stages is None:  # not partitioned yet: every stage holds everything
+            stages = tuple(range(smp.pp_size()))
+        width, within = (smp.rdp_size(), smp.rdp_rank()) if split is not None else (smp.dp_size(), smp.dp_rank())
+        return stages.index(smp.pp_rank()) * width + within, len(stages) * width
 
     def held(self) -> list[Held]:
-        """The parameters and buffers this stage holds, whole, under their first names."""
+        """The parameters and buffers this stage holds under their first names: whole, or (tensor parallelism) this
+        rank's slab of the full tensor, which the checkpoint stores as boxes of the full tensor without gathering."""
         if self.model.running_step is not None:
             raise RuntimeError(
                 "a checkpoint of an smp model was requested inside an @smp.step call: save and load between steps"
             )
         inner: nn.Module = self.model.module
         persistent = set(inner.state_dict(keep_vars=True))
+        splits = smp_tp_splits(inner)
         out: list[Held] = []
         for name, tensor in [*self.model.local_named_parameters(), *self.model.local_named_buffers()]:
             if name not in persistent:
                 continue  # a non-persistent buffer is not part of the model's state
-            replica_rank, replica_count = self._replicas(name)
-            out.append(Held(tensor, (Span(name, tensor.shape, 0, tensor.numel(), 0),), replica_rank, replica_count))
+            shape, split = split_of(splits, name, tensor.shape)
+            span = Span(name, shape, 0, tensor.numel(), 0, split)
+            out.append(Held(tensor, (span,), *self._replicas(name, split)))
         return out
 
     def local_optimizer(self) -> Optional[torch.optim.Optimizer]:

@@ -1,0 +1,157 @@
+"""smp models under tensor parallelism in shardkit's universal checkpoint (issue 34, item 4): each tensor-parallel
+rank stores its slices as boxes of the full tensors (nothing gathered), and the checkpoint loads at another layout
+(TP 2 -> TP 1, TP 1 -> TP 2, TP 2 -> a plain module) with the saver's weights and Adam state bit for bit, the next
+step's loss equal to the saver's uninterrupted run.
+
+The model mixes both kinds of split the adapters must find: ``smp.nn.DistributedLinear`` (a layer of the
+tensor-parallel core), and ``smp.nn.DistributedEmbedding`` and ``DistributedTransformerOutputLayer`` (smp modules
+naming their slices themselves, along dimension 0 and 1 of nested ``nn.Linear`` weights), plus replicated norms.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import shardkit.modelparallel as smp
+from shardkit.checkpoint import load_checkpoint, save_checkpoint
+from shardkit.modelparallel.tp.state_dicts import merge_tp_slices
+from shardkit.testing import run_distributed
+
+VOCAB, HIDDEN, FF, SEQ, BATCH = 16, 8, 16, 4, 4
+#: The next step's loss at another tensor-parallel degree: float32 sums in another order.
+TOL = 2e-6
+
+
+class Net(nn.Module):
+    """Split embedding (smp module, dimension 1), a split feed-forward block (smp module, dimensions 0 and 1), a
+    replicated norm and a split head (core layer, dimension 1). Built after ``smp.init`` (whole at degree 1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = smp.nn.DistributedEmbedding(VOCAB, HIDDEN)
+        self.ffn = smp.nn.DistributedTransformerOutputLayer(
+            hidden_size=HIDDEN, intermediate_size=FF, hidden_dropout_prob=0.0
+        )
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.head = smp.nn.DistributedLinear(HIDDEN, VOCAB)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.head(self.norm(self.ffn(self.emb(ids))))
+        return out
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(50 + step)
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=g), torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+
+
+@smp.step
+def _train(model: smp.DistributedModel, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    loss = F.cross_entropy(model(ids).reshape(-1, VOCAB), targets.reshape(-1))
+    model.backward(loss)
+    return loss
+
+
+def _config(tp: int) -> dict[str, Any]:
+    # Every rank takes the whole batch (prescaled: the tensor-parallel ranks share it; the data-parallel replicas
+    # of TP 1 average equal gradients exactly), so every layout trains on the same data.
+    return {"tensor_parallel_degree": tp, "ddp": True, "prescaled_batch": True, "microbatches": 1, "optimize": "speed"}
+
+
+def _step(model: smp.DistributedModel, optimizer: Any, step: int) -> float:
+    optimizer.zero_grad()
+    loss = _train(model, *_batch(step)).reduce_mean().item()
+    optimizer.step()
+    return float(loss)
+
+
+def _full_state(model: smp.DistributedModel, optimizer: Any) -> dict[str, Any]:
+    """The whole weights and the whole Adam state by parameter name (the tensor-parallel slices merged)."""
+    names = {id(p): n for n, p in model.module.named_parameters()}
+    inner = optimizer.optimizer
+    adam: dict[str, Any] = {}
+    for key in ("exp_avg", "exp_avg_sq"):
+        local = {names[id(p)]: s[key].detach().clone() for p, s in inner.state.items()}
+        adam[key] = merge_tp_slices(local, model.module)
+    steps = {names[id(p)]: float(s["step"]) for p, s in inner.state.items()}
+    return {"model": model.state_dict(), "adam": adam, "steps": steps}
+
+
+def _smp_run(tp: int, directory: Path, save: bool) -> dict[str, Any]:
+    """At degree ``tp``: save after one Adam step (``save``) and go on one more step, or load into a fresh model
+    (another seed) and take that step. The state right after the save or load, and the next step's loss."""
+    smp.init(_config(tp))
+    try:
+        torch.manual_seed(0 if save else 7)
+        model = smp.DistributedModel(Net())
+        optimizer = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01))
+        if save:
+            _step(model, optimizer, 0)
+            save_checkpoint(directory, step=1, model=model, optimizer=optimizer)
+        else:
+            _step(model, optimizer, 5)  # partitioned, with optimizer state to overwrite
+            load_checkpoint(directory, model=model, optimizer=optimizer)
+        state = _full_state(model, optimizer)
+        return {**state, "loss": _step(model, optimizer, 1)}
+    finally:
+        smp.reset()
+
+
+def _plain_load(directory: Path) -> dict[str, Any]:
+    """The checkpoint loaded into the unwrapped module (built at degree 1, never given to smp) and torch's Adam."""
+    smp.init({"ddp": True})
+    try:
+        torch.manual_seed(9)
+        net = Net()
+        optimizer = torch.optim.Adam(net.parameters(), lr=0.01)
+        load_checkpoint(directory, model=net, optimizer=optimizer)
+        names = {id(p): n for n, p in net.named_parameters()}
+        adam = {key: {names[id(p)]: s[key] for p, s in optimizer.state.items()} for key in ("exp_avg", "exp_avg_sq")}
+        steps = {names[id(p)]: float(s["step"]) for p, s in optimizer.state.items()}
+        return {"model": net.state_dict(), "adam": adam, "steps": steps}
+    finally:
+        smp.reset()
+
+
+def _differences(got: dict[str, Any], want: dict[str, Any]) -> list[str]:
+    """Names whose weights, Adam moments or step counts are not bit-identical (or missing)."""
+    bad = [k for k in want["model"] if k not in got["model"] or not torch.equal(got["model"][k], want["model"][k])]
+    for key in ("exp_avg", "exp_avg_sq"):
+        mine, theirs = got["adam"][key], want["adam"][key]
+        bad += [f"{key}:{k}" for k in theirs if k not in mine or not torch.equal(mine[k], theirs[k])]
+    if got["steps"] != want["steps"]:
+        bad.append("steps")
+    return bad
+
+
+def _moves(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    base = Path(root)
+    out: dict[str, Any] = {}
+    out["tp2"] = _smp_run(2, base / "tp2", save=True)
+    out["tp1"] = _smp_run(1, base / "tp1", save=True)
+    out["tp2->tp1"] = _smp_run(1, base / "tp2", save=False)
+    out["tp1->tp2"] = _smp_run(2, base / "tp1", save=False)
+    out["tp2->tp2"] = _smp_run(2, base / "tp2", save=False)
+    out["tp2->plain"] = _plain_load(base / "tp2")
+    return out
+
+
+def _check(results: list[dict[str, Any]], moves: dict[str, Optional[float]]) -> None:
+    for rank, out in enumerate(results):
+        for move, tol in moves.items():
+            source = out[move.split("->")[0]]
+            bad = _differences(out[move], source)
+            assert not bad, (rank, move, bad)
+            if tol is not None:
+                assert abs(out[move]["loss"] - source["loss"]) <= tol, (rank, move, out[move]["loss"], source["loss"])
+
+
+def test_tp2_checkpoint_loads_at_tp1_tp2_and_into_a_plain_module_and_tp1_at_tp2(tmp_path: Path) -> None:
+    results = run_distributed(_moves, 2, str(tmp_path))
+    assert results[0]["tp2"]["model"]["head.weight"].shape == (VOCAB, HIDDEN)  # merged: the whole tensors compared
+    _check(results, {"tp2->tp2": 0.0, "tp2->tp1": TOL, "tp1->tp2": TOL, "tp2->plain": None})
