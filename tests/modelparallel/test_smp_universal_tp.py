@@ -14,11 +14,13 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 import shardkit.modelparallel as smp
 from shardkit.checkpoint import load_checkpoint, save_checkpoint
+from shardkit.checkpoint.tools.inspect import inspect_checkpoint
 from shardkit.modelparallel.tp.state_dicts import merge_tp_slices
 from shardkit.testing import run_distributed
 
@@ -57,10 +59,17 @@ def _train(model: smp.DistributedModel, ids: torch.Tensor, targets: torch.Tensor
     return loss
 
 
-def _config(tp: int) -> dict[str, Any]:
+def _config(tp: int, pp: int = 1) -> dict[str, Any]:
     # Every rank takes the whole batch (prescaled: the tensor-parallel ranks share it; the data-parallel replicas
-    # of TP 1 average equal gradients exactly), so every layout trains on the same data.
-    return {"tensor_parallel_degree": tp, "ddp": True, "prescaled_batch": True, "microbatches": 1, "optimize": "speed"}
+    # average equal gradients exactly), so every layout trains on the same data.
+    return {
+        "tensor_parallel_degree": tp,
+        "pipeline_parallel_degree": pp,
+        "ddp": True,
+        "prescaled_batch": True,
+        "microbatches": 1,
+        "optimize": "speed",
+    }
 
 
 def _step(model: smp.DistributedModel, optimizer: Any, step: int) -> float:
@@ -79,13 +88,19 @@ def _full_state(model: smp.DistributedModel, optimizer: Any) -> dict[str, Any]:
         local = {names[id(p)]: s[key].detach().clone() for p, s in inner.state.items()}
         adam[key] = merge_tp_slices(local, model.module)
     steps = {names[id(p)]: float(s["step"]) for p, s in inner.state.items()}
+    if smp.pp_size() > 1:  # every stage's part
+        parts: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, (adam, steps))
+        adam = {key: {k: v for part, _ in parts for k, v in part[key].items()} for key in adam}
+        steps = {k: v for _, part in parts for k, v in part.items()}
     return {"model": model.state_dict(), "adam": adam, "steps": steps}
 
 
-def _smp_run(tp: int, directory: Path, save: bool) -> dict[str, Any]:
-    """At degree ``tp``: save after one Adam step (``save``) and go on one more step, or load into a fresh model
-    (another seed) and take that step. The state right after the save or load, and the next step's loss."""
-    smp.init(_config(tp))
+def _smp_run(tp: int, directory: Path, save: bool, pp: int = 1) -> dict[str, Any]:
+    """At degree ``tp`` (with ``pp`` pipeline stages): save after one Adam step (``save``) and go on one more step,
+    or load into a fresh model (another seed) and take that step. The state right after the save or load, and the
+    next step's loss."""
+    smp.init(_config(tp, pp))
     try:
         torch.manual_seed(0 if save else 7)
         model = smp.DistributedModel(Net())
@@ -154,4 +169,23 @@ def _check(results: list[dict[str, Any]], moves: dict[str, Optional[float]]) -> 
 def test_tp2_checkpoint_loads_at_tp1_tp2_and_into_a_plain_module_and_tp1_at_tp2(tmp_path: Path) -> None:
     results = run_distributed(_moves, 2, str(tmp_path))
     assert results[0]["tp2"]["model"]["head.weight"].shape == (VOCAB, HIDDEN)  # merged: the whole tensors compared
+    # Each rank's slice is its own chunk of the full-shaped tensor (nothing was gathered), the Adam state alike.
+    tensors = {t["key"]: t for t in inspect_checkpoint(tmp_path / "tp2")["tensors"]}
+    for key, shape in [("emb.weight", [VOCAB, HIDDEN]), ("ffn.dense2.weight", [HIDDEN, FF]), ("head.weight", None)]:
+        assert tensors[f"model/{key}"]["chunks"] == 2 == tensors[f"optim/{key}/exp_avg"]["chunks"], key
+        assert shape is None or tensors[f"model/{key}"]["shape"] == shape, tensors[f"model/{key}"]
     _check(results, {"tp2->tp2": 0.0, "tp2->tp1": TOL, "tp1->tp2": TOL, "tp2->plain": None})
+
+
+def _pipeline_moves(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    base = Path(root)
+    out: dict[str, Any] = {}
+    out["tp2pp2"] = _smp_run(2, base / "tp2pp2", save=True, pp=2)
+    out["tp2pp2->tp2"] = _smp_run(2, base / "tp2pp2", save=False)  # x reduced data 2
+    out["tp2pp2->tp2pp2"] = _smp_run(2, base / "tp2pp2", save=False, pp=2)
+    return out
+
+
+def test_tp2_x_pp2_checkpoint_loads_at_tp2_without_a_pipeline(tmp_path: Path) -> None:
+    results = run_distributed(_pipeline_moves, 4, str(tmp_path))
+    _check(results, {"tp2pp2->tp2pp2": 0.0, "tp2pp2->tp2": TOL})

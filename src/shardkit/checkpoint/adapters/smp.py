@@ -28,8 +28,8 @@ from shardkit.checkpoint.adapters.full import FullStateAdapter
 from shardkit.checkpoint.adapters.registry import isinstance_of
 from shardkit.checkpoint.universal.source import Held, Span, UniversalSource
 from shardkit.checkpoint.universal.split import Split, split_of
-from shardkit.modelparallel.tp.layers import split_specs
 from shardkit.modelparallel.checkpoints.checkpoint import state_key_map
+from shardkit.modelparallel.tp.layers import split_specs
 
 _MODEL = ("shardkit.modelparallel.model", "DistributedModel")
 _OPTIMIZER = ("shardkit.modelparallel.optimizer", "DistributedOptimizer")
