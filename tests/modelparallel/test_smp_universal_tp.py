@@ -13,13 +13,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from safetensors.torch import load_file
+from smp_testlib import tiny_gpt2_config
 from torch import nn
 
 import shardkit.modelparallel as smp
 from shardkit.checkpoint import load_checkpoint, save_checkpoint
+from shardkit.checkpoint.tools.export import export_safetensors
 from shardkit.checkpoint.tools.inspect import inspect_checkpoint
 from shardkit.modelparallel.tp.state_dicts import merge_tp_slices
 from shardkit.testing import run_distributed
@@ -189,3 +193,50 @@ def _pipeline_moves(rank: int, world_size: int, root: str) -> dict[str, Any]:
 def test_tp2_x_pp2_checkpoint_loads_at_tp2_without_a_pipeline(tmp_path: Path) -> None:
     results = run_distributed(_pipeline_moves, 4, str(tmp_path))
     _check(results, {"tp2pp2->tp2pp2": 0.0, "tp2pp2->tp2": TOL})
+
+
+def _gpt2_tp2(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """A Hugging Face GPT-2 split by ``smp.model_creation(tensor_parallelism=True)`` at TP 2: one Adam step, save;
+    then the checkpoint loaded into the plain Hugging Face model and torch's Adam."""
+    transformers = pytest.importorskip("transformers")
+    directory = Path(root) / "gpt2"
+    ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(3))
+    smp.init(_config(2))
+    try:
+        torch.manual_seed(0)
+        with smp.model_creation(tensor_parallelism=True):
+            net = transformers.GPT2LMHeadModel(tiny_gpt2_config(positions=8))
+        model = smp.DistributedModel(net)
+        optimizer = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01))
+
+        @smp.step
+        def train(model: smp.DistributedModel, ids: torch.Tensor) -> torch.Tensor:
+            loss = model(input_ids=ids, labels=ids)["loss"]
+            model.backward(loss)
+            return loss
+
+        train(model, ids)
+        optimizer.step()
+        save_checkpoint(directory, step=1, model=model, optimizer=optimizer)
+        saved = _full_state(model, optimizer)
+        split = type(net.transformer.h[0].mlp.c_fc).__name__
+    finally:
+        smp.reset()
+    torch.manual_seed(5)
+    plain = transformers.GPT2LMHeadModel(tiny_gpt2_config(positions=8))
+    adam = torch.optim.Adam(plain.parameters(), lr=0.01)
+    load_checkpoint(directory, model=plain, optimizer=adam)
+    names = {id(p): n for n, p in plain.named_parameters()}
+    moments = {key: {names[id(p)]: s[key] for p, s in adam.state.items()} for key in ("exp_avg", "exp_avg_sq")}
+    steps = {names[id(p)]: float(s["step"]) for p, s in adam.state.items()}
+    loaded = {"model": plain.state_dict(), "adam": moments, "steps": steps}
+    return {"bad": _differences(loaded, saved), "split": split, "saved": saved["model"]}
+
+
+def test_hf_gpt2_split_by_model_creation_loads_into_the_plain_model_and_exports(tmp_path: Path) -> None:
+    results = run_distributed(_gpt2_tp2, 2, str(tmp_path))
+    assert [r["bad"] for r in results] == [[], []] and results[0]["split"] == "Conv1DColumnParallel", results
+    [exported] = export_safetensors(tmp_path / "gpt2", tmp_path / "gpt2.safetensors")
+    whole = load_file(str(exported))
+    saved = results[0]["saved"]
+    assert all(torch.equal(whole[k], saved[k]) for k in whole) and set(saved) - set(whole) <= {"lm_head.weight"}
