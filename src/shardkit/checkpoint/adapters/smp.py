@@ -23,11 +23,11 @@ from torch import nn
 import shardkit.modelparallel as smp
 from shardkit.checkpoint import validate
 from shardkit.checkpoint.adapters.base import named_parameter_ids
-from shardkit.checkpoint.adapters.fsdp import FSDPSource
+from shardkit.checkpoint.adapters.fsdp import FSDPSource, clean_paths
 from shardkit.checkpoint.adapters.full import FullStateAdapter
 from shardkit.checkpoint.adapters.registry import isinstance_of
 from shardkit.checkpoint.universal.source import Held, Span, UniversalSource
-from shardkit.checkpoint.universal.split import Split, split_of
+from shardkit.checkpoint.universal.split import Split, clean_name, split_of
 from shardkit.modelparallel.checkpoints.checkpoint import state_key_map
 from shardkit.modelparallel.tp.layers import split_specs
 
@@ -45,16 +45,19 @@ def _refuse_sharded_state(optimizer: Optional[Any]) -> None:
         )
 
 
-def smp_tp_splits(module: nn.Module) -> dict[str, Split]:
+def smp_tp_splits(module: nn.Module, paths: Optional[dict[str, str]] = None) -> dict[str, Split]:
     """This rank's :class:`Split` of every parameter of ``module`` that smp's tensor parallelism slices, by state-dict
-    name: the core's layers (``smp.nn.DistributedLinear``, a Hugging Face model split by its plan) and smp's
-    distributed modules naming their slices themselves (``DistributedEmbedding``, the transformer blocks), all over
-    smp's one tensor-parallel group. Empty at degree one."""
+    name (a wrapper's module ``paths`` mapped to the unwrapped module's): the core's layers
+    (``smp.nn.DistributedLinear``, a Hugging Face model split by its plan) and smp's distributed modules naming
+    their slices themselves (``DistributedEmbedding``, the transformer blocks), which the core's
+    :func:`~shardkit.checkpoint.universal.split.tp_splits` does not see; all over smp's one tensor-parallel group.
+    Empty at degree one."""
     size = smp.tp_size()
     if size == 1:
         return {}
     rank = smp.tp_rank()
-    return {name: Split(spec.dim, rank, size, spec.stride) for name, spec in split_specs(module).items()}
+    specs = split_specs(module)
+    return {clean_name(name, paths): Split(spec.dim, rank, size, spec.stride) for name, spec in specs.items()}
 
 
 class SMPAdapter(FullStateAdapter):
@@ -141,14 +144,16 @@ class SMPSource(UniversalSource):
     @classmethod
     def for_model(cls, model: Any, optimizer: Optional[Any]) -> UniversalSource:
         """The source of ``model``: once sharded data parallelism has sharded its stage, FSDP's source over it (the
-        shards and the optimizer stepping them, under the unwrapped module's names); else an :class:`SMPSource`."""
+        shards and the optimizer stepping them, under the unwrapped module's names, with smp's tensor-parallel
+        splits); else an :class:`SMPSource`."""
         execution = model.stage_execution
         sharded = execution.sharded if execution is not None else None
         if sharded is None:
             return cls(model, optimizer)
         if optimizer is not None and not isinstance_of(optimizer, *_OPTIMIZER):
             raise TypeError(f"an smp.DistributedModel is saved with its smp.DistributedOptimizer, got {optimizer!r}")
-        return FSDPSource(sharded.root, optimizer.optimizer if optimizer is not None else None)
+        splits = smp_tp_splits(sharded.root, clean_paths(sharded.root))
+        return FSDPSource(sharded.root, optimizer.optimizer if optimizer is not None else None, splits)
 
     def _replicas(self, name: str, split: Optional[Split]) -> tuple[int, int]:
         """Which of the ranks holding the same elements of ``name`` this one is, and how many hold them.
