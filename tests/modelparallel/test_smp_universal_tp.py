@@ -270,3 +270,29 @@ def test_tp2_x_sharded_data_parallel_stores_smp_modules_slices_whole_shaped(tmp_
     _check(results, {"tp2sdp2->tp2sdp2": 0.0, "tp2sdp2->tp2": TOL, "tp2->tp2sdp2": TOL})
     shapes = {t["key"]: t["shape"] for t in inspect_checkpoint(tmp_path / "tp2sdp2")["tensors"]}
     assert shapes["model/emb.weight"] == [VOCAB, HIDDEN] and shapes["model/ffn.dense1.weight"] == [FF, HIDDEN]
+
+
+def test_bf16_optimizer_is_refused_and_a_model_only_load_refreshes_the_masters(tmp_path: Path) -> None:
+    """Under bf16 the optimizer steps FP32 masters the universal layout does not hold: saving them is refused before
+    anything is written (it stored the bf16 weights and silently dropped the Adam state). The model alone saves, and
+    loading it gives the masters the loaded weights (they kept the old ones: training went on from those)."""
+    smp.reset()
+    smp.init({"bf16": True})
+    try:
+        torch.manual_seed(0)
+        model = smp.DistributedModel(Net())
+        optimizer = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01))
+        _step(model, optimizer, 0)
+        with pytest.raises(ValueError, match="'fp16'/'bf16' are not supported yet"):
+            save_checkpoint(tmp_path / "refused", step=1, model=model, optimizer=optimizer)
+        assert not (tmp_path / "refused").exists()
+        save_checkpoint(tmp_path / "model", step=1, model=model)
+        saved = {k: v.clone() for k, v in model.state_dict().items()}
+        _step(model, optimizer, 1)
+        load_checkpoint(tmp_path / "model", model=model)
+        masters = [m for group in optimizer.fp32_from_fp16_groups for m in group]
+        params = [p for group in optimizer.fp16_groups for p in group]
+        assert all(torch.equal(m.to(p.dtype), p) for m, p in zip(masters, params))
+        assert all(torch.equal(model.state_dict()[k], v) for k, v in saved.items())
+    finally:
+        smp.reset()

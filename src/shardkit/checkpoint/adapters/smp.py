@@ -28,6 +28,7 @@ from shardkit.checkpoint.adapters.full import FullStateAdapter
 from shardkit.checkpoint.adapters.registry import isinstance_of
 from shardkit.checkpoint.universal.source import Held, Span, UniversalSource
 from shardkit.checkpoint.universal.split import Split, clean_name, split_of
+from shardkit.modelparallel import state as smp_state
 from shardkit.modelparallel.checkpoints.checkpoint import state_key_map
 from shardkit.modelparallel.tp.layers import split_specs
 
@@ -58,6 +59,21 @@ def smp_tp_splits(module: nn.Module, paths: Optional[dict[str, str]] = None) -> 
     rank = smp.tp_rank()
     specs = split_specs(module)
     return {clean_name(name, paths): Split(spec.dim, rank, size, spec.stride) for name, spec in specs.items()}
+
+
+def _refuse_master_weights(optimizer: Optional[Any]) -> None:
+    """Under smp's ``fp16``/``bf16`` the inner optimizer steps FP32 masters, which are not the model's parameters:
+    the universal layout would store the low-precision weights and silently drop the optimizer state."""
+    if optimizer is None:
+        return
+    pairs = zip(optimizer.fp16_groups, optimizer.fp32_from_fp16_groups)
+    if any(master is not param for params, masters in pairs for param, master in zip(params, masters)):
+        raise ValueError(
+            "shardkit universal checkpoints of an smp optimizer under 'fp16'/'bf16' are not supported yet: its FP32 "
+            "master weights and their optimizer state are not the model's parameters, and would not be saved. Save "
+            "with smp.save_checkpoint(path, tag, partial=True, model=model, optimizer=optimizer) instead, or pass "
+            "only model= to save the model's low-precision weights"
+        )
 
 
 class SMPAdapter(FullStateAdapter):
@@ -132,6 +148,7 @@ class SMPSource(UniversalSource):
                 " wrap it: smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), ...))"
             )
         _refuse_sharded_state(optimizer)
+        _refuse_master_weights(optimizer)
         self.model: Any = model
         self.optimizer = optimizer
         self._stage_view: Optional[torch.optim.Optimizer] = None
@@ -215,7 +232,11 @@ class SMPSource(UniversalSource):
         return [[names[id(p)] for p in group["params"] if id(p) in names] for group in inner.param_groups]
 
     def after_load(self) -> None:
-        """Give the inner optimizer the state and hyper-parameters loaded into the stage's view of it."""
+        """Give the inner optimizer the state and hyper-parameters loaded into the stage's view of it; under
+        ``fp16``/``bf16`` (a model loaded without its optimizer) the FP32 masters take the loaded weights."""
+        smp_optimizer = smp_state.current().optimizer
+        if smp_optimizer is not None:
+            smp_optimizer.reload_model_params()
         view = self._stage_view
         if view is None or self.optimizer is None:
             return
