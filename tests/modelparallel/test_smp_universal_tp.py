@@ -87,11 +87,16 @@ def _step(model: smp.DistributedModel, optimizer: Any, step: int) -> float:
     return float(loss)
 
 
+def _weights(model: smp.DistributedModel) -> dict[str, torch.Tensor]:
+    """The whole weights, copied (without tensor parallelism ``state_dict()`` may hand out the live tensors)."""
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
 def _full_state(model: smp.DistributedModel, optimizer: Any) -> dict[str, Any]:
     """The whole weights and the whole Adam state by parameter name (the tensor-parallel slices merged); under
     sharded data parallelism (the optimizer steps flat shards) the weights only."""
     if model.stage_execution is not None and model.stage_execution.sharded is not None:
-        return {"model": model.state_dict()}
+        return {"model": _weights(model)}
     names = {id(p): n for n, p in model.module.named_parameters()}
     inner = optimizer.optimizer
     adam: dict[str, Any] = {}
@@ -104,12 +109,15 @@ def _full_state(model: smp.DistributedModel, optimizer: Any) -> dict[str, Any]:
         dist.all_gather_object(parts, (adam, steps))
         adam = {key: {k: v for part, _ in parts for k, v in part[key].items()} for key in adam}
         steps = {k: v for _, part in parts for k, v in part.items()}
-    return {"model": model.state_dict(), "adam": adam, "steps": steps}
+    return {"model": _weights(model), "adam": adam, "steps": steps}
 
 
-def _smp_run(tp: int, directory: Path, save: bool, pp: int = 1, sdp: int = 1) -> dict[str, Any]:
+def _smp_run(
+    tp: int, directory: Path, save: bool, pp: int = 1, sdp: int = 1, before_partition: bool = False
+) -> dict[str, Any]:
     """At degree ``tp`` (with ``pp`` pipeline stages, ``sdp``-way sharded data parallelism): save after one Adam
-    step (``save``) and go on one more step, or load into a fresh model (another seed) and take that step. The state
+    step (``save``) and go on one more step, or load into a fresh model (another seed; after a step of its own,
+    or ``before_partition``, when smp keeps the optimizer state until the first step) and take that step. The state
     right after the save or load, the next step's loss and the weights after it (moved by the loaded Adam state)."""
     smp.init(_config(tp, pp, sdp))
     try:
@@ -119,10 +127,13 @@ def _smp_run(tp: int, directory: Path, save: bool, pp: int = 1, sdp: int = 1) ->
         if save:
             _step(model, optimizer, 0)
             save_checkpoint(directory, step=1, model=model, optimizer=optimizer)
+        elif before_partition:
+            load_checkpoint(directory, model=model, optimizer=optimizer)
         else:
             _step(model, optimizer, 5)  # partitioned, with optimizer state to overwrite
             load_checkpoint(directory, model=model, optimizer=optimizer)
-        state = _full_state(model, optimizer)
+        # the optimizer state loaded before the partition is only applied then: checked by the step after it
+        state = {"model": _weights(model)} if before_partition else _full_state(model, optimizer)
         loss = _step(model, optimizer, 1)
         return {**state, "loss": loss, "after": model.state_dict()}
     finally:
@@ -165,6 +176,7 @@ def _moves(rank: int, world_size: int, root: str) -> dict[str, Any]:
     out["tp1->tp2"] = _smp_run(2, base / "tp1", save=False)
     out["tp2->tp2"] = _smp_run(2, base / "tp2", save=False)
     out["tp2->plain"] = _plain_load(base / "tp2")
+    out["tp2->tp1 before the partition"] = _smp_run(1, base / "tp2", save=False, before_partition=True)
     return out
 
 
@@ -188,7 +200,10 @@ def test_tp2_checkpoint_loads_at_tp1_tp2_and_into_a_plain_module_and_tp1_at_tp2(
     for key, shape in [("emb.weight", [VOCAB, HIDDEN]), ("ffn.dense2.weight", [HIDDEN, FF]), ("head.weight", None)]:
         assert tensors[f"model/{key}"]["chunks"] == 2 == tensors[f"optim/{key}/exp_avg"]["chunks"], key
         assert shape is None or tensors[f"model/{key}"]["shape"] == shape, tensors[f"model/{key}"]
-    _check(results, {"tp2->tp2": 0.0, "tp2->tp1": TOL, "tp1->tp2": TOL, "tp2->plain": None})
+    _check(
+        results,
+        {"tp2->tp2": 0.0, "tp2->tp1": TOL, "tp1->tp2": TOL, "tp2->plain": None, "tp2->tp1 before the partition": TOL},
+    )
 
 
 def _pipeline_moves(rank: int, world_size: int, root: str) -> dict[str, Any]:
@@ -197,12 +212,13 @@ def _pipeline_moves(rank: int, world_size: int, root: str) -> dict[str, Any]:
     out["tp2pp2"] = _smp_run(2, base / "tp2pp2", save=True, pp=2)
     out["tp2pp2->tp2"] = _smp_run(2, base / "tp2pp2", save=False)  # x reduced data 2
     out["tp2pp2->tp2pp2"] = _smp_run(2, base / "tp2pp2", save=False, pp=2)
+    out["tp2pp2->tp2pp2 before the partition"] = _smp_run(2, base / "tp2pp2", save=False, pp=2, before_partition=True)
     return out
 
 
 def test_tp2_x_pp2_checkpoint_loads_at_tp2_without_a_pipeline(tmp_path: Path) -> None:
     results = run_distributed(_pipeline_moves, 4, str(tmp_path))
-    _check(results, {"tp2pp2->tp2pp2": 0.0, "tp2pp2->tp2": TOL})
+    _check(results, {"tp2pp2->tp2pp2": 0.0, "tp2pp2->tp2": TOL, "tp2pp2->tp2pp2 before the partition": 0.0})
 
 
 def _gpt2_tp2(rank: int, world_size: int, root: str) -> dict[str, Any]:
