@@ -79,9 +79,14 @@ def _replicas(unit: UnitLayout, world: int, tp_size: int) -> tuple[int, int]:
     return unit_replicas(unit.path or "<root>", unit.world_size, rank, count, world, tp_size)
 
 
+def clean_paths(model: nn.Module) -> dict[str, str]:
+    """Module path in the FSDP-wrapped ``model`` -> the unwrapped model's path (wrapper levels add no segment)."""
+    return {real: clean for clean, real, _ in walk_modules(model)}
+
+
 def _tp_splits(model: nn.Module) -> dict[str, Split]:
     """The tensor-parallel splits of the wrapped model's parameters, by the unwrapped model's names."""
-    return tp_splits(model, {real: clean for clean, real, _ in walk_modules(model)})
+    return tp_splits(model, clean_paths(model))
 
 
 def _span(piece: FlatPiece, splits: dict[str, Split]) -> Span:
@@ -110,9 +115,12 @@ class FSDPSource(UniversalSource):
     #: An FSDP model (the models the legacy layout's adapter takes).
     handles = staticmethod(FSDPAdapter.handles)
 
-    def __init__(self, model: nn.Module, optimizer: Optional[Any]) -> None:
+    def __init__(self, model: nn.Module, optimizer: Optional[Any], splits: Optional[dict[str, Split]] = None) -> None:
         self.model = model
         self.optimizer = optimizer
+        #: The tensor-parallel splits by the unwrapped model's names, where a wrapper knows more of them than the
+        #: core's layers report (smp's distributed modules); None: the core's (:func:`tp_splits`).
+        self.splits = splits
         #: id(buffer) -> (staging copy in the original dtype, the buffer), for buffers mixed precision cast; made
         #: once per source, so every held() hands out the same copy the engine reads or fills.
         self._staged: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -121,7 +129,7 @@ class FSDPSource(UniversalSource):
         """Every unit's flat parameter shards with the ranges they hold, then every buffer whole."""
         view = layout(self.model).require_idle("save_checkpoint() or load_checkpoint()")
         _, world = rank_and_size()
-        splits = _tp_splits(self.model)
+        splits = _tp_splits(self.model) if self.splits is None else self.splits
         out: list[Held] = []
         for unit in view.units:
             replica_rank, replica_count = _replicas(unit, world, tp_degree(splits))
@@ -171,4 +179,4 @@ class FSDPSource(UniversalSource):
         reshard(self.model)
 
 
-__all__ = ["FSDPAdapter", "FSDPSource", "unit_replicas"]
+__all__ = ["FSDPAdapter", "FSDPSource", "clean_paths", "unit_replicas"]

@@ -22,13 +22,15 @@ from torch import nn
 
 import shardkit.modelparallel as smp
 from shardkit.checkpoint import validate
-from shardkit.checkpoint._collectives import rank_and_size
 from shardkit.checkpoint.adapters.base import named_parameter_ids
-from shardkit.checkpoint.adapters.fsdp import FSDPSource
+from shardkit.checkpoint.adapters.fsdp import FSDPSource, clean_paths
 from shardkit.checkpoint.adapters.full import FullStateAdapter
 from shardkit.checkpoint.adapters.registry import isinstance_of
 from shardkit.checkpoint.universal.source import Held, Span, UniversalSource
+from shardkit.checkpoint.universal.split import Split, clean_name, split_of
+from shardkit.modelparallel import state as smp_state
 from shardkit.modelparallel.checkpoints.checkpoint import state_key_map
+from shardkit.modelparallel.tp.layers import split_specs
 
 _MODEL = ("shardkit.modelparallel.model", "DistributedModel")
 _OPTIMIZER = ("shardkit.modelparallel.optimizer", "DistributedOptimizer")
@@ -41,6 +43,36 @@ def _refuse_sharded_state(optimizer: Optional[Any]) -> None:
         raise ValueError(
             "shardkit checkpoints of an smp optimizer with 'shard_optimizer_state' are not supported yet: save "
             "optimizer.state_dict() (gathered from the shards, on every rank) with smp.save instead"
+        )
+
+
+def smp_tp_splits(module: nn.Module, paths: Optional[dict[str, str]] = None) -> dict[str, Split]:
+    """This rank's :class:`Split` of every parameter of ``module`` that smp's tensor parallelism slices, by state-dict
+    name (a wrapper's module ``paths`` mapped to the unwrapped module's): the core's layers
+    (``smp.nn.DistributedLinear``, a Hugging Face model split by its plan) and smp's distributed modules naming
+    their slices themselves (``DistributedEmbedding``, the transformer blocks), which the core's
+    :func:`~shardkit.checkpoint.universal.split.tp_splits` does not see; all over smp's one tensor-parallel group.
+    Empty at degree one."""
+    size = smp.tp_size()
+    if size == 1:
+        return {}
+    rank = smp.tp_rank()
+    specs = split_specs(module)
+    return {clean_name(name, paths): Split(spec.dim, rank, size, spec.stride) for name, spec in specs.items()}
+
+
+def _refuse_master_weights(optimizer: Optional[Any]) -> None:
+    """Under smp's ``fp16``/``bf16`` the inner optimizer steps FP32 masters, which are not the model's parameters:
+    the universal layout would store the low-precision weights and silently drop the optimizer state."""
+    if optimizer is None:
+        return
+    pairs = zip(optimizer.fp16_groups, optimizer.fp32_from_fp16_groups)
+    if any(master is not param for params, masters in pairs for param, master in zip(params, masters)):
+        raise ValueError(
+            "shardkit universal checkpoints of an smp optimizer under 'fp16'/'bf16' are not supported yet: its FP32 "
+            "master weights and their optimizer state are not the model's parameters, and would not be saved. Save "
+            "with smp.save_checkpoint(path, tag, partial=True, model=model, optimizer=optimizer) instead, or pass "
+            "only model= to save the model's low-precision weights"
         )
 
 
@@ -116,6 +148,7 @@ class SMPSource(UniversalSource):
                 " wrap it: smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), ...))"
             )
         _refuse_sharded_state(optimizer)
+        _refuse_master_weights(optimizer)
         self.model: Any = model
         self.optimizer = optimizer
         self._stage_view: Optional[torch.optim.Optimizer] = None
@@ -128,7 +161,8 @@ class SMPSource(UniversalSource):
     @classmethod
     def for_model(cls, model: Any, optimizer: Optional[Any]) -> UniversalSource:
         """The source of ``model``: once sharded data parallelism has sharded its stage, FSDP's source over it (the
-        shards and the optimizer stepping them, under the unwrapped module's names); else an :class:`SMPSource`."""
+        shards and the optimizer stepping them, under the unwrapped module's names, with smp's tensor-parallel
+        splits); else an :class:`SMPSource`."""
         execution = model.stage_execution
         sharded = execution.sharded if execution is not None else None
         if sharded is None:
@@ -141,30 +175,38 @@ class SMPSource(UniversalSource):
                 "are not supported yet: use smp.save_checkpoint (partial=True resumes at the same layout; a full "
                 "checkpoint, partial=False, loads into any layout) and smp.resume_from_checkpoint"
             )
-        return FSDPSource(sharded.root, optimizer.optimizer if optimizer is not None else None)
+        splits = smp_tp_splits(sharded.root, clean_paths(sharded.root))
+        return FSDPSource(sharded.root, optimizer.optimizer if optimizer is not None else None, splits)
 
-    def _replicas(self, name: str) -> tuple[int, int]:
-        """Which of the ranks holding ``name`` this one is, and how many hold it."""
+    def _replicas(self, name: str, split: Optional[Split]) -> tuple[int, int]:
+        """Which of the ranks holding the same elements of ``name`` this one is, and how many hold them.
 
+        A whole tensor is held alike by its stages' whole data-parallel group (smp's, which includes the
+        tensor-parallel ranks); a tensor-parallel slab only by the ranks of the same tensor-parallel rank, the
+        reduced-data-parallel group. Before the partition every stage holds every tensor."""
         stages = self.model.holding_stages(name)
-        if stages is None:  # not partitioned yet: every rank holds everything
-            return rank_and_size()
-        return stages.index(smp.pp_rank()) * smp.dp_size() + smp.dp_rank(), len(stages) * smp.dp_size()
+        if stages is None:  # not partitioned yet: every stage holds everything
+            stages = tuple(range(smp.pp_size()))
+        width, within = (smp.rdp_size(), smp.rdp_rank()) if split is not None else (smp.dp_size(), smp.dp_rank())
+        return stages.index(smp.pp_rank()) * width + within, len(stages) * width
 
     def held(self) -> list[Held]:
-        """The parameters and buffers this stage holds, whole, under their first names."""
+        """The parameters and buffers this stage holds under their first names: whole, or (tensor parallelism) this
+        rank's slab of the full tensor, which the checkpoint stores as boxes of the full tensor without gathering."""
         if self.model.running_step is not None:
             raise RuntimeError(
                 "a checkpoint of an smp model was requested inside an @smp.step call: save and load between steps"
             )
         inner: nn.Module = self.model.module
         persistent = set(inner.state_dict(keep_vars=True))
+        splits = smp_tp_splits(inner)
         out: list[Held] = []
         for name, tensor in [*self.model.local_named_parameters(), *self.model.local_named_buffers()]:
             if name not in persistent:
                 continue  # a non-persistent buffer is not part of the model's state
-            replica_rank, replica_count = self._replicas(name)
-            out.append(Held(tensor, (Span(name, tensor.shape, 0, tensor.numel(), 0),), replica_rank, replica_count))
+            shape, split = split_of(splits, name, tensor.shape)
+            span = Span(name, shape, 0, tensor.numel(), 0, split)
+            out.append(Held(tensor, (span,), *self._replicas(name, split)))
         return out
 
     def local_optimizer(self) -> Optional[torch.optim.Optimizer]:
@@ -196,7 +238,11 @@ class SMPSource(UniversalSource):
         return [[names[id(p)] for p in group["params"] if id(p) in names] for group in inner.param_groups]
 
     def after_load(self) -> None:
-        """Give the inner optimizer the state and hyper-parameters loaded into the stage's view of it."""
+        """Give the inner optimizer the state and hyper-parameters loaded into the stage's view of it; under
+        ``fp16``/``bf16`` (a model loaded without its optimizer) the FP32 masters take the loaded weights."""
+        smp_optimizer = smp_state.current().optimizer
+        if smp_optimizer is not None:
+            smp_optimizer.reload_model_params()
         view = self._stage_view
         if view is None or self.optimizer is None:
             return

@@ -146,12 +146,18 @@ def tp_splits(module: nn.Module, clean_paths: Optional[dict[str, str]] = None) -
     out: dict[str, Split] = {}
     for name, (spec, group) in tensor_parallel.tp_split_groups(module).items():
         if group.size > 1:
-            if clean_paths is not None:
-                owner, _, attr = name.rpartition(".")
-                owner = clean_paths.get(owner, owner)
-                name = f"{owner}.{attr}" if owner else attr
-            out[name] = Split(spec.dim, group.rank, group.size, spec.stride)
+            out[clean_name(name, clean_paths)] = Split(spec.dim, group.rank, group.size, spec.stride)
     return out
+
+
+def clean_name(name: str, clean_paths: Optional[dict[str, str]]) -> str:
+    """The checkpoint name of the parameter ``name`` of a wrapped module: its owner's module path mapped by
+    ``clean_paths`` (a wrapper's path -> the unwrapped module's, see :func:`tp_splits`); unchanged without one."""
+    if clean_paths is None:
+        return name
+    owner, _, attr = name.rpartition(".")
+    owner = clean_paths.get(owner, owner)
+    return f"{owner}.{attr}" if owner else attr
 
 
 def tp_degree(splits: dict[str, Split]) -> int:
