@@ -24,15 +24,14 @@ import torch.distributed as dist
 from torch import nn
 
 from shardkit.distributed.collectives import all_reduce
-from shardkit.tensor_parallel.sharding import TensorParallelModule, live_tp_modules
+from shardkit.tensor_parallel.sharding import modules_with_splits, split_attrs
 
 
 def split_group(module: nn.Module, attr: str) -> Optional[dist.ProcessGroup]:
     """The tensor-parallel group parameter ``attr`` of ``module`` is split across, or None when it is replicated
     (or the group has one rank)."""
-    if isinstance(module, TensorParallelModule) and attr in module.tp_specs and module.tp.size > 1:
-        return module.tp.group
-    return None
+    split = split_attrs(module).get(attr)
+    return split[1].group if split is not None and split[1].size > 1 else None
 
 
 def split_groups(params: Iterable[torch.Tensor]) -> list[Optional[dist.ProcessGroup]]:
@@ -42,8 +41,8 @@ def split_groups(params: Iterable[torch.Tensor]) -> list[Optional[dist.ProcessGr
     ``OSS.clip_grad_norm``): a parameter is found in whichever live tensor-parallel layer holds it now.
     """
     owners: dict[int, dist.ProcessGroup] = {}
-    for module in live_tp_modules():
-        for attr in module.tp_specs:
+    for module in modules_with_splits():
+        for attr in split_attrs(module):
             param = getattr(module, attr, None)
             group = split_group(module, attr) if isinstance(param, torch.Tensor) else None
             if group is not None:

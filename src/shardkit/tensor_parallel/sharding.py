@@ -132,6 +132,36 @@ def live_tp_modules() -> list[TensorParallelModule]:
     return list(_LIVE)
 
 
+#: Split parameters held by modules that are not :class:`TensorParallelModule` (the linears inside smp's transformer
+#: blocks, whose block names its children's slices): owner module -> attribute -> (split, group). Weak: it keeps no
+#: module alive.
+_SPLIT_ELSEWHERE: weakref.WeakKeyDictionary[nn.Module, dict[str, tuple[ShardSpec, TPGroup]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def register_split(owner: nn.Module, attr: str, spec: ShardSpec, tp: TPGroup) -> None:
+    """Declare that parameter ``attr`` of ``owner`` holds this rank's slice, split by ``spec`` across ``tp``, for a
+    module that is not a :class:`TensorParallelModule`. Clipping (:func:`~shardkit.tensor_parallel.split_groups`,
+    FSDP's), checkpoints and :func:`tp_sharding` then treat it as the core's layers' split parameters; undeclared,
+    each rank would count its own slice as the whole tensor (different clipping factors, one slice saved)."""
+    if isinstance(owner, TensorParallelModule):
+        raise TypeError(f"{type(owner).__name__} is a TensorParallelModule: name its split parameters in tp_specs")
+    _SPLIT_ELSEWHERE.setdefault(owner, {})[attr] = (spec, tp)
+
+
+def split_attrs(module: nn.Module) -> dict[str, tuple[ShardSpec, TPGroup]]:
+    """The split parameters of ``module`` itself (not its children): attribute -> (split, group)."""
+    if isinstance(module, TensorParallelModule):
+        return {name: (spec, module.tp) for name, spec in module.tp_specs.items()}
+    return dict(_SPLIT_ELSEWHERE.get(module, {}))
+
+
+def modules_with_splits() -> list[nn.Module]:
+    """Every live module holding split parameters: the core's layers and the owners :func:`register_split` named."""
+    return [*live_tp_modules(), *_SPLIT_ELSEWHERE.keys()]
+
+
 def tp_sharding(model: nn.Module) -> dict[str, ShardSpec]:
     """Every split parameter of ``model`` by its qualified name (``state_dict`` key) and how it is split."""
     return {name: spec for name, (spec, _) in tp_split_groups(model).items()}
@@ -142,8 +172,7 @@ def tp_split_groups(model: nn.Module) -> dict[str, tuple[ShardSpec, TPGroup]]:
     what a checkpoint needs to place this rank's slice in the full tensor without gathering it."""
     groups: dict[str, tuple[ShardSpec, TPGroup]] = {}
     for prefix, module in model.named_modules():
-        if isinstance(module, TensorParallelModule):
-            for name, spec in module.tp_specs.items():
-                if getattr(module, name, None) is not None:
-                    groups[f"{prefix}.{name}" if prefix else name] = (spec, module.tp)
+        for name, (spec, tp) in split_attrs(module).items():
+            if getattr(module, name, None) is not None:
+                groups[f"{prefix}.{name}" if prefix else name] = (spec, tp)
     return groups

@@ -82,7 +82,7 @@ class DistributedEmbedding(DistributedModule):
             if padding_idx is not None:
                 full[padding_idx].zero_()
         spec = ShardSpec(1)
-        self.tp_slices = {"weight": spec} if group is not None else {}
+        self.declare_tp_slices({"weight": spec}, group)
         local = spec.shard(full, group.rank, group.size) if group is not None else full
         self.weight = nn.Parameter(local.contiguous())
 

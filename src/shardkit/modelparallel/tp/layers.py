@@ -31,6 +31,7 @@ from shardkit.tensor_parallel import (
     gather_from_sequence,
     reduce_from_tp,
     reduce_scatter_to_sequence,
+    register_split,
     scatter_to_tp,
     split_size,
     tp_sharding,
@@ -45,6 +46,18 @@ class DistributedModule(nn.Module):
     """
 
     tp_slices: dict[str, ShardSpec] = {}  # noqa: RUF012 (read-only default; instances assign their own)
+
+    def declare_tp_slices(self, slices: dict[str, ShardSpec], group: Optional[TPGroup]) -> None:
+        """Set :attr:`tp_slices` (empty at degree one) and tell the core which of its children's parameters they
+        are, so FSDP's and OSS's clipping and the checkpoints count each split parameter once (the core's layers
+        name theirs themselves)."""
+        self.tp_slices = dict(slices) if group is not None and group.size > 1 else {}
+        for name, spec in self.tp_slices.items():
+            path, _, attr = name.rpartition(".")
+            owner = self.get_submodule(path) if path else self
+            if not isinstance(owner, TensorParallelModule):
+                assert group is not None
+                register_split(owner, attr, spec, group)
 
 
 def split_specs(root: nn.Module) -> dict[str, ShardSpec]:

@@ -97,7 +97,7 @@ class DistributedTransformerLMHead(DistributedModule):
         self.region = Region(group, smp_state.current().config.prescaled_batch)
         self.vocab_size, self.add_lm_head = vocab_size, add_lm_head
         self.word_embedding = _word_embedding(vocab_size, hidden_size, initializer_range, group is not None)
-        self.tp_slices = {"word_embedding.weight": ShardSpec(0)} if self.region.sliced else {}
+        self.declare_tp_slices({"word_embedding.weight": ShardSpec(0)}, group)
         self.position_embedding = _normal_embedding(num_positions, hidden_size, initializer_range)
         self.token_type_embedding = (
             _normal_embedding(num_token_types, hidden_size, initializer_range) if num_token_types > 0 else None

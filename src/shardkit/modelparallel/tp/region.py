@@ -41,6 +41,11 @@ class Region:
         return None if is_tracing() else self._group
 
     @property
+    def tp_group(self) -> Optional[TPGroup]:
+        """The block's tensor-parallel group, also while rank 0 traces alone (for naming its slices)."""
+        return self._group
+
+    @property
     def sliced(self) -> bool:
         """Whether the block's split parameters differ between ranks (degree above one)."""
         return self._group is not None and self._group.size > 1

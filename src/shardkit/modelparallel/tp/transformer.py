@@ -112,7 +112,7 @@ class DistributedTransformerOutputLayer(_Block):
         self.dense2 = _split_linear(_reference_linear(intermediate_size, hidden_size, std), 1, self.region)
         column, row = ShardSpec(0), ShardSpec(1)
         sliced = {"dense1.weight": column, "dense1.bias": column, "dense2.weight": row}
-        self.tp_slices = sliced if self.region.sliced else {}
+        self.declare_tp_slices(sliced, self.region.tp_group)
         self.dropout = nn.Dropout(hidden_dropout_prob)
         self.activation = activation
         self.fp32_residual_addition = fp32_residual_addition
@@ -165,7 +165,7 @@ class DistributedAttentionLayer(_Block):
         self.value = _split_linear(_reference_linear(hidden_size, width, std), 0, self.region)
         self.dense = _split_linear(_reference_linear(width, hidden_size, std), 1, self.region)
         sliced = {f"{name}.{kind}": ShardSpec(0) for name in ("query", "key", "value") for kind in ("weight", "bias")}
-        self.tp_slices = {**sliced, "dense.weight": ShardSpec(1)} if self.region.sliced else {}
+        self.declare_tp_slices({**sliced, "dense.weight": ShardSpec(1)}, self.region.tp_group)
         self.dropout1 = nn.Dropout(attention_dropout_prob)
         self.dropout2 = nn.Dropout(hidden_dropout_prob)
         self.causal_mask_size = causal_mask_size
