@@ -117,8 +117,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             assert model is not None
             device = model.execution_device if model.partitioned else execution_device(state, model.module)
             # Overflows are agreed over the replica (stages and TP ranks; the replicas' gradients are equal after
-            # their all-reduce), over every rank with sharded state (each replica updates its own masters): smp's.
-            group = state.world_group if state.config.shard_optimizer_state else smp_state.get_mp_process_group()
+            # their all-reduce), over every rank with sharded state or sharded data parallelism (each rank updates
+            # its own masters): smp's.
+            whole = state.config.shard_optimizer_state or state.config.sharded_data_parallel_degree > 1
+            group = state.world_group if whole else smp_state.get_mp_process_group()
             self._smp_mixed = MixedPrecision(self.param_groups, low, options, group, device)
             if model.partitioned:
                 self._smp_mixed.masters.fill({id(p) for p in model.local_parameters()})
@@ -159,14 +161,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def fp16_groups(self) -> list[list[torch.Tensor]]:
         """The model's parameters of each parameter group: under fp16/bf16 the low-precision ones (whose FP32
         masters the optimizer updates), otherwise every parameter (the optimizer updates them directly)."""
-        if self._smp_mixed is not None:
+        if self._smp_mixed is not None and self._smp_state.config.sharded_data_parallel_degree == 1:
             return [[param for param, _ in pairs] for pairs in self._smp_mixed.masters.groups]
+        # (Under sharded data parallelism the FP32 shards are the model's parameters and the masters at once.)
         return [list(group["params"]) for group in self.param_groups]
 
     @property
     def fp32_from_fp16_groups(self) -> list[list[torch.Tensor]]:
         """The FP32 masters of ``fp16_groups``, group by group (the parameters themselves without fp16/bf16)."""
-        if self._smp_mixed is not None:
+        if self._smp_mixed is not None and self._smp_state.config.sharded_data_parallel_degree == 1:
             return [[master for _, master in pairs] for pairs in self._smp_mixed.masters.groups]
         return self.fp16_groups
 
@@ -197,11 +200,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """
         if norm_type != 2.0:
             raise ValueError(f"clip_master_grads supports the 2-norm only, got norm_type={norm_type}")
+        if self._smp_mixed is not None and self._smp_mixed.unscale(self.param_groups, self._device_for_norm()):
+            return torch.tensor(-1.0)
         sharded = self._sharded_stage()
         if sharded is not None:  # the gradients are shards: the norm is summed over the sharding group
             return sharded.clip(max_norm)
-        if self._smp_mixed is not None and self._smp_mixed.unscale(self.param_groups, self._device_for_norm()):
-            return torch.tensor(-1.0)
         params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
         device = params[0].grad.device if params else self._device_for_norm()
         norms = [torch.linalg.vector_norm(p.grad.detach(), 2.0).to(device) for p in params]
