@@ -119,10 +119,10 @@ def test_sdp2_fp16_skips_on_every_rank_resumes_bitwise_and_bf16_trains(tmp_path:
             assert run["skipped"] == theirs["skipped"] == [fp16 and s == INJECT_AT for s in range(STEPS)], run
             assert run["scales"] == (SCALES if fp16 else [1.0] * STEPS)
             assert run["fp16_groups"] and set(run["fp16_groups"]) == {torch.float32}
-            # Measured: fp16 losses and norms within 2**-11 (one FP16 unit), weights within 0.006 LR; bf16, whose
-            # reference sums 4 micro-batches' gradients in bf16 (8 bits) where ours sums them in FP32, losses within
-            # 0.51% and weights within 0.096 LR after 5 steps.
-            _close(run, theirs, 2.0**-11, 0.01, rank) if fp16 else _close(run, theirs, 2.0**-6, 0.2, rank)
+            # Measured: fp16 losses within 2.8e-4 relative, norms 1.5e-4, weights 0.0035 LR; bf16, whose reference
+            # sums the 4 micro-batches' gradients in bf16 (8 bits) where ours sums them in FP32: losses within 1.7e-3,
+            # norms 5.2e-4, weights 0.032 LR after 5 steps.
+            _close(run, theirs, 2.0**-11, 0.01, rank) if fp16 else _close(run, theirs, 2.0**-8, 0.1, rank)
     for result in results:  # the partial checkpoint (shards, Adam state, loss scale) resumes bitwise
         whole, resumed = result[str(torch.float16)], result["resumed"]
         assert resumed["losses"] == whole["losses"][3:] and resumed["scales"] == whole["scales"][3:]
@@ -144,5 +144,6 @@ def test_tp2_sdp2_bf16_trains_like_fp32_masters_by_hand() -> None:
     theirs = _reference(torch.bfloat16, microbatches=8, clip=NO_CLIP, inject=False)
     for result in run_distributed(_tp2_sdp2, 4):
         assert result["skipped"] == [False] * STEPS and result["scales"] == [1.0] * STEPS
-        # Measured: losses within 0.86%, weights within 0.088 LR (see the SDP 2 test; the split matmul adds a rounding)
-        _close(result, theirs, 2.0**-6, 0.2, result["dp_rank"])
+        # Measured: losses within 9.2e-3 relative, norms 3.0e-3, weights 0.154 LR (the reference sums 8 micro-batches'
+        # gradients in bf16, and the row-split matmul adds its partial sums in bf16: one more rounding per output)
+        _close(result, theirs, 2.0**-6, 0.3, result["dp_rank"])

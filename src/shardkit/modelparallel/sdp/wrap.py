@@ -62,6 +62,8 @@ class ShardedStage:
             "compute_device": device,
             **_mixed_precision_args(state.config),
         }
+        if self.low_precision:  # smp's masters are FP32 copies of the model cast to the low dtype: start from those
+            _round_through(module, low_precision_dtype(state.config))
         if topo.tp_size == 1:  # under TP the split layers' names must stay as they are (their slices are merged)
             for parent, name, block in _blocks(module):
                 setattr(parent, name, FullyShardedDataParallel(block, **unit_args))
@@ -120,6 +122,14 @@ class ShardedStage:
     def clip(self, max_norm: float) -> torch.Tensor:
         """Clip every shard's gradient by the whole model's global 2-norm (collective over the stage's ranks)."""
         return self.root.clip_grad_norm_(max_norm)
+
+
+def _round_through(module: nn.Module, low: Any) -> None:
+    """Round the floating-point parameters' values to ``low`` in place, keeping their FP32 dtype."""
+    with torch.no_grad():
+        for param in module.parameters():
+            if param.is_floating_point():
+                param.data = param.data.to(low).to(param.dtype)
 
 
 def _mixed_precision_args(config: Any) -> dict[str, Any]:
