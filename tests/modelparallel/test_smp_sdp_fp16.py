@@ -11,6 +11,7 @@ every micro-batch's gradient in the low dtype.
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any, Callable
 
 import pytest
@@ -58,6 +59,8 @@ def _train(model: Any, optimizer: Any, steps: range, inject: Callable[[], bool],
         out["skipped"].append(optimizer.overflow)
         if save and step == 2:
             smp.save_checkpoint(save, tag="step3", partial=True, model=model, optimizer=optimizer)
+            with pytest.warns(UserWarning, match="without the optimizer state"):  # the loss scale alone
+                smp.save_checkpoint(save, tag="full3", partial=False, model=model, optimizer=optimizer)
     out["weights"] = {k: v.clone() for k, v in model.state_dict().items()}  # gathered from the shards
     out["shards"] = [p.detach().clone() for group in optimizer.fp32_from_fp16_groups for p in group]
     out["fp16_groups"] = [p.dtype for group in optimizer.fp16_groups for p in group]
@@ -86,13 +89,16 @@ def _sdp2(rank: int, world_size: int, folder: str) -> dict[str, Any]:
             )
         finally:
             smp.reset()
-    smp.init(_config(torch.float16))
-    try:
-        model, optimizer = _build()
-        smp.resume_from_checkpoint(folder, tag="step3", partial=True)
-        out["resumed"] = _train(model, optimizer, range(3, STEPS), _never)
-    finally:
-        smp.reset()
+    for tag, partial in (("step3", True), ("full3", False)):
+        smp.init(_config(torch.float16))
+        try:
+            model, optimizer = _build()
+            with warnings.catch_warnings():  # the full checkpoint: "holds no optimizer state"
+                warnings.simplefilter("ignore")
+                smp.resume_from_checkpoint(folder, tag=tag, partial=partial)
+            out[tag] = _train(model, optimizer, range(3, STEPS), _never)
+        finally:
+            smp.reset()
     return out
 
 
@@ -124,10 +130,14 @@ def test_sdp2_fp16_skips_on_every_rank_resumes_bitwise_and_bf16_trains(tmp_path:
             # norms 5.2e-4, weights 0.032 LR after 5 steps.
             _close(run, theirs, 2.0**-11, 0.01, rank) if fp16 else _close(run, theirs, 2.0**-8, 0.1, rank)
     for result in results:  # the partial checkpoint (shards, Adam state, loss scale) resumes bitwise
-        whole, resumed = result[str(torch.float16)], result["resumed"]
+        whole, resumed, full = result[str(torch.float16)], result["step3"], result["full3"]
         assert resumed["losses"] == whole["losses"][3:] and resumed["scales"] == whole["scales"][3:]
         assert resumed["scaler"] == whole["scaler"] and resumed["norms"] == whole["norms"][3:]
         assert all(torch.equal(a, b) for a, b in zip(resumed["shards"], whole["shards"]))
+        # the full one holds the gathered weights and the loss scale (not Adam's state, as smp's): the same first
+        # loss (the same weights), the same scales and counters
+        assert full["losses"][0] == whole["losses"][3] and full["scales"] == whole["scales"][3:]
+        assert full["scaler"] == whole["scaler"] and whole["scaler"]["iteration"] == STEPS
 
 
 def _tp2_sdp2(rank: int, world_size: int) -> dict[str, Any]:

@@ -184,6 +184,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """The factor ``model.backward`` multiplies the loss by (fp16; 1.0 otherwise)."""
         return self._smp_mixed.loss_scale if self._smp_mixed is not None else 1.0
 
+    def loss_scaler_state(self) -> Optional[dict[str, Any]]:
+        """The loss scaler's state (the ``"loss_scaler"`` entry of the state dicts; None without fp16): what a full
+        checkpoint keeps where it holds no optimizer state (tensor or sharded data parallelism)."""
+        return self._smp_mixed.state_dict() if self._smp_mixed is not None else None
+
+    def load_loss_scaler_state(self, saved: Optional[dict[str, Any]]) -> None:
+        """Resume the loss scale and its counters from :meth:`loss_scaler_state` (nothing without fp16)."""
+        if self._smp_mixed is not None:
+            self._smp_mixed.load_state_dict(saved)
+
     def reload_model_params(self) -> None:
         """Take the FP32 masters from the model's current weights (after loading weights into the model only;
         ``DistributedModel.load_state_dict`` calls it). Nothing to do without fp16/bf16."""
