@@ -104,8 +104,10 @@ def save_checkpoint(
     else:
         full = model.state_dict() if model is not None else None  # collective over the replica's stages
         full_optimizer = optimizer.state_dict() if optimizer is not None and not _tp_slices_optimizer() else None
-        if optimizer is not None and full_optimizer is None and optimizer.loss_scaler_state() is not None:
-            full_optimizer = {SCALER_KEY: optimizer.loss_scaler_state()}  # the fp16 loss scale alone
+        scaler_state = getattr(optimizer, "loss_scaler_state", None)  # an smp.DistributedOptimizer's
+        scale = scaler_state() if callable(scaler_state) else None
+        if full_optimizer is None and scale is not None:
+            full_optimizer = {SCALER_KEY: scale}  # the fp16 loss scale alone
         if smp_state.rank() == 0:
             os.makedirs(path, exist_ok=True)
             if full is not None:
