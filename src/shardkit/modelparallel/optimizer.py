@@ -414,9 +414,14 @@ def _mixed_step(self: DistributedOptimizer, closure: Optional[Callable[[], Any]]
 
 
 class _MixedPrecisionStep:
-    """``step`` and ``zero_grad`` of a DistributedOptimizer with FP32 masters (:mod:`~.precision.fp16_optimizer`)."""
+    """``step`` and ``zero_grad`` of a DistributedOptimizer with FP32 masters (:mod:`~.precision.fp16_optimizer`).
+
+    Its ``step`` runs the step hooks once, through the user's optimizer's own step (not at all for a skipped step);
+    it is marked as torch's wrapper marks a hooked step, or torch's ``load_state_dict`` would wrap it again and
+    every hook (``sdp_gradient_clipping``'s clipping among them) would run twice after a resume."""
 
     step = _mixed_step
+    setattr(step, "hooked", True)  # noqa: B010  (what torch's own step wrapper sets: never wrap it again)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the masters' gradients (the optimizer's own ``zero_grad``) and the model's."""
