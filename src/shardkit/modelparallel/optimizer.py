@@ -160,7 +160,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     @property
     def fp16_groups(self) -> list[list[torch.Tensor]]:
         """The model's parameters of each parameter group: under fp16/bf16 the low-precision ones (whose FP32
-        masters the optimizer updates), otherwise every parameter (the optimizer updates them directly)."""
+        masters the optimizer updates), otherwise every parameter (the optimizer updates them directly). Under
+        sharded data parallelism the FP32 shards the optimizer updates, which are the masters too (FSDP computes with
+        low-precision copies gathered for each forward)."""
         if self._smp_mixed is not None and self._smp_state.config.sharded_data_parallel_degree == 1:
             return [[param for param, _ in pairs] for pairs in self._smp_mixed.masters.groups]
         # (Under sharded data parallelism the FP32 shards are the model's parameters and the masters at once.)
