@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-import shardkit.modelparallel as smp
 from shardkit.modelparallel.precision.loss_scaler import LossScaleOptions, LossScaler
 
 SCALE_ARGS = {"init_scale": 2.0**10, "scale_window": 2, "min_scale": 1, "delayed_shift": 1}
@@ -38,9 +37,3 @@ def test_bad_loss_scaling_arguments_are_refused() -> None:
         LossScaleOptions.from_smp(None, False, {})
     with pytest.raises(ValueError, match="scale_factor must be a number > 1"):
         LossScaleOptions.from_smp(None, True, {"scale_factor": 1})
-
-
-def test_fp16_and_bf16_with_sharded_data_parallelism_are_refused_by_the_config() -> None:
-    for key in ("fp16", "bf16"):
-        with pytest.raises(ValueError, match=f"'{key}': true is not supported with it yet"):
-            smp.ModelParallelConfig.from_dict({key: True, "sharded_data_parallel_degree": 2, "ddp": True})

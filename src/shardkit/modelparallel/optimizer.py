@@ -117,8 +117,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             assert model is not None
             device = model.execution_device if model.partitioned else execution_device(state, model.module)
             # Overflows are agreed over the replica (stages and TP ranks; the replicas' gradients are equal after
-            # their all-reduce), over every rank with sharded state (each replica updates its own masters): smp's.
-            group = state.world_group if state.config.shard_optimizer_state else smp_state.get_mp_process_group()
+            # their all-reduce), over every rank with sharded state or sharded data parallelism (each rank updates
+            # its own masters): smp's.
+            whole = state.config.shard_optimizer_state or state.config.sharded_data_parallel_degree > 1
+            group = state.world_group if whole else smp_state.get_mp_process_group()
             self._smp_mixed = MixedPrecision(self.param_groups, low, options, group, device)
             if model.partitioned:
                 self._smp_mixed.masters.fill({id(p) for p in model.local_parameters()})
@@ -158,15 +160,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
     @property
     def fp16_groups(self) -> list[list[torch.Tensor]]:
         """The model's parameters of each parameter group: under fp16/bf16 the low-precision ones (whose FP32
-        masters the optimizer updates), otherwise every parameter (the optimizer updates them directly)."""
-        if self._smp_mixed is not None:
+        masters the optimizer updates), otherwise every parameter (the optimizer updates them directly). Under
+        sharded data parallelism the FP32 shards the optimizer updates, which are the masters too (FSDP computes with
+        low-precision copies gathered for each forward)."""
+        if self._smp_mixed is not None and self._smp_state.config.sharded_data_parallel_degree == 1:
             return [[param for param, _ in pairs] for pairs in self._smp_mixed.masters.groups]
+        # (Under sharded data parallelism the FP32 shards are the model's parameters and the masters at once.)
         return [list(group["params"]) for group in self.param_groups]
 
     @property
     def fp32_from_fp16_groups(self) -> list[list[torch.Tensor]]:
         """The FP32 masters of ``fp16_groups``, group by group (the parameters themselves without fp16/bf16)."""
-        if self._smp_mixed is not None:
+        if self._smp_mixed is not None and self._smp_state.config.sharded_data_parallel_degree == 1:
             return [[master for _, master in pairs] for pairs in self._smp_mixed.masters.groups]
         return self.fp16_groups
 
@@ -180,6 +185,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def loss_scale(self) -> float:
         """The factor ``model.backward`` multiplies the loss by (fp16; 1.0 otherwise)."""
         return self._smp_mixed.loss_scale if self._smp_mixed is not None else 1.0
+
+    def loss_scaler_state(self) -> Optional[dict[str, Any]]:
+        """The loss scaler's state (the ``"loss_scaler"`` entry of the state dicts; None without fp16): what a full
+        checkpoint keeps where it holds no optimizer state (tensor or sharded data parallelism)."""
+        return self._smp_mixed.state_dict() if self._smp_mixed is not None else None
+
+    def load_loss_scaler_state(self, saved: Optional[dict[str, Any]]) -> None:
+        """Resume the loss scale and its counters from :meth:`loss_scaler_state` (nothing without fp16)."""
+        if self._smp_mixed is not None:
+            self._smp_mixed.load_state_dict(saved)
 
     def reload_model_params(self) -> None:
         """Take the FP32 masters from the model's current weights (after loading weights into the model only;
@@ -197,11 +212,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """
         if norm_type != 2.0:
             raise ValueError(f"clip_master_grads supports the 2-norm only, got norm_type={norm_type}")
+        if self._smp_mixed is not None and self._smp_mixed.unscale(self.param_groups, self._device_for_norm()):
+            return torch.tensor(-1.0)
         sharded = self._sharded_stage()
         if sharded is not None:  # the gradients are shards: the norm is summed over the sharding group
             return sharded.clip(max_norm)
-        if self._smp_mixed is not None and self._smp_mixed.unscale(self.param_groups, self._device_for_norm()):
-            return torch.tensor(-1.0)
         params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
         device = params[0].grad.device if params else self._device_for_norm()
         norms = [torch.linalg.vector_norm(p.grad.detach(), 2.0).to(device) for p in params]
@@ -401,9 +416,14 @@ def _mixed_step(self: DistributedOptimizer, closure: Optional[Callable[[], Any]]
 
 
 class _MixedPrecisionStep:
-    """``step`` and ``zero_grad`` of a DistributedOptimizer with FP32 masters (:mod:`~.precision.fp16_optimizer`)."""
+    """``step`` and ``zero_grad`` of a DistributedOptimizer with FP32 masters (:mod:`~.precision.fp16_optimizer`).
+
+    Its ``step`` runs the step hooks once, through the user's optimizer's own step (not at all for a skipped step);
+    it is marked as torch's wrapper marks a hooked step, or torch's ``load_state_dict`` would wrap it again and
+    every hook (``sdp_gradient_clipping``'s clipping among them) would run twice after a resume."""
 
     step = _mixed_step
+    setattr(step, "hooked", True)  # noqa: B010  (what torch's own step wrapper sets: never wrap it again)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the masters' gradients (the optimizer's own ``zero_grad``) and the model's."""

@@ -184,6 +184,8 @@ def build_stage(
     sync: Union[GradientSync, ShardedGradientSync]
     if state.config.sharded_data_parallel_degree > 1:  # after the plan: no sharded collective in rank 0's trace
         sharded = ShardedStage(holding.module, state, device, options.backward_passes_per_step)
+        if sharded.low_precision:  # the trace ran in FP32: the first step finds the low-precision outputs
+            runtime.forget_traced_shapes()
         sync = sharded.sync
     else:
         sync = _gradient_sync(holding, plan, named, state, options, device)

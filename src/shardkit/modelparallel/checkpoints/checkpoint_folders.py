@@ -9,8 +9,9 @@ The layout, as smp documents it (``rankinfo`` is ``<pp_rank>_<tp_rank>``)::
         user_content.pt             what the script passed as ``user_content``
       <tag>                         a full checkpoint: the whole model's plain ``state_dict`` (slices merged)
       user_content_<tag>            its user content
-      optimizer_<tag>               its optimizer's full ``state_dict`` (ours: smp lists no such file; not written
-                                    under tensor parallelism, where the state is sliced)
+      optimizer_<tag>               its optimizer's full ``state_dict`` (ours: smp lists no such file); under tensor
+                                    or sharded data parallelism, where the state is sliced or sharded, only the fp16
+                                    loss scaler's state (``{"loss_scaler": ...}``; no file without fp16)
       newest                        the tag saved last (text)
 
 Every file is a plain ``torch.save`` of tensors and containers and is read back weights-only, so no pickled code
@@ -39,6 +40,7 @@ from shardkit.modelparallel.checkpoints.checkpoint_files import (
     stage_name,
 )
 from shardkit.modelparallel.checkpoints.user_content import encode
+from shardkit.modelparallel.precision.fp16_optimizer import SCALER_KEY
 from shardkit.utils.tensors import to_cpu
 
 
@@ -102,6 +104,10 @@ def save_checkpoint(
     else:
         full = model.state_dict() if model is not None else None  # collective over the replica's stages
         full_optimizer = optimizer.state_dict() if optimizer is not None and not _tp_slices_optimizer() else None
+        scaler_state = getattr(optimizer, "loss_scaler_state", None)  # an smp.DistributedOptimizer's
+        scale = scaler_state() if callable(scaler_state) else None
+        if full_optimizer is None and scale is not None:
+            full_optimizer = {SCALER_KEY: scale}  # the fp16 loss scale alone
         if smp_state.rank() == 0:
             os.makedirs(path, exist_ok=True)
             if full is not None:
@@ -190,7 +196,10 @@ def resume_from_checkpoint(
     if not partial and translate_function is not None:
         weights = translate_function(weights)
     model.load_state_dict(weights, strict=strict)
-    if optimizer is not None and loaded["optimizer"] is not None:
+    scale_only = loaded["optimizer"] is not None and "state" not in loaded["optimizer"]
+    if optimizer is not None and scale_only:  # a full checkpoint under tensor/sharded data parallelism under fp16
+        optimizer.load_loss_scaler_state(loaded["optimizer"].get(SCALER_KEY))
+    if optimizer is not None and loaded["optimizer"] is not None and not scale_only:
         optimizer.load_state_dict(loaded["optimizer"])
     elif optimizer is not None:
         warnings.warn(

@@ -142,6 +142,12 @@ class StageRuntime:
         self._installed: list[tuple[nn.Module, type[nn.Module]]] = []
         self._placeholders: dict[tuple[tuple[int, ...], torch.dtype, torch.device], torch.Tensor] = {}
 
+    def forget_traced_shapes(self) -> None:
+        """Discover the units' output shapes and dtypes at the first step instead of taking the trace's: for a stage
+        that computes in another dtype than the trace ran in (sharded data parallelism under fp16/bf16, where rank
+        0 traced the FP32 module before it was sharded)."""
+        self._shapes.clear()
+
     # ---- installation -------------------------------------------------------------------------------------
 
     def install(self, root: nn.Module, below: Sequence[tuple[nn.Module, type[nn.Module]]] = ()) -> None:

@@ -15,6 +15,12 @@ What smp v1.10+ does under these keys, and what this module provides for ``Distr
   all-reduce, so they agree too; every rank with ``shard_optimizer_state``, as smp), and an overflow skips the step
   on all of them (:class:`MixedPrecision`, the scale rules in :mod:`~.loss_scaler`). bf16 has FP16's exponent
   range problem solved by its 8-bit exponent: no scale, no check.
+
+Under sharded data parallelism (``sharded_data_parallel_degree`` > 1) the model stays FP32: its FP32 shards are the
+masters the optimizer updates (there is no low-precision copy to keep, FSDP casts the gathered parameters for each
+forward), so :class:`MasterWeights` holds no pair; the loss is scaled and the shards' gradients unscaled and checked
+as above, the overflow agreed over the whole world (every rank's shards differ). ``fp16_groups`` and
+``fp32_from_fp16_groups`` are then both the optimizer's FP32 shards.
 """
 
 from __future__ import annotations
@@ -46,16 +52,35 @@ def low_precision_dtype(config: Any) -> Optional[torch.dtype]:
 
 def cast_model(module: nn.Module, config: Any) -> None:
     """Cast ``module``'s floating-point parameters and buffers to the config's low dtype, in place (the
-    parameters stay the same objects, so an optimizer built over them before still holds them)."""
+    parameters stay the same objects, so an optimizer built over them before still holds them).
+
+    Under sharded data parallelism the other way round: the low-dtype ones (a model created under
+    ``smp.model_creation(dtype=...)``) become FP32, since its shards are the FP32 masters and FSDP computes with
+    low-precision copies of them (:mod:`~shardkit.modelparallel.sdp.wrap`)."""
     low = low_precision_dtype(config)
-    if low is not None:
+    if low is None:
+        return
+    if not _shards_are_masters(config):
         module.to(low)
+        return
+    with torch.no_grad():
+        for tensor in [*module.parameters(), *module.buffers()]:
+            if tensor.dtype == low:
+                tensor.data = tensor.data.float()
 
 
 def cast_inputs(args_kwargs: Any, config: Any) -> Any:
-    """The model's inputs with their floating-point tensors in the config's low dtype (unchanged without one)."""
+    """The model's inputs with their floating-point tensors in the config's low dtype (unchanged without one, and
+    under sharded data parallelism, where the sharded root casts them)."""
     low = low_precision_dtype(config)
-    return args_kwargs if low is None else unit_input_caster(low, False, None)(args_kwargs)
+    if low is None or _shards_are_masters(config):
+        return args_kwargs
+    return unit_input_caster(low, False, None)(args_kwargs)
+
+
+def _shards_are_masters(config: Any) -> bool:
+    """Whether the model's FP32 shards are the masters (sharded data parallelism): no low-precision model copy."""
+    return bool(config.sharded_data_parallel_degree > 1)
 
 
 def cast_outputs(outputs: Any, config: Any) -> Any:

@@ -11,6 +11,8 @@ and the v1.11 / v1.15 release notes) say:
   ("set tensor and pipeline parallelism degrees to 1, and turn off optimizer state sharding"). shardkit keeps the
   second refusal and lifts the first (see :data:`SDP_PIPELINES`): each stage is sharded over its own sharding
   group; rank 0 logs that smp itself would refuse the config;
+- under FP16/BF16 the sharded parameters are the FP32 masters, computed with in the low dtype (see
+  :mod:`.wrap`); FP16's loss scaler agrees on overflows over the whole world (the shards differ);
 - when it is on, ``optimizer.step()`` clips the gradients' global L2 norm to ``sdp_gradient_clipping`` (default
   1.0) itself: scripts do not call a clipping utility.
 """
@@ -111,11 +113,6 @@ def check_sdp_config(cfg: Any) -> None:
         problems.append(
             "smp does not support it with shard_optimizer_state (the optimizer state is sharded already): remove "
             "shard_optimizer_state"
-        )
-    if cfg.fp16 or cfg.bf16:  # smp's FP16 optimizer keeps whole FP32 masters; the shards would need their own
-        problems.append(
-            f"'{'fp16' if cfg.fp16 else 'bf16'}': true is not supported with it yet (the FP32 master weights are not "
-            "sharded with the parameters): train the sharded model in FP32, or without sharding in fp16/bf16"
         )
     if problems:
         raise ValueError(f"smp config sharded_data_parallel_degree={degree}: " + "; ".join(problems))

@@ -7,6 +7,11 @@ over the replica group (see :mod:`.groups`); each module held in an ``nn.ModuleL
 own unit, gathered only while it runs (not under tensor parallelism, where the split layers keep their names).
 ``flatten_parameters=False`` gives each original parameter exactly one shard, so an optimizer's parameter groups
 (weight decay on some, not on others, as AWS's scripts build them) carry over one for one.
+
+Under ``"fp16"``/``"bf16"`` the shards stay FP32 and are the masters themselves (no second copy): FSDP's mixed
+precision gathers them cast to the low dtype for compute (buffers too, as smp casts the whole model), and casts
+each gradient to FP32 before it is reduce-scattered, so the shards' gradients are FP32 (still multiplied by the
+loss scale under fp16: the optimizer divides them and checks them, see :mod:`~..precision.fp16_optimizer`).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from torch import nn
 
 from shardkit.distributed import collectives as C
 from shardkit.distributed.topology import Topology as NodeTopology
+from shardkit.modelparallel.precision.fp16_optimizer import low_precision_dtype
 from shardkit.modelparallel.sdp.groups import create_sdp_groups
 from shardkit.modelparallel.sdp.optim_state import shard_whole_state
 from shardkit.modelparallel.sdp.rules import KEY_MEANINGS, SdpSettings, settings_of
@@ -51,12 +57,17 @@ class ShardedStage:
         if topo.rdp_size > settings.degree:  # sharding groups that replicate each other: hybrid sharding
             groups = NodeTopology.from_groups(shard_group, replica_group, state.rdp_group)
         self.settings: SdpSettings = settings
+        #: Whether the stage computes in the config's fp16/bf16 (with its FP32 shards as the masters).
+        self.low_precision = low_precision_dtype(state.config) is not None
         unit_args = {
             "process_group": groups,
             "flatten_parameters": False,
             "bucket_cap_mb": max(1, round(settings.bucket_cap_mb)),
             "compute_device": device,
+            **_mixed_precision_args(state.config),
         }
+        if self.low_precision:  # smp's masters are FP32 copies of the model cast to the low dtype: start from those
+            _round_through(module, low_precision_dtype(state.config))
         if topo.tp_size == 1:  # under TP the split layers' names must stay as they are (their slices are merged)
             for parent, name, block in _blocks(module):
                 setattr(parent, name, FullyShardedDataParallel(block, **unit_args))
@@ -154,6 +165,22 @@ class ShardedStage:
 def _gather_first(unit: Any, grad: torch.Tensor) -> torch.Tensor:
     unit.pre_backward()
     return grad
+
+
+def _round_through(module: nn.Module, low: Any) -> None:
+    """Round the floating-point parameters' values to ``low`` in place, keeping their FP32 dtype."""
+    with torch.no_grad():
+        for param in module.parameters():
+            if param.is_floating_point():
+                param.data = param.data.to(low).to(param.dtype)
+
+
+def _mixed_precision_args(config: Any) -> dict[str, Any]:
+    """FSDP's arguments for the config's low dtype: compute in it, FP32 shards, FP32 gradient reductions."""
+    low = low_precision_dtype(config)
+    if low is None:
+        return {}
+    return {"mixed_precision": True, "compute_dtype": low, "buffer_dtype": low, "fp32_reduce_scatter": True}
 
 
 def _blocks(module: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
