@@ -39,6 +39,7 @@ def test_sdp_keys_and_smps_rules_are_checked_before_anything_is_built() -> None:
         "one chunk per rank under the interleaved or simple": {**AWS_KEYS, "partitions": 2, "pipeline": "zero_bubble"},
         "one chunk per rank": {**AWS_KEYS, "partitions": 2, "virtual_stages": 2, "microbatches": 4},
         "not support it with shard_optimizer_state": {**AWS_KEYS, "shard_optimizer_state": True},
+        "'bf16' together with a pipeline is not built yet": {**AWS_KEYS, "partitions": 2, "bf16": True},
         "'sdp_gradient_clipping' must be > 0": {**AWS_KEYS, "sdp_gradient_clipping": 0},
         "'sharded_data_parallel_degree' must be an int >= 1": {"sharded_data_parallel_degree": 0},
     }

@@ -109,6 +109,12 @@ def check_sdp_config(cfg: Any) -> None:
             "those with virtual_stages 1, or train the pipeline with plain data parallelism "
             "(sharded_data_parallel_degree 1)"
         )
+    if cfg.chunks > 1 and (cfg.fp16 or cfg.bf16):
+        problems.append(
+            f"'{'fp16' if cfg.fp16 else 'bf16'}' together with a pipeline is not built yet (either works with "
+            "sharded data parallelism alone): drop the pipeline, or train it with plain data parallelism "
+            "(sharded_data_parallel_degree 1)"
+        )
     if cfg.shard_optimizer_state:
         problems.append(
             "smp does not support it with shard_optimizer_state (the optimizer state is sharded already): remove "
