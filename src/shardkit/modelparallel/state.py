@@ -19,6 +19,8 @@ import torch.distributed as dist
 
 from shardkit import restarts
 from shardkit.distributed import DummyProcessGroup, GroupLike, all_gather_objects
+from shardkit.distributed import collectives as C
+from shardkit.distributed.device import select_device
 from shardkit.distributed.groups import torch_group
 from shardkit.modelparallel.config import ConfigLike, ModelParallelConfig, config_differences, resolve_config
 from shardkit.modelparallel.config_notes import log_notes
@@ -179,6 +181,7 @@ def init(config: ConfigLike = None) -> None:
     local_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     if topo.tp_size == 1:
         mp_group, dp_group, p2p_group, owned = _create_groups(topo)
+        _groups_connected(world)
         PROCESS.install(SMPState(cfg, topo, world, mp_group, dp_group, p2p_group, local_rank, local_size, owned))
         return
     parallel = build_parallel_state(topo.layout)
@@ -186,11 +189,21 @@ def init(config: ConfigLike = None) -> None:
     _, dp_group, p2p_group, owned = _create_groups(topo, pipelines=False)
     model_group = _create_model_groups(topo, owned)
     owned += [parallel.group(dim) for dim in ("data", "pipeline", "context", "tensor")]
+    _groups_connected(world)
     set_current_state(parallel)
     state = SMPState(cfg, topo, world, mp_group, dp_group, p2p_group, local_rank, local_size, owned)
     state.parallel_state, state.model_group = parallel, model_group
     state.on_reset.append(lambda: set_current_state(None))
     PROCESS.install(state)
+
+
+def _groups_connected(world: Any) -> None:
+    """Wait until every rank has finished creating smp's groups. torch's ``new_group`` returns once this rank's
+    side of a gloo group is connected (no barrier unless ``TORCH_DIST_INIT_BARRIER=1``): a rank that went on and
+    destroyed its groups (``smp.reset()``, or leaving) could otherwise close a connection a slower peer was still
+    opening, which fails there with gloo's "connectFullMesh ... Connection closed by peer"."""
+    device = select_device()
+    C.barrier(world, label="smp_groups_created", device=device if device.type == "cuda" else None)
 
 
 def _create_groups(topo: Topology, pipelines: bool = True) -> tuple[Any, Any, Any, list[Any]]:
