@@ -50,8 +50,9 @@ def smp_tp_splits(module: nn.Module, paths: Optional[dict[str, str]] = None) -> 
     """This rank's :class:`Split` of every parameter of ``module`` that smp's tensor parallelism slices, by state-dict
     name (a wrapper's module ``paths`` mapped to the unwrapped module's): the core's layers
     (``smp.nn.DistributedLinear``, a Hugging Face model split by its plan) and smp's distributed modules naming
-    their slices themselves (``DistributedEmbedding``, the transformer blocks), which the core's
-    :func:`~shardkit.checkpoint.universal.split.tp_splits` does not see; all over smp's one tensor-parallel group.
+    their slices themselves (``DistributedEmbedding``, the transformer blocks), read from their ``tp_slices`` (the
+    core's :func:`~shardkit.checkpoint.universal.split.tp_splits` sees those only through the modules' own
+    ``register_split`` calls, which a copy of a module does not repeat); all over smp's one tensor-parallel group.
     Empty at degree one."""
     size = smp.tp_size()
     if size == 1:
