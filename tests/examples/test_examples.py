@@ -13,7 +13,6 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from typing import Callable, Union
 
 import pytest
 
@@ -28,30 +27,12 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 ELSEWHERE = {"hf_causal_lm_lightning.py": "tests/lightning/test_lightning_hf_example.py"}
 
 
-#: What a process prints when it aborts at exit, after its work (RELIABILITY.md, "Limits and notes": about 1 torchrun
-#: run in 16 on this machine, still open). A run that ends so is run once more, and said so; anything else fails.
-ABORT_AT_EXIT = "terminate called without an active exception"
-
-
-def _run(command: Union[list[str], Callable[[], list[str]]], cwd: Path, timeout_s: float = 240) -> str:
-    """Run ``command`` (or what the factory ``command`` makes, afresh for a rerun: a new port) to its end."""
+def _run(command: list[str], cwd: Path, timeout_s: float = 240) -> str:
+    """Run ``command`` to its end; it must succeed."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)]), "PYTHON": sys.executable}
-    for attempt in (1, 2):
-        args = command() if callable(command) else command
-        try:
-            done = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout_s)
-        except subprocess.TimeoutExpired as err:  # a node whose peer aborted waits at torchrun's exit barrier
-            stderr = err.stderr.decode(errors="replace") if isinstance(err.stderr, bytes) else str(err.stderr)
-            if attempt == 1 and ABORT_AT_EXIT in stderr:
-                print(f"rerun after an abort at exit: {args}", file=sys.stderr)
-                continue
-            raise
-        if done.returncode != 0 and attempt == 1 and ABORT_AT_EXIT in done.stderr:
-            print(f"rerun after an abort at exit: {args}", file=sys.stderr)
-            continue
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        return done.stdout
-    raise AssertionError("unreachable")
+    done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
 
 
 def _losses(out: str, label: str) -> tuple[float, float]:
@@ -138,8 +119,7 @@ def test_plan_then_run(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(300)
 def test_multinode_two_nodes(tmp_path: Path) -> None:
-    # 120 s each try (a run takes ~15 s), so a rerun after an abort at exit still fits the test's 300 s
-    out = _run(lambda: ["bash", str(EXAMPLES / "multinode_two_nodes.sh"), str(free_port()), "6"], tmp_path, 120)
+    out = _run(["bash", str(EXAMPLES / "multinode_two_nodes.sh"), str(free_port()), "6"], tmp_path)
     first, last = _losses(out, "zero2: world 2")
     assert last < first
 

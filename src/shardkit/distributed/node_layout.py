@@ -14,6 +14,7 @@ from typing import Any, NamedTuple, Optional
 import torch.distributed as dist
 
 from shardkit.distributed.dummy import DummyProcessGroup
+from shardkit.distributed.exit_release import release_at_exit
 from shardkit.distributed.groups import GroupLike, group_rank, is_dummy, resolve_group
 
 
@@ -181,9 +182,16 @@ class _GroupCache:
         with self._lock:
             self._entries[(id(world), layout.nodes)] = (world, intra, inter)
 
+    def clear(self) -> None:
+        """Forget every cached group (at exit: see :mod:`shardkit.distributed.exit_release`)."""
+        with self._lock:
+            self._entries.clear()
+            self._members_only.clear()
+
 
 #: Groups already created in this process (group creation is collective; see :class:`_GroupCache`).
 GROUP_CACHE = _GroupCache()
+release_at_exit("Topology's node groups", GROUP_CACHE.clear)
 
 
 def create_groups(world: GroupLike, layout: NodeLayout, rank: int) -> tuple[GroupLike, GroupLike]:

@@ -21,6 +21,7 @@ from shardkit import restarts
 from shardkit.distributed import DummyProcessGroup, GroupLike, all_gather_objects
 from shardkit.distributed import collectives as C
 from shardkit.distributed.device import select_device
+from shardkit.distributed.exit_release import release_at_exit
 from shardkit.distributed.groups import torch_group
 from shardkit.modelparallel.config import ConfigLike, ModelParallelConfig, config_differences, resolve_config
 from shardkit.modelparallel.config_notes import log_notes
@@ -86,6 +87,8 @@ class ProcessState:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._state: Optional[SMPState] = None
+        #: True once smp.init created the default process group itself (from torchrun's environment).
+        self.created_world = False
 
     def get(self) -> Optional[SMPState]:
         """The state, or None before :func:`init` / after :func:`reset`."""
@@ -265,6 +268,20 @@ def _ensure_process_group() -> None:
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     restarts.init_process_group(backend, timedelta(minutes=30))  # restart-safe under torchrun --max-restarts
+    PROCESS.created_world = True
+
+
+def _release_at_exit() -> None:
+    """Destroy smp's groups at interpreter exit, and the default group when smp created it: smp scripts never call
+    ``destroy_process_group()``, and a group left to finalisation can abort the exit
+    (:mod:`shardkit.distributed.exit_release`)."""
+    reset()
+    if PROCESS.created_world and dist.is_initialized():
+        dist.destroy_process_group()
+    PROCESS.created_world = False
+
+
+release_at_exit("smp's process groups", _release_at_exit)
 
 
 def _agreed_config(cfg: Optional[ModelParallelConfig], problem: Optional[Exception]) -> ModelParallelConfig:

@@ -25,6 +25,7 @@ from typing import Optional
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from shardkit.distributed.exit_release import release_at_exit
 from shardkit.tensor_parallel.layout import DIMS, ParallelCoords, ParallelLayout
 
 
@@ -136,6 +137,13 @@ class _Current:
     """The process's current :class:`ParallelState` (see the module docstring for why it is process-wide)."""
 
     state: Optional[ParallelState] = None
+
+
+def _forget_current_state() -> None:
+    _Current.state = None
+
+
+release_at_exit("the tensor-parallel state", _forget_current_state)
 
 
 def set_current_state(state: Optional[ParallelState]) -> None:

@@ -19,6 +19,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from shardkit.checkpoint.errors import CheckpointError
+from shardkit.distributed.exit_release import release_at_exit
 from shardkit.distributed.instrumentation import INSTRUMENTATION
 
 _WRITING = "it is still writing (a large model or a slow file system); this call goes on once the files are complete."
@@ -47,6 +48,12 @@ class BackgroundSaves:
             self._group = dist.new_group(backend="gloo")
             self._group_of = world
         return self._group
+
+    def forget_group(self) -> None:
+        """Drop the checkpoint group (at exit, after :meth:`_wait_at_exit`; see
+        :mod:`shardkit.distributed.exit_release`)."""
+        self._group = None
+        self._group_of = None
 
     def start(self, job: Job, what: str) -> None:
         """Run ``job(group)`` in the background; the previous job must be finished (call :meth:`wait` first)."""
@@ -89,6 +96,7 @@ class BackgroundSaves:
 
 #: The process's asynchronous saves (one object; the atexit hook must find it).
 BACKGROUND = BackgroundSaves()
+release_at_exit("the asynchronous checkpoint group", BACKGROUND.forget_group)
 
 
 def wait_for_checkpoint() -> None:
