@@ -30,6 +30,7 @@ from torch import nn
 
 from shardkit.distributed import GroupLike
 from shardkit.distributed import collectives as C
+from shardkit.utils.autograd import weak_method_hook
 
 #: Shared parameters at least this large are all-reduced in place instead of through a flat buffer.
 _IN_PLACE_NUMEL = 1 << 18
@@ -150,7 +151,7 @@ class GradientSync:
         self._bucket_of = {id(p): b for b in self._buckets for p in b.params}
         self._hooks: list[Any] = []
         if self.overlap or self.as_view:
-            self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in trainable]
+            self._hooks = [p.register_post_accumulate_grad_hook(weak_method_hook(self._on_grad)) for p in trainable]
 
     def _make_buckets(self, params: list[nn.Parameter], cap: int, group: GroupLike, divisor: int) -> list[_Bucket]:
         # Reverse registration order approximates the order backward produces gradients (as DDP assumes).

@@ -32,6 +32,7 @@ from shardkit.nn.fsdp.comm_context import CommContext, join
 from shardkit.nn.fsdp.flat_param import FlatParamMeta
 from shardkit.nn.fsdp.placeholder import ShardedParamPlaceholder
 from shardkit.nn.fsdp.reduce import PendingReduce, start_reduce
+from shardkit.utils.autograd import weak_method_hook
 from shardkit.utils.tensors import FLAT_SHARD_MARK
 
 
@@ -83,7 +84,7 @@ class FlatParamHandle:
     def _new_full(self, full: torch.Tensor) -> torch.Tensor:
         full.requires_grad_(self.shard.requires_grad)
         if self.meta.requires_grad:
-            full.register_post_accumulate_grad_hook(self._grad_accumulated)
+            full.register_post_accumulate_grad_hook(weak_method_hook(self._grad_accumulated))
         self.full = full
         return full
 

@@ -31,7 +31,7 @@ from shardkit.nn.fsdp.prefetch import Schedule
 from shardkit.nn.fsdp.reduce import ReduceQueue
 from shardkit.nn.fsdp.unit_state import IN_BACKWARD, TrainingState, check_event, may_start, state_hint
 from shardkit.utils._torch_private import queue_autograd_callback, tree_flatten, tree_unflatten
-from shardkit.utils.autograd import backward_running
+from shardkit.utils.autograd import backward_running, weak_method_hook
 
 __all__ = ["EAGER_REASON", "TrainingState", "Unit", "eager"]
 
@@ -231,7 +231,7 @@ class Unit:
     def _hook_outputs(self, output: Any) -> bool:
         tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         for tensor in tensors:
-            tensor.register_hook(self._pre_backward_hook)
+            tensor.register_hook(weak_method_hook(self._pre_backward_hook))
         return bool(tensors)
 
     def _hook_inputs(self, inputs: Any) -> Any:

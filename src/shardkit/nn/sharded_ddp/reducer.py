@@ -41,6 +41,7 @@ from shardkit.distributed.groups import GroupLike, group_rank, group_size, on_ho
 from shardkit.nn.sharded_ddp.plan import ReduceUnit, plan_reduction
 from shardkit.nn.sharded_ddp.policy import ReducePolicy
 from shardkit.utils._torch_private import queue_autograd_callback
+from shardkit.utils.autograd import weak_method_hook
 
 #: Attribute naming, on each hooked parameter, the reducer that hooks it (a weak reference).
 _REDUCER_ATTR = "_shardkit_sdp_reducer"
@@ -122,7 +123,7 @@ class GradReducer:
             for member, p in enumerate(unit.params):
                 self._slot_of[p] = (unit_index, member)
                 self._flag_of[p] = len(self._flag_of)
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+                self._hooks.append(p.register_post_accumulate_grad_hook(weak_method_hook(self._on_grad_ready)))
 
     def _take_over(self, params: Sequence[torch.Tensor]) -> None:
         """Unhook an earlier reducer of these same parameters: two live wrappers would reduce every gradient twice."""

@@ -36,6 +36,7 @@ from shardkit.nn.slowmo.slow_momentum import SlowMomentum
 from shardkit.nn.slowmo.state import SlowMoStateMixin
 from shardkit.nn.slowmo.timing import PhaseTimer, configure_logging, logger
 from shardkit.utils._torch_private import queue_autograd_callback
+from shardkit.utils.autograd import weak_method_hook
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -164,7 +165,7 @@ class SlowMoDistributedDataParallel(SlowMoStateMixin):
         if layout.nprocs_per_node > 1 or sgp:
             for p in self._params:
                 if p.requires_grad:
-                    p.register_post_accumulate_grad_hook(self._on_grad_ready)
+                    p.register_post_accumulate_grad_hook(weak_method_hook(self._on_grad_ready))
         self._register_state_hooks()
 
     # ----------------------------------------------------------------- lifecycle hooks
