@@ -19,7 +19,7 @@ entry also holds its FP32 master (``"fp32_master_param"``) and a top-level ``"lo
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -28,6 +28,7 @@ from shardkit.modelparallel import state as smp_state
 from shardkit.modelparallel.building.build import execution_device
 from shardkit.modelparallel.checkpoints import checkpoint as ckpt
 from shardkit.modelparallel.checkpoints.sharded_state import ShardedOptimizerState
+from shardkit.modelparallel.optimizer_steps import MixedPrecisionStep, ShardedStep
 from shardkit.modelparallel.optimizers import FusedLamb
 from shardkit.modelparallel.precision.fp16_optimizer import (
     SCALER_KEY,
@@ -86,8 +87,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         sharded, mixed = config.shard_optimizer_state, low_precision_dtype(config) is not None
         sub = _SUBCLASSES.get((base, sharded, mixed))
         if sub is None:
-            namespace = {"__module__": base.__module__, "__qualname__": base.__qualname__, "__doc__": base.__doc__}
-            step_class = (_MixedPrecisionStep,) if mixed else (_ShardedStep,) if sharded else ()
+            namespace = {
+                "__module__": base.__module__,
+                "__qualname__": base.__qualname__,
+                "__doc__": base.__doc__,
+                "_smp_base": base,  # the user's optimizer class: whose step and zero_grad the step classes call
+            }
+            step_class = (MixedPrecisionStep,) if mixed else (ShardedStep,) if sharded else ()
             bases = (*step_class, DistributedOptimizer, base)
             sub = _SUBCLASSES[(base, sharded, mixed)] = type(base.__name__, bases, namespace)
         wrapped: DistributedOptimizer = object.__new__(sub)
@@ -383,51 +389,3 @@ class DistributedOptimizer(torch.optim.Optimizer):
             super().load_state_dict({"state": state, "param_groups": full["param_groups"]})
         if self._smp_mixed is not None:
             self._smp_mixed.load_masters(self._params(), masters)
-
-
-def _sharded_step(self: DistributedOptimizer, closure: Optional[Callable[[], Any]] = None, **kwargs: Any) -> Any:
-    """With ``shard_optimizer_state``: each replica updates the parameters it owns, then shares them (collective
-    over the data-parallel group: every rank must call it)."""
-    sharded = self.__dict__.get("_smp_sharded")
-    if sharded is None:  # before the partition no parameter has a gradient: nothing to update
-        return closure() if closure is not None else None
-    return sharded.step(self.param_groups, closure, **kwargs)
-
-
-class _ShardedStep:
-    """``step`` of a DistributedOptimizer whose state is sharded; runs the optimizer's step hooks once, as
-    torch's own ``step`` wrapper does."""
-
-    step = torch.optim.Optimizer.profile_hook_step(_sharded_step)
-    setattr(step, "hooked", True)  # noqa: B010  (what torch's own step wrapper sets: never wrap it again)
-
-
-def _mixed_step(self: DistributedOptimizer, closure: Optional[Callable[[], Any]] = None, **kwargs: Any) -> Any:
-    """Under fp16/bf16: unscale the gradients into the FP32 masters, skip the step on an overflow (every rank),
-    else update the masters with the optimizer's own step and round them into the model."""
-    mixed = self._smp_mixed
-    assert mixed is not None
-    if closure is not None:
-        raise ValueError("smp's FP16 optimizer does not take a closure in step(); run the step function, then step()")
-    if self._smp_sharded is not None:  # shard_optimizer_state: each replica updates the masters it owns, shares them
-        return mixed.step(self.param_groups, self._device_for_norm(), lambda: _ShardedStep.step(self, **kwargs))
-    base_step = super(DistributedOptimizer, self).step  # the user's optimizer's (hooked) step
-    return mixed.step(self.param_groups, self._device_for_norm(), lambda: base_step(**kwargs))
-
-
-class _MixedPrecisionStep:
-    """``step`` and ``zero_grad`` of a DistributedOptimizer with FP32 masters (:mod:`~.precision.fp16_optimizer`).
-
-    Its ``step`` runs the step hooks once, through the user's optimizer's own step (not at all for a skipped step);
-    it is marked as torch's wrapper marks a hooked step, or torch's ``load_state_dict`` would wrap it again and
-    every hook (``sdp_gradient_clipping``'s clipping among them) would run twice after a resume."""
-
-    step = _mixed_step
-    setattr(step, "hooked", True)  # noqa: B010  (what torch's own step wrapper sets: never wrap it again)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the masters' gradients (the optimizer's own ``zero_grad``) and the model's."""
-        assert isinstance(self, DistributedOptimizer)
-        super(DistributedOptimizer, self).zero_grad(set_to_none)
-        assert self._smp_mixed is not None
-        self._smp_mixed.zero_grad(set_to_none)
