@@ -55,6 +55,11 @@ class TPGroup:
     rank: int
     size: int
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> TPGroup:
+        """The same group: a copied layer (``copy.deepcopy(model)`` for an EMA or a reference) communicates over the
+        ranks its original does; a process group cannot be copied."""
+        return self
+
     @classmethod
     def of(cls, mesh: Optional[DeviceMesh], who: str) -> TPGroup:
         """The group of a 1-D ``mesh``, or of the current state's tensor dimension when None."""

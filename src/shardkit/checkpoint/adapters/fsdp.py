@@ -115,12 +115,9 @@ class FSDPSource(UniversalSource):
     #: An FSDP model (the models the legacy layout's adapter takes).
     handles = staticmethod(FSDPAdapter.handles)
 
-    def __init__(self, model: nn.Module, optimizer: Optional[Any], splits: Optional[dict[str, Split]] = None) -> None:
+    def __init__(self, model: nn.Module, optimizer: Optional[Any]) -> None:
         self.model = model
         self.optimizer = optimizer
-        #: The tensor-parallel splits by the unwrapped model's names, where a wrapper knows more of them than the
-        #: core's layers report (smp's distributed modules); None: the core's (:func:`tp_splits`).
-        self.splits = splits
         #: id(buffer) -> (staging copy in the original dtype, the buffer), for buffers mixed precision cast; made
         #: once per source, so every held() hands out the same copy the engine reads or fills.
         self._staged: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -129,7 +126,7 @@ class FSDPSource(UniversalSource):
         """Every unit's flat parameter shards with the ranges they hold, then every buffer whole."""
         view = layout(self.model).require_idle("save_checkpoint() or load_checkpoint()")
         _, world = rank_and_size()
-        splits = _tp_splits(self.model) if self.splits is None else self.splits
+        splits = _tp_splits(self.model)
         out: list[Held] = []
         for unit in view.units:
             replica_rank, replica_count = _replicas(unit, world, tp_degree(splits))

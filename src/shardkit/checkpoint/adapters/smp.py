@@ -23,14 +23,13 @@ from torch import nn
 import shardkit.modelparallel as smp
 from shardkit.checkpoint import validate
 from shardkit.checkpoint.adapters.base import named_parameter_ids
-from shardkit.checkpoint.adapters.fsdp import FSDPSource, clean_paths
+from shardkit.checkpoint.adapters.fsdp import FSDPSource
 from shardkit.checkpoint.adapters.full import FullStateAdapter
 from shardkit.checkpoint.adapters.registry import isinstance_of
 from shardkit.checkpoint.universal.source import Held, Span, UniversalSource
-from shardkit.checkpoint.universal.split import Split, clean_name, split_of
+from shardkit.checkpoint.universal.split import Split, split_of, tp_splits
 from shardkit.modelparallel import state as smp_state
 from shardkit.modelparallel.checkpoints.checkpoint import state_key_map
-from shardkit.modelparallel.tp.layers import split_specs
 
 _MODEL = ("shardkit.modelparallel.model", "DistributedModel")
 _OPTIMIZER = ("shardkit.modelparallel.optimizer", "DistributedOptimizer")
@@ -44,22 +43,6 @@ def _refuse_sharded_state(optimizer: Optional[Any]) -> None:
             "shardkit checkpoints of an smp optimizer with 'shard_optimizer_state' are not supported yet: save "
             "optimizer.state_dict() (gathered from the shards, on every rank) with smp.save instead"
         )
-
-
-def smp_tp_splits(module: nn.Module, paths: Optional[dict[str, str]] = None) -> dict[str, Split]:
-    """This rank's :class:`Split` of every parameter of ``module`` that smp's tensor parallelism slices, by state-dict
-    name (a wrapper's module ``paths`` mapped to the unwrapped module's): the core's layers
-    (``smp.nn.DistributedLinear``, a Hugging Face model split by its plan) and smp's distributed modules naming
-    their slices themselves (``DistributedEmbedding``, the transformer blocks), read from their ``tp_slices`` (the
-    core's :func:`~shardkit.checkpoint.universal.split.tp_splits` sees those only through the modules' own
-    ``register_split`` calls, which a copy of a module does not repeat); all over smp's one tensor-parallel group.
-    Empty at degree one."""
-    size = smp.tp_size()
-    if size == 1:
-        return {}
-    rank = smp.tp_rank()
-    specs = split_specs(module)
-    return {clean_name(name, paths): Split(spec.dim, rank, size, spec.stride) for name, spec in specs.items()}
 
 
 def _refuse_master_weights(optimizer: Optional[Any]) -> None:
@@ -176,8 +159,7 @@ class SMPSource(UniversalSource):
                 "are not supported yet: use smp.save_checkpoint (partial=True resumes at the same layout; a full "
                 "checkpoint, partial=False, loads into any layout) and smp.resume_from_checkpoint"
             )
-        splits = smp_tp_splits(sharded.root, clean_paths(sharded.root))
-        return FSDPSource(sharded.root, optimizer.optimizer if optimizer is not None else None, splits)
+        return FSDPSource(sharded.root, optimizer.optimizer if optimizer is not None else None)
 
     def _replicas(self, name: str, split: Optional[Split]) -> tuple[int, int]:
         """Which of the ranks holding the same elements of ``name`` this one is, and how many hold them.
@@ -200,7 +182,7 @@ class SMPSource(UniversalSource):
             )
         inner: nn.Module = self.model.module
         persistent = set(inner.state_dict(keep_vars=True))
-        splits = smp_tp_splits(inner)
+        splits = tp_splits(inner)
         out: list[Held] = []
         for name, tensor in [*self.model.local_named_parameters(), *self.model.local_named_buffers()]:
             if name not in persistent:

@@ -14,7 +14,7 @@ other parameters are averaged over smp's whole data-parallel group.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -52,6 +52,11 @@ class DistributedModule(nn.Module):
         are, so FSDP's and OSS's clipping and the checkpoints count each split parameter once (the core's layers
         name theirs themselves)."""
         self.tp_slices = dict(slices) if group is not None and group.size > 1 else {}
+        self._tp_slice_group = group if self.tp_slices else None
+        self._register_slices()
+
+    def _register_slices(self) -> None:
+        group = getattr(self, "_tp_slice_group", None)
         for name, spec in self.tp_slices.items():
             path, _, attr = name.rpartition(".")
             owner = self.get_submodule(path) if path else self
@@ -59,21 +64,16 @@ class DistributedModule(nn.Module):
                 assert group is not None
                 register_split(owner, attr, spec, group)
 
-
-def split_specs(root: nn.Module) -> dict[str, ShardSpec]:
-    """Every parameter below ``root`` split across the tensor-parallel ranks, by qualified name, with its split:
-    the core's layers' (a split Hugging Face model's) and smp's distributed modules'."""
-    specs = tp_sharding(root)
-    for prefix, module in root.named_modules():
-        if isinstance(module, DistributedModule):
-            specs.update({f"{prefix}.{name}" if prefix else name: spec for name, spec in module.tp_slices.items()})
-    return specs
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """A copy (``copy.deepcopy``) declares its own children's slices to the core, as the original did."""
+        super().__setstate__(state)
+        self._register_slices()
 
 
 def sliced_parameter_ids(root: nn.Module) -> frozenset[int]:
     """The parameters below ``root`` that hold a different slice on each tensor-parallel rank (a global norm sums
     them over the group and counts the others once)."""
-    return frozenset(id(root.get_parameter(name)) for name in split_specs(root))
+    return frozenset(id(root.get_parameter(name)) for name in tp_sharding(root))
 
 
 def split_divisor(topology_rdp: int, tp_size: int, prescaled_batch: bool) -> int:
