@@ -43,7 +43,10 @@ import threading
 import time
 from typing import Callable
 
-import torch.distributed.nn.functional  # noqa: F401  (imported before init_process_group: see above)
+import torch.distributed as dist
+
+if dist.is_available():  # imported before init_process_group, so its defaults read None (see above)
+    import torch.distributed.nn.functional  # noqa: F401
 
 #: The longest the interpreter's exit waits for shardkit's groups to be destroyed.
 EXIT_RELEASE_S = 20.0
