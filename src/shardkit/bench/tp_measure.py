@@ -26,6 +26,7 @@ from shardkit.memory import MemoryTracker
 from shardkit.models.tp_lm import TPLM, torch_tp_plan, tp_lm
 from shardkit.nn import FullyShardedDataParallel as FSDP
 from shardkit.plan.workloads import next_token_cross_entropy
+from shardkit.tensor_parallel import step_check
 from shardkit.utils._torch_private import TorchDispatchMode
 
 #: The tensor-parallel projections of each block, whose per-rank parameters the bench reports.
@@ -102,9 +103,10 @@ class Variant:
         return float(loss.detach())
 
     def measure_once(self) -> None:
-        """One untimed step under the byte counters and the memory tracker."""
+        """One untimed step under the byte counters and the memory tracker (without the TP step check's
+        all-gather of four numbers: the bytes are the algorithm's; the timed steps include the check)."""
         meter, torch_counter = CommMeter(), TorchCollectives()
-        with MemoryTracker() as tracker, torch_counter, count_comm_bytes(meter):
+        with MemoryTracker() as tracker, torch_counter, count_comm_bytes(meter), step_check.suspended():
             tracker.watch(self.model, self.optimizer)
             tracker.reset_peak()
             self.step()

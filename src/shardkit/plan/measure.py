@@ -34,6 +34,7 @@ from shardkit.plan.strategies import PIPELINE, get
 from shardkit.plan.tensor_parallel import data_group, tensor_parallel_state
 from shardkit.plan.workloads import Workload
 from shardkit.strategies.registry import OptimizerSpec
+from shardkit.tensor_parallel import step_check
 
 
 @dataclass(frozen=True)
@@ -130,7 +131,7 @@ def measure_rank(workload: Workload, strategy: str, topology: Optional[Topology]
         state = 0
         warmup = warmup_steps(strategy)
         for step in range(warmup + 1):
-            with count_comm_bytes() as meter:
+            with count_comm_bytes() as meter, step_check.suspended():  # the algorithm's traffic alone
                 if strategy == PIPELINE:
                     pipeline_forward_backward(wrapped, batch, workload.loss)
                 else:

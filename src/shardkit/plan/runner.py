@@ -29,6 +29,7 @@ from shardkit.plan.attention import DeviceAttention, attention_note, attention_t
 from shardkit.plan.peerless import Mailbox, TorchTraffic, peerless_world
 from shardkit.plan.strategies import Built
 from shardkit.plan.tensor_parallel import tensor_parallel_state
+from shardkit.tensor_parallel import step_check
 
 PHASES = ("forward", "backward", "optimizer")
 #: Strategies that warm up for two steps (torch DDP's bucket rebuild; SlowMo's averaging every third step);
@@ -130,7 +131,7 @@ def _phase(acct: Accountant, name: str, traffic: TorchTraffic, out: dict[str, Ph
     acct.phase = name
     before_payload, before_calls = dict(traffic.payload_bytes), dict(traffic.calls)
     before_copies = dict(acct.transfers)
-    with count_comm_bytes(CommMeter()) as meter:
+    with count_comm_bytes(CommMeter()) as meter, step_check.suspended():  # the algorithm's traffic alone
         yield
     torch_payload = _diff(traffic.payload_bytes, before_payload)
     torch_calls = _diff(traffic.calls, before_calls)

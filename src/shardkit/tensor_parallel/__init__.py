@@ -23,7 +23,8 @@ fastest, so a tensor-parallel group is consecutive ranks on one node). It gives 
   that would), a layout that does not cover the world, shard files of another rank, degree or checkpoint, and
   tensor-parallel ranks given different inputs (each layer's first forward; :func:`check_same_input`), and a
   data-parallel wrapper given a group that holds two ranks of one tensor-parallel group
-  (:func:`check_data_parallel_group`, which FSDP and OSS call).
+  (:func:`check_data_parallel_group`, which FSDP and OSS call), and an optimizer step whose replicated parameters'
+  gradients differ between the tensor-parallel ranks (a TP-unaware clip; :mod:`~.step_check`).
 
 fairscale's ``shardkit.nn.model_parallel`` is a thin face over this package; other faces, the planner and the
 strategies use these public names only.
@@ -47,6 +48,7 @@ Example::
     # OSS(model.parameters(), group=state.group("data")) (its clip_grad_norm counts each split parameter once)
 """
 
+from shardkit.tensor_parallel import step_check as _step_check
 from shardkit.tensor_parallel.checks import check_data_parallel_group, check_same_input
 from shardkit.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from shardkit.tensor_parallel.dtensor import tp_state_dict
@@ -97,6 +99,8 @@ from shardkit.tensor_parallel.state import (
     init_parallel_state,
     set_current_state,
 )
+
+_step_check.install()  # refuses a step that would split the replicated parameters apart (see step_check)
 
 __all__ = [
     "DIMS",

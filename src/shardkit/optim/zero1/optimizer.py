@@ -27,7 +27,7 @@ from shardkit.optim.zero1.state_dict import (
     pack_param_groups,
     shard_state,
 )
-from shardkit.tensor_parallel import check_data_parallel_group
+from shardkit.tensor_parallel import check_data_parallel_group, step_check
 from shardkit.utils._torch_private import (
     optimizer_load_state_dict_post_hooks,
     optimizer_state_dict_post_hooks,
@@ -213,7 +213,9 @@ class OSS(Optimizer):
             group.update(hyperparams(source))
             group["params"] = list(shard_group["params"])
             groups.append(group)
-        return self._optim_cls(groups, **self._optim_defaults)
+        local = self._optim_cls(groups, **self._optim_defaults)
+        step_check.exempt(local)  # OSS's own step is checked, over every parameter
+        return local
 
     def _repartition(self, force: bool = False) -> None:
         self._sync_param_groups()  # keep pending edits of either side: the new local optimizer starts from ours
