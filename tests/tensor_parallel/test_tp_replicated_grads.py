@@ -62,3 +62,47 @@ def test_a_tp_unaware_clip_is_refused_on_every_rank_and_the_aware_one_trains() -
         assert "shardkit.tensor_parallel.clip_grad_norm_" in error, error
         assert "norm" in result["shardkit"], (rank, result["shardkit"])
     assert torch.equal(results[0]["shardkit"]["norm"], results[1]["shardkit"]["norm"])
+
+
+class _SequenceParallelBlock(nn.Module):
+    """A norm on sequence-split activations before a sequence-parallel pair; ``summed`` applies the norm's weight
+    through ``copy_to_tp`` (as the layer's docstring asks), so its gradient is summed over the ranks."""
+
+    def __init__(self, summed: bool) -> None:
+        super().__init__()
+        tp.model_parallel_manual_seed(5, tp.current_state().tp_rank)
+        self.summed = summed
+        self.norm = nn.LayerNorm(8, elementwise_affine=True, bias=False)
+        self.up = tp.ColumnParallelLinear(8, 16, gather_output=False, sequence_parallel=True)
+        self.down = tp.RowParallelLinear(16, 8, input_is_parallel=True, sequence_parallel=True)
+
+    def forward(self, x_local: torch.Tensor) -> torch.Tensor:
+        weight = tp.copy_to_tp(self.norm.weight) if self.summed else self.norm.weight
+        h = torch.nn.functional.layer_norm(x_local, (8,), weight)
+        out: torch.Tensor = self.down(torch.relu(self.up(h)))
+        return out
+
+
+def _sequence_parallel(rank: int, world_size: int) -> dict[str, Any]:
+    state = tp.init_parallel_state(tensor=2)
+    x = torch.randn(2, 6, 8, generator=torch.Generator().manual_seed(2))
+    x_local = x.chunk(2, dim=1)[state.tp_rank]  # this rank's half of the sequence
+    out: dict[str, Any] = {}
+    for summed in (False, True):
+        block = _SequenceParallelBlock(summed)
+        optimizer = torch.optim.SGD(block.parameters(), lr=0.1)
+        block(x_local).square().sum().backward()
+        try:
+            optimizer.step()
+            out[summed] = block.norm.weight.detach().clone()
+        except RuntimeError as err:
+            out[summed] = str(err)
+    return out
+
+
+def test_a_sequence_parallel_norm_without_copy_to_tp_is_refused() -> None:
+    results = run_distributed(_sequence_parallel, 2)
+    for rank, result in enumerate(results):
+        assert isinstance(result[False], str) and "copy_to_tp(param)" in result[False], (rank, result[False])
+        assert isinstance(result[True], torch.Tensor), (rank, result[True])
+    assert torch.equal(results[0][True], results[1][True])

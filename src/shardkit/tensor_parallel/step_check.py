@@ -133,9 +133,11 @@ def _message(what: str, param: Any) -> str:
     shape = f" (shape {tuple(param.shape)})" if param is not None else ""
     return (
         f"optimizer.step() refused: {what}{shape}: replicated parameters have different gradients on the "
-        "tensor-parallel ranks, so this step would leave each rank a different model. The usual cause is a gradient "
-        "clip that counts each rank's own slices as whole tensors (torch.nn.utils.clip_grad_norm_ on a "
-        "tensor-parallel model): use shardkit.tensor_parallel.clip_grad_norm_(model, max_norm) (or FSDP's "
-        "clip_grad_norm_, or OSS.clip_grad_norm), which count each split parameter once. Any other rank-dependent "
-        f"change to the gradients has the same effect. {ENV}=0 switches this check off."
+        "tensor-parallel ranks, so this step would leave each rank a different model. Usual causes: a gradient clip "
+        "that counts each rank's own slices as whole tensors (torch.nn.utils.clip_grad_norm_ on a tensor-parallel "
+        "model): use shardkit.tensor_parallel.clip_grad_norm_(model, max_norm) (or FSDP's clip_grad_norm_, or "
+        "OSS.clip_grad_norm), which count each split parameter once; a replicated parameter applied to "
+        "sequence-split activations (sequence_parallel=True) without copy_to_tp(param), so each rank has only its "
+        "own tokens' gradient; dropout or other randomness seeded differently on the tensor-parallel ranks (seed "
+        f"with model_parallel_manual_seed). {ENV}=0 switches this check off."
     )
