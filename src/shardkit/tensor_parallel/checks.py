@@ -35,14 +35,19 @@ def _fingerprint(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.tensor(shape, dtype=torch.float64, device=x.device), torch.stack(stats)])
 
 
+def gather_rows(mine: torch.Tensor, group: dist.ProcessGroup, size: int, label: str) -> torch.Tensor:
+    """Every rank's 1-D ``mine`` (all the same length) as the rows of a ``(size, len)`` tensor, in group-rank order:
+    the exchange behind the checks that compare a few numbers across the tensor-parallel ranks (a collective)."""
+    rows = torch.empty(size * mine.numel(), dtype=mine.dtype, device=mine.device)
+    all_gather_into_tensor(rows, mine.contiguous(), group=group, label=label)
+    return rows.view(size, -1)
+
+
 def check_same_input(x: torch.Tensor, tp: TPGroup, who: str) -> None:
     """Raise on every rank of ``tp`` unless all hold the same ``x`` (compared by fingerprint; a collective)."""
     if tp.size == 1 or x.device.type == "meta":  # meta tensors (shardkit plan) hold no values to compare
         return
-    mine = _fingerprint(x)
-    rows = torch.empty(tp.size * mine.numel(), dtype=mine.dtype, device=mine.device)
-    all_gather_into_tensor(rows, mine, group=tp.group, label="tp.check_input")
-    rows = rows.view(tp.size, -1)
+    rows = gather_rows(_fingerprint(x), tp.group, tp.size, "tp.check_input")
     same = (rows == rows[0]) | (rows.isnan() & rows[0].isnan())
     differing = [r for r in range(1, tp.size) if not bool(same[r].all())]
     if differing:

@@ -42,11 +42,10 @@ def split_groups(params: Iterable[torch.Tensor]) -> list[Optional[dist.ProcessGr
     """
     owners: dict[int, dist.ProcessGroup] = {}
     for module in modules_with_splits():
-        for attr in split_attrs(module):
+        for attr, (_, tp) in split_attrs(module).items():  # read once per module: this runs at every step check
             param = getattr(module, attr, None)
-            group = split_group(module, attr) if isinstance(param, torch.Tensor) else None
-            if group is not None:
-                owners[id(param)] = group
+            if tp.size > 1 and isinstance(param, torch.Tensor):
+                owners[id(param)] = tp.group
     return [owners.get(id(p)) for p in params]
 
 

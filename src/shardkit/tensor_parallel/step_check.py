@@ -32,14 +32,15 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from shardkit.distributed.collectives import all_gather_into_tensor
 from shardkit.distributed.rehearsal import rehearsing
+from shardkit.tensor_parallel.checks import gather_rows
 from shardkit.tensor_parallel.grad_norm import split_groups
 from shardkit.tensor_parallel.sharding import modules_with_splits
 
 #: Relative difference of a gradient summary below which the ranks count as agreeing.
 RTOL = 1e-5
 ENV = "SHARDKIT_TP_STEP_CHECK"
+LABEL = "tp.check_step"
 _EXEMPT = "_shardkit_tp_step_check_exempt"
 _SUSPENDED: ContextVar[bool] = ContextVar("shardkit_tp_step_check_suspended", default=False)
 
@@ -85,20 +86,22 @@ def check_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None
     if len(tp_groups) != 1:  # no split parameter (not a tensor-parallel model), or several groups: not checked
         return
     tp_group = next(iter(tp_groups.values()))
-    replicated = [p for p, g in zip(params, groups) if g is None and p.grad is not None]
-    if not replicated or replicated[0].grad is None or replicated[0].grad.device.type == "meta":
+    size = dist.get_world_size(tp_group)
+    replicated = [p for p, g in zip(params, groups) if g is None]
+    grads = [p.grad for p in replicated if p.grad is not None]  # all of them: params were kept for their gradients
+    if not grads or grads[0].device.type == "meta":
         return
-    stats = torch.stack([_stats(p.grad) for p in replicated if p.grad is not None])  # (n, 2): sum |g|, sum g
+    stats = torch.stack([_stats(g) for g in grads])  # (n, 2): sum |g|, sum g
     weights = torch.arange(1, len(replicated) + 1, dtype=torch.float64, device=stats.device)
     summary = torch.stack(
         [stats.new_tensor(float(len(replicated))), stats[:, 0].sum(), weights @ stats[:, 0], weights @ stats[:, 1]]
     )
-    rows = _gather(summary, tp_group)
+    rows = gather_rows(summary, tp_group, size, LABEL)
     if _agree(rows):
         return
     if not bool((rows[:, 0] == rows[0, 0]).all()):
         raise RuntimeError(_message("a different number of replicated parameters with gradients", None))
-    per_param = _gather(stats.reshape(-1), tp_group).view(rows.shape[0], len(replicated), 2)
+    per_param = gather_rows(stats.reshape(-1), tp_group, size, LABEL).view(size, len(replicated), 2)
     index = next(i for i in range(len(replicated)) if not _agree(per_param[:, i]))
     position = next(
         (g, k)
@@ -116,13 +119,6 @@ def _is_dtensor(p: torch.Tensor) -> bool:
 def _stats(grad: torch.Tensor) -> torch.Tensor:
     g = grad.detach().to(torch.float64)
     return torch.stack([g.abs().sum(), g.sum()])
-
-
-def _gather(mine: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    size = dist.get_world_size(group)
-    rows = torch.empty(size * mine.numel(), dtype=mine.dtype, device=mine.device)
-    all_gather_into_tensor(rows, mine.contiguous(), group=group, label="tp.check_step")
-    return rows.view(size, -1)
 
 
 def _agree(rows: torch.Tensor) -> bool:

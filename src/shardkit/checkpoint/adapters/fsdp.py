@@ -79,14 +79,9 @@ def _replicas(unit: UnitLayout, world: int, tp_size: int) -> tuple[int, int]:
     return unit_replicas(unit.path or "<root>", unit.world_size, rank, count, world, tp_size)
 
 
-def clean_paths(model: nn.Module) -> dict[str, str]:
-    """Module path in the FSDP-wrapped ``model`` -> the unwrapped model's path (wrapper levels add no segment)."""
-    return {real: clean for clean, real, _ in walk_modules(model)}
-
-
 def _tp_splits(model: nn.Module) -> dict[str, Split]:
     """The tensor-parallel splits of the wrapped model's parameters, by the unwrapped model's names."""
-    return tp_splits(model, clean_paths(model))
+    return tp_splits(model, {real: clean for clean, real, _ in walk_modules(model)})
 
 
 def _span(piece: FlatPiece, splits: dict[str, Split]) -> Span:
@@ -176,4 +171,4 @@ class FSDPSource(UniversalSource):
         reshard(self.model)
 
 
-__all__ = ["FSDPAdapter", "FSDPSource", "clean_paths", "unit_replicas"]
+__all__ = ["FSDPAdapter", "FSDPSource", "unit_replicas"]

@@ -41,8 +41,10 @@ from shardkit.tensor_parallel import (
 class DistributedModule(nn.Module):
     """Base of ``smp.nn``'s distributed modules (what ``smp.tp_register`` takes): their parameters are reduced
     over the reduced-data-parallel group (see the module docstring). :attr:`tp_slices` names the parameters
-    (relative to the module) that hold a different slice on each tensor-parallel rank, with how each is split; the
-    others are equal there.
+    (relative to the module) that hold a different slice on each tensor-parallel rank, with how each is split, for
+    the modules that are not core layers themselves (a core layer, such as :class:`DistributedLinear`, names its own
+    in ``tp_specs``); the others are equal there. The core's record (:func:`~shardkit.tensor_parallel.tp_sharding`)
+    is what readers ask; this one lets a copy declare its slices again.
     """
 
     tp_slices: dict[str, ShardSpec] = {}  # noqa: RUF012 (read-only default; instances assign their own)
@@ -150,7 +152,6 @@ class DistributedLinear(TensorParallelModule, DistributedModule):
         self.prescaled_batch = smp_state.current().config.prescaled_batch
         self.local_in_features = split_size(who, "in_features", in_features, size)
         self.tp_specs = {"weight": ShardSpec(1)} if group is not None else {}
-        self.tp_slices = dict(self.tp_specs)
         if group is not None:
             self.tp = group
         full = nn.Linear(in_features, out_features, bias=bias)  # torch's initialisation, from this random state
